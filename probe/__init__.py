@@ -1,0 +1,34 @@
+"""probe: ask a live Python process questions in SQL, and run Python in it.
+
+``probe.start()`` runs the agent in this process; ``probe.register_table(...)`` adds a table to it;
+``probe.connect(target)`` and ``probe.attach(pid)`` give a client of an agent elsewhere. Names are
+imported on first use so that ``import probe`` inside a target costs next to nothing.
+"""
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError"]
+
+_LAZY = {
+    "start": ("probe.agent", "start"),
+    "stop": ("probe.agent", "stop"),
+    "register_table": ("probe.tables", "register_table"),
+    "Column": ("probe.tables", "Column"),
+    "connect": ("probe.client", "connect"),
+    "attach": ("probe.client", "attach"),
+    "ProbeError": ("probe.errors", "ProbeError"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    try:
+        module_name, attr = _LAZY[name]
+    except KeyError:
+        raise AttributeError("module 'probe' has no attribute %r" % name) from None
+    import importlib
+
+    value = getattr(importlib.import_module(module_name), attr)
+    globals()[name] = value
+    return value

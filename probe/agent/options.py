@@ -1,0 +1,94 @@
+"""How an agent is configured: explicit arguments first, then the environment, then defaults.
+
+The same options travel from ``probe PID inject --listen ... --no-eval`` into the target as JSON, from
+``PROBE_*`` variables through the start-up hook, and from ``probe.start(...)`` keyword arguments.
+Stdlib only; Python 3.9+.
+"""
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any, Dict, Mapping, Optional
+
+__all__ = ["AgentOptions", "parse_hostport"]
+
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+@dataclass(frozen=True)
+class AgentOptions:
+    """Everything an agent needs to know to start."""
+
+    listen: Optional[str] = None
+    """``host:port`` to serve on TCP as well (token required); None: unix socket only."""
+    token: Optional[str] = None
+    """The TCP token; None: take it from ``token_file`` or make one and write it to the token file."""
+    token_file: Optional[str] = None
+    """Where to read (if it exists) or write the TCP token; default: beside the unix socket."""
+    eval_enabled: bool = True
+    """False makes the agent read-only: eval requests are refused."""
+    show_secrets: bool = False
+    """True shows the values of secret-looking environment variables in ``process.env``."""
+    query_timeout: float = 10.0
+    """Seconds a query may run before it is interrupted."""
+    eval_timeout: float = 30.0
+    """Seconds an eval may run before the request gives up (the snippet is interrupted)."""
+    max_rows: int = 100_000
+    """Rows a query returns at most; more are cut off and the result is flagged truncated."""
+    memory_limit: str = "512MB"
+    """DuckDB's memory limit inside the target."""
+
+    @classmethod
+    def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "AgentOptions":
+        """Options from ``PROBE_*`` variables, with explicit ``overrides`` (not None) taking precedence."""
+        env = os.environ if environ is None else environ
+        values: Dict[str, Any] = {}
+        listen = env.get("PROBE_LISTEN") or None
+        port = env.get("PROBE_PORT")
+        if port:
+            # Under torchrun every rank of a host shares PROBE_PORT; each serves on PROBE_PORT + LOCAL_RANK.
+            host = parse_hostport(listen)[0] if listen else "0.0.0.0"
+            local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+            listen = "%s:%d" % (host, int(port) + local_rank)
+        if listen:
+            values["listen"] = listen
+        if env.get("PROBE_TOKEN"):
+            values["token"] = env["PROBE_TOKEN"]
+        if env.get("PROBE_TOKEN_FILE"):
+            values["token_file"] = env["PROBE_TOKEN_FILE"]
+        if "PROBE_EVAL" in env:
+            values["eval_enabled"] = env["PROBE_EVAL"].strip().lower() not in _FALSE
+        if "PROBE_SHOW_SECRETS" in env:
+            values["show_secrets"] = env["PROBE_SHOW_SECRETS"].strip().lower() not in _FALSE
+        if env.get("PROBE_QUERY_TIMEOUT"):
+            values["query_timeout"] = float(env["PROBE_QUERY_TIMEOUT"])
+        if env.get("PROBE_EVAL_TIMEOUT"):
+            values["eval_timeout"] = float(env["PROBE_EVAL_TIMEOUT"])
+        if env.get("PROBE_MAX_ROWS"):
+            values["max_rows"] = int(env["PROBE_MAX_ROWS"])
+        if env.get("PROBE_MEMORY_LIMIT"):
+            values["memory_limit"] = env["PROBE_MEMORY_LIMIT"]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    def with_overrides(self, **overrides: Any) -> "AgentOptions":
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "AgentOptions":
+        """Options sent by the injector; unknown keys are ignored so an older agent accepts newer CLIs."""
+        raw = json.loads(text) if text else {}
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def parse_hostport(text: str) -> "tuple[str, int]":
+    """``"0.0.0.0:9700"`` -> ("0.0.0.0", 9700); ``"[::1]:9700"`` -> ("::1", 9700); ``":9700"`` -> ("0.0.0.0", 9700)."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError("expected HOST:PORT, got %r" % text)
+    host = host.strip("[]") or "0.0.0.0"
+    return host, int(port)

@@ -1,0 +1,37 @@
+"""The ``probe`` command. ``main()`` is the console script; it turns probe errors into one-line messages."""
+
+import sys
+from typing import List, Optional
+
+__all__ = ["main"]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import click
+
+    from probe.cli.app import cli, normalise_argv
+    from probe.cli.context import CliContext
+    from probe.errors import ProbeError
+
+    args = normalise_argv(list(sys.argv[1:] if argv is None else argv))
+    try:
+        with cli.make_context("probe", args) as ctx:
+            cli.invoke(ctx)
+        code = ctx.obj.exit_code if isinstance(ctx.obj, CliContext) else 0
+    except ProbeError as exc:
+        message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+        click.echo("probe: error: " + message, err=True)
+        code = exc.exit_code
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("probe: aborted", err=True)
+        code = 130
+    except BrokenPipeError:
+        code = 0
+    if argv is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,27 @@
+"""The client library: everything the CLI does, a script or notebook can do.
+
+    c = probe.connect("node7:9700", token_file="tok")
+    c.query("SELECT * FROM process.info")      # a pyarrow.Table
+    c.eval("print(model)").stdout
+"""
+
+from typing import Any, Optional
+
+from probe.client.client import Client, connect
+from probe.client.results import ColumnInfo, EvalResult, Frame, Rows, TableInfo
+from probe.client.targets import Target, parse_target
+
+__all__ = ["Client", "connect", "attach", "Target", "parse_target", "Rows", "EvalResult", "Frame", "TableInfo",
+           "ColumnInfo"]
+
+
+def attach(pid: int, timeout: float = 5.0, **options: Any) -> Client:
+    """Start an agent in process ``pid`` (injecting it when none runs) and return a client of it.
+
+    ``options`` are agent options (``listen``, ``eval_enabled``, ...). Needs gdb and ptrace permission.
+    """
+    from probe.agent.options import AgentOptions
+    from probe.injector import inject
+
+    inject(int(pid), AgentOptions(**options) if options else None, timeout=timeout)
+    return connect(str(pid))

@@ -1,0 +1,82 @@
+"""What the client returns: plain frozen dataclasses, rendered by the CLI and used by scripts."""
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Rows", "EvalResult", "Frame", "ColumnInfo", "TableInfo"]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A query result as columns and row-major values; ``truncated`` when the row cap cut it."""
+
+    columns: Tuple[Tuple[str, str], ...]  # (name, type)
+    rows: List[List[Any]]
+    truncated: bool = False
+
+    @property
+    def column_names(self) -> List[str]:
+        return [name for name, _ in self.columns]
+
+    def as_dicts(self) -> List[Dict[str, Any]]:
+        names = self.column_names
+        return [dict(zip(names, row)) for row in self.rows]
+
+    def with_column(self, name: str, value: Any) -> "Rows":
+        """The same rows with a constant first column (the ``target`` column of multi-target runs)."""
+        return Rows(((name, "string"),) + self.columns, [[value] + list(r) for r in self.rows], self.truncated)
+
+    @staticmethod
+    def concat(parts: Sequence["Rows"]) -> "Rows":
+        if not parts:
+            return Rows((), [])
+        rows: List[List[Any]] = []
+        for part in parts:
+            rows.extend(part.rows)
+        return Rows(parts[0].columns, rows, any(p.truncated for p in parts))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    stdout: str
+    stderr: str
+    value: Optional[str]
+    error: Optional[str]
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out
+
+
+@dataclass(frozen=True)
+class Frame:
+    thread_id: int
+    thread_name: Optional[str]
+    native_id: Optional[int]
+    is_main: bool
+    depth: int
+    func: str
+    file: str
+    lineno: int
+    code: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class ColumnInfo:
+    name: str
+    type: str
+    description: str
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    name: str
+    description: str
+    columns: Tuple[ColumnInfo, ...]
+    example: Optional[str] = None
+
+    @classmethod
+    def from_json(cls, raw: Dict[str, Any]) -> "TableInfo":
+        columns = tuple(ColumnInfo(c["name"], c["type"], c.get("description", "")) for c in raw.get("columns", []))
+        return cls(raw["name"], raw.get("description", ""), columns, raw.get("example"))

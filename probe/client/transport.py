@@ -1,0 +1,131 @@
+"""One HTTP/1.1 request over a unix socket or TCP, on a plain socket.
+
+The CLI's start-up time is part of every command's latency, and ``http.client`` alone costs ~20 ms of
+imports; the agent speaks a small, strict subset of HTTP (one request per connection,
+``Content-Length`` bodies), so a small client suffices. Socket errors become :class:`ConnectError` or
+:class:`Timeout` that name the target and what was waited for.
+"""
+
+import socket
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple, Union
+
+from probe.errors import ConnectError, Timeout
+
+__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "request"]
+
+MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class UnixAddress:
+    path: str
+
+    def __str__(self) -> str:
+        return "unix:%s" % self.path
+
+
+@dataclass(frozen=True)
+class TcpAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return "%s:%d" % (self.host, self.port)
+
+
+Address = Union[UnixAddress, TcpAddress]
+
+
+@dataclass(frozen=True)
+class HttpResponse:
+    status: int
+    headers: Dict[str, str]
+    body: bytes
+
+
+def _connect(address: Address, timeout: float) -> socket.socket:
+    if isinstance(address, UnixAddress):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout)
+        try:
+            sock.connect(address.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+    sock = socket.create_connection((address.host, address.port), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def request(address: Address, method: str, path: str, body: Optional[bytes] = None,
+            headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> HttpResponse:
+    """Send one request and read the whole response; ``timeout`` bounds every socket operation."""
+    host = address.host if isinstance(address, TcpAddress) else "localhost"
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
+             "Content-Length: %d" % len(body or b"")]
+    if body:
+        lines.append("Content-Type: application/json")
+    lines.extend("%s: %s" % item for item in (headers or {}).items())
+    payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+    try:
+        sock = _connect(address, timeout)
+    except FileNotFoundError:
+        raise ConnectError("no agent at %s (no such socket)" % address) from None
+    except ConnectionRefusedError:
+        raise ConnectError("no agent at %s (connection refused)" % address) from None
+    except socket.timeout:
+        raise Timeout("connecting to %s timed out after %.1f s" % (address, timeout)) from None
+    except OSError as exc:
+        raise ConnectError("cannot connect to %s: %s" % (address, exc.strerror or exc)) from None
+    try:
+        sock.sendall(payload)
+        return _read_response(sock, address, timeout)
+    except socket.timeout:
+        raise Timeout("no answer from %s within %.1f s" % (address, timeout),
+                      hint="the agent may be busy; retry with a larger --timeout") from None
+    except OSError as exc:
+        raise ConnectError("connection to %s failed: %s" % (address, exc.strerror or exc)) from None
+    finally:
+        sock.close()
+
+
+def _read_response(sock: socket.socket, address: Address, timeout: float) -> HttpResponse:
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectError("%s closed the connection without an answer" % address)
+        buf += chunk
+        if len(buf) > 65536 and b"\r\n\r\n" not in buf:
+            raise ConnectError("%s sent an oversized response header" % address)
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    status, headers = _parse_head(head, address)
+    length = int(headers.get("content-length", "-1"))
+    if length > MAX_RESPONSE_BYTES:
+        raise ConnectError("%s sent a response of %d bytes, more than the client accepts" % (address, length))
+    chunks = [rest]
+    got = len(rest)
+    while length < 0 or got < length:
+        chunk = sock.recv(1 << 20)
+        if not chunk:
+            if length < 0:
+                break
+            raise ConnectError("%s closed the connection in the middle of the answer" % address)
+        chunks.append(chunk)
+        got += len(chunk)
+    body = b"".join(chunks)
+    return HttpResponse(status, headers, body if length < 0 else body[:length])
+
+
+def _parse_head(head: bytes, address: Address) -> Tuple[int, Dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise ConnectError("%s does not speak HTTP (got %r)" % (address, lines[0][:60]))
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return int(parts[1]), headers

@@ -1,0 +1,188 @@
+"""DuckDB, locked down before any user SQL runs, over tables produced only when a query names them.
+
+- one in-memory connection, created on first use and reused (opening one costs ~20 ms); a cursor per
+  request, because one connection refuses concurrent calls;
+- no file system, no extensions, no replacement scans, configuration locked, few threads, a memory
+  limit; only a single SELECT (or EXPLAIN) statement is accepted;
+- every table is a view ``ns.table`` over a per-cursor registration of that query's Arrow data;
+- a time limit enforced with ``interrupt()``, and a row cap reported as ``truncated``.
+"""
+
+import re
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Set
+
+from probe.engine.result import QueryResult
+from probe.errors import SQLError, Timeout
+
+__all__ = ["Engine", "TableSource", "referenced_tables"]
+
+#: name -> Arrow table, or None when no such table exists.
+TableSource = Callable[[str], Optional[Any]]
+
+_ALLOWED = {"SELECT", "EXPLAIN"}
+_REFUSED = {
+    "COPY": "COPY is not allowed: the engine has no file system access and is read-only",
+    "EXPORT": "EXPORT is not allowed: the engine has no file system access",
+    "SET": "SET is not allowed: the engine's configuration is locked",
+    "VARIABLE_SET": "SET is not allowed: the engine's configuration is locked",
+    "ATTACH": "ATTACH is not allowed: the engine has no file system access",
+    "DETACH": "DETACH is not allowed: the engine has no file system access",
+    "LOAD": "INSTALL and LOAD are not allowed: extensions are disabled",
+    "EXTENSION": "INSTALL and LOAD are not allowed: extensions are disabled",
+    "PRAGMA": "PRAGMA is not allowed: the engine's configuration is locked",
+}
+
+
+def _hidden_name(table: str) -> str:
+    return "__probe_" + table.replace(".", "__")
+
+
+_QUALIFIED = re.compile(r'"?([A-Za-z_][A-Za-z0-9_]*)"?\s*\.\s*"?([A-Za-z_][A-Za-z0-9_]*)"?')
+
+
+def referenced_tables(sql: str) -> Set[str]:
+    """Qualified names of the tables that ``sql`` may read, aliases stripped, lower-cased.
+
+    DuckDB's parser answers this; where it cannot without binding (it binds ``JOIN ... USING`` and
+    then fails, since our views do not exist in its default connection), every ``ns.name`` in the text
+    is a candidate: producing a table the query did not need costs time, never correctness.
+    """
+    import duckdb
+
+    try:
+        names = duckdb.get_table_names(sql, qualified=True)
+    except duckdb.ParserException as exc:
+        raise SQLError(_clean(exc)) from None
+    except duckdb.Error:
+        return {"%s.%s" % (a.lower(), b.lower()) for a, b in _QUALIFIED.findall(sql)}
+    out = set()
+    for name in names:
+        bare = name.split(" AS ")[0].replace('"', "").strip().lower()
+        out.add(bare)
+    return out
+
+
+class Engine:
+    """One locked-down DuckDB database. Thread-safe: each :meth:`query` uses its own cursor."""
+
+    def __init__(self, source: TableSource, max_rows: int = 100_000, timeout: float = 10.0,
+                 memory_limit: str = "512MB", threads: int = 1) -> None:
+        import duckdb
+
+        self._duckdb = duckdb
+        self._source = source
+        self.max_rows = max_rows
+        self.timeout = timeout
+        self._views: Set[str] = set()
+        self._lock = threading.Lock()
+        self._con = duckdb.connect(":memory:", config={
+            "enable_external_access": False,
+            "autoinstall_known_extensions": False,
+            "autoload_known_extensions": False,
+            "allow_community_extensions": False,
+            "python_enable_replacements": False,
+            "threads": threads,
+            "memory_limit": memory_limit,
+        })
+        self._con.execute("SET lock_configuration = true")
+        self._con.fetchall()
+
+    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> QueryResult:
+        started = time.perf_counter()
+        cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
+        limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
+        self._check_statement(sql)
+        tables = self._produce(referenced_tables(sql))
+        cursor = self._con.cursor()
+        timer = threading.Timer(limit, cursor.interrupt)
+        timer.daemon = True
+        try:
+            for name, data in tables.items():
+                cursor.register(_hidden_name(name), data)
+            timer.start()
+            table, truncated = self._run(cursor, sql, cap)
+        except self._duckdb.InterruptException:
+            raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
+                          hint="narrow the query, or raise the limit with PROBE_QUERY_TIMEOUT") from None
+        except self._duckdb.Error as exc:
+            raise SQLError(_clean(exc)) from None
+        finally:
+            timer.cancel()
+            try:
+                cursor.close()
+            except Exception:
+                pass
+        return QueryResult(table, truncated, (time.perf_counter() - started) * 1000.0)
+
+    def close(self) -> None:
+        """Release the database (at agent stop, so nothing is left for interpreter shutdown)."""
+        try:
+            self._con.close()
+        except Exception:
+            pass
+
+    def _check_statement(self, sql: str) -> None:
+        try:
+            statements = self._con.cursor().extract_statements(sql)
+        except self._duckdb.Error as exc:
+            raise SQLError(_clean(exc)) from None
+        if not statements:
+            raise SQLError("empty query: give one SELECT statement")
+        if len(statements) > 1:
+            raise SQLError("one statement per query, got %d" % len(statements))
+        kind = str(statements[0].type).rsplit(".", 1)[-1]
+        if kind not in _ALLOWED:
+            raise SQLError(_REFUSED.get(kind, "%s statements are not allowed: only SELECT queries run here" % kind))
+
+    def _produce(self, names: Set[str]) -> Dict[str, Any]:
+        """Produce the tables the query names (and only those); create their views on first sight."""
+        out: Dict[str, Any] = {}
+        for name in sorted(names):
+            if "." not in name:
+                continue  # a CTE or an unqualified name: DuckDB resolves (or rejects) it itself
+            data = self._source(name)
+            if data is None:
+                continue  # unknown: DuckDB's own "does not exist" error names it
+            self._ensure_view(name, data)
+            out[name] = data
+        return out
+
+    def _ensure_view(self, name: str, data: Any) -> None:
+        if name in self._views:
+            return
+        with self._lock:
+            if name in self._views:
+                return
+            schema, table = name.split(".", 1)
+            hidden = _hidden_name(name)
+            # The view binds at creation, so an empty placeholder of the same schema stands in; each
+            # query's cursor registers the real data under the same name.
+            self._con.register(hidden, data.slice(0, 0))
+            self._con.execute('CREATE SCHEMA IF NOT EXISTS "%s"' % schema)
+            self._con.execute('CREATE OR REPLACE VIEW "%s"."%s" AS SELECT * FROM %s' % (schema, table, hidden))
+            self._con.fetchall()
+            self._views.add(name)
+
+    def _run(self, cursor: Any, sql: str, cap: int) -> "tuple[Any, bool]":
+        import pyarrow as pa
+
+        reader = cursor.sql(sql).to_arrow_reader(min(max(cap, 1), 65536) + 1)
+        batches: List[Any] = []
+        count = 0
+        truncated = False
+        for batch in reader:
+            if count + batch.num_rows > cap:
+                batches.append(batch.slice(0, cap - count))
+                truncated = True
+                count = cap
+                break
+            batches.append(batch)
+            count += batch.num_rows
+        return pa.Table.from_batches(batches, schema=reader.schema), truncated
+
+
+def _clean(exc: BaseException) -> str:
+    """DuckDB's message, without the Python class name it sometimes carries."""
+    return str(exc).strip()

@@ -1,0 +1,110 @@
+"""One rooted hierarchy for every error probe reports.
+
+Errors from sockets, DuckDB, gdb and HTTP are translated into these where they enter probe. Each class
+has a stable wire ``code`` (sent in the JSON error envelope), an HTTP ``status`` and a CLI ``exit_code``;
+an instance may carry a ``hint`` that tells the user what to do next. Code decides on the class or the
+code, never on message text. Stdlib only: the agent imports this inside the target.
+"""
+
+from typing import Dict, Optional, Type
+
+__all__ = [
+    "ProbeError", "BadRequest", "SQLError", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
+    "Timeout", "TooLarge", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
+    "error_from_code",
+]
+
+
+class ProbeError(Exception):
+    """Base of every probe error."""
+
+    code = "internal"
+    status = 500
+    exit_code = 1
+
+    def __init__(self, message: str, hint: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return "%s (%s)" % (self.message, self.hint)
+        return self.message
+
+    def to_envelope(self) -> Dict[str, object]:
+        """The JSON error body sent over the wire."""
+        body: Dict[str, object] = {"code": self.code, "message": self.message}
+        if self.hint:
+            body["hint"] = self.hint
+        return {"error": body}
+
+
+class BadRequest(ProbeError):
+    code, status, exit_code = "bad_request", 400, 2
+
+
+class SQLError(ProbeError):
+    code, status, exit_code = "sql_error", 400, 1
+
+
+class EvalError(ProbeError):
+    code, status, exit_code = "eval_error", 400, 1
+
+
+class Unauthorized(ProbeError):
+    code, status, exit_code = "unauthorized", 401, 4
+
+
+class Forbidden(ProbeError):
+    code, status, exit_code = "forbidden", 403, 4
+
+
+class EvalDisabled(Forbidden):
+    """eval was switched off in this agent (``--no-eval`` / ``PROBE_EVAL=0``)."""
+
+
+class NotFound(ProbeError):
+    code, status, exit_code = "not_found", 404, 1
+
+
+class Timeout(ProbeError):
+    code, status, exit_code = "timeout", 504, 5
+
+
+class TooLarge(ProbeError):
+    code, status, exit_code = "too_large", 413, 2
+
+
+class InternalError(ProbeError):
+    code, status, exit_code = "internal", 500, 1
+
+
+class ConnectError(ProbeError):
+    """No agent answers at the target (client side only)."""
+
+    code, status, exit_code = "connect_error", 503, 3
+
+
+class UsageError(ProbeError):
+    """The command line or API call itself is wrong (client side only)."""
+
+    code, status, exit_code = "usage", 400, 2
+
+
+class InjectError(ProbeError):
+    """The injector could not start an agent in the target (client side only)."""
+
+    code, status, exit_code = "inject_error", 500, 6
+
+
+_BY_CODE: Dict[str, Type[ProbeError]] = {
+    cls.code: cls
+    for cls in (BadRequest, SQLError, EvalError, Unauthorized, Forbidden, NotFound, Timeout, TooLarge,
+                InternalError)
+}
+
+
+def error_from_code(code: str, message: str, hint: Optional[str] = None) -> ProbeError:
+    """Rebuild the typed error that an agent sent as ``{"code": ..., "message": ...}``."""
+    return _BY_CODE.get(code, InternalError)(message, hint)

@@ -1,0 +1,48 @@
+"""Rows with declared column types -> a ``pyarrow.Table`` whose schema is exactly the declared one.
+
+Building the table with explicit types is also the check that a table's rows match its spec: a value of
+the wrong type raises here. pyarrow is imported inside the functions: only a query needs it.
+"""
+
+from typing import Any, Sequence, Tuple
+
+__all__ = ["arrow_type", "to_arrow", "schema_of"]
+
+
+def arrow_type(sql_type: str) -> Any:
+    import pyarrow as pa
+
+    mapping = {
+        "BOOLEAN": pa.bool_(),
+        "INTEGER": pa.int32(),
+        "BIGINT": pa.int64(),
+        "DOUBLE": pa.float64(),
+        "VARCHAR": pa.string(),
+        "TIMESTAMP": pa.timestamp("us"),
+        "VARCHAR[]": pa.list_(pa.string()),
+    }
+    return mapping[sql_type]
+
+
+def schema_of(columns: Sequence[Tuple[str, str]]) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([(name, arrow_type(sql_type)) for name, sql_type in columns])
+
+
+def to_arrow(columns: Sequence[Tuple[str, str]], rows: Sequence[Sequence[Any]]) -> Any:
+    """``columns``: (name, SQL type) pairs; ``rows``: tuples in column order."""
+    import pyarrow as pa
+
+    schema = schema_of(columns)
+    if rows:
+        data = list(zip(*rows))
+    else:
+        data = [() for _ in columns]
+    arrays = []
+    for (name, _), field, values in zip(columns, schema, data):
+        try:
+            arrays.append(pa.array(values, type=field.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            raise ValueError("column %r (%s): %s" % (name, field.type, exc)) from None
+    return pa.Table.from_arrays(arrays, schema=schema)
