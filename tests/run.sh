@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs what the tests need (gdb for the injector, the package with its test extra) and runs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v gdb >/dev/null 2>&1; then
+  echo "tests/run.sh: installing gdb (needed by probe PID inject)" >&2
+  if [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && apt-get install -y -qq gdb >/dev/null) || echo "tests/run.sh: could not install gdb; injection tests will skip" >&2
+  elif command -v sudo >/dev/null 2>&1; then
+    (sudo apt-get update -qq && sudo apt-get install -y -qq gdb >/dev/null) || echo "tests/run.sh: could not install gdb; injection tests will skip" >&2
+  else
+    echo "tests/run.sh: not root and no sudo: injection tests will skip" >&2
+  fi
+fi
+
+python -m pip install -q -e '.[test]'
+exec python -m pytest -q "$@"

@@ -1,0 +1,65 @@
+"""The client library, as a script or notebook uses it."""
+
+import os
+import sys
+
+import pytest
+
+import probe
+from procs import REPO, spawn, target_env
+
+
+def test_connect_query_eval_backtrace_tables(idle_target):
+    pa = pytest.importorskip("pyarrow")
+    client = probe.connect(str(idle_target.pid))
+    table = client.query("SELECT thread_name, depth, func FROM python.backtrace ORDER BY thread_name, depth")
+    assert isinstance(table, pa.Table) and table.num_rows > 0
+    assert "loader-0" in table.column("thread_name").to_pylist()
+
+    result = client.eval("print('hi'); counter['n'] >= 0")
+    assert (result.stdout, result.value, result.error, result.ok) == ("hi\n", "True", None, True)
+    failed = client.eval("raise RuntimeError('boom')")
+    assert not failed.ok and "RuntimeError: boom" in (failed.error or "")
+
+    frames = client.backtrace()
+    assert any(f.thread_name == "loader-0" and f.func == "data_loader_wait" for f in frames)
+    assert {t.name for t in client.tables()} >= {"python.backtrace", "process.info"}
+    assert client.health()["pid"] == idle_target.pid
+
+
+def test_truncated_result_is_flagged(idle_target):
+    client = probe.connect(str(idle_target.pid))
+    rows = client.query_rows("SELECT * FROM range(1000)", max_rows=10)
+    assert len(rows.rows) == 10 and rows.truncated
+    table = client.query("SELECT * FROM range(1000)", max_rows=10)
+    assert table.num_rows == 10 and table.schema.metadata[b"probe.truncated"] == b"true"
+    whole = client.query_rows("SELECT * FROM range(5)")
+    assert len(whole.rows) == 5 and not whole.truncated
+
+
+def _other_python() -> str:
+    """A CPython 3.9+ that is not this one and has no DuckDB or pyarrow: a 'different environment'."""
+    for version in ("3.12.1", "3.10.13", "3.13.0", "3.9.18"):
+        path = "/root/.pyenv/versions/%s/bin/python" % version
+        if os.path.exists(path):
+            return path
+    return ""
+
+
+def test_sql_runs_in_the_client_when_the_target_cannot(target_factory):
+    python = _other_python()
+    if not python:
+        pytest.skip("no second CPython 3.9+ under /root/.pyenv/versions to act as a different environment")
+    import subprocess
+
+    check = subprocess.run([python, "-c", "import duckdb"], capture_output=True)
+    if check.returncode == 0:
+        pytest.skip("%s can import duckdb; it is no different environment" % python)
+    proc = target_factory("explicit_start.py", python=python, env=target_env(probe=False, PYTHONPATH=REPO))
+    client = probe.connect(str(proc.pid))
+    assert client.health()["capabilities"]["sql"] is False
+    rows = client.query_rows("SELECT thread_name, func FROM python.backtrace WHERE thread_name = 'worker-1' "
+                             "AND func LIKE '%waiting_worker' ")
+    assert rows.rows == [["worker-1", "waiting_worker"]]
+    info = client.query("SELECT pid, start_time FROM process.info")
+    assert info.column("pid").to_pylist() == [proc.pid]
