@@ -38,7 +38,7 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
             continue
         path = os.path.join(directory, name)
         if not os.path.exists("/proc/%d" % pid):
-            found.append(LocalAgent(pid, path, None, "stale socket: the process is gone"))
+            _remove_stale(pid, path)  # its process died without running its exit hooks (SIGTERM, SIGKILL)
             continue
         client = Client(parse_target("unix:" + path), timeout=timeout)
         try:
@@ -46,3 +46,11 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
         except ProbeError as exc:
             found.append(LocalAgent(pid, path, None, exc.message))
     return found
+
+
+def _remove_stale(pid: int, path: str) -> None:
+    for stale in (path, _paths.token_path(pid)):
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
