@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from procs import TARGETS, run_cli, spawn, target_env
+from procs import TARGETS, run_cli, target_env
 
 IDLE = os.path.join(TARGETS, "idle.py")
 

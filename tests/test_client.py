@@ -1,12 +1,11 @@
 """The client library, as a script or notebook uses it."""
 
 import os
-import sys
 
 import pytest
 
 import probe
-from procs import REPO, spawn, target_env
+from procs import REPO, target_env
 
 
 def test_connect_query_eval_backtrace_tables(idle_target):

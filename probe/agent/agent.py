@@ -57,8 +57,7 @@ class Agent:
                 self._token = self._load_or_make_token().encode("utf-8")
                 host, port = parse_hostport(self.options.listen)
                 tcp = Listener.tcp(host, port, dispatcher)
-                bound = tcp.address
-                self.tcp_address = "%s:%d" % (host, bound[1])
+                self.tcp_address = "%s:%d" % (host, tcp.port)
                 self._listeners.append(tcp)
         except BaseException:
             self.stop()

@@ -105,8 +105,10 @@ def _router(stream_name: str) -> _ThreadRouter:
 def _compile(code: str) -> "tuple[Any, Any]":
     """(body, final expression or None): a trailing expression is evaluated for its value, as in a REPL."""
     tree = ast.parse(code, "<probe-eval>", "exec")
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    final = tree.body[-1] if tree.body else None
+    if isinstance(final, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(final.value)
         return compile(tree, "<probe-eval>", "exec"), compile(last, "<probe-eval>", "eval")
     return compile(tree, "<probe-eval>", "exec"), None
 

@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 from probe.errors import BadRequest, Forbidden, ProbeError, TooLarge
 
@@ -116,6 +116,11 @@ class Listener:
     @property
     def address(self) -> object:
         return self._sock.getsockname()
+
+    @property
+    def port(self) -> int:
+        """The TCP port actually bound (useful when asked for port 0)."""
+        return int(self._sock.getsockname()[1])
 
     def start(self) -> None:
         self._thread.start()

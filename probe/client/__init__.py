@@ -5,7 +5,7 @@
     c.eval("print(model)").stdout
 """
 
-from typing import Any, Optional
+from typing import Any
 
 from probe.client.client import Client, connect
 from probe.client.results import ColumnInfo, EvalResult, Frame, Rows, TableInfo

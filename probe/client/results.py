@@ -1,6 +1,6 @@
 """What the client returns: plain frozen dataclasses, rendered by the CLI and used by scripts."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Rows", "EvalResult", "Frame", "ColumnInfo", "TableInfo"]

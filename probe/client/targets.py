@@ -34,8 +34,7 @@ def parse_target(text: str) -> Target:
         path = text[len("unix:"):]
         if not path:
             raise UsageError("unix: target needs a path", hint="e.g. unix:/tmp/probe-1000/4242.sock")
-        pid = _paths.pid_from_socket_name(os.path.basename(path))
-        return Target(text, UnixAddress(path), pid)
+        return Target(text, UnixAddress(path), _paths.pid_from_socket_name(os.path.basename(path)))
     host, sep, port = text.rpartition(":")
     if sep and port.isdigit() and host:
         return Target(text, TcpAddress(host.strip("[]"), int(port)))

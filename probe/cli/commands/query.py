@@ -1,6 +1,6 @@
 """``probe TARGET query SQL``: run SQL against the target's tables."""
 
-from typing import Optional
+from typing import List, Optional
 
 import click
 
@@ -25,11 +25,11 @@ def query(cli: CliContext, sql: str, fmt: str, output: Optional[str], max_rows: 
     file_fmt = file_format(output) if output else None
     several = len(cli.targets) > 1
     if file_fmt in ("parquet", "arrow"):
-        parts = list(each_target(cli, lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout)))
-        if parts:
-            write_arrow(output or "", parts, file_fmt, several)
+        tables = list(each_target(cli, lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout)))
+        if tables:
+            write_arrow(output or "", tables, file_fmt, several)
         return
-    parts = []
+    parts: List[Rows] = []
     for client, rows in each_target(cli, lambda c: c.query_rows(sql, max_rows=max_rows, timeout=query_timeout)):
         parts.append(rows.with_column("target", client.target.label) if several else rows)
     if not parts:
