@@ -8,7 +8,6 @@ stdlib only, Python 3.9+.
 
 import os
 import stat
-import tempfile
 from typing import Optional
 
 __all__ = ["runtime_dir", "ensure_runtime_dir", "socket_path", "token_path", "pid_from_socket_name"]
@@ -22,7 +21,7 @@ def runtime_dir() -> str:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "probe")
-    return os.path.join(tempfile.gettempdir(), "probe-%d" % os.getuid())
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", "probe-%d" % os.getuid())
 
 
 def ensure_runtime_dir() -> str:
