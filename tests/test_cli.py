@@ -171,3 +171,11 @@ def test_errors_say_what_to_do(target_factory):
 
     refused = run_cli("--timeout", "2", "127.0.0.1:1", "health")
     assert refused.code == 3 and "127.0.0.1:1" in refused.err
+
+
+def test_backtrace_json_equals_the_table_rows(idle_target):
+    pid = str(idle_target.pid)
+    from_backtrace = [r for r in json.loads(run_cli(pid, "backtrace", "--json").out) if r["thread_name"] == "loader-0"]
+    from_sql = json.loads(run_cli(pid, "query", "SELECT * FROM python.backtrace WHERE thread_name = 'loader-0' "
+                                  "ORDER BY depth", "-f", "json").out)
+    assert from_backtrace == from_sql and len(from_sql) >= 4

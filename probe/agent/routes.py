@@ -70,6 +70,19 @@ def rows(agent: "Agent", request: Request) -> Response:
     return Response.json({"table": name, "columns": columns, "rows": data, "truncated": False})
 
 
+def backtrace(agent: "Agent", request: Request) -> Response:
+    """Every thread's stack in a compact form: distinct frames once, threads as lists of indices.
+
+    The rows of python.backtrace repeat each shared frame per thread; for hundreds of threads that
+    multiplies the JSON the agent encodes (holding the GIL) and the client decodes.
+    """
+    from probe.tables.python_backtrace import snapshot
+
+    with fast_switching():
+        stacks, frames = snapshot()
+    return Response.json({"threads": stacks, "frames": frames})
+
+
 def query(agent: "Agent", request: Request) -> Response:
     body = request.json()
     sql = body.get("sql")
@@ -125,6 +138,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("GET", "/v1/health"): health,
     ("GET", "/v1/tables"): tables,
     ("POST", "/v1/rows"): rows,
+    ("GET", "/v1/backtrace"): backtrace,
     ("POST", "/v1/query"): query,
     ("POST", "/v1/eval"): evaluate,
 }

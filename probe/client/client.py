@@ -101,10 +101,15 @@ class Client:
         return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], False)
 
     def backtrace(self) -> List[Frame]:
-        """Every thread's stack, innermost frame first within each thread."""
-        rows = self.table_rows("python.backtrace").as_dicts()
-        return [Frame(r["thread_id"], r["thread_name"], r["native_id"], bool(r["is_main"]), r["depth"], r["func"],
-                      r["file"], r["lineno"], r.get("code")) for r in rows]
+        """Every thread's stack, innermost frame first within each thread (the rows of python.backtrace)."""
+        raw = self._json("GET", "/v1/backtrace")
+        frames = raw["frames"]
+        out = []
+        for thread_id, name, native_id, is_main, chain in raw["threads"]:
+            for depth, position in enumerate(chain):
+                func, file, lineno, code = frames[position]
+                out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
+        return out
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Rows:
         """Run SQL; the result as plain rows (no pyarrow needed when the agent runs the query)."""

@@ -61,6 +61,12 @@ class Frame:
     lineno: int
     code: Optional[str] = None
 
+    def as_row(self) -> Dict[str, Any]:
+        """The frame as a row of python.backtrace."""
+        return {"thread_id": self.thread_id, "thread_name": self.thread_name, "native_id": self.native_id,
+                "is_main": self.is_main, "depth": self.depth, "func": self.func, "file": self.file,
+                "lineno": self.lineno, "frame_type": "python", "code": self.code}
+
 
 @dataclass(frozen=True)
 class ColumnInfo:

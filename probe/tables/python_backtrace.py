@@ -32,28 +32,48 @@ def is_agent_thread(thread: Any) -> bool:
     return thread is not None and str(getattr(thread, "name", "")).startswith(AGENT_THREAD_PREFIX)
 
 
-def rows() -> Iterator[Tuple[Any, ...]]:
-    frames = sys._current_frames()
+def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
+    """Every thread's stack as indices into a table of distinct frames.
+
+    Threads of a training job share most of their stacks (workers, loaders), so a frame that appears
+    in many threads is described, and its source line looked up, once. Returns ``(threads, frames)``:
+    each thread is ``(thread_id, name, native_id, is_main, [frame index, innermost first])`` and each
+    frame ``(func, file, lineno, code)``.
+    """
+    current = sys._current_frames()
     threads: Dict[int, Any] = dict(threading._active)  # type: ignore[attr-defined]
     main_ident = threading.main_thread().ident
-    for ident, frame in frames.items():
+    me = threading.get_ident()
+    index: Dict[Tuple[Any, int], int] = {}
+    frames: List[Tuple[str, str, int, Any]] = []
+    stacks: List[Tuple[Any, ...]] = []
+    for ident, frame in current.items():
         thread = threads.get(ident)
-        if is_agent_thread(thread) or ident == threading.get_ident():
+        if ident == me or is_agent_thread(thread):
             continue
-        name = getattr(thread, "name", None)
-        native = getattr(thread, "native_id", None)
-        is_main = ident == main_ident
-        for depth, (func, file, lineno) in enumerate(_walk(frame)):
-            yield (ident, name, native, is_main, depth, func, file, lineno, "python", _source(file, lineno))
+        chain: List[int] = []
+        while frame is not None:
+            code = frame.f_code
+            lineno = frame.f_lineno or 0
+            key = (code, lineno)
+            position = index.get(key)
+            if position is None:
+                position = index[key] = len(frames)
+                file = code.co_filename
+                frames.append((getattr(code, "co_qualname", code.co_name), file, lineno, _source(file, lineno)))
+            chain.append(position)
+            frame = frame.f_back
+        stacks.append((ident, getattr(thread, "name", None), getattr(thread, "native_id", None),
+                       ident == main_ident, chain))
+    return stacks, frames
 
 
-def _walk(frame: Any) -> List[Tuple[str, str, int]]:
-    out: List[Tuple[str, str, int]] = []
-    while frame is not None:
-        code = frame.f_code
-        out.append((getattr(code, "co_qualname", code.co_name), code.co_filename, frame.f_lineno or 0))
-        frame = frame.f_back
-    return out
+def rows() -> Iterator[Tuple[Any, ...]]:
+    stacks, frames = snapshot()
+    for ident, name, native, is_main, chain in stacks:
+        for depth, position in enumerate(chain):
+            func, file, lineno, code = frames[position]
+            yield (ident, name, native, is_main, depth, func, file, lineno, "python", code)
 
 
 def _source(file: str, lineno: int) -> Any:

@@ -14,9 +14,9 @@ from probe.cli.render import render_backtrace
 def backtrace(cli: CliContext, as_json: bool) -> None:
     """Print the Python stack of every thread, like py-spy dump."""
     several = len(cli.targets) > 1
-    for client, rows in each_target(cli, lambda c: c.table_rows("python.backtrace")):
+    for client, frames in each_target(cli, lambda c: c.backtrace()):
         if as_json:
-            records = rows.as_dicts()
+            records = [f.as_row() for f in frames]
             if several:
                 for record in records:
                     record["target"] = client.target.label
@@ -24,8 +24,4 @@ def backtrace(cli: CliContext, as_json: bool) -> None:
             continue
         if several:
             click.echo("== %s ==" % client.target.label)
-        from probe.client.results import Frame
-
-        frames = [Frame(r["thread_id"], r["thread_name"], r["native_id"], bool(r["is_main"]), r["depth"], r["func"],
-                        r["file"], r["lineno"], r.get("code")) for r in rows.as_dicts()]
         click.echo("\n".join(render_backtrace(frames)))
