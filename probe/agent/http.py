@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 from probe.errors import BadRequest, Forbidden, ProbeError, TooLarge
 
@@ -62,6 +62,19 @@ class Response:
     @classmethod
     def json(cls, value: object, status: int = 200) -> "Response":
         return cls(status, json.dumps(value, default=str).encode("utf-8"))
+
+    @classmethod
+    def json_rows(cls, head: Dict[str, object], chunks: "Iterable[List[object]]") -> "Response":
+        """``head`` plus a ``rows`` array encoded chunk by chunk.
+
+        The JSON encoder holds the GIL for as long as one call runs; encoding a large result in
+        pieces lets the target's threads run between them.
+        """
+        parts = [json.dumps(chunk, default=str)[1:-1] for chunk in chunks]
+        rows = "[" + ",".join(p for p in parts if p) + "]"
+        text = json.dumps(head, default=str)
+        body = text[:-1] + (", " if head else "") + '"rows": ' + rows + "}"
+        return cls(200, body.encode("utf-8"))
 
     @classmethod
     def error(cls, exc: ProbeError) -> "Response":

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 __all__ = ["Dispatcher", "ARROW_STREAM"]
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
+_CHUNK = 500  # rows per JSON encoding call (see Response.json_rows)
 
 Route = Callable[["Agent", Request], Response]
 
@@ -67,7 +68,8 @@ def rows(agent: "Agent", request: Request) -> Response:
     with fast_switching():
         data = produce_rows(spec)
     columns = [{"name": c.name, "type": c.type} for c in spec.columns]
-    return Response.json({"table": name, "columns": columns, "rows": data, "truncated": False})
+    chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
+    return Response.json_rows({"table": name, "columns": columns, "truncated": False}, chunks)
 
 
 def backtrace(agent: "Agent", request: Request) -> Response:
@@ -97,7 +99,7 @@ def query(agent: "Agent", request: Request) -> Response:
         return Response(200, _arrow_stream(result), ARROW_STREAM,
                         {"X-Probe-Truncated": "true" if result.truncated else "false",
                          "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms})
-    return Response.json(result.to_json_dict())
+    return Response.json_rows(result.json_head(), result.row_chunks(_CHUNK))
 
 
 def evaluate(agent: "Agent", request: Request) -> Response:

@@ -1,7 +1,7 @@
 """The result of one query: an Arrow table plus whether the row cap cut it short."""
 
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 __all__ = ["QueryResult"]
 
@@ -20,6 +20,17 @@ class QueryResult:
         columns = [col.to_pylist() for col in self.table.columns]
         return [list(row) for row in zip(*columns)] if columns else []
 
+    def row_chunks(self, size: int) -> Iterator[List[List[Any]]]:
+        """Row-major values, ``size`` rows at a time (each conversion holds the GIL only that long)."""
+        for start in range(0, self.table.num_rows, size):
+            piece = self.table.slice(start, size)
+            columns = [col.to_pylist() for col in piece.columns]
+            yield [list(row) for row in zip(*columns)]
+
+    def json_head(self) -> Dict[str, Any]:
+        """Everything of the JSON answer but the rows."""
+        return {"columns": self.columns(), "truncated": self.truncated, "row_count": self.table.num_rows,
+                "elapsed_ms": round(self.elapsed_ms, 3)}
+
     def to_json_dict(self) -> Dict[str, Any]:
-        return {"columns": self.columns(), "rows": self.rows(), "truncated": self.truncated,
-                "row_count": self.table.num_rows, "elapsed_ms": round(self.elapsed_ms, 3)}
+        return dict(self.json_head(), rows=self.rows())
