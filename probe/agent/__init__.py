@@ -2,18 +2,19 @@
 
 import os
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from probe.agent.options import AgentOptions
+if TYPE_CHECKING:
+    from probe.agent.options import AgentOptions
 
-__all__ = ["start", "stop", "current", "AgentOptions"]
+__all__ = ["start", "stop", "current"]
 
 _lock = threading.Lock()
 _agent: Optional[Any] = None
 _fork_hook_installed = False
 
 
-def start(options: Optional[AgentOptions] = None, **overrides: Any) -> Any:
+def start(options: "Optional[AgentOptions]" = None, **overrides: Any) -> Any:
     """Start the agent in this process, or return the one already running.
 
     ``options`` (or keyword overrides such as ``listen="0.0.0.0:9700"``, ``eval_enabled=False``) take
@@ -24,6 +25,7 @@ def start(options: Optional[AgentOptions] = None, **overrides: Any) -> Any:
         if _agent is not None and _agent.pid == os.getpid():
             return _agent
         from probe.agent.agent import Agent
+        from probe.agent.options import AgentOptions
 
         if options is None:
             options = AgentOptions.from_env(**overrides)

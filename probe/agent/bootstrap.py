@@ -12,16 +12,29 @@ from typing import Optional
 __all__ = ["start_from_injector", "start_from_environment"]
 
 
-def start_from_injector(options_json: str = "") -> Optional[object]:
-    """Start (or find) the agent with the options the injector sent as JSON; never raises."""
+def start_from_injector(options_json: str = "") -> None:
+    """Start (or find) the agent with the options the injector sent as JSON; never raises.
+
+    The injector runs this on the target's main thread (between two bytecodes, or on a parked
+    thread), so it only starts a daemon thread: importing the agent and opening its sockets happen
+    there, and the main thread goes back to its own work at once.
+    """
+    try:
+        import threading
+
+        threading.Thread(target=_start_injected, args=(options_json,), name="probe-start", daemon=True).start()
+    except BaseException as exc:  # the target must survive whatever happens here
+        _report(exc)
+
+
+def _start_injected(options_json: str) -> None:
     try:
         from probe.agent import start
         from probe.agent.options import AgentOptions
 
-        return start(options=AgentOptions.from_env().with_overrides(**_explicit(options_json)))
-    except BaseException as exc:  # the target must survive whatever happens here
+        start(options=AgentOptions.from_env().with_overrides(**_explicit(options_json)))
+    except BaseException as exc:
         _report(exc)
-        return None
 
 
 def start_from_environment() -> Optional[object]:

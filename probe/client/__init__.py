@@ -23,5 +23,6 @@ def attach(pid: int, timeout: float = 5.0, **options: Any) -> Client:
     from probe.agent.options import AgentOptions
     from probe.injector import inject
 
-    inject(int(pid), AgentOptions(**options) if options else None, timeout=timeout)
-    return connect(str(pid))
+    result = inject(int(pid), AgentOptions(**options) if options else None, timeout=timeout)
+    # The agent derives its socket from its own environment; the injector knows where that is.
+    return connect("unix:" + result.socket_path)

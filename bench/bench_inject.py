@@ -1,0 +1,201 @@
+"""How fast and how safely ``probe PID inject`` starts an agent, next to debugpy and plain gdb.
+
+    python bench/bench_inject.py [--runs 5] [--robust 50] [--no-torch]
+
+* injection time (fresh target each run: a second injection would find the agent), on a small sleeping
+  process and on one that imported torch: ``probe PID inject`` (whole command), ``probe.injector.inject``
+  (the library call), debugpy's ``run_python_code`` and plain gdb with every library's symbols loaded
+  doing the classic ``PyGILState_Ensure``/``PyRun_SimpleString``/``PyGILState_Release``. The peers get
+  sleeping targets only: they crash busy ones.
+* the longest pause a busy main loop suffers while probe injects (the loop records its longest gap).
+* robustness: injections into busy pure-Python loops (fresh targets, and repeated gdb rounds into the
+  same one); every target must survive.
+"""
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+TARGETS = os.path.join(REPO, "tests", "targets")
+sys.path.insert(0, REPO)
+
+from probe.injector import inject  # noqa: E402
+from probe.injector.bootstrap_line import bootstrap_code, exposure_dir  # noqa: E402
+from probe.injector.methods import attach_and_look, plan, run_plan  # noqa: E402
+from probe.injector.target import read_target  # noqa: E402
+
+TRIVIAL = "import sys; sys._bench_injected = 1"
+
+
+class Target:
+    """A target script, started, handshaken through its READY line, always killed and reaped."""
+
+    def __init__(self, script: str, *args: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE") and k != "PYTHONPATH"}
+        env["OMP_NUM_THREADS"] = "2"
+        self.popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, script), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self._line(60)
+        if not line.startswith("READY"):
+            self.stop()
+            raise RuntimeError("%s did not get ready: %r" % (script, line))
+        self.pid = self.popen.pid
+
+    def _line(self, timeout: float) -> str:
+        import select
+
+        assert self.popen.stdout is not None
+        ready, _, _ = select.select([self.popen.stdout], [], [], timeout)
+        return self.popen.stdout.readline() if ready else ""
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.popen.wait(10)
+
+    def __enter__(self) -> "Target":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def timed(fn: Callable[[int], None], script: str, runs: int) -> List[float]:
+    times = []
+    for _ in range(runs):
+        with Target(script) as target:
+            time.sleep(0.2)  # let the target settle into its loop
+            began = time.perf_counter()
+            fn(target.pid)
+            times.append(time.perf_counter() - began)
+            if not target.alive():
+                raise RuntimeError("the target died during %s" % fn.__name__)
+    return times
+
+
+def probe_cli(pid: int) -> None:
+    subprocess.run([sys.executable, "-c", "import sys; from probe.cli import main; sys.exit(main())", str(pid), "inject"], check=True, timeout=60,
+                   stdout=subprocess.DEVNULL)
+
+
+def probe_library(pid: int) -> None:
+    inject(pid, timeout=30)
+
+
+def debugpy_run_python_code(pid: int) -> None:
+    import debugpy
+
+    attach_dir = os.path.join(os.path.dirname(debugpy.__file__), "_vendored", "pydevd", "pydevd_attach_to_process")
+    if attach_dir not in sys.path:
+        sys.path.insert(0, attach_dir)
+    from add_code_to_python_process import run_python_code  # type: ignore[import-not-found]
+
+    run_python_code(pid, TRIVIAL, connect_debugger_tracing=False, show_debug_info=0)
+
+
+def plain_gdb(pid: int) -> None:
+    subprocess.run(["gdb", "-nx", "-q", "-batch", "-iex", "set debuginfod enabled off", "-p", str(pid),
+                    "-ex", "call (int)PyGILState_Ensure()",
+                    "-ex", 'call (int)PyRun_SimpleString("%s")' % TRIVIAL,
+                    "-ex", "call (void)PyGILState_Release($1)"],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pause_during_injection(runs: int) -> List[float]:
+    """Longest gap (ms) of the busy loop across an injection, fresh target each run."""
+    gaps = []
+    for _ in range(runs):
+        gap_file = tempfile.mktemp(prefix="probe-gap-")
+        with Target("inject_busy.py", gap_file) as target:
+            time.sleep(0.5)
+            inject(target.pid, timeout=30)
+            time.sleep(0.3)
+            with open(gap_file) as handle:
+                gaps.append(float(handle.read()))
+        os.unlink(gap_file)
+    return gaps
+
+
+def noise_gap(seconds: float = 2.0) -> float:
+    """The busy loop's longest gap with nobody injecting: this machine's scheduling noise (ms)."""
+    gap_file = tempfile.mktemp(prefix="probe-gap-")
+    with Target("inject_busy.py", gap_file) as target:
+        time.sleep(seconds)
+        with open(gap_file) as handle:
+            value = float(handle.read())
+        assert target.alive()
+    os.unlink(gap_file)
+    return value
+
+
+def robustness(total: int, per_target: int = 5) -> Dict[str, int]:
+    """``total`` injections into busy loops: the first per target through inject(), the rest as raw gdb rounds."""
+    done = died = 0
+    while done < total:
+        with Target("inject_busy.py") as target:
+            inject(target.pid, timeout=30)
+            done += 1
+            info = read_target(target.pid)
+            code = bootstrap_code("", exposure_dir(info.uid))
+            for _ in range(min(per_target - 1, total - done)):
+                session, threads = attach_and_look(info, time.monotonic() + 30)
+                run_plan(session, plan(threads, target.pid), code, time.monotonic() + 30)
+                done += 1
+            time.sleep(0.3)
+            died += 0 if target.alive() else 1
+    return {"injections": done, "died": died}
+
+
+def summary(times: List[float]) -> str:
+    return "%7.3f s  [%5.3f-%5.3f]" % (statistics.median(times), min(times), max(times))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--robust", type=int, default=50)
+    parser.add_argument("--no-torch", action="store_true")
+    args = parser.parse_args(argv)
+
+    kinds = [("small", "inject_sleeping.py")] + ([] if args.no_torch else [("torch", "inject_torch.py")])
+    methods = [("probe PID inject (CLI)", probe_cli), ("probe.injector.inject()", probe_library),
+               ("debugpy run_python_code", debugpy_run_python_code), ("plain gdb, all symbols", plain_gdb)]
+    results: Dict[str, Dict[str, List[float]]] = {}
+    for kind, script in kinds:
+        for name, fn in methods:
+            results.setdefault(kind, {})[name] = timed(fn, script, args.runs)
+            print("  measured %-6s %-26s %s" % (kind, name, summary(results[kind][name])), flush=True)
+
+    print("\ninjection time, median [min-max] over %d fresh targets; ratio = peer / probe CLI" % args.runs)
+    print("%-26s %s" % ("method", "".join("%-34s" % kind for kind, _ in kinds)))
+    for name, _ in methods:
+        cells = []
+        for kind, _ in kinds:
+            times = results[kind][name]
+            ratio = statistics.median(times) / statistics.median(results[kind]["probe PID inject (CLI)"])
+            cells.append("%s x%-5.1f" % (summary(times), ratio))
+        print("%-26s %s" % (name, "".join("%-34s" % c for c in cells)))
+
+    noise = noise_gap()
+    gaps = pause_during_injection(args.runs)
+    print("\nlongest pause of a busy main loop during an injection: median %.1f ms [%.1f-%.1f] "
+          "(same loop, nobody injecting: %.1f ms)" % (statistics.median(gaps), min(gaps), max(gaps), noise))
+
+    robust = robustness(args.robust)
+    print("robustness: %d injections into busy pure-Python loops, %d targets died" % (robust["injections"],
+                                                                                      robust["died"]))
+    return 1 if robust["died"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""``probe PID inject``: start the agent inside a running Python process (gdb, ptrace)."""
+
+import json
+from typing import Optional
+
+import click
+
+from probe.agent.options import AgentOptions
+from probe.cli.context import CliContext, pass_cli
+from probe.errors import ProbeError, UsageError
+
+
+@click.command("inject")
+@click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (a token is required and written to a file).")
+@click.option("--token-file", "agent_token_file", metavar="FILE", help="Where the agent reads or writes its TCP token.")
+@click.option("--no-eval", is_flag=True, help="Start a read-only agent: eval requests are refused.")
+@click.option("--wait", "wait", type=float, default=5.0, show_default=True, metavar="SECONDS",
+              help="Give up after this long, leaving the process running and untraced.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@pass_cli
+def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[str], no_eval: bool, wait: float,
+           as_json: bool) -> None:
+    """Start the probe agent in the process PID (or report the one already there)."""
+    from probe.injector import inject as inject_into
+
+    options = AgentOptions(listen=listen, token_file=agent_token_file, eval_enabled=not no_eval)
+    for target in cli.targets:
+        try:
+            if not target.isdigit():
+                raise UsageError("inject needs a pid, got %r" % target, hint="write `probe PID inject`")
+            result = inject_into(int(target), options, timeout=wait)
+        except ProbeError as exc:
+            cli.record(exc, target if len(cli.targets) > 1 else None)
+            continue
+        if as_json:
+            click.echo(json.dumps({"pid": result.pid, "socket": result.socket_path, "method": result.method,
+                                   "elapsed_s": round(result.elapsed, 3), "already_attached": result.already_attached,
+                                   "token_file": result.token_file}))
+        elif result.already_attached:
+            click.echo("%d: an agent already runs there (%s); nothing changed" % (result.pid, result.socket_path))
+        else:
+            tcp = "; TCP on %s, token in %s" % (listen, result.token_file) if listen else ""
+            click.echo("%d: agent started in %.2f s (%s) at %s%s" % (result.pid, result.elapsed, result.method,
+                                                                  result.socket_path, tcp))

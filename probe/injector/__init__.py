@@ -1,0 +1,24 @@
+"""The injector: start the probe agent inside an already-running Python process, by pid.
+
+``inject(pid)`` diagnoses the target from /proc (no such process, not Python, too old, gdb missing,
+ptrace refused and why, an agent already there), then has gdb, with only libpython's and libc's symbols
+loaded, run one bootstrap statement in the target by the safest method the threads' states allow:
+
+* ``pending_call`` (the usual one): ``Py_AddPendingCall(PyRun_SimpleString, code)``; the interpreter
+  runs it on the main thread at its next check between bytecodes. gdb never waits in the target and
+  detaches at once; the injector then waits for the agent's socket from outside.
+* ``gil_ensure``, when the main thread is blocked in C (``Event.wait()``, a lock, a long sleep):
+  ``PyGILState_Ensure`` + ``PyRun_SimpleString`` + ``PyGILState_Release`` on a thread parked in a wait
+  that CPython entered with the GIL released, and only when no thread holds the GIL inside a C call.
+* ``remote_exec`` on Python 3.14+ with a client of the same version (PEP 768; untested here).
+
+It never runs code on a thread stopped inside bytecode, never kills gdb while a call it made is in
+progress, and gives up within ``timeout`` with the reason and the next step (``InjectError.hint``).
+Runs in the client's process; see ``probe/injector/README_SECTION.md`` for the full design.
+"""
+
+from probe.injector.candidates import Candidate, candidates
+from probe.injector.diagnose import Problem, diagnose
+from probe.injector.inject import InjectResult, agent_answers, inject
+
+__all__ = ["inject", "InjectResult", "diagnose", "Problem", "candidates", "Candidate", "agent_answers"]

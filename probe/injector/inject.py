@@ -1,0 +1,169 @@
+"""``inject(pid)``: diagnose, find a running agent, or start one, and wait until it answers.
+
+The whole call is bounded by ``timeout``: gdb's steps share it, and the wait for the agent's socket
+takes what is left. Waiting happens from outside, with gdb gone, so giving up never leaves the target
+stopped or traced (the one exception, a ``gil_ensure`` call that overran, is reported as such).
+"""
+
+import os
+import time
+from dataclasses import dataclass
+from typing import List, Optional
+
+from probe.agent.options import AgentOptions
+from probe.errors import InjectError, ProbeError, UsageError
+from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
+from probe.injector.diagnose import Problem, diagnose, ptrace_problems
+from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout
+from probe.injector.methods import (GIL_ENSURE, PENDING, Plan, attach_and_look, can_remote_exec,
+                                    inject_with_remote_exec, plan, run_plan)
+from probe.injector.target import TargetInfo, expected_socket_path, read_target
+from probe.injector.threads import is_parked_safely
+
+__all__ = ["InjectResult", "inject", "agent_answers"]
+
+_SLEEP_GRACE = 0.3  # how long a pending call gets to run after a time.sleep before gil_ensure is tried
+
+
+@dataclass(frozen=True)
+class InjectResult:
+    """What ``inject`` did: ``method`` is ``pending_call``, ``gil_ensure``, ``remote_exec`` or ``none``."""
+
+    pid: int
+    socket_path: str
+    method: str
+    elapsed: float
+    already_attached: bool
+    token_file: Optional[str] = None
+    """Where the TCP token is, when the agent was asked to listen on TCP."""
+
+
+def inject(pid: int, options: Optional[AgentOptions] = None, timeout: float = 5.0) -> InjectResult:
+    """Start the probe agent in process ``pid`` (or find the one running there) within ``timeout`` seconds.
+
+    Raises ``InjectError`` with a ``hint`` when it cannot: the target is then running and untraced.
+    """
+    if timeout <= 0:
+        raise UsageError("timeout must be positive, got %r" % timeout)
+    started = time.monotonic()
+    deadline = started + timeout
+    info = _target(pid)
+    socket = expected_socket_path(pid, info.uid)
+    opts = options or AgentOptions()
+    token_file = _token_file(opts, socket)
+    if agent_answers(socket, pid):
+        return InjectResult(pid, socket, "none", time.monotonic() - started, True, token_file)
+    remote = can_remote_exec(info)
+    problems = diagnose(pid, need_gdb=not remote)
+    if problems:
+        raise _error(problems)
+    code = bootstrap_code(opts.to_json(), exposure_dir(info.uid))
+    if remote:
+        chosen = inject_with_remote_exec(info, code)
+    else:
+        chosen = _inject_with_gdb(info, code, socket, deadline)
+    if not _wait_for_agent(socket, pid, deadline):
+        raise _not_started(info, chosen, timeout)
+    return InjectResult(pid, socket, chosen.method, time.monotonic() - started, False, token_file)
+
+
+def agent_answers(socket: str, pid: Optional[int] = None, timeout: float = 1.0) -> bool:
+    """True when an agent answers ``GET /v1/health`` on ``socket`` (and says it is ``pid``)."""
+    if not os.path.exists(socket):
+        return False
+    from probe.client import connect
+
+    try:
+        health = connect("unix:" + socket, timeout=timeout).health()
+    except (ProbeError, OSError):
+        return False
+    return pid is None or health.get("pid") == pid
+
+
+def _target(pid: int) -> TargetInfo:
+    try:
+        return read_target(pid)
+    except OSError:
+        problems = diagnose(pid) or [Problem("no_such_process", "cannot read process %d" % pid,
+                                             "check the pid with `probe list`")]
+        raise _error(problems) from None
+
+
+def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float) -> Plan:
+    try:
+        session, threads = attach_and_look(info, deadline)
+        chosen = plan(threads, info.pid)
+        run_plan(session, chosen, code, deadline)
+        if chosen.then_direct and not _wait_for_agent(socket, info.pid, min(deadline, time.monotonic() + _SLEEP_GRACE)):
+            # A long time.sleep: the pending call waits for it to end. Look again; run on the sleeper.
+            session, threads = attach_and_look(info, deadline)
+            main = next((t for t in threads if t.lwp == info.pid), None)
+            if main is not None and is_parked_safely(main):
+                chosen = Plan(GIL_ENSURE, main)
+                run_plan(session, chosen, code, deadline)
+            else:
+                session.detach()
+        return chosen
+    except GdbAbandoned as exc:
+        raise InjectError("%s: the target waits for the GIL, which a thread holds in a long C call; gdb was "
+                          "left attached to finish the call and will detach by itself" % exc,
+                          hint="do not kill gdb (pid %d): that would crash the target; the agent starts when "
+                               "the call returns" % _gdb_pid(exc)) from None
+    except GdbTimeout as exc:
+        raise InjectError("%s; gdb was stopped and process %d continues untouched" % (exc, info.pid),
+                          hint="the host may be overloaded; try again with a longer --timeout") from None
+    except GdbError as exc:
+        problems = ptrace_problems(info)
+        if problems:
+            raise _error(problems) from None
+        raise InjectError(str(exc), hint="gdb said: %s" % exc.output.strip()[-300:]) from None
+    except OSError as exc:
+        raise InjectError("injecting into process %d failed: %s" % (info.pid, exc),
+                          hint="the target continues untouched; report this with the target's Python version")
+
+
+def _gdb_pid(exc: GdbAbandoned) -> int:
+    from probe.injector.gdb import abandoned_gdbs
+
+    gdbs = abandoned_gdbs()
+    return gdbs[-1].pid if gdbs else 0
+
+
+def _wait_for_agent(socket: str, pid: int, deadline: float) -> bool:
+    pause = 0.005
+    while True:
+        if agent_answers(socket, pid, timeout=max(min(deadline - time.monotonic(), 1.0), 0.1)):
+            return True
+        if time.monotonic() >= deadline or not os.path.exists("/proc/%d" % pid):
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+
+
+def _not_started(info: TargetInfo, chosen: Plan, timeout: float) -> InjectError:
+    if not os.path.exists("/proc/%d" % info.pid):
+        return InjectError("process %d exited during the injection" % info.pid,
+                           hint="check its output; probe's bootstrap never raises into the target")
+    if chosen.method == PENDING and chosen.delay:
+        return InjectError("the agent did not start within %.1f s: %s" % (timeout, chosen.delay),
+                           hint="the start is queued and runs as soon as the main thread executes Python code "
+                                "again (`probe list` shows it then); or retry with a longer --timeout")
+    return InjectError("the agent did not answer within %.1f s after %s" % (timeout, chosen.method),
+                       hint="look for 'probe: could not start the agent' in the target's stderr; "
+                            "the target continues untouched")
+
+
+def _token_file(opts: AgentOptions, socket: str) -> Optional[str]:
+    if not opts.listen or opts.token:
+        return None
+    return opts.token_file or os.path.join(os.path.dirname(socket), os.path.basename(socket)[:-5] + ".token")
+
+
+def _error(problems: List[Problem]) -> InjectError:
+    first = problems[0]
+    hint = first.hint
+    if len(problems) > 1:
+        hint += "; also: " + "; ".join("%s (%s)" % (p.message, p.hint) for p in problems[1:])
+    error = InjectError(first.message, hint=hint)
+    error.problems = problems  # type: ignore[attr-defined]
+    return error

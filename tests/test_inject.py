@@ -1,0 +1,309 @@
+"""The injector against real processes in every state a training rank can be in.
+
+Each test starts a target (``tests/targets/inject_*.py``) with no agent, waits for its ``READY`` line,
+injects, then checks that the agent answers, that the target is alive and that nothing traces it.
+The rules that pick a method are tested on hand-built thread states first (no process needed).
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import pytest
+
+import probe
+from probe.errors import InjectError
+from probe.injector import diagnose, inject
+from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
+from probe.injector.diagnose import _version_problems
+from probe.injector.methods import GIL_ENSURE, PENDING, attach_and_look, plan, run_plan
+from probe.injector.target import TargetInfo, read_target
+from probe.injector.threads import Frame, ThreadState, parse_backtraces, parse_gil_checks
+from procs import REPO, target_env
+
+PYENV = "/root/.pyenv/versions"
+VERSIONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]
+
+
+# ---------------------------------------------------------------- capabilities
+
+def _ptrace_blocker() -> Optional[str]:
+    """Why this host cannot inject (gdb missing, ptrace refused), or None; checked on a real child."""
+    if shutil.which("gdb") is None:
+        return "gdb is not installed (apt-get install gdb)"
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        from probe.injector.diagnose import ptrace_problems
+
+        info = TargetInfo(child.pid, "/bin/sleep", os.getuid(), None, True, (3, 11))
+        problems = ptrace_problems(info)
+        return problems[0].message if problems else None
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+_BLOCKER = _ptrace_blocker() if sys.platform.startswith("linux") else "injection needs Linux"
+needs_ptrace = pytest.mark.skipif(_BLOCKER is not None, reason=str(_BLOCKER))
+
+
+def _no_probe_env(**extra: str) -> Dict[str, str]:
+    """The target's own environment must not provide probe: the injector has to expose it."""
+    env = target_env(probe=False, **extra)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _interpreter(version: str) -> str:
+    if os.path.isdir(PYENV):
+        for name in sorted(os.listdir(PYENV)):
+            if name == version or name.startswith(version + "."):
+                path = os.path.join(PYENV, name, "bin", "python" + version)
+                if os.path.exists(path):
+                    return path
+    return ""
+
+
+def _tracer(pid: int) -> int:
+    with open("/proc/%d/status" % pid) as handle:
+        for line in handle:
+            if line.startswith("TracerPid:"):
+                return int(line.split()[1])
+    raise AssertionError("no TracerPid line")
+
+
+def _assert_served_and_untouched(proc, result=None) -> Dict[str, object]:
+    assert proc.alive(), "the target died: %s" % (proc.popen.stderr.read() if proc.popen.poll() is not None else "")
+    assert _tracer(proc.pid) == 0, "the target is still traced"
+    path = result.socket_path if result is not None else None
+    health = probe.connect("unix:" + path if path else str(proc.pid)).health()
+    assert health["pid"] == proc.pid
+    return health
+
+
+@pytest.fixture
+def start(target_factory):
+    """Start an injection target without an agent and without probe on its path."""
+    def _start(script: str, *args: str, python: str = sys.executable, env: Optional[Dict[str, str]] = None):
+        return target_factory(script, *args, probe=False, python=python, env=env or _no_probe_env())
+    return _start
+
+
+# ---------------------------------------------------------------- rules, no process
+
+def _thread(num: int, lwp: int, funcs: List[str], gil: Optional[bool]) -> ThreadState:
+    return ThreadState(num, lwp, "python", tuple(Frame(f) for f in funcs), gil)
+
+
+EVENT_WAIT = ["__futex_abstimed_wait_common", "do_futex_wait", "__new_sem_wait_slow64", "PyThread_acquire_lock_timed",
+              "acquire_timed", "lock_PyThread_acquire_lock", "method_vectorcall_VARARGS_KEYWORDS"]
+BYTECODE = ["_Py_dict_lookup", "_PyEval_EvalFrameDefault", "_PyEval_Vector"]
+C_CALL = ["rangeiter_next", "PyIter_Next", "builtin_sum_impl", "builtin_sum", "cfunction_vectorcall_FASTCALL",
+          "_PyEval_EvalFrameDefault"]
+
+
+def test_plan_busy_main_gets_a_pending_call():
+    chosen = plan([_thread(1, 100, BYTECODE, True), _thread(2, 101, EVENT_WAIT, False)], 100)
+    assert chosen.method == PENDING and chosen.delay is None and chosen.thread.num == 1
+
+
+def test_plan_blocked_main_runs_on_itself_when_the_gil_is_free():
+    chosen = plan([_thread(1, 100, EVENT_WAIT, False), _thread(2, 101, BYTECODE, True)], 100)
+    assert (chosen.method, chosen.thread.num) == (GIL_ENSURE, 1)
+
+
+def test_plan_never_waits_for_a_gil_held_in_c():
+    chosen = plan([_thread(1, 100, EVENT_WAIT, False), _thread(2, 101, C_CALL, True)], 100)
+    assert chosen.method == PENDING and "holds the GIL inside a C call" in chosen.delay
+
+
+def test_plan_main_in_long_c_call_is_reported():
+    chosen = plan([_thread(1, 100, C_CALL, True)], 100)
+    assert chosen.method == PENDING and "builtin_sum" in chosen.delay
+
+
+def test_plan_does_not_trust_unknown_waits():
+    malloc_lock = ["__lll_lock_wait_private", "_int_malloc", "malloc", "some_extension_call"]
+    chosen = plan([_thread(1, 100, malloc_lock, False)], 100)
+    assert chosen.method == PENDING and chosen.delay
+
+
+def test_parse_gdb_output():
+    text = ('Thread 2 (Thread 0x7f (LWP 11) "worker"):\n#0  0x1 in __futex_abstimed_wait_common () from libc\n'
+            '#1  0x2 in PyThread_acquire_lock_timed (lock=0x1) at Python/thread_pthread.h:497\n\n'
+            'Thread 1 (Thread 0x7e (LWP 10) "python"):\n#0  _PyEval_EvalFrameDefault (tstate=0x0) at ceval.c:1\n')
+    threads = parse_backtraces(text)
+    assert [(t.num, t.lwp, t.name, t.funcs()[0]) for t in threads] == [
+        (2, 11, "worker", "__futex_abstimed_wait_common"), (1, 10, "python", "_PyEval_EvalFrameDefault")]
+    assert parse_gil_checks('\nThread 2 (Thread 0x7f (LWP 11) "w"):\n$1 = 0\n\nThread 1 (LWP 10):\n$2 = 1\n') == {
+        2: False, 1: True}
+
+
+def test_bootstrap_binds_nothing_and_swallows_errors():
+    code = bootstrap_code('{"listen": null}', "/nonexistent-dir")
+    namespace: Dict[str, object] = {}
+    saved = sys.modules.pop("probe.agent.bootstrap", None)
+    try:
+        exec(compile(code.replace("probe.agent.bootstrap", "probe_missing_module"), "<bootstrap>", "exec"), namespace)
+    finally:
+        if saved is not None:
+            sys.modules["probe.agent.bootstrap"] = saved
+    assert set(namespace) == {"__builtins__"} and "/nonexistent-dir" not in sys.path
+
+
+def test_exposure_dir_holds_only_this_package():
+    path = exposure_dir(os.getuid())
+    assert os.listdir(path) == ["probe"]
+    assert os.path.realpath(os.path.join(path, "probe")) == os.path.dirname(os.path.realpath(probe.__file__))
+
+
+# ---------------------------------------------------------------- diagnoses
+
+def test_diagnose_no_such_process():
+    with pytest.raises(InjectError) as info:
+        inject(2 ** 22 + 12345, timeout=2)
+    assert "no process" in info.value.message and info.value.hint
+
+
+def test_diagnose_not_python():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        problems = diagnose(child.pid)
+        assert [p.code for p in problems] == ["not_python"]
+        with pytest.raises(InjectError, match="not a Python interpreter"):
+            inject(child.pid, timeout=2)
+    finally:
+        child.kill()
+        child.wait(5)
+
+
+def test_diagnose_old_python():
+    info = TargetInfo(1, "/usr/bin/python3.8", 0, None, True, (3, 8))
+    assert [p.code for p in _version_problems(info)] == ["old_python"]
+    assert "3.9" in _version_problems(info)[0].message
+
+
+# ---------------------------------------------------------------- injection, real targets
+
+@needs_ptrace
+def test_inject_sleeping_target(start):
+    proc = start("inject_sleeping.py")
+    result = inject(proc.pid, timeout=10)
+    assert result.method == PENDING and not result.already_attached
+    _assert_served_and_untouched(proc, result)
+    again = inject(proc.pid, timeout=10)
+    assert again.already_attached and again.method == "none"
+
+
+@needs_ptrace
+def test_inject_busy_target_repeatedly_never_crashes(start):
+    proc = start("inject_busy.py")
+    result = inject(proc.pid, timeout=10)
+    assert result.method == PENDING
+    _assert_served_and_untouched(proc, result)
+    info = read_target(proc.pid)
+    code = bootstrap_code("", exposure_dir(info.uid))
+    for _ in range(8):  # the agent runs already: each round attaches, schedules a no-op start, detaches
+        session, threads = attach_and_look(info, time.monotonic() + 10)
+        chosen = plan(threads, proc.pid)
+        assert chosen.method == PENDING  # the busy main thread holds the GIL: never run re-entrantly
+        run_plan(session, chosen, code, time.monotonic() + 10)
+        assert proc.alive() and _tracer(proc.pid) == 0
+    time.sleep(0.3)  # let the last queued no-op start run on the main thread
+    _assert_served_and_untouched(proc, result)
+
+
+@needs_ptrace
+@pytest.mark.parametrize("round_", range(3))
+def test_inject_fresh_busy_targets(start, round_):
+    proc = start("inject_busy.py")
+    _assert_served_and_untouched(proc, inject(proc.pid, timeout=10))
+
+
+@needs_ptrace
+@pytest.mark.parametrize("mode", ["event", "lock", "sleep", "queue"])
+def test_inject_main_thread_blocked_in_c(start, mode):
+    proc = start("inject_blocked.py", mode)
+    result = inject(proc.pid, timeout=10)
+    assert result.method == GIL_ENSURE  # a pending call would wait forever here
+    _assert_served_and_untouched(proc, result)
+
+
+@needs_ptrace
+def test_inject_waits_for_a_short_c_call_holding_the_gil(start):
+    proc = start("inject_c_call.py", "1.5")
+    result = inject(proc.pid, timeout=15)
+    assert result.method == PENDING
+    _assert_served_and_untouched(proc, result)
+
+
+@needs_ptrace
+def test_inject_gives_up_on_a_long_c_call_and_starts_later(start):
+    proc = start("inject_c_call.py", "5")
+    began = time.monotonic()
+    with pytest.raises(InjectError) as info:
+        inject(proc.pid, timeout=1.5)
+    assert time.monotonic() - began < 4.0
+    assert "holds the GIL" in info.value.message and "builtin_sum" in info.value.message
+    assert "queued" in (info.value.hint or "")
+    assert proc.alive() and _tracer(proc.pid) == 0
+    assert proc.read_line(timeout=20) == "RETURNED"
+    deadline = time.monotonic() + 10
+    while not inject(proc.pid, timeout=10).already_attached:  # the queued start ran, so no second injection
+        assert time.monotonic() < deadline
+    _assert_served_and_untouched(proc)
+
+
+@needs_ptrace
+def test_inject_fifty_threads(start):
+    proc = start("inject_threads.py", "50")
+    result = inject(proc.pid, timeout=20)
+    health = _assert_served_and_untouched(proc, result)
+    assert health["pid"] == proc.pid
+
+
+@needs_ptrace
+def test_inject_torch_process(start):
+    pytest.importorskip("torch", reason="torch is not installed")
+    proc = start("inject_torch.py", env=_no_probe_env(OMP_NUM_THREADS="2"))
+    result = inject(proc.pid, timeout=15)
+    _assert_served_and_untouched(proc, result)
+
+
+@needs_ptrace
+def test_already_attached_changes_nothing(target_factory):
+    proc = target_factory("inject_agent.py", probe=False, env=target_env(probe=False))
+    result = inject(proc.pid, timeout=5)
+    assert result.already_attached and result.method == "none"
+    assert _tracer(proc.pid) == 0
+
+
+@needs_ptrace
+@pytest.mark.parametrize("version", VERSIONS)
+def test_inject_each_cpython(start, version):
+    python = _interpreter(version)
+    if not python:
+        pytest.skip("CPython %s is not installed under %s" % (version, PYENV))
+    proc = start("inject_blocked.py", "event", python=python)
+    result = inject(proc.pid, timeout=15)
+    health = _assert_served_and_untouched(proc, result)
+    assert str(health["python"]).startswith(version + ".")
+    frames = probe.connect("unix:" + result.socket_path).backtrace()
+    assert any(f.func == "block" and f.file.endswith("inject_blocked.py") for f in frames)
+
+
+@needs_ptrace
+def test_inject_into_an_environment_without_duckdb(start):
+    python = _interpreter("3.12")
+    if not python:
+        pytest.skip("CPython 3.12 is not installed under %s" % PYENV)
+    lacks = subprocess.run([python, "-c", "import duckdb"], capture_output=True, timeout=30).returncode != 0
+    if not lacks:
+        pytest.skip("this 3.12 has duckdb; the case needs an environment without it")
+    proc = start("inject_sleeping.py", python=python)
+    result = inject(proc.pid, timeout=15)
+    _assert_served_and_untouched(proc, result)
+    assert any(f.func == "idle_loop" for f in probe.connect("unix:" + result.socket_path).backtrace())
