@@ -10,7 +10,7 @@ from typing import Dict, Optional, Type
 
 __all__ = [
     "ProbeError", "BadRequest", "SQLError", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
-    "Timeout", "TooLarge", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
+    "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
     "error_from_code",
 ]
 
@@ -76,6 +76,12 @@ class TooLarge(ProbeError):
     code, status, exit_code = "too_large", 413, 2
 
 
+class Busy(ProbeError):
+    """Every connection slot of the agent is taken by requests in progress."""
+
+    code, status, exit_code = "busy", 503, 5
+
+
 class InternalError(ProbeError):
     code, status, exit_code = "internal", 500, 1
 
@@ -101,7 +107,7 @@ class InjectError(ProbeError):
 _BY_CODE: Dict[str, Type[ProbeError]] = {
     cls.code: cls
     for cls in (BadRequest, SQLError, EvalError, Unauthorized, Forbidden, NotFound, Timeout, TooLarge,
-                InternalError)
+                Busy, InternalError)
 }
 
 

@@ -23,6 +23,7 @@ class Proc:
     popen: subprocess.Popen
     script: str
     lines: List[str] = field(default_factory=list)
+    _pending: bytearray = field(default_factory=bytearray)
 
     @property
     def pid(self) -> int:
@@ -32,8 +33,31 @@ class Proc:
         return self.popen.poll() is None
 
     def read_line(self, timeout: float = 10.0) -> str:
-        """The next stdout line of the target (bounded wait)."""
-        return _read_line(self.popen, timeout, self.script)
+        """The next stdout line of the target (bounded wait).
+
+        Reads the pipe's file descriptor directly into our own buffer: select() on a buffered stream
+        misses lines already sitting in the stream's buffer.
+        """
+        deadline = time.monotonic() + timeout
+        assert self.popen.stdout is not None
+        fd = self.popen.stdout.fileno()
+        while b"\n" not in self._pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("%s printed no line within %.1f s" % (self.script, timeout))
+            ready, _, _ = select.select([fd], [], [], remaining)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self.popen.wait(5)
+                err = self.popen.stderr.read().decode("utf-8", "replace") if self.popen.stderr else ""
+                raise RuntimeError("%s exited (code %s) before printing the line: %s"
+                                   % (self.script, self.popen.returncode, err[-2000:]))
+            self._pending.extend(chunk)
+        line, _, rest = bytes(self._pending).partition(b"\n")
+        self._pending[:] = rest
+        return line.decode("utf-8", "replace")
 
     def kill(self) -> None:
         stop(self.popen)
@@ -53,14 +77,14 @@ def spawn(script: str, args: Sequence[str] = (), env: Optional[Dict[str, str]] =
           python: str = sys.executable, timeout: float = 20.0, wait_socket: bool = True) -> Proc:
     """Start ``tests/targets/<script>`` and wait for its ``READY`` line (and its agent socket)."""
     path = os.path.join(TARGETS, script)
-    popen = subprocess.Popen([python, path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    popen = subprocess.Popen([python, path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              env=env if env is not None else target_env(probe))
     proc = Proc(popen, script)
     try:
-        line = _read_line(popen, timeout, script)
+        line = proc.read_line(timeout)
         while not line.startswith("READY"):
             proc.lines.append(line)
-            line = _read_line(popen, timeout, script)
+            line = proc.read_line(timeout)
         if probe and wait_socket:
             wait_for_socket(popen.pid, timeout)
     except BaseException:
@@ -79,22 +103,6 @@ def wait_for_socket(pid: int, timeout: float = 10.0) -> str:
             raise TimeoutError("no agent socket %s after %.1f s" % (path, timeout))
         time.sleep(0.01)
     return path
-
-
-def _read_line(popen: subprocess.Popen, timeout: float, what: str) -> str:
-    deadline = time.monotonic() + timeout
-    assert popen.stdout is not None
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError("%s printed no line within %.1f s" % (what, timeout))
-        ready, _, _ = select.select([popen.stdout], [], [], remaining)
-        if ready:
-            line = popen.stdout.readline()
-            if not line:
-                err = popen.stderr.read() if popen.stderr and popen.poll() is not None else ""
-                raise RuntimeError("%s exited (code %s) before it was ready: %s" % (what, popen.poll(), err[-2000:]))
-            return line.rstrip("\n")
 
 
 def stop(popen: subprocess.Popen) -> None:

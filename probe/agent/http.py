@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Tuple
 
@@ -92,6 +93,8 @@ class Listener:
         self.transport = transport
         self._handler = handler
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._reading: Dict[socket.socket, float] = {}  # connections still sending their request
+        self._reading_lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
 
@@ -168,13 +171,28 @@ class Listener:
             except BaseException:
                 return
             if not self._slots.acquire(blocking=False):
-                _reject_busy(conn)
-                continue
+                # Every slot is taken. Connections that have not finished sending a request (idle or
+                # slow clients, perhaps without a token) must not lock out those that have one.
+                self._evict_slowest_reader()
+                if not self._slots.acquire(timeout=1.0):
+                    _reject_busy(conn)
+                    continue
             try:
                 threading.Thread(target=self._serve, args=(conn,), name="probe-request", daemon=True).start()
             except BaseException:
                 self._slots.release()
                 conn.close()
+
+    def _evict_slowest_reader(self) -> None:
+        with self._reading_lock:
+            if not self._reading:
+                return
+            oldest = min(self._reading, key=self._reading.__getitem__)
+            del self._reading[oldest]
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread's recv() returns and the slot is freed
+        except OSError:
+            pass
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -184,13 +202,18 @@ class Listener:
             elif not _peer_is_owner(conn):
                 _send(conn, Response.error(Forbidden("only the owner of this process may connect")))
                 return
+            with self._reading_lock:
+                self._reading[conn] = time.monotonic()
             try:
                 request = _read_request(conn, self.transport)
             except ProbeError as exc:
                 _send(conn, Response.error(exc))
                 return
             except (OSError, ValueError):
-                return  # the client went away or timed out; nothing to answer
+                return  # the client went away, timed out, or was evicted; nothing to answer
+            finally:
+                with self._reading_lock:
+                    self._reading.pop(conn, None)
             response = self._handler(request)
             conn.settimeout(WRITE_TIMEOUT_S)
             _send(conn, response)
@@ -290,7 +313,8 @@ def _send(conn: socket.socket, response: Response) -> None:
 def _reject_busy(conn: socket.socket) -> None:
     try:
         conn.settimeout(1.0)
-        body = json.dumps({"error": {"code": "busy", "message": "agent has too many open connections"}})
+        body = json.dumps({"error": {"code": "busy", "message": "the agent has too many open connections",
+                                     "hint": "retry in a moment"}})
         _send(conn, Response(503, body.encode("utf-8")))
     except BaseException:
         pass

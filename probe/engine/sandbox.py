@@ -22,6 +22,7 @@ __all__ = ["Engine", "TableSource", "referenced_tables"]
 TableSource = Callable[[str], Optional[Any]]
 
 _ALLOWED = {"SELECT", "EXPLAIN"}
+_EXPLAIN_PREFIX = re.compile(r"^\s*EXPLAIN\s+(ANALY[SZ]E\s+)?", re.IGNORECASE)
 _REFUSED = {
     "COPY": "COPY is not allowed: the engine has no file system access and is read-only",
     "EXPORT": "EXPORT is not allowed: the engine has no file system access",
@@ -132,9 +133,18 @@ class Engine:
             raise SQLError("empty query: give one SELECT statement")
         if len(statements) > 1:
             raise SQLError("one statement per query, got %d" % len(statements))
-        kind = str(statements[0].type).rsplit(".", 1)[-1]
+        kind = _kind(statements[0])
         if kind not in _ALLOWED:
             raise SQLError(_REFUSED.get(kind, "%s statements are not allowed: only SELECT queries run here" % kind))
+        if kind == "EXPLAIN":
+            # EXPLAIN ANALYZE runs the statement it explains: that one must be a SELECT too.
+            inner = _EXPLAIN_PREFIX.sub("", sql, count=1)
+            try:
+                explained = self._con.cursor().extract_statements(inner)
+            except self._duckdb.Error:
+                explained = []
+            if len(explained) != 1 or _kind(explained[0]) != "SELECT":
+                raise SQLError("EXPLAIN is allowed only of a single SELECT statement")
 
     def _produce(self, names: Set[str]) -> Dict[str, Any]:
         """Produce the tables the query names (and only those); create their views on first sight."""
@@ -181,6 +191,11 @@ class Engine:
             batches.append(batch)
             count += batch.num_rows
         return pa.Table.from_batches(batches, schema=reader.schema), truncated
+
+
+def _kind(statement: Any) -> str:
+    """``StatementType.SELECT`` -> ``"SELECT"``."""
+    return str(statement.type).rsplit(".", 1)[-1]
 
 
 def _clean(exc: BaseException) -> str:

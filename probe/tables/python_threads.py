@@ -21,8 +21,8 @@ COLUMNS = (
     Column("cpu_user", "DOUBLE", "CPU seconds spent in user mode; NULL when psutil is unavailable."),
     Column("cpu_system", "DOUBLE", "CPU seconds spent in the kernel; NULL when psutil is unavailable."),
 )
-EXAMPLE = ("SELECT thread_name, cpu_user, count(*) AS frames FROM python.backtrace "
-           "JOIN python.threads USING (thread_id) GROUP BY ALL ORDER BY cpu_user DESC")
+EXAMPLE = ("SELECT t.thread_name, t.cpu_user, count(*) AS frames FROM python.backtrace b "
+           "JOIN python.threads t USING (thread_id) GROUP BY ALL ORDER BY t.cpu_user DESC")
 
 
 def rows() -> Iterator[Tuple[Any, ...]]:
