@@ -16,6 +16,18 @@ from typing import Dict, List, Optional, Sequence
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.path.join(HERE, "targets")
 REPO = os.path.dirname(HERE)
+PYENV = "/root/.pyenv/versions"
+
+
+def pyenv_python(version: str) -> str:
+    """The interpreter of CPython ``version`` ("3.12") installed by pyenv, or "" when there is none."""
+    if os.path.isdir(PYENV):
+        for name in sorted(os.listdir(PYENV)):
+            if name == version or name.startswith(version + "."):
+                path = os.path.join(PYENV, name, "bin", "python" + version)
+                if os.path.exists(path):
+                    return path
+    return ""
 
 
 @dataclass

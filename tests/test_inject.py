@@ -22,9 +22,8 @@ from probe.injector.diagnose import _version_problems
 from probe.injector.methods import GIL_ENSURE, PENDING, attach_and_look, plan, run_plan
 from probe.injector.target import TargetInfo, read_target
 from probe.injector.threads import Frame, ThreadState, parse_backtraces, parse_gil_checks
-from procs import REPO, target_env
+from procs import PYENV, pyenv_python, target_env
 
-PYENV = "/root/.pyenv/versions"
 VERSIONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]
 
 
@@ -55,16 +54,6 @@ def _no_probe_env(**extra: str) -> Dict[str, str]:
     env = target_env(probe=False, **extra)
     env.pop("PYTHONPATH", None)
     return env
-
-
-def _interpreter(version: str) -> str:
-    if os.path.isdir(PYENV):
-        for name in sorted(os.listdir(PYENV)):
-            if name == version or name.startswith(version + "."):
-                path = os.path.join(PYENV, name, "bin", "python" + version)
-                if os.path.exists(path):
-                    return path
-    return ""
 
 
 def _tracer(pid: int) -> int:
@@ -284,7 +273,7 @@ def test_already_attached_changes_nothing(target_factory):
 @needs_ptrace
 @pytest.mark.parametrize("version", VERSIONS)
 def test_inject_each_cpython(start, version):
-    python = _interpreter(version)
+    python = pyenv_python(version)
     if not python:
         pytest.skip("CPython %s is not installed under %s" % (version, PYENV))
     proc = start("inject_blocked.py", "event", python=python)
@@ -297,7 +286,7 @@ def test_inject_each_cpython(start, version):
 
 @needs_ptrace
 def test_inject_into_an_environment_without_duckdb(start):
-    python = _interpreter("3.12")
+    python = pyenv_python("3.12")
     if not python:
         pytest.skip("CPython 3.12 is not installed under %s" % PYENV)
     lacks = subprocess.run([python, "-c", "import duckdb"], capture_output=True, timeout=30).returncode != 0

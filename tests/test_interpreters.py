@@ -1,29 +1,17 @@
 """The agent's code runs on every CPython from 3.9 to 3.13 (those present under pyenv here)."""
 
-import os
 
 import pytest
 
 import probe
-from procs import REPO, target_env
+from procs import PYENV, REPO, pyenv_python, target_env
 
 VERSIONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]
-PYENV = "/root/.pyenv/versions"
-
-
-def _interpreter(version: str) -> str:
-    if os.path.isdir(PYENV):
-        for name in sorted(os.listdir(PYENV)):
-            if name == version or name.startswith(version + "."):
-                path = os.path.join(PYENV, name, "bin", "python" + version)
-                if os.path.exists(path):
-                    return path
-    return ""
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_agent_serves_on_each_cpython(target_factory, version):
-    python = _interpreter(version)
+    python = pyenv_python(version)
     if not python:
         pytest.skip("CPython %s is not installed under %s" % (version, PYENV))
     proc = target_factory("explicit_start.py", python=python, env=target_env(probe=False, PYTHONPATH=REPO))

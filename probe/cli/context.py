@@ -1,6 +1,5 @@
 """What every command shares: the targets, how to reach them, and how errors end the command."""
 
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
@@ -9,7 +8,7 @@ import click
 from probe.client import Client, connect
 from probe.errors import ProbeError, UsageError
 
-__all__ = ["CliContext", "pass_cli", "fail", "each_target"]
+__all__ = ["CliContext", "pass_cli", "each_target"]
 
 T = TypeVar("T")
 
@@ -52,9 +51,3 @@ def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[
             yield client, work(client)
         except ProbeError as exc:
             cli.record(exc, client.target.label if len(clients) > 1 else None)
-
-
-def fail(exc: ProbeError) -> "None":
-    message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
-    click.echo("probe: error: " + message, err=True)
-    sys.exit(exc.exit_code)
