@@ -9,7 +9,7 @@ code, never on message text. Stdlib only: the agent imports this inside the targ
 from typing import Dict, Optional, Type
 
 __all__ = [
-    "ProbeError", "BadRequest", "SQLError", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
+    "ProbeError", "BadRequest", "SQLError", "SQLUnavailable", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
     "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
     "error_from_code",
 ]
@@ -46,6 +46,12 @@ class BadRequest(ProbeError):
 
 class SQLError(ProbeError):
     code, status, exit_code = "sql_error", 400, 1
+
+
+class SQLUnavailable(SQLError):
+    """The agent's process cannot import DuckDB or pyarrow; the client runs such queries itself."""
+
+    code, status, exit_code = "sql_unavailable", 501, 1
 
 
 class EvalError(ProbeError):
@@ -106,7 +112,7 @@ class InjectError(ProbeError):
 
 _BY_CODE: Dict[str, Type[ProbeError]] = {
     cls.code: cls
-    for cls in (BadRequest, SQLError, EvalError, Unauthorized, Forbidden, NotFound, Timeout, TooLarge,
+    for cls in (BadRequest, SQLError, SQLUnavailable, EvalError, Unauthorized, Forbidden, NotFound, Timeout, TooLarge,
                 Busy, InternalError)
 }
 

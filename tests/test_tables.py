@@ -61,7 +61,7 @@ def test_readme_names_every_command_and_table():
 
     with open("%s/README.md" % REPO) as handle:
         readme = handle.read()
-    for command in COMMANDS:
-        assert re.search(r"probe [^\n]*\b%s\b" % command.name, readme), "README does not show `%s`" % command.name
+    for name in COMMANDS:
+        assert re.search(r"probe [^\n]*\b%s\b" % name, readme), "README does not show `%s`" % name
     for table in list_tables():
         assert table.name in readme, "README does not mention %s" % table.name

@@ -17,7 +17,7 @@ from typing import Any, List, Optional
 from probe import _paths
 from probe.agent.http import Listener, Request
 from probe.agent.options import AgentOptions, parse_hostport
-from probe.errors import SQLError, Unauthorized
+from probe.errors import SQLUnavailable, Unauthorized
 
 __all__ = ["Agent"]
 
@@ -138,8 +138,8 @@ class Agent:
         with self._engine_lock:
             if self._engine is None:
                 if not self.sql_available():
-                    raise SQLError("this process cannot import DuckDB and pyarrow, so it cannot run SQL itself",
-                                   hint="the probe client runs such queries on its side; upgrade the client")
+                    raise SQLUnavailable("this process cannot import DuckDB and pyarrow, so it cannot run SQL "
+                                         "itself", hint="the probe client runs such queries on its side")
                 from probe.engine import Engine
 
                 self._engine = Engine(_produce_arrow, max_rows=self.options.max_rows,

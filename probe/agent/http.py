@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Tuple
 
+from probe.agent import switch
 from probe.errors import BadRequest, Forbidden, ProbeError, TooLarge
 
 __all__ = ["Request", "Response", "Listener", "MAX_BODY_BYTES"]
@@ -177,9 +178,11 @@ class Listener:
                 if not self._slots.acquire(timeout=1.0):
                     _reject_busy(conn)
                     continue
+            switch.begin()  # from here on every GIL hand-over of this request is short
             try:
                 threading.Thread(target=self._serve, args=(conn,), name="probe-request", daemon=True).start()
             except BaseException:
+                switch.end()
                 self._slots.release()
                 conn.close()
 
@@ -225,6 +228,7 @@ class Listener:
             except OSError:
                 pass
             self._slots.release()
+            switch.end()
 
 
 def _peer_is_owner(conn: socket.socket) -> bool:

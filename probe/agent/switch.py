@@ -11,7 +11,7 @@ import threading
 from typing import Iterator
 from contextlib import contextmanager
 
-__all__ = ["fast_switching"]
+__all__ = ["fast_switching", "begin", "end"]
 
 _REQUEST_INTERVAL = 0.0005
 _lock = threading.Lock()
@@ -19,8 +19,8 @@ _active = 0
 _saved = 0.005
 
 
-@contextmanager
-def fast_switching() -> Iterator[None]:
+def begin() -> None:
+    """A request starts: lower the switch interval (the first of concurrent requests saves it)."""
     global _active, _saved
     with _lock:
         if _active == 0:
@@ -28,10 +28,21 @@ def fast_switching() -> Iterator[None]:
             if _saved > _REQUEST_INTERVAL:
                 sys.setswitchinterval(_REQUEST_INTERVAL)
         _active += 1
+
+
+def end() -> None:
+    """A request ends: the last one restores the target's own switch interval."""
+    global _active
+    with _lock:
+        _active -= 1
+        if _active == 0:
+            sys.setswitchinterval(_saved)
+
+
+@contextmanager
+def fast_switching() -> Iterator[None]:
+    begin()
     try:
         yield
     finally:
-        with _lock:
-            _active -= 1
-            if _active == 0:
-                sys.setswitchinterval(_saved)
+        end()

@@ -1,30 +1,50 @@
 """The ``probe`` command line: ``probe [OPTIONS] [TARGET] COMMAND [ARGS]``.
 
-Commands are registered in one explicit list below. A target written before the command
-(``probe 4242 backtrace``) is the same as ``-t 4242``; ``-t`` may be repeated to run against several
-targets in turn.
+Commands are registered in one explicit list below, by module, and imported only when invoked: the
+command's start-up is part of every answer's latency (``probe PID backtrace`` races py-spy). A target
+written before the command (``probe 4242 backtrace``) is the same as ``--target 4242``; ``-t`` may be
+repeated to run against several targets in turn.
 """
 
-from typing import List, Optional, Tuple
+import importlib
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
 import probe
-from probe.cli.commands.backtrace import backtrace
-from probe.cli.commands.eval_ import eval_
-from probe.cli.commands.health import health
-from probe.cli.commands.list_ import list_
-from probe.cli.commands.query import query
-from probe.cli.commands.tables import schema, tables
 from probe.cli.context import CliContext
 
 __all__ = ["cli", "COMMANDS", "normalise_argv"]
 
-COMMANDS = [list_, query, eval_, backtrace, tables, schema, health]
+#: name -> (module under probe.cli.commands, attribute): the whole command set, in help order.
+COMMANDS: Dict[str, Tuple[str, str]] = {
+    "list": ("list_", "list_"),
+    "backtrace": ("backtrace", "backtrace"),
+    "query": ("query", "query"),
+    "eval": ("eval_", "eval_"),
+    "tables": ("tables", "tables"),
+    "schema": ("tables", "schema"),
+    "health": ("health", "health"),
+    "inject": ("inject", "inject"),
+}
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout"}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Commands(click.Group):
+    """A group whose commands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> List[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> Optional[click.Command]:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name]
+        command: Any = getattr(importlib.import_module("probe.cli.commands." + module), attr)
+        return command
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-t", "--target", "targets", multiple=True, metavar="TARGET",
               help="A pid, HOST:PORT or unix:PATH (repeatable). Default: $PROBE_TARGET.")
 @click.option("--token", envvar="PROBE_TOKEN", help="Token for TCP targets (or $PROBE_TOKEN).")
@@ -44,31 +64,14 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
       probe PID backtrace                            every thread's stack
       probe PID query "SELECT * FROM process.info"   SQL over live state
       probe PID eval "print(model)"                  Python in the target
+      probe PID inject                               attach to a running process
       probe HOST:PORT --token-file tok tables        a remote agent over TCP
     """
     ctx.obj = CliContext(list(targets), token, token_file, timeout)
 
 
-for _command in COMMANDS:
-    cli.add_command(_command)
-
-
-def _add_inject() -> None:
-    """``inject`` comes with the injector; the CLI works without it."""
-    try:
-        from probe.cli.commands.inject import inject
-    except ImportError:
-        return
-    cli.add_command(inject)
-    COMMANDS.append(inject)
-
-
-_add_inject()
-
-
 def normalise_argv(argv: List[str]) -> List[str]:
-    """Turn ``probe 4242 backtrace`` into ``probe -t 4242 backtrace`` (also after other global options)."""
-    names = set(cli.commands)
+    """Turn ``probe 4242 backtrace`` into ``probe --target 4242 backtrace`` (also after global options)."""
     out = list(argv)
     i = 0
     while i < len(out):
@@ -79,8 +82,8 @@ def normalise_argv(argv: List[str]) -> List[str]:
         if arg.startswith("-"):
             i += 1
             continue
-        if arg not in names:
-            out[i:i + 1] = ["-t", arg]
+        if arg not in COMMANDS:
+            out[i:i + 1] = ["--target", arg]
             i += 2
             continue
         break

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 from probe.client import transport
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 from probe.client.targets import Target, parse_target
-from probe.errors import ProbeError, UsageError, error_from_code
+from probe.errors import ProbeError, SQLUnavailable, UsageError, error_from_code
 
 __all__ = ["Client", "connect", "ARROW_STREAM"]
 
@@ -28,7 +28,7 @@ class Client:
         self.target = target
         self.timeout = timeout
         self._token = token
-        self._health: Optional[Dict[str, Any]] = None
+        self._local_sql = False  # set once the agent said it cannot run SQL itself
 
     def __repr__(self) -> str:
         return "<probe.Client %s>" % self.target.label
@@ -86,8 +86,7 @@ class Client:
 
     def health(self) -> Dict[str, Any]:
         """Who the agent is: pid, host, rank, world size, python, probe version, capabilities."""
-        self._health = self._json("GET", "/v1/health")
-        return self._health
+        return self._json("GET", "/v1/health")
 
     def tables(self) -> List[TableInfo]:
         return [TableInfo.from_json(t) for t in self._json("GET", "/v1/tables")["tables"]]
@@ -113,20 +112,30 @@ class Client:
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Rows:
         """Run SQL; the result as plain rows (no pyarrow needed when the agent runs the query)."""
-        if not self._agent_runs_sql():
-            from probe.client.local_sql import rows_of
+        if not self._local_sql:
+            body = _query_body(sql, max_rows, timeout)
+            try:
+                raw = self._json("POST", "/v1/query", body, timeout=_wait_for(timeout, self.timeout))
+                return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"],
+                            bool(raw.get("truncated")))
+            except SQLUnavailable:
+                self._local_sql = True
+        from probe.client.local_sql import rows_of
 
-            return rows_of(self.query(sql, max_rows=max_rows, timeout=timeout))
-        body = _query_body(sql, max_rows, timeout)
-        raw = self._json("POST", "/v1/query", body, timeout=_wait_for(timeout, self.timeout))
-        return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], bool(raw.get("truncated")))
+        return rows_of(self.query(sql, max_rows=max_rows, timeout=timeout))
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Any:
         """Run SQL; the result as a ``pyarrow.Table`` (metadata ``probe.truncated`` says if it was cut)."""
-        if not self._agent_runs_sql():
-            from probe.client.local_sql import run_locally
+        if not self._local_sql:
+            try:
+                return self._query_arrow(sql, max_rows, timeout)
+            except SQLUnavailable:
+                self._local_sql = True
+        from probe.client.local_sql import run_locally
 
-            return run_locally(self, sql, max_rows, timeout)
+        return run_locally(self, sql, max_rows, timeout)
+
+    def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
         import pyarrow as pa
 
         response = self._call("POST", "/v1/query", _query_body(sql, max_rows, timeout), accept=ARROW_STREAM,
@@ -144,10 +153,6 @@ class Client:
         return EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
                           bool(raw.get("timed_out")))
 
-    def _agent_runs_sql(self) -> bool:
-        if self._health is None:
-            self.health()
-        return bool(self._health and self._health.get("capabilities", {}).get("sql", False))
 
 
 def _query_body(sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Dict[str, Any]:

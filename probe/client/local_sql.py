@@ -27,7 +27,11 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
             return None
         return to_arrow(rows.columns, [_revive(rows.columns, r) for r in rows.rows])
 
-    result = Engine(fetch).query(sql, max_rows=max_rows, timeout=timeout)
+    engine = Engine(fetch)
+    try:
+        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
+    finally:
+        engine.close()
     return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false"})
 
 

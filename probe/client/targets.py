@@ -1,8 +1,7 @@
 """What a target string means: a pid on this host, ``host:port``, or ``unix:PATH``."""
 
 import os
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from probe import _paths
 from probe.client.transport import Address, TcpAddress, UnixAddress
@@ -11,8 +10,7 @@ from probe.errors import UsageError
 __all__ = ["Target", "parse_target"]
 
 
-@dataclass(frozen=True)
-class Target:
+class Target(NamedTuple):
     label: str  # as the user wrote it; shown in the ``target`` column
     address: Address
     pid: Optional[int] = None

@@ -14,6 +14,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Set
 
 from probe.engine.result import QueryResult
+from probe.engine.watchdog import Watchdog
 from probe.errors import SQLError, Timeout
 
 __all__ = ["Engine", "TableSource", "referenced_tables"]
@@ -77,6 +78,7 @@ class Engine:
         self.max_rows = max_rows
         self.timeout = timeout
         self._views: Set[str] = set()
+        self._watchdog = Watchdog()
         self._lock = threading.Lock()
         self._con = duckdb.connect(":memory:", config={
             "enable_external_access": False,
@@ -97,12 +99,11 @@ class Engine:
         self._check_statement(sql)
         tables = self._produce(referenced_tables(sql))
         cursor = self._con.cursor()
-        timer = threading.Timer(limit, cursor.interrupt)
-        timer.daemon = True
+        alarm = None
         try:
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
-            timer.start()
+            alarm = self._watchdog.schedule(limit, cursor.interrupt)
             table, truncated = self._run(cursor, sql, cap)
         except self._duckdb.InterruptException:
             raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
@@ -110,7 +111,8 @@ class Engine:
         except self._duckdb.Error as exc:
             raise SQLError(_clean(exc)) from None
         finally:
-            timer.cancel()
+            if alarm is not None:
+                self._watchdog.cancel(alarm)
             try:
                 cursor.close()
             except Exception:

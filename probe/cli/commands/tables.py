@@ -1,7 +1,6 @@
 """``probe TARGET tables`` and ``probe TARGET schema NAME``: what can be queried."""
 
 import json
-from dataclasses import asdict
 
 import click
 
@@ -16,7 +15,7 @@ def tables(cli: CliContext, as_json: bool) -> None:
     """List every table with its description."""
     for _, specs in each_target(cli, lambda c: c.tables()):
         if as_json:
-            click.echo(json.dumps([asdict(s) for s in specs]))
+            click.echo(json.dumps([s.to_json() for s in specs]))
         else:
             click.echo("\n".join(render_tables(specs)))
 
@@ -28,4 +27,4 @@ def tables(cli: CliContext, as_json: bool) -> None:
 def schema(cli: CliContext, name: str, as_json: bool) -> None:
     """Show a table's columns, their types and descriptions."""
     for _, spec in each_target(cli, lambda c: c.schema(name)):
-        click.echo(json.dumps(asdict(spec)) if as_json else "\n".join(render_schema(spec)))
+        click.echo(json.dumps(spec.to_json()) if as_json else "\n".join(render_schema(spec)))
