@@ -96,11 +96,11 @@ class Engine:
         started = time.perf_counter()
         cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
-        self._check_statement(sql)
-        tables = self._produce(referenced_tables(sql))
         cursor = self._con.cursor()
         alarm = None
         try:
+            self._check_statement(cursor, sql)
+            tables = self._produce(referenced_tables(sql))
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
             alarm = self._watchdog.schedule(limit, cursor.interrupt)
@@ -126,9 +126,9 @@ class Engine:
         except Exception:
             pass
 
-    def _check_statement(self, sql: str) -> None:
+    def _check_statement(self, cursor: Any, sql: str) -> None:
         try:
-            statements = self._con.cursor().extract_statements(sql)
+            statements = cursor.extract_statements(sql)
         except self._duckdb.Error as exc:
             raise SQLError(_clean(exc)) from None
         if not statements:
@@ -142,7 +142,7 @@ class Engine:
             # EXPLAIN ANALYZE runs the statement it explains: that one must be a SELECT too.
             inner = _EXPLAIN_PREFIX.sub("", sql, count=1)
             try:
-                explained = self._con.cursor().extract_statements(inner)
+                explained = cursor.extract_statements(inner)
             except self._duckdb.Error:
                 explained = []
             if len(explained) != 1 or _kind(explained[0]) != "SELECT":

@@ -9,7 +9,7 @@ import heapq
 import itertools
 import threading
 import time
-from typing import Callable, List, Optional, Set, Tuple
+from typing import Callable, List, Optional, Tuple
 
 __all__ = ["Watchdog"]
 
@@ -19,7 +19,6 @@ class Watchdog:
         self._name = name
         self._cond = threading.Condition()
         self._heap: List[Tuple[float, int, Callable[[], None]]] = []
-        self._cancelled: Set[int] = set()
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
@@ -35,25 +34,26 @@ class Watchdog:
         return ident
 
     def cancel(self, ident: int) -> None:
+        """Forget a deadline (and the reference its action holds, e.g. to a cursor)."""
         with self._cond:
-            if any(entry[1] == ident for entry in self._heap):
-                self._cancelled.add(ident)
+            kept = [entry for entry in self._heap if entry[1] != ident]
+            if len(kept) != len(self._heap):
+                heapq.heapify(kept)
+                self._heap = kept
+                self._cond.notify()
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                deadline, ident, action = self._heap[0]
-                remaining = deadline - time.monotonic()
+                remaining = self._heap[0][0] - time.monotonic()
                 if remaining > 0:
-                    self._cond.wait(remaining)
+                    self._cond.wait(remaining)  # holding no action: a cancelled one is freed at once
                     continue
-                heapq.heappop(self._heap)
-                if ident in self._cancelled:
-                    self._cancelled.discard(ident)
-                    continue
+                action = heapq.heappop(self._heap)[2]
             try:
                 action()
             except Exception:
                 pass  # an interrupt that comes too late must not end the watchdog
+            action = None
