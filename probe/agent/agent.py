@@ -148,10 +148,10 @@ class Agent:
 
 
 def _produce_arrow(name: str) -> Any:
-    from probe.tables import get_table, produce_rows
-    from probe.tables.arrow import to_arrow
+    from probe.tables import get_table, produce_columns
+    from probe.tables.arrow import from_columns
 
     spec = get_table(name)
     if spec is None:
         return None
-    return to_arrow([(c.name, c.type) for c in spec.columns], produce_rows(spec))
+    return from_columns([(c.name, c.type) for c in spec.columns], produce_columns(spec))

@@ -14,7 +14,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, Sequence, Tuple
 
 from probe.agent import switch
 from probe.errors import BadRequest, Forbidden, ProbeError, TooLarge
@@ -66,7 +66,7 @@ class Response:
         return cls(status, json.dumps(value, default=str).encode("utf-8"))
 
     @classmethod
-    def json_rows(cls, head: Dict[str, object], chunks: "Iterable[List[object]]") -> "Response":
+    def json_rows(cls, head: Dict[str, object], chunks: "Iterable[Sequence[object]]") -> "Response":
         """``head`` plus a ``rows`` array encoded chunk by chunk.
 
         The JSON encoder holds the GIL for as long as one call runs; encoding a large result in

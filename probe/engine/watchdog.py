@@ -51,9 +51,10 @@ class Watchdog:
                 if remaining > 0:
                     self._cond.wait(remaining)  # holding no action: a cancelled one is freed at once
                     continue
-                action = heapq.heappop(self._heap)[2]
+                action: Optional[Callable[[], None]] = heapq.heappop(self._heap)[2]
             try:
-                action()
+                if action is not None:
+                    action()
             except Exception:
                 pass  # an interrupt that comes too late must not end the watchdog
             action = None

@@ -6,7 +6,7 @@ the wrong type raises here. pyarrow is imported inside the functions: only a que
 
 from typing import Any, Sequence, Tuple
 
-__all__ = ["arrow_type", "to_arrow", "schema_of"]
+__all__ = ["arrow_type", "to_arrow", "from_columns", "schema_of"]
 
 
 def arrow_type(sql_type: str) -> Any:
@@ -32,13 +32,14 @@ def schema_of(columns: Sequence[Tuple[str, str]]) -> Any:
 
 def to_arrow(columns: Sequence[Tuple[str, str]], rows: Sequence[Sequence[Any]]) -> Any:
     """``columns``: (name, SQL type) pairs; ``rows``: tuples in column order."""
+    return from_columns(columns, list(zip(*rows)) if rows else [() for _ in columns])
+
+
+def from_columns(columns: Sequence[Tuple[str, str]], data: Sequence[Sequence[Any]]) -> Any:
+    """``columns``: (name, SQL type) pairs; ``data``: one sequence of values per column."""
     import pyarrow as pa
 
     schema = schema_of(columns)
-    if rows:
-        data = list(zip(*rows))
-    else:
-        data = [() for _ in columns]
     arrays = []
     for (name, _), field, values in zip(columns, schema, data):
         try:

@@ -47,6 +47,7 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
     index: Dict[Tuple[Any, int], int] = {}
     frames: List[Tuple[str, str, int, Any]] = []
     stacks: List[Tuple[Any, ...]] = []
+    frame: Any
     for ident, frame in current.items():
         thread = threads.get(ident)
         if ident == me or is_agent_thread(thread):
@@ -68,12 +69,22 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
     return stacks, frames
 
 
-def rows() -> Iterator[Tuple[Any, ...]]:
+def rows() -> Dict[str, List[Any]]:
+    """The table, column by column (the registry's fastest form: no tuple per row)."""
     stacks, frames = snapshot()
+    out: Dict[str, List[Any]] = {c.name: [] for c in COLUMNS}
+    per_frame = dict(zip(("func", "file", "lineno", "code"), zip(*frames))) if frames else {}
     for ident, name, native, is_main, chain in stacks:
-        for depth, position in enumerate(chain):
-            func, file, lineno, code = frames[position]
-            yield (ident, name, native, is_main, depth, func, file, lineno, "python", code)
+        count = len(chain)
+        out["thread_id"] += [ident] * count
+        out["thread_name"] += [name] * count
+        out["native_id"] += [native] * count
+        out["is_main"] += [is_main] * count
+        out["depth"] += range(count)
+        out["frame_type"] += ["python"] * count
+        for column, values in per_frame.items():
+            out[column] += [values[position] for position in chain]
+    return out
 
 
 def _source(file: str, lineno: int) -> Any:

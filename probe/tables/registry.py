@@ -9,7 +9,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from probe.tables.spec import Column, RowsFn, TableSpec
 
-__all__ = ["register_table", "unregister_table", "get_table", "list_tables", "produce_rows"]
+__all__ = ["register_table", "unregister_table", "get_table", "list_tables", "produce_rows", "produce_columns"]
 
 _lock = threading.Lock()
 _tables: Dict[str, TableSpec] = {}
@@ -30,8 +30,8 @@ def register_table(
     """Make ``SELECT * FROM name`` work in this process's agent.
 
     ``columns``: :class:`Column` objects, ``(name, type[, description])`` tuples or dicts with those
-    keys. ``rows_fn()``: called for every query that names the table; returns tuples in column order
-    or dicts keyed by column name.
+    keys. ``rows_fn()``: called for every query that names the table; returns tuples in column order,
+    or dicts keyed by column name, or (fastest) one dict mapping each column name to its list of values.
     """
     spec = TableSpec(name, description, tuple(_as_column(c) for c in columns), rows_fn, example)
     with _lock:
@@ -59,10 +59,39 @@ def list_tables() -> List[TableSpec]:
 
 def produce_rows(spec: TableSpec) -> List[Tuple[Any, ...]]:
     """Call the table's rows function and normalise its rows to tuples in column order."""
+    produced = spec.rows()
+    if isinstance(produced, dict):
+        return list(zip(*_checked_columns(spec, produced)))
+    return _normalised_rows(spec, produced)
+
+
+def produce_columns(spec: TableSpec) -> List[List[Any]]:
+    """Call the table's rows function; its values as one list per column, in column order."""
+    produced = spec.rows()
+    if isinstance(produced, dict):
+        return _checked_columns(spec, produced)
+    rows = _normalised_rows(spec, produced)
+    if not rows:
+        return [[] for _ in spec.columns]
+    return [list(values) for values in zip(*rows)]
+
+
+def _checked_columns(spec: TableSpec, produced: Dict[str, Any]) -> List[List[Any]]:
+    """A columnar table's dict of lists, checked against the spec (same names, equal lengths)."""
+    missing = [n for n in spec.column_names if n not in produced]
+    if missing:
+        raise ValueError("table %s: the rows function gave no values for %s" % (spec.name, ", ".join(missing)))
+    columns = [list(produced[n]) for n in spec.column_names]
+    if len({len(c) for c in columns}) > 1:
+        raise ValueError("table %s: the columns the rows function gave differ in length" % spec.name)
+    return columns
+
+
+def _normalised_rows(spec: TableSpec, produced: Iterable[Any]) -> List[Tuple[Any, ...]]:
     names = spec.column_names
     width = len(names)
     out: List[Tuple[Any, ...]] = []
-    for row in _iterate(spec.rows()):
+    for row in _iterate(produced):
         if isinstance(row, dict):
             out.append(tuple(row.get(n) for n in names))
         else:

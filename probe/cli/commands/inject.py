@@ -14,7 +14,7 @@ from probe.errors import ProbeError, UsageError
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (a token is required and written to a file).")
 @click.option("--token-file", "agent_token_file", metavar="FILE", help="Where the agent reads or writes its TCP token.")
 @click.option("--no-eval", is_flag=True, help="Start a read-only agent: eval requests are refused.")
-@click.option("--wait", "wait", type=float, default=5.0, show_default=True, metavar="SECONDS",
+@click.option("--timeout", "--wait", "wait", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
               help="Give up after this long, leaving the process running and untraced.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 @pass_cli
@@ -42,3 +42,4 @@ def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[st
             tcp = "; TCP on %s, token in %s" % (listen, result.token_file) if listen else ""
             click.echo("%d: agent started in %.2f s (%s) at %s%s" % (result.pid, result.elapsed, result.method,
                                                                   result.socket_path, tcp))
+            click.echo("next: probe %d backtrace | query SQL | eval CODE" % result.pid)
