@@ -3,7 +3,7 @@
 import linecache
 import sys
 import threading
-from typing import Any, Dict, Iterator, List, Tuple
+from typing import Any, Dict, List, Tuple
 
 from probe.tables.spec import Column
 
