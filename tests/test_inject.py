@@ -22,7 +22,7 @@ from probe.injector.diagnose import _version_problems
 from probe.injector.methods import GIL_ENSURE, PENDING, attach_and_look, plan, run_plan
 from probe.injector.target import TargetInfo, read_target
 from probe.injector.threads import Frame, ThreadState, parse_backtraces, parse_gil_checks
-from procs import PYENV, pyenv_python, target_env
+from procs import PYENV, pyenv_python, run_cli, target_env
 
 VERSIONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]
 
@@ -277,11 +277,17 @@ def test_inject_each_cpython(start, version):
     if not python:
         pytest.skip("CPython %s is not installed under %s" % (version, PYENV))
     proc = start("inject_blocked.py", "event", python=python)
-    result = inject(proc.pid, timeout=15)
-    health = _assert_served_and_untouched(proc, result)
+    pid = str(proc.pid)
+    attached = run_cli(pid, "inject", "--timeout", "15")  # the CLI itself runs on this test's Python
+    assert attached.code == 0, attached.err
+    health = _assert_served_and_untouched(proc)
     assert str(health["python"]).startswith(version + ".")
-    frames = probe.connect("unix:" + result.socket_path).backtrace()
-    assert any(f.func == "block" and f.file.endswith("inject_blocked.py") for f in frames)
+    backtrace = run_cli(pid, "backtrace")
+    assert backtrace.code == 0 and "block (" in backtrace.out and "inject_blocked.py" in backtrace.out
+    query = run_cli(pid, "query", "SELECT count(*) AS n FROM python.backtrace WHERE func LIKE '%block'", "-f", "csv")
+    assert (query.code, query.out.split()) == (0, ["n", "1"]), query.err
+    evaluated = run_cli(pid, "eval", "import sys; sys.version_info[:2]")
+    assert (evaluated.code, evaluated.out.strip()) == (0, str(tuple(int(p) for p in version.split("."))))
 
 
 @needs_ptrace
@@ -295,4 +301,11 @@ def test_inject_into_an_environment_without_duckdb(start):
     proc = start("inject_sleeping.py", python=python)
     result = inject(proc.pid, timeout=15)
     _assert_served_and_untouched(proc, result)
-    assert any(f.func == "idle_loop" for f in probe.connect("unix:" + result.socket_path).backtrace())
+    client = probe.connect("unix:" + result.socket_path)
+    assert any(f.func == "idle_loop" for f in client.backtrace())
+    assert client.health()["capabilities"]["sql"] is False
+    # SQL still works: the client runs it over the table data it fetches
+    rows = client.query_rows("SELECT count(*) FROM python.backtrace WHERE func = 'idle_loop'")
+    assert rows.rows == [[1]]
+    assert client.eval("6 * 7").value == "42"
+    assert "python.backtrace" in {t.name for t in client.tables()}
