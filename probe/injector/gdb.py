@@ -176,7 +176,7 @@ class GdbSession:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(pause)
-            pause = min(pause * 2, 0.01)
+            pause = min(pause * 2, 0.002)  # the target is stopped while we wait: poll often
 
     def _reap(self, timeout: float) -> None:
         try:

@@ -102,6 +102,12 @@ def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, Lis
     session = GdbSession(info.pid, _libraries(info), _left(deadline))
     try:
         threads = parse_backtraces(session.run(["thread apply all bt 16"], _left(deadline)))
+        main = next((t for t in threads if t.lwp == info.pid), None)
+        if main is not None and is_in_bytecode(main):
+            # Executing bytecode needs the GIL: the main thread holds it, and a pending call is the plan
+            # whatever the other threads do. Asking every thread (an inferior call each, with the whole
+            # process stopped) would only lengthen the pause.
+            return session, with_gil(threads, {main.num: True})
         # scheduler-locking: only the asked thread runs PyGILState_Check, the others stay where gdb saw them.
         checks = session.run(["set scheduler-locking on", "thread apply all call (int)PyGILState_Check()",
                               "set scheduler-locking off"], _left(deadline), calls=True)
