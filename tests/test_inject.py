@@ -175,6 +175,55 @@ def test_diagnose_old_python():
     assert "3.9" in _version_problems(info)[0].message
 
 
+def test_diagnose_gdb_missing_says_how_to_install_it(start):
+    proc = start("inject_sleeping.py")
+    env = target_env(probe=False, PATH="/nonexistent")  # no gdb to be found
+    result = run_cli(str(proc.pid), "inject", env=env)
+    assert result.code == 6
+    assert "gdb is not installed" in result.err and "apt-get install gdb" in result.err
+    assert proc.alive()
+
+
+@needs_ptrace
+def test_diagnose_a_process_traced_by_another_debugger(start):
+    proc = start("inject_sleeping.py")
+    holder = subprocess.Popen(["gdb", "-nx", "-batch", "-p", str(proc.pid), "-ex", "shell read line"],
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while _tracer(proc.pid) != holder.pid:
+            assert time.monotonic() < deadline, "gdb did not attach"
+            time.sleep(0.05)
+        result = run_cli(str(proc.pid), "inject")
+        assert result.code == 6
+        assert "already traced by pid %d (gdb)" % holder.pid in result.err and "detach" in result.err
+    finally:
+        holder.communicate(b"\n", timeout=20)
+    assert proc.alive()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the CLI as another user")
+def test_diagnose_another_users_process(start):
+    proc = start("inject_sleeping.py")
+
+    def as_nobody() -> None:
+        os.setgid(65534)
+        os.setuid(65534)
+
+    env = target_env(probe=False, PROBE_RUNTIME_DIR="/tmp", HOME="/tmp")
+    try:
+        done = subprocess.run([sys.executable, "-m", "probe", str(proc.pid), "inject"], capture_output=True,
+                              text=True, env=env, cwd="/", preexec_fn=as_nobody, timeout=60)
+    except PermissionError as exc:
+        pytest.skip("user nobody cannot run this Python (%s)" % exc)
+    if "No module named" in done.stderr:
+        pytest.skip("user nobody cannot read this checkout: %s" % done.stderr.strip()[-200:])
+    assert done.returncode == 6, done.stderr
+    assert "belongs to uid 0, and probe runs as uid 65534" in done.stderr
+    assert "sudo -u '#0' probe %d inject" % proc.pid in done.stderr
+    assert proc.alive() and _tracer(proc.pid) == 0
+
+
 # ---------------------------------------------------------------- injection, real targets
 
 @needs_ptrace
