@@ -9,6 +9,7 @@ enough for ``curl --unix-socket``, for proxies and for port forwarding. Stdlib o
 
 import json
 import os
+import queue
 import socket
 import struct
 import threading
@@ -96,6 +97,10 @@ class Listener:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._reading: Dict[socket.socket, float] = {}  # connections still sending their request
         self._reading_lock = threading.Lock()
+        self._queue: "queue.SimpleQueue[socket.socket]" = queue.SimpleQueue()
+        self._workers_lock = threading.Lock()
+        self._idle = 0  # worker threads waiting for a connection
+        self._waiting = 0  # connections handed over and not yet taken by a worker
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
 
@@ -180,11 +185,42 @@ class Listener:
                     continue
             switch.begin()  # from here on every GIL hand-over of this request is short
             try:
-                threading.Thread(target=self._serve, args=(conn,), name="probe-request", daemon=True).start()
+                self._dispatch(conn)
             except BaseException:
                 switch.end()
                 self._slots.release()
                 conn.close()
+
+    def _dispatch(self, conn: socket.socket) -> None:
+        """Hand the connection to an idle worker thread, starting one if none is idle.
+
+        Workers stay for the next request: a fresh thread per request cost about 0.8 ms of a query
+        that should take a few (thread start-up, and DuckDB's per-thread state). There are never more
+        workers than connection slots.
+        """
+        with self._workers_lock:
+            self._waiting += 1
+            start = self._waiting > self._idle
+            if start:
+                self._idle += 1  # counted idle until it takes its first connection
+        if start:
+            threading.Thread(target=self._work, name="probe-request", daemon=True).start()
+        self._queue.put(conn)
+
+    def _work(self) -> None:
+        me = threading.current_thread()
+        while not self._closed:
+            me.name = "probe-idle"  # python.threads tells idle workers from those serving a request
+            conn = self._queue.get()
+            me.name = "probe-request"
+            with self._workers_lock:
+                self._waiting -= 1
+                self._idle -= 1
+            try:
+                self._serve(conn)
+            finally:
+                with self._workers_lock:
+                    self._idle += 1
 
     def _evict_slowest_reader(self) -> None:
         with self._reading_lock:
