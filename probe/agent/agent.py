@@ -118,7 +118,8 @@ class Agent:
         scheme, _, value = given.partition(" ")
         if self._token is None or scheme.lower() != "bearer" or not value:
             raise Unauthorized("this agent requires a token on TCP",
-                               hint="pass --token-file FILE (the agent wrote it to %s)" % (self.token_file or "its token file"))
+                               hint="pass --token-file FILE with the agent's token (on its host: %s)"
+                               % (self.token_file or "the file given to the agent"))
         if not hmac.compare_digest(value.strip().encode("utf-8"), self._token):
             raise Unauthorized("the token was refused", hint="check --token / --token-file against the agent's token file")
 

@@ -66,8 +66,8 @@ class Client:
             exc = error_from_code(error.get("code", "internal"), error.get("message", ""), error.get("hint"))
         except (ValueError, KeyError, TypeError, AttributeError):
             exc = error_from_code("internal", "HTTP %d from %s" % (response.status, self.target.label))
-        if exc.code == "unauthorized" and not self._token:
-            exc.hint = "this agent needs a token on TCP: pass --token-file FILE (or set PROBE_TOKEN_FILE)"
+        if exc.code == "unauthorized" and not self._token and not exc.hint:
+            exc.hint = "pass --token-file FILE (or set PROBE_TOKEN_FILE)"
         return exc
 
     def _explain(self, exc: ProbeError) -> ProbeError:
