@@ -1,0 +1,75 @@
+"""``PROBE=1 torchrun ...``: every rank gets an agent (TCP on PROBE_PORT + LOCAL_RANK), the launcher none."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+import probe
+from probe import _paths
+from procs import TARGETS, target_env
+
+TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+
+def _free_port_pair() -> int:
+    """A port p such that p and p + 1 were free a moment ago."""
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+            return port
+    raise RuntimeError("no two consecutive free ports")
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun (torch) is not installed")
+def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
+    port = _free_port_pair()
+    env = target_env(PROBE="1", PROBE_LISTEN="127.0.0.1:0", PROBE_PORT=str(port))
+    launcher = subprocess.Popen([TORCHRUN, "--nproc_per_node=2", "--master_port=%d" % _free_port_pair(),
+                                 os.path.join(TARGETS, "rank.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, start_new_session=True)
+    try:
+        ranks = {}
+        deadline = time.monotonic() + 90
+        assert launcher.stdout is not None
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            line = launcher.stdout.readline()
+            assert line, "torchrun exited: %s" % launcher.stderr.read()[-2000:] if launcher.stderr else ""
+            if line.startswith("READY"):
+                _, pid, rank, local_rank = line.split()
+                ranks[int(local_rank)] = (int(pid), int(rank))
+        for local_rank, (pid, rank) in sorted(ranks.items()):
+            token_file = _paths.token_path(pid)
+            deadline = time.monotonic() + 20
+            while not os.path.exists(token_file):
+                assert time.monotonic() < deadline, "rank %d wrote no token file" % rank
+                time.sleep(0.05)
+            client = probe.connect("127.0.0.1:%d" % (port + local_rank), token_file=token_file)
+            health = client.health()
+            assert (health["pid"], health["rank"], health["local_rank"], health["world_size"]) == (
+                pid, rank, local_rank, 2)
+        assert not os.path.exists(_paths.socket_path(launcher.pid)), "torchrun's own process got an agent"
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGTERM)
+            launcher.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(10)
+        except ProcessLookupError:
+            launcher.wait(10)
+        for stream in (launcher.stdout, launcher.stderr):
+            if stream:
+                stream.close()
