@@ -2,6 +2,7 @@
 
 import json
 import os
+import time
 
 import pytest
 
@@ -179,3 +180,20 @@ def test_backtrace_json_equals_the_table_rows(idle_target):
     from_sql = json.loads(run_cli(pid, "query", "SELECT * FROM python.backtrace WHERE thread_name = 'loader-0' "
                                   "ORDER BY depth", "-f", "json").out)
     assert from_backtrace == from_sql and len(from_sql) >= 4
+
+
+def test_eval_leaves_the_targets_streams_as_they_were(idle_target, tmp_path):
+    pid = str(idle_target.pid)
+    during = run_cli(pid, "eval", "import sys; print(type(sys.stdout).__name__, type(sys.stderr).__name__)")
+    assert (during.code, during.out.strip()) == (0, "_ThreadRouter _ThreadRouter")  # captured while it runs
+    report = tmp_path / "after.txt"
+    snippet = ("import sys, threading\n"
+               "def look():\n"
+               "    with open(%r, 'w') as f: f.write(str(sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__))\n"
+               "threading.Timer(0.3, look).start()" % str(report))
+    assert run_cli(pid, "eval", snippet).code == 0
+    deadline = time.monotonic() + 10
+    while not report.exists() or not report.read_text():
+        assert time.monotonic() < deadline, "the target never reported its streams"
+        time.sleep(0.02)
+    assert report.read_text() == "True"  # between snippets the target's own streams are back

@@ -93,13 +93,23 @@ class _ThreadRouter(io.TextIOBase):
 _router_lock = threading.Lock()
 
 
-def _router(stream_name: str) -> _ThreadRouter:
+def _capture(stream_name: str, ident: int, buffer: _Capture) -> _ThreadRouter:
+    """Route ``ident``'s writes to ``buffer``, putting a router in place of the stream if needed."""
     with _router_lock:
         current = getattr(sys, stream_name)
         if not isinstance(current, _ThreadRouter):
             current = _ThreadRouter(current)
             setattr(sys, stream_name, current)
+        current.captures[ident] = buffer
         return current
+
+
+def _release(stream_name: str, router: _ThreadRouter, ident: int) -> None:
+    """Stop capturing ``ident``; the last capture puts the target's own stream back."""
+    with _router_lock:
+        router.captures.pop(ident, None)
+        if not router.captures and getattr(sys, stream_name) is router:
+            setattr(sys, stream_name, router.original)
 
 
 def _compile(code: str) -> "tuple[Any, Any]":
@@ -116,8 +126,7 @@ def _compile(code: str) -> "tuple[Any, Any]":
 def _execute(code: str, namespace: Dict[str, Any], result: Dict[str, Any]) -> None:
     out, err = _Capture(), _Capture()
     ident = threading.get_ident()
-    stdout, stderr = _router("stdout"), _router("stderr")
-    stdout.captures[ident], stderr.captures[ident] = out, err
+    stdout, stderr = _capture("stdout", ident, out), _capture("stderr", ident, err)
     try:
         import linecache
 
@@ -135,8 +144,8 @@ def _execute(code: str, namespace: Dict[str, Any], result: Dict[str, Any]) -> No
     except BaseException as exc:
         result["error"] = _snippet_traceback(exc)
     finally:
-        stdout.captures.pop(ident, None)
-        stderr.captures.pop(ident, None)
+        _release("stdout", stdout, ident)
+        _release("stderr", stderr, ident)
         result["stdout"], result["stderr"] = out.getvalue(), err.getvalue()
 
 
