@@ -240,7 +240,7 @@ def test_client_over_tcp_with_the_token_file(tcp_target):
 
 
 def test_idle_connections_without_a_token_cannot_lock_out_a_token_holder(tcp_target):
-    from probe.agent.http import MAX_CONNECTIONS
+    from probe.agent.listener import MAX_CONNECTIONS
 
     idle = []
     try:

@@ -15,7 +15,8 @@ import time
 from typing import Any, List, Optional
 
 from probe import _paths
-from probe.agent.http import Listener, Request
+from probe.agent.http import Request
+from probe.agent.listener import Listener
 from probe.agent.options import AgentOptions, parse_hostport
 from probe.errors import SQLUnavailable, Unauthorized
 
