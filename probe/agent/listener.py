@@ -26,7 +26,7 @@ MAX_CONNECTIONS = 32
 
 
 class Listener:
-    """One listening socket, its accept thread, and a thread per connection."""
+    """One listening socket, its accept thread, and worker threads (one per open connection, reused)."""
 
     def __init__(self, sock: socket.socket, transport: str, handler: Handler, name: str) -> None:
         self._sock = sock
@@ -48,11 +48,9 @@ class Listener:
         try:
             if os.path.lexists(path):
                 os.unlink(path)  # a stale socket of a dead process with our pid
-            old_umask = os.umask(0o177)
-            try:
-                sock.bind(path)
-            finally:
-                os.umask(old_umask)
+            # No umask change: it is process-wide, and the target's threads may be creating files. The
+            # directory is the owner's alone (0700), so nobody can reach the socket before the chmod.
+            sock.bind(path)
             os.chmod(path, 0o600)
             sock.listen(64)
         except BaseException:
