@@ -266,3 +266,21 @@ def test_every_tables_example_query_runs(shared_idle, name, example):
     result = run_cli(str(shared_idle.pid), "query", example, "-f", "json", timeout=30)
     assert result.code == 0, "the example of %s fails: %s" % (name, result.err)
     assert isinstance(json.loads(result.out), list)
+
+
+def test_a_child_forked_after_a_query_exits_cleanly_and_leaves_the_parent_serving(target_factory, tmp_path):
+    """DuckDB's teardown in a forked child crashes it (SIGSEGV): the agent must keep that from happening."""
+    from probe import _paths
+
+    go = tmp_path / "go"
+    proc = target_factory("fork_later.py", str(go))
+    client = probe.connect(str(proc.pid))
+    assert client.query_rows("SELECT count(*) FROM python.threads").rows[0][0] >= 1  # DuckDB now loaded
+    go.write_text("")
+    deadline = time.monotonic() + 20
+    while client.eval("child_exit is None").value == "True":
+        assert time.monotonic() < deadline, "the parent never reaped its child"
+        time.sleep(0.05)
+    assert client.eval("child_exit").value == "0"
+    assert os.path.exists(_paths.socket_path(proc.pid))
+    assert client.query_rows("SELECT pid FROM process.info").rows == [[proc.pid]]

@@ -69,19 +69,24 @@ class Agent:
         return self
 
     def stop(self) -> None:
-        """Close the listeners and remove our files; only the process that started us does this."""
+        """Close the listeners and remove our files; only the process that started us does this.
+
+        A forked child inherits this method in its atexit hooks; there it does nothing (DuckDB's state
+        and the files belong to the parent).
+        """
+        if os.getpid() != self.pid:
+            return
         for listener in self._listeners:
             listener.close()
         self._listeners = []
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.close()
-        if os.getpid() == self.pid:
-            for path in self._owned_files:
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+        for path in self._owned_files:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
         self._owned_files = []
 
     def forget_after_fork(self) -> None:
@@ -90,6 +95,11 @@ class Agent:
             listener.forget()
         self._listeners = []
         self._owned_files = []
+        if self._engine is not None:
+            # The parent's DuckDB must never be destroyed in the child: its destructor tears down state
+            # (threads, locks) that fork did not copy, and the child dies with SIGSEGV. DataLoader
+            # workers are such children. Keep one reference forever; the child never uses it.
+            _keep_alive_forever(self._engine)
 
     # -- security ---------------------------------------------------------------------------------
 
@@ -147,6 +157,12 @@ class Agent:
                 self._engine = Engine(_produce_arrow, max_rows=self.options.max_rows,
                                       timeout=self.options.query_timeout, memory_limit=self.options.memory_limit)
         return self._engine
+
+
+def _keep_alive_forever(obj: Any) -> None:
+    import ctypes
+
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _produce_arrow(name: str) -> Any:

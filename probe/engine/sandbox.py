@@ -44,17 +44,20 @@ def _hidden_name(table: str) -> str:
 _QUALIFIED = re.compile(r'"?([A-Za-z_][A-Za-z0-9_]*)"?\s*\.\s*"?([A-Za-z_][A-Za-z0-9_]*)"?')
 
 
-def referenced_tables(sql: str) -> Set[str]:
+def referenced_tables(sql: str, connection: Any) -> Set[str]:
     """Qualified names of the tables that ``sql`` may read, aliases stripped, lower-cased.
 
     DuckDB's parser answers this; where it cannot without binding (it binds ``JOIN ... USING`` and
-    then fails, since our views do not exist in its default connection), every ``ns.name`` in the text
-    is a candidate: producing a table the query did not need costs time, never correctness.
+    then fails, the tables being unknown to it), every ``ns.name`` in the text is a candidate:
+    producing a table the query did not need costs time, never correctness. ``connection`` must have
+    an empty catalog (with our views it would answer with the tables behind them); it is the engine's
+    own, not the module-level ``duckdb.get_table_names``, which opens DuckDB's default database: that
+    one nobody could keep from being torn down in a forked child, where teardown crashes.
     """
     import duckdb
 
     try:
-        names = duckdb.get_table_names(sql, qualified=True)
+        names = connection.get_table_names(sql, qualified=True)
     except duckdb.ParserException as exc:
         raise SQLError(_clean(exc)) from None
     except duckdb.Error:
@@ -91,6 +94,8 @@ class Engine:
         })
         self._con.execute("SET lock_configuration = true")
         self._con.fetchall()
+        # An empty database, only for finding the tables a query names (see referenced_tables).
+        self._parser = duckdb.connect(":memory:", config={"enable_external_access": False, "threads": 1})
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> QueryResult:
         started = time.perf_counter()
@@ -100,7 +105,12 @@ class Engine:
         alarm = None
         try:
             self._check_statement(cursor, sql)
-            tables = self._produce(referenced_tables(sql))
+            parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
+            try:
+                names = referenced_tables(sql, parser)
+            finally:
+                parser.close()
+            tables = self._produce(names)
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
             alarm = self._watchdog.schedule(limit, cursor.interrupt)
@@ -121,10 +131,11 @@ class Engine:
 
     def close(self) -> None:
         """Release the database (at agent stop, so nothing is left for interpreter shutdown)."""
-        try:
-            self._con.close()
-        except Exception:
-            pass
+        for con in (self._con, self._parser):
+            try:
+                con.close()
+            except Exception:
+                pass
 
     def _check_statement(self, cursor: Any, sql: str) -> None:
         try:
