@@ -83,8 +83,6 @@ def normalise_argv(argv: List[str]) -> List[str]:
             i += 1
             continue
         if arg not in COMMANDS:
-            out[i:i + 1] = ["--target", arg]
-            i += 2
-            continue
-        break
+            out[i:i + 1] = ["--target", arg]  # the first word that is no command is the target...
+        break  # ...and the next is the command (click names a misspelt one)
     return out
