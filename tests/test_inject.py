@@ -237,6 +237,21 @@ def test_inject_sleeping_target(start):
 
 
 @needs_ptrace
+def test_attach_from_python_returns_a_connected_client(start):
+    proc = start("inject_sleeping.py")
+    client = probe.attach(proc.pid, timeout=15, eval_enabled=False)
+    assert client.health()["pid"] == proc.pid
+    assert client.health()["capabilities"]["eval"] is False  # options reach the agent
+    assert any(f.func == "idle_loop" for f in client.backtrace())
+    with pytest.raises(probe.ProbeError) as refused:
+        client.eval("1")
+    assert refused.value.code == "forbidden"
+    again = probe.attach(proc.pid, timeout=15)  # already attached: the same agent answers
+    assert again.health()["pid"] == proc.pid
+    _assert_served_and_untouched(proc)
+
+
+@needs_ptrace
 def test_inject_busy_target_repeatedly_never_crashes(start):
     proc = start("inject_busy.py")
     result = inject(proc.pid, timeout=10)
