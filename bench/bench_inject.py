@@ -84,8 +84,8 @@ def timed(fn: Callable[[int], None], script: str, runs: int) -> List[float]:
 
 
 def probe_cli(pid: int) -> None:
-    subprocess.run([sys.executable, "-c", "import sys; from probe.cli import main; sys.exit(main())", str(pid), "inject"], check=True, timeout=60,
-                   stdout=subprocess.DEVNULL)
+    command = [sys.executable, "-c", "import sys; from probe.cli import main; sys.exit(main())", str(pid), "inject"]
+    subprocess.run(command, check=True, timeout=60, stdout=subprocess.DEVNULL)
 
 
 def probe_library(pid: int) -> None:
