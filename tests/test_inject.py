@@ -295,11 +295,13 @@ def test_inject_waits_for_a_short_c_call_holding_the_gil(start):
 
 @needs_ptrace
 def test_inject_gives_up_on_a_long_c_call_and_starts_later(start):
-    proc = start("inject_c_call.py", "5")
+    # The call outlasts the timeout by a wide margin, and the timeout leaves gdb room to start on a
+    # loaded machine: what is tested is the diagnosis and the bound, not gdb's speed.
+    proc = start("inject_c_call.py", "9")
     began = time.monotonic()
     with pytest.raises(InjectError) as info:
-        inject(proc.pid, timeout=1.5)
-    assert time.monotonic() - began < 4.0
+        inject(proc.pid, timeout=3.0)
+    assert time.monotonic() - began < 6.0
     assert "holds the GIL" in info.value.message and "builtin_sum" in info.value.message
     assert "queued" in (info.value.hint or "")
     assert proc.alive() and _tracer(proc.pid) == 0
