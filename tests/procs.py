@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterator, List, Optional, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TARGETS = os.path.join(HERE, "targets")
@@ -103,6 +104,16 @@ def spawn(script: str, args: Sequence[str] = (), env: Optional[Dict[str, str]] =
         stop(popen)
         raise
     return proc
+
+
+@contextmanager
+def running(script: str, *args: str, **kwargs: object) -> Iterator[Proc]:
+    """A target for a ``with`` block (or a module-scoped fixture): started, then always killed and reaped."""
+    proc = spawn(script, args, **kwargs)  # type: ignore[arg-type]
+    try:
+        yield proc
+    finally:
+        proc.kill()
 
 
 def wait_for_socket(pid: int, timeout: float = 10.0) -> str:

@@ -9,7 +9,7 @@ import time
 from typing import Iterator, List
 
 import pytest
-from procs import TARGETS, Proc, run_cli, spawn, target_env, wait_for_socket
+from procs import TARGETS, Proc, run_cli, running, target_env, wait_for_socket
 
 import probe
 from probe import _paths
@@ -254,11 +254,8 @@ def _example_params():
 
 @pytest.fixture(scope="module")
 def shared_idle() -> Iterator[Proc]:
-    proc = spawn("idle.py")
-    try:
+    with running("idle.py") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 @pytest.mark.parametrize("name, example", _example_params())

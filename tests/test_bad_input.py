@@ -13,7 +13,7 @@ import time
 from typing import Dict, Iterator, Tuple
 
 import pytest
-from procs import Proc, run_cli, spawn, target_env
+from procs import Proc, run_cli, running, target_env
 
 import probe
 from probe import _paths
@@ -22,11 +22,8 @@ from probe.agent.http import MAX_BODY_BYTES, MAX_HEADER_BYTES, MAX_HEADERS
 
 @pytest.fixture(scope="module")
 def busy() -> Iterator[Proc]:
-    proc = spawn("busy.py")
-    try:
+    with running("busy.py") as proc:
         yield proc
-    finally:
-        proc.kill()
 
 
 def _counter(client: "probe.Client") -> int:

@@ -10,7 +10,7 @@ import time
 from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
-from procs import Proc, run_cli, spawn, target_env
+from procs import Proc, run_cli, running, target_env
 
 import probe
 from probe import _paths
@@ -66,11 +66,8 @@ class TcpTarget:
 @pytest.fixture(scope="module")
 def tcp_target() -> Iterator[TcpTarget]:
     port = _free_port()
-    proc = spawn("idle.py", env=target_env(PROBE_LISTEN="127.0.0.1:%d" % port))
-    try:
+    with running("idle.py", env=target_env(PROBE_LISTEN="127.0.0.1:%d" % port)) as proc:
         yield TcpTarget(proc, port)
-    finally:
-        proc.kill()
 
 
 # -- the unix socket -----------------------------------------------------------------------------------
