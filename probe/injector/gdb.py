@@ -19,6 +19,8 @@ import tempfile
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from probe.injector.xstate import gdb_environment
+
 __all__ = ["GdbSession", "GdbError", "GdbTimeout", "GdbAbandoned", "abandoned_gdbs"]
 
 _CALLED = ("mmap", "Py_AddPendingCall", "PyRun_SimpleString", "PyGILState_Check", "PyGILState_Ensure",
@@ -68,6 +70,7 @@ class GdbSession:
     def __init__(self, pid: int, libraries: Sequence[Tuple[str, int]], timeout: float, gdb: str = "gdb") -> None:
         self.pid = pid
         self._counter = 0
+        env = gdb_environment()  # before anything is opened: it may refuse (InjectError)
         # gdb appends to its own open file; we read through another, so the two never share an offset.
         fd, path = tempfile.mkstemp(prefix="probe-gdb-", suffix=".log")
         try:
@@ -80,7 +83,8 @@ class GdbSession:
         with sink:
             self._proc = subprocess.Popen(
                 [gdb, "-nx", "-q", "-iex", "set debuginfod enabled off", "-iex", "set auto-load off"],
-                stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+                stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                env=env)
         # Symbols are read before attaching, at the addresses the target mapped the libraries at, so the
         # target stays stopped only for the look and the calls (~80 ms instead of ~330 ms).
         commands = list(_SETUP) + ["add-symbol-file -o %#x %s" % (base, path) for path, base in libraries]
