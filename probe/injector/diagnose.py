@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from probe.errors import InjectError
-from probe.injector.target import TargetInfo, process_exists, read_target, tracer_pid
+from probe.injector.target import TargetInfo, process_exists, process_state, read_target, tracer_pid
 
 __all__ = ["Problem", "diagnose", "ptrace_problems", "MIN_VERSION", "CAP_SYS_PTRACE"]
 
@@ -40,6 +40,10 @@ def diagnose(pid: int, need_gdb: bool = True) -> List[Problem]:
     if not process_exists(pid):
         return [Problem("no_such_process", "no process with pid %d" % pid,
                         "check the pid with `probe list` or `ps`")]
+    state = process_state(pid)
+    if state == "Z":
+        return [Problem("exited", "process %d has exited (a zombie its parent has not reaped)" % pid,
+                        "nothing runs there any more; look at its parent (`ps -o ppid= -p %d`)" % pid)]
     try:
         info = read_target(pid)
     except FileNotFoundError:
@@ -48,11 +52,14 @@ def diagnose(pid: int, need_gdb: bool = True) -> List[Problem]:
         return [Problem("hidden_process", "cannot read /proc/%d (hidepid, or another user's process)" % pid,
                         "run probe as the user who owns the process, or as root")]
     if not info.is_python:
-        name = os.path.basename(info.exe) or "?"
+        name = os.path.basename(info.exe) or _comm(pid)
         return [Problem("not_python", "process %d (%s) is not a Python interpreter" % (pid, name),
                         "give the pid of the python process itself, not of a shell or launcher "
                         "(`probe list` shows the candidates)")]
     problems = _version_problems(info)
+    if state == "T":
+        problems.append(Problem("stopped", "process %d is stopped (SIGSTOP, or Ctrl-Z in its shell)" % pid,
+                                "resume it with `kill -CONT %d` (or `fg` in its shell), then inject" % pid))
     if need_gdb and shutil.which("gdb") is None:
         problems.append(Problem("no_gdb", "gdb is not installed; probe uses it to start the agent",
                                 "install it (`apt-get install gdb`, `dnf install gdb`), or start the agent "

@@ -17,7 +17,7 @@ from probe.injector.diagnose import Problem, diagnose, ptrace_problems
 from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout
 from probe.injector.methods import (GIL_ENSURE, PENDING, Plan, attach_and_look, can_remote_exec,
                                     inject_with_remote_exec, plan, run_plan)
-from probe.injector.target import TargetInfo, expected_socket_path, read_target
+from probe.injector.target import TargetInfo, expected_socket_path, read_target, running_threads
 from probe.injector.threads import is_parked_safely
 
 __all__ = ["InjectResult", "inject", "agent_answers"]
@@ -110,8 +110,9 @@ def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float) 
                           hint="do not kill gdb (pid %d): that would crash the target; the agent starts when "
                                "the call returns" % _gdb_pid(exc)) from None
     except GdbTimeout as exc:
-        raise InjectError("%s; gdb was stopped and process %d continues untouched" % (exc, info.pid),
-                          hint="the host may be overloaded; try again with a longer --timeout") from None
+        raise InjectError("%s; gdb was stopped and process %d continues untouched%s"
+                          % (exc, info.pid, _cpu_contention(info.pid)),
+                          hint="try again with a longer --timeout (e.g. --timeout 30)") from None
     except GdbError as exc:
         problems = ptrace_problems(info)
         if problems:
@@ -120,6 +121,16 @@ def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float) 
     except OSError as exc:
         raise InjectError("injecting into process %d failed: %s" % (info.pid, exc),
                           hint="the target continues untouched; report this with the target's Python version")
+
+
+def _cpu_contention(pid: int) -> str:
+    """Why gdb may have been too slow: it competes for CPU with the target's running threads."""
+    threads, running = running_threads(pid)
+    cpus = os.cpu_count() or 1
+    if running <= cpus:
+        return ""
+    return (" (the target has %d threads, %d of them running, on %d CPUs: gdb stops each thread in turn "
+            "and competes with them for CPU)" % (threads, running, cpus))
 
 
 def _gdb_pid(exc: GdbAbandoned) -> int:
@@ -148,6 +159,13 @@ def _not_started(info: TargetInfo, chosen: Plan, timeout: float) -> InjectError:
         return InjectError("the agent did not start within %.1f s: %s" % (timeout, chosen.delay),
                            hint="the start is queued and runs as soon as the main thread executes Python code "
                                 "again (`probe list` shows it then); or retry with a longer --timeout")
+    threads, running = running_threads(info.pid)
+    if running > 2 * (os.cpu_count() or 1):
+        return InjectError("the agent did not answer within %.1f s after %s: the target has %d threads, %d of them "
+                           "running, on %d CPUs; the agent waits its turn for the GIL behind each of them"
+                           % (timeout, chosen.method, threads, running, os.cpu_count() or 1),
+                           hint="it may still come up: `probe %d health` tells; or retry with a longer --timeout"
+                                % info.pid)
     return InjectError("the agent did not answer within %.1f s after %s" % (timeout, chosen.method),
                        hint="look for 'probe: could not start the agent' in the target's stderr; "
                             "the target continues untouched")

@@ -6,11 +6,12 @@ and a wrong guess inside gdb is not. Runs in the client's process (Linux only).
 
 import os
 import re
-import subprocess
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-__all__ = ["TargetInfo", "read_target", "tracer_pid", "target_environ", "expected_socket_path", "process_exists"]
+from probe.injector.elf import python_version_of
+
+__all__ = ["TargetInfo", "read_target", "tracer_pid", "process_state", "running_threads", "target_environ", "expected_socket_path", "process_exists"]
 
 _LIBPYTHON = re.compile(r"/libpython(\d+)\.(\d+)[a-z]*\.so")
 _EXE_VERSION = re.compile(r"python(\d+)\.(\d+)")
@@ -34,6 +35,34 @@ class TargetInfo:
 
 def process_exists(pid: int) -> bool:
     return os.path.isdir("/proc/%d" % pid)
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat: R running, S sleeping, T stopped, t traced, Z zombie; "" if gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return ""
+    return stat[stat.rfind(b")") + 2:][:1].decode("ascii", "replace")
+
+
+def running_threads(pid: int) -> "tuple[int, int]":
+    """(threads, of which running or runnable) of process ``pid``, from /proc; (0, 0) if unreadable."""
+    total = running = 0
+    try:
+        tasks = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return 0, 0
+    for task in tasks:
+        total += 1
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, task), "rb") as handle:
+                stat = handle.read()
+        except OSError:
+            continue
+        running += stat[stat.rfind(b")") + 2:][:1] == b"R"
+    return total, running
 
 
 def read_target(pid: int) -> TargetInfo:
@@ -135,15 +164,12 @@ def _version(pid: int, exe: str, libpython: Optional[str]) -> Optional[Tuple[int
     match = _EXE_VERSION.search(os.path.basename(exe))
     if match:
         return int(match.group(1)), int(match.group(2))
-    return _ask_interpreter(pid)
+    return _read_version(pid)
 
 
-def _ask_interpreter(pid: int) -> Optional[Tuple[int, int]]:
-    """Run the target's own executable (``/proc/PID/exe`` works even when the file was replaced)."""
-    try:
-        out = subprocess.run(["/proc/%d/exe" % pid, "-I", "-S", "-c", "import sys; print(*sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=5, stdin=subprocess.DEVNULL)
-        major, minor = out.stdout.split()
-        return int(major), int(minor)
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
+def _read_version(pid: int) -> Optional[Tuple[int, int]]:
+    """From the bytes of the target's executable (``/proc/PID/exe`` opens it even when replaced).
+
+    Never by running it: the process may be another user's binary that only calls itself python.
+    """
+    return python_version_of("/proc/%d/exe" % pid)
