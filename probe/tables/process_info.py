@@ -5,8 +5,10 @@ import os
 import socket
 import sys
 import threading
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
+from probe.tables import process_env
+from probe.tables.redact import mask_argv
 from probe.tables.spec import Column
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
@@ -17,7 +19,9 @@ COLUMNS = (
     Column("pid", "BIGINT", "Process id."),
     Column("ppid", "BIGINT", "Parent process id."),
     Column("hostname", "VARCHAR", "Host name."),
-    Column("cmdline", "VARCHAR", "Command line, arguments joined by spaces."),
+    Column("cmdline", "VARCHAR", "Command line, arguments joined by spaces; unless the agent shows secrets, the values "
+                                 "of secret-looking flags (--password X, --api-key=X; not --token-file /path), "
+                                 "secret name=value arguments and URL passwords are '********'."),
     Column("cwd", "VARCHAR", "Current working directory."),
     Column("user", "VARCHAR", "Name of the user the process runs as."),
     Column("start_time", "TIMESTAMP", "When the process started (UTC)."),
@@ -39,16 +43,20 @@ def rows() -> Iterator[Tuple[Any, ...]]:
     proc = _psutil_process()
     python_version = "%d.%d.%d" % sys.version_info[:3]
     if proc is None:
-        yield (os.getpid(), os.getppid(), socket.gethostname(), " ".join(sys.argv), os.getcwd(), None, None,
+        yield (os.getpid(), os.getppid(), socket.gethostname(), _cmdline(sys.argv), os.getcwd(), None, None,
                None, None, None, threading.active_count(), _count_fds(), python_version, sys.executable)
         return
     with proc.oneshot():
         mem = proc.memory_info()
         started = datetime.datetime.fromtimestamp(proc.create_time(), datetime.timezone.utc).replace(tzinfo=None)
-        row = (proc.pid, proc.ppid(), socket.gethostname(), " ".join(proc.cmdline()), proc.cwd(), proc.username(),
+        row = (proc.pid, proc.ppid(), socket.gethostname(), _cmdline(proc.cmdline()), proc.cwd(), proc.username(),
                started, mem.rss, mem.vms, _cpu_percent(proc), proc.num_threads(), proc.num_fds(),
                python_version, sys.executable)
     yield row
+
+
+def _cmdline(args: List[str]) -> str:
+    return " ".join(args if process_env.show_secrets else mask_argv(list(args)))
 
 
 def _psutil_process() -> Any:
