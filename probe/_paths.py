@@ -1,16 +1,26 @@
-"""Where an agent's files live on this host.
+"""Where an agent's files live on this host, and how they are opened without trusting what is there.
 
 One directory per user, entered only by its owner, holds ``<pid>.sock`` (the unix socket of the agent
 in process ``pid``) and ``<pid>.token`` (its TCP token, when it listens on TCP). Both the agent and the
-client derive paths from here, so the convention lives in exactly one place. Runs inside the target:
+client derive paths from here, so the convention lives in exactly one place. A directory we did not
+make for ourselves is never changed (no chmod): it is refused, with the fix. Runs inside the target:
 stdlib only, Python 3.9+.
 """
 
+import errno
 import os
+import socket
 import stat
-from typing import Optional
+import time
+from typing import Optional, Tuple
 
-__all__ = ["runtime_dir", "ensure_runtime_dir", "socket_path", "token_path", "pid_from_socket_name"]
+from probe.errors import UsageError
+
+__all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
+           "pid_from_socket_name", "socket_state", "is_stale_socket", "open_parent_dir"]
+
+STALE_AFTER_S = 2.0
+"""A socket file younger than this is never taken for stale: an agent binds its socket before it listens."""
 
 
 def runtime_dir() -> str:
@@ -24,24 +34,58 @@ def runtime_dir() -> str:
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", "probe-%d" % os.getuid())
 
 
-def ensure_runtime_dir() -> str:
-    """Create the runtime directory (mode 0700) and check that only we own and can enter it.
+_ELSEWHERE = "set PROBE_RUNTIME_DIR to a directory of your own"
 
-    Raises ``PermissionError`` when it exists but belongs to someone else or is open to others: a socket
-    placed there could be replaced or reached by another user.
+
+def runtime_dir_problem(path: Optional[str] = None) -> Optional[Tuple[str, str]]:
+    """Why ``path`` (default: the runtime directory) must not hold our files, as (message, fix); None if it may.
+
+    A missing directory is no problem (the agent creates it). It must be a real directory (not a
+    symbolic link), owned by us, that no other user can enter: otherwise a socket or token placed there
+    could be replaced or reached by someone else.
+    """
+    path = path or runtime_dir()
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return ("cannot look at the probe runtime directory %s: %s" % (path, exc.strerror or exc),
+                _ELSEWHERE)
+    uid = os.getuid()
+    if stat.S_ISLNK(info.st_mode):
+        return ("the probe runtime directory %s is a symbolic link, which probe never follows" % path,
+                "point PROBE_RUNTIME_DIR at the directory itself (not a link to it)")
+    if not stat.S_ISDIR(info.st_mode):
+        return ("the probe runtime directory %s is not a directory" % path, _ELSEWHERE)
+    if info.st_uid != uid:
+        return ("the probe runtime directory %s belongs to uid %d, not to this user (uid %d)"
+                % (path, info.st_uid, uid), _ELSEWHERE)
+    mode = stat.S_IMODE(info.st_mode)
+    if mode & 0o077:
+        return ("the probe runtime directory %s is open to other users (mode %04o); probe does not change "
+                "the mode of a directory it did not create" % (path, mode),
+                "`chmod 700 %s` if it is yours alone; otherwise %s (not a shared one such as /tmp)" % (path, _ELSEWHERE))
+    return None
+
+
+def ensure_runtime_dir() -> str:
+    """Create the runtime directory (mode 0700) if it is missing, and check that only we own and enter it.
+
+    Raises :class:`UsageError` (message and fix) when it cannot be created, or exists and is not a
+    directory of ours closed to others; its mode is never changed.
     """
     path = runtime_dir()
     try:
         os.makedirs(path, mode=0o700)
     except FileExistsError:
         pass
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode):
-        raise PermissionError("%s is not a directory" % path)
-    if info.st_uid != os.getuid():
-        raise PermissionError("%s belongs to uid %d, not to us (uid %d)" % (path, info.st_uid, os.getuid()))
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+    except OSError as exc:
+        raise UsageError("cannot create the probe runtime directory %s: %s" % (path, exc.strerror or exc),
+                         hint="create it (mode 0700), or " + _ELSEWHERE) from None
+    problem = runtime_dir_problem(path)
+    if problem:
+        raise UsageError(*problem)
     return path
 
 
@@ -61,3 +105,98 @@ def pid_from_socket_name(name: str) -> Optional[int]:
     if dot and ext == "sock" and stem.isdigit():
         return int(stem)
     return None
+
+
+def socket_state(path: str, timeout: float = 1.0) -> str:
+    """What is at ``path``: ``"missing"``, ``"listening"`` (a connect succeeded), ``"refused"`` (a socket
+    file nobody listens on: ECONNREFUSED), ``"not_socket"``, or ``"unknown"`` (anything else, such as a
+    connect that timed out because every slot of the listener is taken)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "unknown"
+    if not stat.S_ISSOCK(info.st_mode):
+        return "not_socket"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(path)
+        return "listening"
+    except ConnectionRefusedError:
+        return "refused"
+    except FileNotFoundError:
+        return "missing"
+    except OSError:
+        return "unknown"
+    finally:
+        sock.close()
+
+
+def is_stale_socket(path: str) -> bool:
+    """Whether ``path`` provably belongs to no live agent: a socket file, not brand new, that refuses
+    connections. A missing ``/proc/PID`` is no proof: the agent may live in another PID namespace."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < STALE_AFTER_S:
+        return False
+    return socket_state(path) == "refused"
+
+
+_MAX_LINKS = 40
+
+
+def open_parent_dir(path: str) -> Tuple[int, str]:
+    """An ``O_PATH`` descriptor of ``path``'s directory and its last component, for ``*at`` calls.
+
+    Walks the path one component at a time. A symbolic link on the way is followed only when it belongs
+    to us or to root: a link that another user planted (say in a world-writable directory) is refused
+    with ``PermissionError``. The last component is left to the caller, who opens it with
+    ``O_NOFOLLOW``. The caller closes the descriptor.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    if not name or name in (".", ".."):
+        raise IsADirectoryError(errno.EISDIR, "not a file name", path)
+    base_flags = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_CLOEXEC
+    trusted = (0, os.getuid())
+    fd = os.open("/", base_flags)
+    try:
+        pending = [p for p in parent.split("/") if p]
+        links = 0
+        while pending:
+            part = pending.pop(0)
+            if part == ".":
+                continue
+            try:
+                nxt = os.open(part, base_flags | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                    raise
+                info = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                if not stat.S_ISLNK(info.st_mode):
+                    raise
+                if info.st_uid not in trusted:
+                    raise PermissionError(errno.EPERM, "a symbolic link on the way belongs to uid %d (not to "
+                                          "this user or root), so probe does not follow it" % info.st_uid,
+                                          part) from None
+                links += 1
+                if links > _MAX_LINKS:
+                    raise OSError(errno.ELOOP, "too many symbolic links", path) from None
+                target = os.readlink(part, dir_fd=fd)
+                if target.startswith("/"):
+                    os.close(fd)
+                    fd = -1
+                    fd = os.open("/", base_flags)
+                pending[:0] = [p for p in target.split("/") if p]
+                continue
+            os.close(fd)
+            fd = nxt
+        return fd, name
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        raise

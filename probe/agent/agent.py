@@ -6,10 +6,13 @@ the parent's sockets.
 """
 
 import atexit
+import errno
 import hmac
 import importlib.util
 import os
 import secrets
+import stat
+import sys
 import threading
 import time
 from typing import Any, List, Optional
@@ -18,7 +21,7 @@ from probe import _paths
 from probe.agent.http import Request
 from probe.agent.listener import Listener
 from probe.agent.options import AgentOptions, parse_hostport
-from probe.errors import SQLUnavailable, Unauthorized
+from probe.errors import ProbeError, SQLUnavailable, Unauthorized, UsageError
 
 __all__ = ["Agent"]
 
@@ -33,6 +36,8 @@ class Agent:
         self.unix_path: Optional[str] = None
         self.tcp_address: Optional[str] = None
         self.token_file: Optional[str] = None
+        self.tcp_error: Optional[str] = None
+        """Why the agent serves no TCP although asked to (bind failed, unusable token file); else None."""
         self._token: Optional[bytes] = None
         self._owned_files: List[str] = []
         self._listeners: List[Listener] = []
@@ -49,17 +54,14 @@ class Agent:
         dispatcher = Dispatcher(self)
         _paths.ensure_runtime_dir()
         path = _paths.socket_path(self.pid)
+        _refuse_if_served(path)
         unix = Listener.unix(path, dispatcher)
         self.unix_path = path
         self._owned_files.append(path)
         self._listeners.append(unix)
         try:
             if self.options.listen:
-                self._token = self._load_or_make_token().encode("utf-8")
-                host, port = parse_hostport(self.options.listen)
-                tcp = Listener.tcp(host, port, dispatcher)
-                self.tcp_address = "%s:%d" % (host, tcp.port)
-                self._listeners.append(tcp)
+                self._start_tcp(dispatcher)
         except BaseException:
             self.stop()
             raise
@@ -67,6 +69,34 @@ class Agent:
             listener.start()
         atexit.register(self.stop)
         return self
+
+    def _start_tcp(self, dispatcher: Any) -> None:
+        """Listen on TCP as asked; when that cannot be, say why (stderr, ``tcp_error``) and serve unix only.
+
+        A child started by multiprocessing's spawn or forkserver inherits ``PROBE_LISTEN`` and finds the
+        port taken by its parent: it must still get its unix socket.
+        """
+        listen = str(self.options.listen)
+        tcp = None
+        try:
+            host, port = parse_hostport(listen)
+            try:
+                tcp = Listener.tcp(host, port, dispatcher)
+            except OSError as exc:
+                raise UsageError("cannot listen on %s: %s" % (listen, exc.strerror or exc),
+                                 hint="give each process its own port, or PROBE_LISTEN=%s:0 for any free one"
+                                 % ("[%s]" % host if ":" in host else host)) from None
+            self._token = self._make_or_read_token().encode("utf-8")
+        except (ProbeError, OSError, ValueError) as exc:
+            if tcp is not None:
+                tcp.close()
+            self._token = None
+            self.tcp_error = str(exc)
+            _say("probe: the agent in process %d serves no TCP: %s; its unix socket %s serves"
+                 % (self.pid, self.tcp_error, self.unix_path))
+            return
+        self.tcp_address = "%s:%d" % (host, tcp.port)
+        self._listeners.append(tcp)
 
     def stop(self) -> None:
         """Close the listeners and remove our files; only the process that started us does this.
@@ -103,20 +133,26 @@ class Agent:
 
     # -- security ---------------------------------------------------------------------------------
 
-    def _load_or_make_token(self) -> str:
+    def _make_or_read_token(self) -> str:
+        """The TCP token: given, or read from an explicit token file we can trust, or made fresh.
+
+        Without ``token`` or ``token_file`` the agent always makes a new token and writes it to
+        ``<pid>.token``, replacing whatever is there: a file it did not write itself, in this life (one
+        left by an earlier process with our pid, or planted), is never read.
+        """
         if self.options.token:
             return self.options.token
-        path = self.options.token_file or _paths.token_path(self.pid)
-        if os.path.exists(path):
-            with open(path) as handle:
-                token = handle.read().strip()
-            if token:
-                self.token_file = path
-                return token
+        if self.options.token_file:
+            token = _token_from_file(self.options.token_file)
+            self.token_file = self.options.token_file
+            return token
+        path = _paths.token_path(self.pid)
         token = secrets.token_urlsafe(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(token + "\n")
+        try:
+            os.unlink(path)  # the runtime directory is ours alone; what is there is a leftover
+        except FileNotFoundError:
+            pass
+        _write_new(path, token)
         self.token_file = path
         self._owned_files.append(path)
         return token
@@ -157,6 +193,130 @@ class Agent:
                 self._engine = Engine(_produce_arrow, max_rows=self.options.max_rows,
                                       timeout=self.options.query_timeout, memory_limit=self.options.memory_limit)
         return self._engine
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except BaseException:
+        pass
+
+
+def _refuse_if_served(path: str) -> None:
+    """A socket at our path that accepts connections belongs to a live agent (another PID namespace that
+    shares the runtime directory, where that pid is someone else): never take it over."""
+    if _paths.socket_state(path) in ("listening", "unknown"):
+        raise UsageError("an agent already serves on %s (a process with pid %d in another PID namespace that "
+                         "shares this directory?); not taking its socket" % (path, os.getpid()),
+                         hint="give this process its own PROBE_RUNTIME_DIR")
+
+
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _write_new(path: str, token: str, dir_fd: Optional[int] = None) -> None:
+    """Create ``path`` (never an existing file, never through a link), owner-only, holding ``token``."""
+    fd = os.open(path, _CREATE, 0o600, dir_fd=dir_fd)
+    try:
+        os.write(fd, (token + "\n").encode("utf-8"))
+    finally:
+        os.close(fd)
+
+
+def _token_from_file(path: str) -> str:
+    """The token in the explicit token file ``path``; made and written there (0600) when it is missing.
+
+    The file is read only when it is a regular file (no symbolic link, anywhere on the path, unless it
+    belongs to us or root) of our own that nobody else can read or write; otherwise ``UsageError`` with
+    the fix. Ranks of one job may share it: one creates it (complete, in one step), the others read it.
+    """
+    try:
+        dir_fd, name = _paths.open_parent_dir(path)
+    except OSError as exc:
+        raise UsageError("cannot use the token file %s: %s" % (path, exc.strerror or exc),
+                         hint="set PROBE_TOKEN_FILE to a path of your own") from None
+    try:
+        for _ in range(2):
+            try:
+                return _read_token_at(path, dir_fd, name)
+            except FileNotFoundError:
+                pass
+            token = secrets.token_urlsafe(32)
+            if _create_token_at(path, dir_fd, name, token):
+                return token
+            # Another process (a rank of the same job) created it meanwhile, or a dangling link is there.
+        raise UsageError("the token file %s exists but cannot be opened as a file (a dangling symbolic link?)"
+                         % path, hint="remove it, or set PROBE_TOKEN_FILE to another path")
+    finally:
+        os.close(dir_fd)
+
+
+def _read_token_at(path: str, dir_fd: int, name: str) -> str:
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UsageError("the token file %s is a symbolic link, which probe does not follow" % path,
+                             hint="set PROBE_TOKEN_FILE to the file itself") from None
+        raise UsageError("cannot read the token file %s: %s" % (path, exc.strerror or exc),
+                         hint="make it a file of your own, readable by you (chmod 600 %s)" % path) from None
+    try:
+        info = os.fstat(fd)
+        uid = os.getuid()
+        if not stat.S_ISREG(info.st_mode):
+            raise UsageError("the token file %s is not a regular file" % path,
+                             hint="set PROBE_TOKEN_FILE to a regular file that holds the token")
+        if info.st_uid != uid:
+            raise UsageError("the token file %s belongs to uid %d, not to this process's user (uid %d)"
+                             % (path, info.st_uid, uid), hint="use a token file of your own (mode 600)")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise UsageError("the token file %s is open to other users (mode %04o)"
+                             % (path, stat.S_IMODE(info.st_mode)), hint="chmod 600 %s" % path)
+        token = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    finally:
+        os.close(fd)
+    if not token:
+        raise UsageError("the token file %s is empty" % path,
+                         hint="write the token into it, or remove it and the agent makes one")
+    return token
+
+
+def _create_token_at(path: str, dir_fd: int, name: str, token: str) -> bool:
+    """Write ``token`` to a new file at ``name``; False if something is there already.
+
+    The token goes into a private temporary file first, which is then hard-linked into place: a rank
+    that reads the file never sees it half written, and an existing file or link is never replaced.
+    """
+    tmp = ".%s.%d.%s.tmp" % (name, os.getpid(), secrets.token_hex(4))
+    try:
+        _write_new(tmp, token, dir_fd)
+    except OSError as exc:
+        raise UsageError("cannot create the token file %s: %s" % (path, exc.strerror or exc),
+                         hint="create it yourself (mode 600), or set PROBE_TOKEN_FILE to a path of your own") from None
+    try:
+        os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:
+        # No hard links here (some network file systems): create the file directly, never over another.
+        try:
+            _write_new(name, token, dir_fd)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            raise UsageError("cannot create the token file %s: %s" % (path, exc.strerror or exc),
+                             hint="create it yourself (mode 600)") from None
+    finally:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
 
 
 def _keep_alive_forever(obj: Any) -> None:

@@ -6,8 +6,9 @@ end in ``probe.agent.start``, which is idempotent: a second call finds the runni
 ever raise into the target: a failure is written to stderr and swallowed.
 """
 
+import os
 import sys
-from typing import Optional
+from typing import List, Optional, Tuple
 
 __all__ = ["start_from_injector", "start_from_environment"]
 
@@ -38,9 +39,11 @@ def _start_injected(options_json: str) -> None:
 
 
 def start_from_environment() -> Optional[object]:
-    """Start the agent as ``PROBE=1`` / ``PROBE_LISTEN`` asks, unless this process is a launcher."""
+    """Start the agent as ``PROBE=1`` / ``PROBE_LISTEN`` asks, unless this process is a launcher or the
+    probe command itself (``PROBE=1`` exported in a shell must not put an agent into ``probe list``)."""
     try:
-        if _is_launcher():
+        argv = _command_line()
+        if _is_launcher(argv) or _is_probe_cli(argv):
             return None
         from probe.agent import start
 
@@ -61,25 +64,77 @@ def _explicit(options_json: str) -> dict:
     return {k: v for k, v in given.__dict__.items() if getattr(defaults, k) != v}
 
 
-def _is_launcher() -> bool:
+def _command_line() -> List[str]:
+    """This interpreter's command line as it was typed, also at interpreter start (the ``.pth`` hook),
+    where ``sys.argv`` is not set yet: ``sys.orig_argv`` (3.10+), else ``/proc/self/cmdline``."""
+    orig = getattr(sys, "orig_argv", None)
+    if orig:
+        return list(orig)
+    try:
+        with open("/proc/self/cmdline", "rb") as handle:
+            raw = handle.read()
+        return [a.decode("utf-8", "surrogateescape") for a in raw.split(b"\0")[:-1]]
+    except OSError:
+        return list(getattr(sys, "argv", None) or [])
+
+
+def _is_launcher(argv: List[str]) -> bool:
     """torchrun's own agent process starts the ranks; only the ranks are probed.
 
     At interpreter start (the ``.pth`` hook) ``__main__`` is not loaded yet, so the command line is
     what tells: ``torchrun ...`` or ``python -m torch.distributed.run ...``.
     """
-    argv = list(getattr(sys, "orig_argv", None) or sys.argv or [])
     if argv and argv[0].endswith("torchrun"):
         return True
     if sys.argv and sys.argv[0].endswith(("torchrun", "torch/distributed/run.py")):
         return True
-    for i, arg in enumerate(argv[:-1]):
-        if arg == "-m" and argv[i + 1] in ("torch.distributed.run", "torch.distributed.launch"):
-            return True
-    return False
+    kind, name = _what_runs(argv)
+    if kind == "module":
+        return name in ("torch.distributed.run", "torch.distributed.launch")
+    return kind == "script" and name.endswith(("torchrun", "torch/distributed/run.py"))
+
+
+def _is_probe_cli(argv: List[str]) -> bool:
+    """Whether this interpreter runs the probe command: ``python -m probe ...`` or the ``probe`` script."""
+    if argv and os.path.basename(argv[0]) == "probe":
+        return True
+    kind, name = _what_runs(argv)
+    if kind == "module":
+        return name in ("probe", "probe.cli")
+    return kind == "script" and os.path.basename(name) == "probe"
+
+
+_OPTIONS_WITH_VALUE = ("-W", "-X", "--check-hash-based-pycs")
+
+
+def _what_runs(argv: List[str]) -> Tuple[str, str]:
+    """From an interpreter's command line: ("module", NAME) for ``-m NAME``, ("script", PATH), or
+    ("other", "") for ``-c``, stdin or an interactive interpreter."""
+    i = 1
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-m":
+            return ("module", argv[i + 1]) if i + 1 < len(argv) else ("other", "")
+        if arg.startswith("-m"):
+            return "module", arg[2:]
+        if arg.startswith("-c") or arg in ("-", "--"):
+            return "other", ""
+        if not arg.startswith("-"):
+            return "script", arg
+        i += 2 if arg in _OPTIONS_WITH_VALUE else 1
+    return "other", ""
 
 
 def _report(exc: BaseException) -> None:
+    """One line on stderr: a probe error as its message and fix, anything else with its type."""
     try:
-        sys.stderr.write("probe: could not start the agent: %s: %s\n" % (type(exc).__name__, exc))
+        from probe.errors import ProbeError
+
+        if isinstance(exc, ProbeError):
+            why = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+        else:
+            why = "%s: %s" % (type(exc).__name__, exc)
+        sys.stderr.write("probe: could not start the agent in process %d: %s\n" % (os.getpid(), why))
+        sys.stderr.flush()
     except BaseException:
         pass

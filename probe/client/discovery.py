@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 from probe import _paths
 from probe.client.client import Client
 from probe.client.targets import parse_target
-from probe.errors import ProbeError
+from probe.errors import ProbeError, UsageError
 
 __all__ = ["LocalAgent", "local_agents"]
 
@@ -25,8 +25,17 @@ class LocalAgent:
 
 
 def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
-    """Every agent socket of this user, with the agent's health (or why it did not answer)."""
+    """Every agent socket of this user, with the agent's health (or why it did not answer).
+
+    A socket file that provably belongs to no live agent (nobody listens on it) is removed, with its
+    token file. A pid missing from /proc proves nothing: an agent in another PID namespace that shares
+    the runtime directory has a pid we cannot see. Raises :class:`UsageError` when the runtime
+    directory is not ours alone.
+    """
     directory = _paths.runtime_dir()
+    problem = _paths.runtime_dir_problem(directory)
+    if problem:
+        raise UsageError(*problem)
     try:
         names = os.listdir(directory)
     except OSError:
@@ -37,13 +46,13 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
         if pid is None:
             continue
         path = os.path.join(directory, name)
-        if not os.path.exists("/proc/%d" % pid):
-            _remove_stale(pid, path)  # its process died without running its exit hooks (SIGTERM, SIGKILL)
-            continue
         client = Client(parse_target("unix:" + path), timeout=timeout)
         try:
             found.append(LocalAgent(pid, path, client.health()))
         except ProbeError as exc:
+            if _paths.is_stale_socket(path):
+                _remove_stale(pid, path)  # its process died without running its exit hooks (SIGKILL, os._exit)
+                continue
             found.append(LocalAgent(pid, path, None, exc.message))
     return found
 
