@@ -8,8 +8,10 @@ locked-down engine.
 
 import json
 import os
+import time
 from typing import Any, Dict, List, Optional
 
+from probe import _paths
 from probe.client import transport
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 from probe.client.targets import Target, parse_target
@@ -71,16 +73,46 @@ class Client:
         return exc
 
     def _explain(self, exc: ProbeError) -> ProbeError:
-        """Turn 'no socket at /tmp/...' into advice that names the pid."""
+        """Turn 'no agent at unix:/tmp/...' into what happened to process PID, and what to do about it."""
         from probe.errors import ConnectError
 
-        if isinstance(exc, ConnectError) and self.target.pid is not None:
-            pid = self.target.pid
-            if not os.path.exists("/proc/%d" % pid):
-                return ConnectError("no process with pid %d" % pid, hint="check the pid with `probe list` or ps")
-            return ConnectError("no agent in process %d" % pid,
-                                hint="start it with PROBE=1 in the process's environment, or `probe %d inject`" % pid)
-        return exc
+        if not isinstance(exc, ConnectError) or self.target.pid is None:
+            return exc
+        pid = self.target.pid
+        path = getattr(self.target.address, "path", None) or _paths.socket_path(pid)
+        # transport raises ConnectError from the OSError of the failed step (kept as __context__); a
+        # ConnectError without one, or from a reset or broken pipe, means the connection was made and
+        # then dropped: the agent was answering.
+        cause = exc.__context__
+        answering = cause is None or isinstance(cause, (ConnectionResetError, BrokenPipeError))
+        state = _process_state(pid, wait=0.5 if answering else 0.0)
+        if answering and state in ("gone", "zombie"):
+            return ConnectError("process %d died while answering (it exited or was killed)%s"
+                                % (pid, _zombie_note(pid) if state == "zombie" else ""),
+                                hint="its exit status, or the kernel log (OOM killer), may say why")
+        if os.path.dirname(path) == _paths.runtime_dir():
+            problem = _paths.runtime_dir_problem()
+            if problem:
+                return ConnectError(problem[0] + "; no agent uses it", hint=problem[1])
+        socket_state = _paths.socket_state(path)
+        refused = socket_state == "refused"
+        if state == "zombie":
+            return ConnectError("process %d has exited%s" % (pid, _zombie_note(pid)),
+                                hint="nothing runs there to answer; its parent must reap it (wait for it)")
+        if state == "gone":
+            if refused:
+                return ConnectError("process %d is gone (it exited or was killed) and left its agent's socket %s"
+                                    % (pid, path), hint="`probe list` removes such leftovers")
+            return ConnectError("no process with pid %d (it exited, was killed, or never was)" % pid,
+                                hint="check the pid with `probe list` or ps")
+        if refused:
+            return ConnectError("no agent listens in process %d: its socket %s refuses connections (its agent "
+                                "stopped, or an earlier process with this pid died and left it)" % (pid, path),
+                                hint="start an agent in it with `probe %d inject`" % pid)
+        if answering or socket_state != "missing":
+            return exc  # what transport said is all there is to say (permission denied, a dropped answer)
+        return ConnectError("no agent in process %d" % pid,
+                            hint="start it with PROBE=1 in the process's environment, or `probe %d inject`" % pid)
 
     # -- operations -------------------------------------------------------------------------------
 
@@ -153,6 +185,39 @@ class Client:
         return EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
                           bool(raw.get("timed_out")))
 
+
+
+def _process_state(pid: int, wait: float = 0.0) -> str:
+    """``"gone"``, ``"zombie"`` (exited, not reaped by its parent) or ``"alive"``, from /proc/PID/stat.
+
+    With ``wait``, an alive process is looked at again for up to that many seconds: a process that is
+    dying closes its sockets a moment before /proc shows it exited.
+    """
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            with open("/proc/%d/stat" % pid, "rb") as handle:
+                stat = handle.read()
+            # "PID (COMM) STATE PPID ...": COMM may hold spaces and parentheses; STATE follows the last ')'.
+            state = "zombie" if stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X") else "alive"
+        except (OSError, ValueError):
+            state = "gone"
+        if state != "alive" or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.02)
+
+
+def _zombie_note(pid: int) -> str:
+    """", and its parent (pid P, NAME) has not reaped it" for a zombie; "" when /proc does not say."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        with open("/proc/%d/comm" % ppid, "rb") as handle:
+            name = handle.read().decode("utf-8", "replace").strip()
+    except (OSError, ValueError, IndexError):
+        return ", and its parent has not reaped it"
+    return ", and its parent (pid %d, %s) has not reaped it" % (ppid, name)
 
 
 def _query_body(sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Dict[str, Any]:
