@@ -19,6 +19,7 @@ __all__ = ["Request", "Response", "Handler", "read_request", "send", "MAX_BODY_B
 MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 64
 MAX_BODY_BYTES = 1024 * 1024
+MAX_LENGTH_DIGITS = 12  # Content-Length: more digits than this is never a body we accept
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
             405: "Method Not Allowed", 413: "Payload Too Large", 500: "Internal Server Error",
@@ -34,16 +35,33 @@ class Request:
     transport: str  # "unix" or "tcp"
 
     def json(self) -> Dict[str, object]:
-        """The body as a JSON object; a clear ``bad_request`` for anything else."""
+        """The body as a JSON object; a clear ``bad_request`` for anything else.
+
+        NaN, Infinity and numbers too large for a float are refused here: routes would otherwise fail
+        on them later (``int(inf)``) with an internal error.
+        """
         if not self.body:
             return {}
         try:
-            value = json.loads(self.body.decode("utf-8"))
+            value = json.loads(self.body.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
         except (UnicodeDecodeError, ValueError) as exc:
             raise BadRequest("request body is not valid JSON: %s" % exc) from None
+        except RecursionError:
+            raise BadRequest("request body is JSON nested too deeply") from None
         if not isinstance(value, dict):
             raise BadRequest("request body must be a JSON object")
         return value
+
+
+def _no_constant(name: str) -> object:
+    raise ValueError("%s is not a JSON number" % name)
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if value - value != 0.0:  # inf - inf is nan
+        raise ValueError("number %s is out of range" % text[:40])
+    return value
 
 
 @dataclass
@@ -79,15 +97,25 @@ Handler = Callable[[Request], Response]
 
 
 def read_request(conn: socket.socket, transport: str) -> Request:
+    """One request; ``ProbeError`` for bad input (to be answered), ``ValueError``/``OSError`` when the
+    client goes away or stays silent past the socket's timeout."""
     buf = b""
-    while b"\r\n\r\n" not in buf:
-        if len(buf) > MAX_HEADER_BYTES:
-            raise TooLarge("request headers larger than %d bytes" % MAX_HEADER_BYTES)
+    while True:
         chunk = conn.recv(8192)
         if not chunk:
             raise ValueError("connection closed before the request was complete")
+        seen = len(buf)
         buf += chunk
-    head, _, rest = buf.partition(b"\r\n\r\n")
+        end = buf.find(b"\r\n\r\n", max(seen - 3, 0))
+        if _bare_lf(buf, seen, end if end >= 0 else len(buf)):
+            # Refused at once rather than waited on: every HTTP client sends CRLF, and a second line
+            # grammar is where parsers in front of us and we could disagree about a request's end.
+            raise BadRequest("a line of the request head ends in a bare LF; end every line with CRLF (\\r\\n)")
+        if end >= 0:
+            break
+        if len(buf) > MAX_HEADER_BYTES:
+            raise TooLarge("request headers larger than %d bytes" % MAX_HEADER_BYTES)
+    head, rest = buf[:end], buf[end + 4:]
     if len(head) > MAX_HEADER_BYTES:
         raise TooLarge("request headers larger than %d bytes" % MAX_HEADER_BYTES)
     method, path, headers = _parse_head(head)
@@ -95,11 +123,18 @@ def read_request(conn: socket.socket, transport: str) -> Request:
     return Request(method, path, headers, body, transport)
 
 
+def _bare_lf(buf: bytes, start: int, stop: int) -> bool:
+    """Is there a LF without a CR before it in ``buf[start:stop]``?"""
+    at = buf.find(b"\n", start, stop)
+    while at >= 0:
+        if at == 0 or buf[at - 1] != 13:
+            return True
+        at = buf.find(b"\n", at + 1, stop)
+    return False
+
+
 def _parse_head(head: bytes) -> Tuple[str, str, Dict[str, str]]:
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise BadRequest("malformed HTTP request") from None
+    text = head.decode("latin-1")  # decodes every byte
     lines = text.split("\r\n")
     parts = lines[0].split(" ")
     if len(parts) != 3 or not parts[2].startswith("HTTP/1.") or not parts[1].startswith("/"):
@@ -109,9 +144,12 @@ def _parse_head(head: bytes) -> Tuple[str, str, Dict[str, str]]:
     headers: Dict[str, str] = {}
     for line in lines[1:]:
         name, sep, value = line.partition(":")
-        if not sep or not name or name != name.strip():
+        if not sep or not name or name != name.strip() or "\r" in line:
             raise BadRequest("malformed HTTP header line: %r" % line[:100])
-        headers[name.lower()] = value.strip()
+        name = name.lower()
+        if name == "content-length" and name in headers:
+            raise BadRequest("more than one Content-Length header")
+        headers[name] = value.strip()
     return parts[0].upper(), parts[1], headers
 
 
@@ -119,8 +157,10 @@ def _read_body(conn: socket.socket, headers: Dict[str, str], already: bytes) -> 
     if "transfer-encoding" in headers:
         raise BadRequest("chunked request bodies are not supported; send Content-Length")
     raw_length = headers.get("content-length", "0")
-    if not raw_length.isdigit():
-        raise BadRequest("Content-Length must be a non-negative integer, got %r" % raw_length[:40])
+    # ASCII digits only ('²'.isdigit() is true) and few of them (int() refuses over 4300 digits).
+    if not (0 < len(raw_length) <= MAX_LENGTH_DIGITS and raw_length.isascii() and raw_length.isdigit()):
+        raise BadRequest("Content-Length must be a non-negative integer of at most %d digits, got %r"
+                         % (MAX_LENGTH_DIGITS, raw_length[:40]))
     length = int(raw_length)
     if length > MAX_BODY_BYTES:
         raise TooLarge("request body of %d bytes is larger than the limit of %d" % (length, MAX_BODY_BYTES))
