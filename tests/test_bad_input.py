@@ -10,7 +10,8 @@ import os
 import socket
 import threading
 import time
-from typing import Dict, Iterator, Tuple
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 from procs import Proc, run_cli, running, target_env
@@ -316,6 +317,51 @@ def test_a_silent_client_does_not_block_the_others(busy, unharmed):
     finally:
         for sock in silent:
             sock.close()
+
+
+@contextmanager
+def _agent_setting(client: "probe.Client", module: str, **values: float) -> Iterator[None]:
+    """Set module globals of the agent inside the target (through eval) for one test; restored after."""
+    ref = "__import__(%r, fromlist=['_'])" % module
+    saved = {}
+    for name, value in values.items():
+        saved[name] = client.eval("getattr(%s, %r, 'absent')" % (ref, name)).value
+        assert client.eval("setattr(%s, %r, %r)" % (ref, name, value)).ok
+    try:
+        yield
+    finally:
+        for name, old in saved.items():
+            code = ("delattr(%s, %r)" % (ref, name) if old == "'absent'" else "setattr(%s, %r, %s)" % (ref, name, old))
+            assert client.eval(code).ok
+
+
+def test_when_every_slot_is_taken_a_new_request_is_answered_busy(busy, unharmed, tmp_path):
+    from probe.agent.listener import MAX_CONNECTIONS
+
+    started = tmp_path / "started"
+    snippet = "open(%r, 'a').write('x'); __import__('time').sleep(3)" % str(started)
+    outcomes: List[str] = []
+
+    def hold() -> None:
+        result = probe.connect(str(busy.pid), timeout=20.0).eval(snippet, timeout=10.0)
+        outcomes.append("ok" if result.ok else str(result.error))
+
+    with _agent_setting(unharmed, "probe.agent.listener", BUSY_WAIT_S=1.0):
+        holders = [threading.Thread(target=hold, daemon=True) for _ in range(MAX_CONNECTIONS)]
+        for thread in holders:
+            thread.start()
+        deadline = time.monotonic() + 10.0
+        while not started.exists() or len(started.read_text()) < MAX_CONNECTIONS:
+            assert time.monotonic() < deadline, "the slot-holding snippets did not all start"
+            time.sleep(0.01)
+        asked = time.monotonic()
+        status, headers, body = _raw(busy.pid, b"GET /v1/health HTTP/1.1\r\n\r\n", timeout=10.0)
+        waited = time.monotonic() - asked
+        for thread in holders:
+            thread.join(20.0)
+    assert status == 503 and _error_of(body)["code"] == "busy", (status, body)
+    assert 0.8 < waited < 2.9, "answered busy after %.1f s (the wait is 1 s, and the slots free at 3 s)" % waited
+    assert outcomes == ["ok"] * MAX_CONNECTIONS
 
 
 # -- eval ----------------------------------------------------------------------------------------------

@@ -1,13 +1,16 @@
 """Listening sockets of the agent: accept, admit, and serve each connection on a worker thread.
 
-Every connection costs a slot (at most ``MAX_CONNECTIONS``); when all are taken, the oldest connection
-that has not finished sending its request is closed, so that idle or slow clients cannot lock out
-those with a request. Unix peers must run as our uid. Stdlib only; Python 3.9+.
+Every connection costs a slot (at most ``MAX_CONNECTIONS``). When all are taken, a new connection
+waits (and those behind it wait in the kernel's listen backlog) until a slot frees, for at most
+``BUSY_WAIT_S``; then it is answered 503 ``busy``, never closed without an answer. Meanwhile a
+connection that has not sent its whole request within ``GRACE_S`` of being accepted gives up its slot,
+so that idle or slow clients (perhaps without a token) cannot lock out those with a request; one that
+sent its request in time is never evicted. Unix peers must run as our uid. Stdlib only; Python 3.9+.
 """
 
-import json
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -16,13 +19,16 @@ from typing import Dict
 
 from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
-from probe.errors import Forbidden, ProbeError
+from probe.errors import Busy, Forbidden, ProbeError
 
-__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S"]
+__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S"]
 
 READ_TIMEOUT_S = 10.0
 WRITE_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 32
+GRACE_S = 1.0  # a connection may take this long to send its request before it can lose its slot
+BUSY_WAIT_S = 5.0  # how long a new connection waits for a slot before it is answered 503
+_POLL_S = 0.1  # while every slot is taken: how often to look for a connection to evict
 
 
 class Listener:
@@ -33,8 +39,9 @@ class Listener:
         self.transport = transport
         self._handler = handler
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self._reading: Dict[socket.socket, float] = {}  # connections still sending their request
+        self._reading: Dict[socket.socket, float] = {}  # admitted, request not yet read: when accepted
         self._reading_lock = threading.Lock()
+        self._rejecting = False  # the last connection was answered busy: the next waits only briefly
         self._queue: "queue.SimpleQueue[socket.socket]" = queue.SimpleQueue()
         self._workers_lock = threading.Lock()
         self._idle = 0  # worker threads waiting for a connection
@@ -52,7 +59,7 @@ class Listener:
             # directory is the owner's alone (0700), so nobody can reach the socket before the chmod.
             sock.bind(path)
             os.chmod(path, 0o600)
-            sock.listen(64)
+            sock.listen(128)
         except BaseException:
             sock.close()
             raise
@@ -102,30 +109,82 @@ class Listener:
         except OSError:
             pass
 
+    # -- the accept thread ---------------------------------------------------------------------------
+
     def _accept_loop(self) -> None:
         while not self._closed:
             try:
                 conn, _ = self._sock.accept()
             except OSError:
-                if self._closed:
-                    return
+                if not self._closed:
+                    time.sleep(0.05)  # e.g. EMFILE: the target is out of file descriptors; don't spin
+                continue
+            except Exception:
+                time.sleep(0.05)
                 continue
             except BaseException:
                 return
-            if not self._slots.acquire(blocking=False):
-                # Every slot is taken. Connections that have not finished sending a request (idle or
-                # slow clients, perhaps without a token) must not lock out those that have one.
-                self._evict_slowest_reader()
-                if not self._slots.acquire(timeout=1.0):
-                    _reject_busy(conn)
-                    continue
-            switch.begin()  # from here on every GIL hand-over of this request is short
             try:
-                self._dispatch(conn)
-            except BaseException:
-                switch.end()
-                self._slots.release()
-                conn.close()
+                self._admit(conn)
+            except Exception:
+                pass  # _admit answered or closed the connection; keep accepting
+
+    def _admit(self, conn: socket.socket) -> None:
+        """Give ``conn`` a slot and a worker, or answer it 503 busy (after a bounded wait)."""
+        try:
+            admitted = self._take_slot()
+        except BaseException:
+            _close(conn)
+            raise
+        if not admitted:
+            _reject_busy(conn)
+            return
+        with self._reading_lock:
+            self._reading[conn] = time.monotonic()
+        switch.begin()  # from here on every GIL hand-over of this request is short
+        try:
+            self._dispatch(conn)
+        except BaseException:  # no thread could be started: answer, never drop
+            self._untrack(conn)
+            _reject_busy(conn)
+            self._release()
+            raise
+
+    def _take_slot(self) -> bool:
+        """A free slot, or one freed within the bounded wait (evicting stale readers meanwhile)."""
+        if self._slots.acquire(blocking=False):
+            self._rejecting = False
+            return True
+        deadline = time.monotonic() + (_POLL_S if self._rejecting else BUSY_WAIT_S)
+        while True:
+            self._evict_stale_reader()
+            remaining = deadline - time.monotonic()
+            if self._slots.acquire(timeout=min(_POLL_S, max(remaining, 0.0))):
+                self._rejecting = False
+                return True
+            if remaining <= _POLL_S:
+                self._rejecting = True
+                return False
+
+    def _evict_stale_reader(self) -> None:
+        """Take the slot of the connection longest past ``GRACE_S`` without a whole request.
+
+        Only its reading side is shut: its worker's ``recv()`` returns and the slot is freed, while a
+        request that completed just now can still be answered. A connection with input waiting is
+        skipped: its worker, not its client, is behind.
+        """
+        now = time.monotonic()
+        with self._reading_lock:
+            stale = sorted((t, id(c), c) for c, t in self._reading.items() if now - t > GRACE_S)
+            for _, _, conn in stale:
+                if _has_input(conn):
+                    continue
+                del self._reading[conn]
+                try:
+                    conn.shutdown(socket.SHUT_RD)
+                except OSError:
+                    pass
+                return
 
     def _dispatch(self, conn: socket.socket) -> None:
         """Hand the connection to an idle worker thread, starting one if none is idle.
@@ -140,8 +199,16 @@ class Listener:
             if start:
                 self._idle += 1  # counted idle until it takes its first connection
         if start:
-            threading.Thread(target=self._work, name="probe-request", daemon=True).start()
+            try:
+                threading.Thread(target=self._work, name="probe-request", daemon=True).start()
+            except BaseException:
+                with self._workers_lock:
+                    self._waiting -= 1
+                    self._idle -= 1
+                raise
         self._queue.put(conn)
+
+    # -- worker threads ------------------------------------------------------------------------------
 
     def _work(self) -> None:
         me = threading.current_thread()
@@ -154,20 +221,11 @@ class Listener:
                 self._idle -= 1
             try:
                 self._serve(conn)
+            except BaseException:
+                pass  # never let a connection's trouble end the worker or reach the target
             finally:
                 with self._workers_lock:
                     self._idle += 1
-
-    def _evict_slowest_reader(self) -> None:
-        with self._reading_lock:
-            if not self._reading:
-                return
-            oldest = min(self._reading, key=self._reading.__getitem__)
-            del self._reading[oldest]
-        try:
-            oldest.shutdown(socket.SHUT_RDWR)  # its thread's recv() returns and the slot is freed
-        except OSError:
-            pass
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -177,30 +235,34 @@ class Listener:
             elif not _peer_is_owner(conn):
                 send(conn, Response.error(Forbidden("only the owner of this process may connect")))
                 return
-            with self._reading_lock:
-                self._reading[conn] = time.monotonic()
             try:
                 request = read_request(conn, self.transport)
             except ProbeError as exc:
                 send(conn, Response.error(exc))
                 return
             except (OSError, ValueError):
-                return  # the client went away, timed out, or was evicted; nothing to answer
-            finally:
-                with self._reading_lock:
-                    self._reading.pop(conn, None)
+                if not self._untrack(conn):  # evicted: say so, in case it was slow rather than idle
+                    send(conn, Response.error(Busy(
+                        "the request was not complete %.0f s after the agent accepted the connection, and "
+                        "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
+                return  # otherwise the client went away or timed out; nothing to answer
+            self._untrack(conn)  # evicted or not: a whole request is answered
             response = self._handler(request)
             conn.settimeout(WRITE_TIMEOUT_S)
             send(conn, response)
-        except BaseException:
-            pass  # never let a connection's trouble reach the target
         finally:
-            try:
-                conn.close()
-            except OSError:
-                pass
-            self._slots.release()
-            switch.end()
+            self._untrack(conn)
+            _close(conn)
+            self._release()
+
+    def _untrack(self, conn: socket.socket) -> bool:
+        """The request phase is over; False when the connection had been evicted (or already untracked)."""
+        with self._reading_lock:
+            return self._reading.pop(conn, None) is not None
+
+    def _release(self) -> None:
+        self._slots.release()
+        switch.end()
 
 
 def _peer_is_owner(conn: socket.socket) -> bool:
@@ -213,18 +275,29 @@ def _peer_is_owner(conn: socket.socket) -> bool:
     return uid == os.getuid()
 
 
+def _has_input(conn: socket.socket) -> bool:
+    """Bytes (or an end) are waiting to be read on ``conn``; poll, not select: fds may exceed 1024."""
+    try:
+        poller = select.poll()
+        poller.register(conn, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _reject_busy(conn: socket.socket) -> None:
     try:
         conn.settimeout(1.0)
-        body = json.dumps({"error": {"code": "busy", "message": "the agent has too many open connections",
-                                     "hint": "retry in a moment"}})
-        send(conn, Response(503, body.encode("utf-8")))
+        send(conn, Response.error(Busy("every connection slot of the agent is taken by requests in progress",
+                                       hint="retry in a moment")))
     except BaseException:
         pass
     finally:
-        try:
-            conn.close()
-        except OSError:
-            pass
+        _close(conn)
+
+
+def _close(conn: socket.socket) -> None:
+    try:
+        conn.close()
+    except OSError:
+        pass
