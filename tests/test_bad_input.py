@@ -7,7 +7,9 @@ before the bad input and checks that it advanced afterwards, and that a normal q
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -333,6 +335,112 @@ def _agent_setting(client: "probe.Client", module: str, **values: float) -> Iter
         for name, old in saved.items():
             code = ("delattr(%s, %r)" % (ref, name) if old == "'absent'" else "setattr(%s, %r, %s)" % (ref, name, old))
             assert client.eval(code).ok
+
+
+@pytest.mark.parametrize("what", ["head", "body"])
+def test_a_request_refused_while_still_being_sent_gets_its_answer(busy, unharmed, what):
+    # The agent answers after reading 16 kB of a 1 MB head (or before reading a body over the limit).
+    # Closing then would make the client's send fail with EPIPE before it could read the answer.
+    if what == "head":
+        data, status = b"GET /v1/health HTTP/1.1\r\nX-Big: " + b"a" * (1 << 20), 413
+    else:
+        data = (b"POST /v1/query HTTP/1.1\r\nContent-Length: %d\r\n\r\n" % (2 * MAX_BODY_BYTES)
+                + b" " * (2 * MAX_BODY_BYTES))
+        status = 413
+    with _connect_unix(busy.pid) as sock:
+        sock.sendall(data)  # no BrokenPipeError: the agent reads and discards the rest
+        answer = _read_all(sock)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), head[:100]
+    assert _error_of(body)["code"] == "too_large"
+
+
+def test_a_request_refused_early_through_the_client(busy, unharmed):
+    sql = "SELECT '%s' AS s" % ("x" * (2 * MAX_BODY_BYTES))
+    with pytest.raises(probe.ProbeError) as caught:
+        unharmed.query_rows(sql)
+    assert caught.value.code == "too_large" and "larger than the limit" in caught.value.message
+
+
+_BIG_QUERY = json.dumps({"sql": "SELECT repeat('x', 1000) AS s FROM range(1000)"}).encode()  # ~1 MB of JSON
+
+
+def _answer_head(sock: socket.socket) -> Tuple[int, bytes]:
+    """Content-Length of the answer on ``sock``, and the body bytes read along with the head."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(4096)
+        assert chunk, "no answer"
+        buf += chunk
+    head, _, rest = buf.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), head[:100]
+    lengths = [line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    assert len(lengths) == 1, head
+    return int(lengths[0].split(b":")[1]), rest
+
+
+def test_a_slow_reader_that_keeps_reading_gets_the_whole_answer(busy, unharmed):
+    # Limits lowered for the test: given up after 1 s without progress, or 1 s + 1 s per 100 kB in all.
+    # WRITE_TIMEOUT_S is the one total deadline of before (the whole answer within it), lowered alike.
+    with _agent_setting(unharmed, "probe.agent.http", SEND_STALL_S=1.0, SEND_BASE_S=1.0), \
+            _agent_setting(unharmed, "probe.agent.listener", WRITE_TIMEOUT_S=1.0):
+        with _connect_unix(busy.pid) as sock:
+            sock.sendall(_post("/v1/query", _BIG_QUERY))
+            length, got = _answer_head(sock)
+            received = len(got)
+            started = time.monotonic()
+            while received < length:  # about 320 kB/s: the answer takes 3 s, never 1 s without a byte
+                chunk = sock.recv(16384)
+                if not chunk:
+                    break
+                received += len(chunk)
+                time.sleep(0.05)
+            took = time.monotonic() - started
+        assert received == length, "got %d of %d bytes in %.1f s" % (received, length, took)
+        assert took > 1.5, "the answer was read in %.1f s, too fast to test a slow reader" % took
+
+
+def test_a_reader_that_stops_is_given_up_on_and_can_tell(busy, unharmed):
+    with _agent_setting(unharmed, "probe.agent.http", SEND_STALL_S=1.0):
+        with _connect_unix(busy.pid) as sock:
+            sock.sendall(_post("/v1/query", _BIG_QUERY))
+            length, got = _answer_head(sock)
+            time.sleep(3.0)  # reads nothing for longer than the agent waits for progress
+            rest = _read_all(sock)
+        assert len(got) + len(rest) < length, "a stalled reader still got the whole answer"
+
+
+@pytest.mark.parametrize("answer, why", [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 10, "after 10 of the 100 bytes"),
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * 10, "without a valid Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: ten\r\n\r\n" + b"x" * 10, "without a valid Content-Length"),
+])
+def test_the_client_tells_an_answer_cut_short(answer, why):
+    from probe.client import transport
+
+    directory = tempfile.mkdtemp(prefix="probe-short-")
+    path = os.path.join(directory, "s.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    server.settimeout(10.0)
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(probe.ProbeError) as caught:
+            transport.request(transport.UnixAddress(path), "GET", "/v1/health", timeout=5.0)
+        assert why in str(caught.value)
+    finally:
+        thread.join(10.0)
+        server.close()
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_when_every_slot_is_taken_a_new_request_is_answered_busy(busy, unharmed, tmp_path):

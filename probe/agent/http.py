@@ -9,6 +9,7 @@ for ``curl --unix-socket``, for proxies and for port forwarding. Stdlib only; Py
 
 import json
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, Sequence, Tuple
 
@@ -20,6 +21,11 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_HEADERS = 64
 MAX_BODY_BYTES = 1024 * 1024
 MAX_LENGTH_DIGITS = 12  # Content-Length: more digits than this is never a body we accept
+# Writing a response: give up on a client that takes no byte for SEND_STALL_S, or that needs longer in
+# all than SEND_BASE_S plus a second per SEND_MIN_RATE bytes. Module globals, read at each call.
+SEND_STALL_S = 10.0
+SEND_BASE_S = 30.0
+SEND_MIN_RATE = 100_000
 
 _REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found",
             405: "Method Not Allowed", 413: "Payload Too Large", 500: "Internal Server Error",
@@ -177,7 +183,14 @@ def _read_body(conn: socket.socket, headers: Dict[str, str], already: bytes) -> 
     return b"".join(chunks)[:length]
 
 
-def send(conn: socket.socket, response: Response) -> None:
+def send(conn: socket.socket, response: Response) -> bool:
+    """Write the whole response; False when the client went away or stopped reading.
+
+    The deadline follows progress rather than being one total: a slow reader that keeps taking bytes
+    gets its whole answer (up to a cap that grows with the size), one that takes nothing for
+    ``SEND_STALL_S`` is given up on. Content-Length always comes first, so a client can tell an
+    answer cut short from a whole one.
+    """
     reason = _REASONS.get(response.status, "Status")
     lines = ["HTTP/1.1 %d %s" % (response.status, reason),
              "Content-Type: %s" % response.content_type,
@@ -185,7 +198,25 @@ def send(conn: socket.socket, response: Response) -> None:
              "Connection: close"]
     lines.extend("%s: %s" % item for item in response.headers.items())
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+    body = response.body
+    deadline = time.monotonic() + SEND_BASE_S + len(body) / SEND_MIN_RATE
     try:
-        conn.sendall(head + response.body)
-    except OSError:
-        pass  # the client disconnected mid-response; nothing more to do
+        if len(body) < 65536:
+            _send_all(conn, head + body, deadline)  # one segment for the common small answer
+        else:
+            _send_all(conn, head, deadline)  # no copy of a large body
+            _send_all(conn, body, deadline)
+    except OSError:  # the client went away, or stalled (socket.timeout is an OSError)
+        return False
+    return True
+
+
+def _send_all(conn: socket.socket, data: bytes, deadline: float) -> None:
+    view = memoryview(data)
+    while view:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise socket.timeout("the client took longer than the answer's deadline")
+        conn.settimeout(min(SEND_STALL_S, remaining))  # each send: at most this long without progress
+        sent = conn.send(view)
+        view = view[sent:]

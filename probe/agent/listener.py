@@ -24,10 +24,11 @@ from probe.errors import Busy, Forbidden, ProbeError
 __all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S"]
 
 READ_TIMEOUT_S = 10.0
-WRITE_TIMEOUT_S = 30.0
 MAX_CONNECTIONS = 32
 GRACE_S = 1.0  # a connection may take this long to send its request before it can lose its slot
 BUSY_WAIT_S = 5.0  # how long a new connection waits for a slot before it is answered 503
+LINGER_S = 2.0  # after answering a request not read whole, how long (and how much) of the rest
+LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
 _POLL_S = 0.1  # while every slot is taken: how often to look for a connection to evict
 
 
@@ -239,6 +240,7 @@ class Listener:
                 request = read_request(conn, self.transport)
             except ProbeError as exc:
                 send(conn, Response.error(exc))
+                _linger(conn, LINGER_S, LINGER_BYTES)  # still evictable meanwhile: it holds a slot
                 return
             except (OSError, ValueError):
                 if not self._untrack(conn):  # evicted: say so, in case it was slow rather than idle
@@ -247,9 +249,7 @@ class Listener:
                         "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
                 return  # otherwise the client went away or timed out; nothing to answer
             self._untrack(conn)  # evicted or not: a whole request is answered
-            response = self._handler(request)
-            conn.settimeout(WRITE_TIMEOUT_S)
-            send(conn, response)
+            send(conn, self._handler(request))
         finally:
             self._untrack(conn)
             _close(conn)
@@ -285,11 +285,28 @@ def _has_input(conn: socket.socket) -> bool:
         return False
 
 
+def _linger(conn: socket.socket, seconds: float, limit: int) -> None:
+    """After answering a request that was not read whole: stop writing, read and discard what the
+    client still sends (bounded in time and bytes), so that its send completes and it reads our answer
+    instead of a reset (or EPIPE) from closing with its input unread. ``seconds=0``: only what is there."""
+    try:
+        conn.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + seconds
+        while limit > 0:
+            conn.settimeout(max(deadline - time.monotonic(), 0.0))
+            chunk = conn.recv(min(65536, limit))
+            if not chunk:
+                return
+            limit -= len(chunk)
+    except OSError:  # timed out, nothing more waiting, or the client went away
+        pass
+
+
 def _reject_busy(conn: socket.socket) -> None:
     try:
-        conn.settimeout(1.0)
         send(conn, Response.error(Busy("every connection slot of the agent is taken by requests in progress",
                                        hint="retry in a moment")))
+        _linger(conn, 0.0, 65536)  # on the accept thread: only what already arrived
     except BaseException:
         pass
     finally:

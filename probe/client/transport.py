@@ -9,6 +9,7 @@ dataclasses for the same reason (defining a frozen dataclass costs ~0.8 ms at im
 """
 
 import socket
+import time
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 from probe.errors import ConnectError, Timeout
@@ -44,14 +45,23 @@ class HttpResponse(NamedTuple):
 
 def _connect(address: Address, timeout: float) -> socket.socket:
     if isinstance(address, UnixAddress):
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(timeout)
-        try:
-            sock.connect(address.path)
-        except BaseException:
-            sock.close()
-            raise
-        return sock
+        deadline = time.monotonic() + timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            try:
+                sock.connect(address.path)
+                return sock
+            except BlockingIOError:
+                # EAGAIN: the agent's listen backlog is full, so it is busy rather than absent (a unix
+                # socket does not queue the connect as TCP does); try again until the timeout.
+                sock.close()
+                if time.monotonic() >= deadline:
+                    raise socket.timeout("the agent's connection queue stayed full") from None
+                time.sleep(0.01)
+            except BaseException:
+                sock.close()
+                raise
     sock = socket.create_connection((address.host, address.port), timeout=timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
@@ -78,7 +88,10 @@ def request(address: Address, method: str, path: str, body: Optional[bytes] = No
     except OSError as exc:
         raise ConnectError("cannot connect to %s: %s" % (address, exc.strerror or exc)) from None
     try:
-        sock.sendall(payload)
+        try:
+            sock.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the agent answered before it read all of the request (e.g. 413): read that answer
         return _read_response(sock, address, timeout)
     except socket.timeout:
         raise Timeout("no answer from %s within %.1f s" % (address, timeout),
@@ -100,21 +113,24 @@ def _read_response(sock: socket.socket, address: Address, timeout: float) -> Htt
             raise ConnectError("%s sent an oversized response header" % (address,))
     head, _, rest = buf.partition(b"\r\n\r\n")
     status, headers = _parse_head(head, address)
-    length = int(headers.get("content-length", "-1"))
+    # The agent always sends Content-Length: without it an answer cut short could pass for a whole one.
+    raw_length = headers.get("content-length", "")
+    if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 12):
+        raise ConnectError("%s sent an answer without a valid Content-Length (%r)" % (address, raw_length[:40]))
+    length = int(raw_length)
     if length > MAX_RESPONSE_BYTES:
         raise ConnectError("%s sent a response of %d bytes, more than the client accepts" % (address, length))
     chunks = [rest]
     got = len(rest)
-    while length < 0 or got < length:
-        chunk = sock.recv(1 << 20)
+    while got < length:
+        chunk = sock.recv(min(1 << 20, length - got))
         if not chunk:
-            if length < 0:
-                break
-            raise ConnectError("%s closed the connection in the middle of the answer" % (address,))
+            raise ConnectError("%s closed the connection after %d of the %d bytes of its answer" % (address, got, length),
+                               hint="the answer was cut short (an agent gives up on a client that takes no byte "
+                                    "for 10 s); retry")
         chunks.append(chunk)
         got += len(chunk)
-    body = b"".join(chunks)
-    return HttpResponse(status, headers, body if length < 0 else body[:length])
+    return HttpResponse(status, headers, b"".join(chunks)[:length])
 
 
 def _parse_head(head: bytes, address: Address) -> Tuple[int, Dict[str, str]]:
