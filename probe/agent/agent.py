@@ -191,7 +191,8 @@ class Agent:
                 from probe.engine import Engine
 
                 self._engine = Engine(_produce_arrow, max_rows=self.options.max_rows,
-                                      timeout=self.options.query_timeout, memory_limit=self.options.memory_limit)
+                                      timeout=self.options.query_timeout, memory_limit=self.options.memory_limit,
+                                      max_result_bytes=self.options.max_result_bytes)
         return self._engine
 
 

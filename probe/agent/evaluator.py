@@ -79,11 +79,14 @@ class _ThreadRouter(io.TextIOBase):
         return self.captures.get(threading.get_ident(), self.original)
 
     def write(self, text: str) -> int:
-        return self._target().write(text)
+        target = self._target()
+        if target is None:  # the target runs without this stream (a daemon): its writes go nowhere, as before
+            return len(text)
+        return target.write(text)
 
     def flush(self) -> None:
         target = self._target()
-        if hasattr(target, "flush"):
+        if target is not None and hasattr(target, "flush"):
             target.flush()
 
     def __getattr__(self, name: str) -> Any:  # encoding, isatty, fileno... of the real stream

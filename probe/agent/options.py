@@ -37,6 +37,8 @@ class AgentOptions:
     """Rows a query returns at most; more are cut off and the result is flagged truncated."""
     memory_limit: str = "512MB"
     """DuckDB's memory limit inside the target."""
+    max_result_bytes: int = 64 << 20
+    """Bytes one query result may hold (its Arrow data); a larger result is refused, not materialised."""
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "AgentOptions":
@@ -66,6 +68,8 @@ class AgentOptions:
             values["eval_timeout"] = float(env["PROBE_EVAL_TIMEOUT"])
         if env.get("PROBE_MAX_ROWS"):
             values["max_rows"] = int(env["PROBE_MAX_ROWS"])
+        if env.get("PROBE_MAX_RESULT_BYTES"):
+            values["max_result_bytes"] = _size(env["PROBE_MAX_RESULT_BYTES"])
         if env.get("PROBE_MEMORY_LIMIT"):
             values["memory_limit"] = env["PROBE_MEMORY_LIMIT"]
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -83,6 +87,18 @@ class AgentOptions:
         raw = json.loads(text) if text else {}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def _size(text: str) -> int:
+    """``"64MB"``, ``"1GiB"``, ``"1048576"`` -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 1 << 10, "MIB": 1 << 20,
+             "GIB": 1 << 30}
+    raw = text.strip().upper().replace(" ", "")
+    number = raw.rstrip("KMGIB")
+    unit = raw[len(number):]
+    if not number.isdigit() or not number.isascii() or unit not in units:
+        raise ValueError("expected a size such as 64MB or 1GiB, got %r" % text)
+    return int(number) * units[unit]
 
 
 def parse_hostport(text: str) -> "tuple[str, int]":

@@ -3,14 +3,17 @@ turns every exception into a JSON error envelope so that nothing escapes into th
 """
 
 import importlib.util
+import json
+import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import probe
+from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
 from probe.agent.switch import fast_switching
-from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError
+from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, TooLarge
 from probe.tables import get_table, list_tables, produce_rows
 
 if TYPE_CHECKING:
@@ -22,6 +25,16 @@ ARROW_STREAM = "application/vnd.apache.arrow.stream"
 _CHUNK = 500  # rows per JSON encoding call (see Response.json_rows)
 
 Route = Callable[["Agent", Request], Response]
+
+_results: Optional[ResultBudget] = None
+
+
+def _budget(agent: "Agent") -> ResultBudget:
+    """Bytes of results held at once, across requests: four results at the agent's bound."""
+    global _results
+    if _results is None:
+        _results = ResultBudget(4 * agent.options.max_result_bytes)
+    return _results
 
 
 def _available(module: str) -> bool:
@@ -65,11 +78,17 @@ def rows(agent: "Agent", request: Request) -> Response:
     spec = get_table(name)
     if spec is None:
         raise NotFound("no table named %r" % name, hint="list the tables with `probe TARGET tables`")
-    with fast_switching():
-        data = produce_rows(spec)
-    columns = [{"name": c.name, "type": c.type} for c in spec.columns]
-    chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
-    return Response.json_rows({"table": name, "columns": columns, "truncated": False}, chunks)
+    hold = _budget(agent).hold()
+    try:
+        with work_slot(agent.options.query_timeout), fast_switching():
+            data = produce_rows(spec)
+            columns = [{"name": c.name, "type": c.type} for c in spec.columns]
+            chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
+            body = _json_rows({"table": name, "columns": columns, "truncated": False}, chunks, hold,
+                              2 * agent.options.max_result_bytes)
+    finally:
+        hold.release()
+    return Response(200, body)
 
 
 def backtrace(agent: "Agent", request: Request) -> Response:
@@ -80,9 +99,9 @@ def backtrace(agent: "Agent", request: Request) -> Response:
     """
     from probe.tables.python_backtrace import snapshot
 
-    with fast_switching():
+    with work_slot(agent.options.query_timeout), fast_switching():
         stacks, frames = snapshot()
-    return Response.json({"threads": stacks, "frames": frames})
+        return Response.json({"threads": stacks, "frames": frames})
 
 
 def query(agent: "Agent", request: Request) -> Response:
@@ -90,16 +109,25 @@ def query(agent: "Agent", request: Request) -> Response:
     sql = body.get("sql")
     if not isinstance(sql, str) or not sql.strip():
         raise BadRequest("give the SQL as {\"sql\": \"SELECT ...\"}")
-    max_rows = _optional_number(body, "max_rows", int)
-    timeout = _optional_number(body, "timeout", float)
+    max_rows = _optional_count(body, "max_rows")
+    timeout = _optional_seconds(body, "timeout")
     engine = agent.engine()
-    with fast_switching():
-        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
-    if ARROW_STREAM in request.headers.get("accept", ""):
-        return Response(200, _arrow_stream(result), ARROW_STREAM,
-                        {"X-Probe-Truncated": "true" if result.truncated else "false",
-                         "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms})
-    return Response.json_rows(result.json_head(), result.row_chunks(_CHUNK))
+    wait = min(timeout or agent.options.query_timeout, agent.options.query_timeout)
+    hold = _budget(agent).hold()
+    try:
+        with work_slot(wait), fast_switching():
+            result = engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve)
+            if ARROW_STREAM in request.headers.get("accept", ""):
+                payload = _arrow_stream(result)
+                hold.reserve(len(payload))
+                return Response(200, payload, ARROW_STREAM,
+                                {"X-Probe-Truncated": "true" if result.truncated else "false",
+                                 "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms})
+            body_bytes = _json_rows(result.json_head(), result.row_chunks(_CHUNK), hold,
+                                    2 * agent.options.max_result_bytes)
+            return Response(200, body_bytes)
+    finally:
+        hold.release()
 
 
 def evaluate(agent: "Agent", request: Request) -> Response:
@@ -110,20 +138,59 @@ def evaluate(agent: "Agent", request: Request) -> Response:
     code = body.get("code")
     if not isinstance(code, str):
         raise BadRequest("give the snippet as {\"code\": \"...\"}")
-    timeout = _optional_number(body, "timeout", float) or agent.options.eval_timeout
+    timeout = _optional_seconds(body, "timeout") or agent.options.eval_timeout
     from probe.agent.evaluator import run_snippet
 
     outcome = run_snippet(code, min(timeout, agent.options.eval_timeout))
     return Response.json(outcome.to_json_dict())
 
 
-def _optional_number(body: Dict[str, Any], key: str, kind: type) -> Optional[Any]:
+def _optional_count(body: Dict[str, Any], key: str) -> Optional[int]:
+    """A whole number >= 0, or None when absent; anything else is a 400."""
     value = body.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise BadRequest("%s must be a non-negative number" % key)
-    return kind(value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise BadRequest("%s must be a whole number >= 0, got %s" % (key, json.dumps(value)[:40]))
+    return value
+
+
+def _optional_seconds(body: Dict[str, Any], key: str) -> Optional[float]:
+    """A finite number of seconds > 0, or None when absent; the agent's own limit still caps it."""
+    value = body.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise BadRequest("%s must be a number of seconds > 0, got %s" % (key, json.dumps(value)[:40]))
+    return float(value)
+
+
+def _json_rows(head: Dict[str, Any], chunks: Iterable[Sequence[Any]], hold: Hold, limit: int) -> bytearray:
+    """``head`` plus a ``rows`` array, encoded a chunk at a time into one buffer held in ``hold``.
+
+    Encoding in chunks lets the target's threads run between them (the encoder holds the GIL for a
+    whole call); one growing buffer, not a list of parts joined at the end, keeps the peak near the
+    body's own size. Past ``limit`` bytes the answer is refused rather than built.
+    """
+    text = json.dumps(head, default=str)
+    body = bytearray((text[:-1] + (", " if head else "") + '"rows": [').encode("utf-8"))
+    first = True
+    for chunk in chunks:
+        piece = json.dumps(chunk, default=str)[1:-1]
+        if not piece:
+            continue
+        if not first:
+            body += b","
+        body += piece.encode("utf-8")
+        first = False
+        if len(body) > limit:
+            raise TooLarge("the answer is larger than %.0f MB as JSON, the agent's bound" % (limit / 1e6),
+                           hint="select fewer rows or columns, or ask for Arrow (the Python client does)")
+        hold.reserve(len(body))
+    body += b"]}"
+    return body
 
 
 def _arrow_stream(result: Any) -> bytes:

@@ -5,7 +5,14 @@
 - no file system, no extensions, no replacement scans, configuration locked, few threads, a memory
   limit; only a single SELECT (or EXPLAIN) statement is accepted;
 - every table is a view ``ns.table`` over a per-cursor registration of that query's Arrow data;
-- a time limit enforced with ``interrupt()``, and a row cap reported as ``truncated``.
+- a time limit enforced with ``interrupt()`` (repeated until the query ends: DuckDB forgets one that
+  arrives before execution starts), and a row cap reported as ``truncated``;
+- a bound in bytes on each result, checked batch by batch as DuckDB hands it over, so a result past it
+  is refused before it is materialised whole; no spilling to disk (``temp_directory`` is empty);
+- at most ``MAX_SELECTS`` SELECTs in one query: DuckDB cannot interrupt binding and planning, whose
+  time grows faster than the number of terms (a 20,000-term UNION ALL bound for minutes);
+- ``close()`` interrupts every query in flight and waits for it to leave DuckDB: a thread still inside
+  DuckDB when the interpreter finalises is ended by CPython in a way that aborts the process.
 """
 
 import re
@@ -15,9 +22,19 @@ from typing import Any, Callable, Dict, List, Optional, Set
 
 from probe.engine.result import QueryResult
 from probe.engine.watchdog import Watchdog
-from probe.errors import SQLError, Timeout
+from probe.errors import Busy, SQLError, Timeout, TooLarge
 
-__all__ = ["Engine", "TableSource", "referenced_tables"]
+__all__ = ["Engine", "TableSource", "referenced_tables", "MAX_SELECTS", "MAX_SQL_CHARS"]
+
+MAX_SELECTS = 256
+MAX_SQL_CHARS = 256 * 1024
+_BATCH_ROWS = 2048  # DuckDB's vector size: the byte bound is checked at least this often
+_INTERRUPT_EVERY = 0.02
+_CLOSE_WAIT = 3.0
+_SELECT = re.compile(r"\bSELECT\b", re.IGNORECASE)
+
+#: Called with the bytes a result has reached; raises (``Busy``) to stop it.
+Reserve = Callable[[int], None]
 
 #: name -> Arrow table, or None when no such table exists.
 TableSource = Callable[[str], Optional[Any]]
@@ -73,13 +90,17 @@ class Engine:
     """One locked-down DuckDB database. Thread-safe: each :meth:`query` uses its own cursor."""
 
     def __init__(self, source: TableSource, max_rows: int = 100_000, timeout: float = 10.0,
-                 memory_limit: str = "512MB", threads: int = 1) -> None:
+                 memory_limit: str = "512MB", threads: int = 1, max_result_bytes: int = 64 << 20) -> None:
         import duckdb
 
         self._duckdb = duckdb
         self._source = source
         self.max_rows = max_rows
         self.timeout = timeout
+        self.max_result_bytes = max_result_bytes
+        self._active: Set[Any] = set()  # cursors of queries in flight
+        self._active_cond = threading.Condition()
+        self._closing = False
         self._views: Set[str] = set()
         self._watchdog = Watchdog()
         self._lock = threading.Lock()
@@ -91,18 +112,29 @@ class Engine:
             "python_enable_replacements": False,
             "threads": threads,
             "memory_limit": memory_limit,
+            "temp_directory": "",  # never spill into the target's working directory
         })
         self._con.execute("SET lock_configuration = true")
         self._con.fetchall()
         # An empty database, only for finding the tables a query names (see referenced_tables).
         self._parser = duckdb.connect(":memory:", config={"enable_external_access": False, "threads": 1})
 
-    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> QueryResult:
+    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
+              max_bytes: Optional[int] = None, reserve: Optional[Reserve] = None) -> QueryResult:
+        """Run one SELECT. ``max_rows``, ``timeout`` and ``max_bytes`` may only lower the engine's limits."""
         started = time.perf_counter()
         cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
-        cursor = self._con.cursor()
-        alarm = None
+        byte_cap = self.max_result_bytes if max_bytes is None else min(int(max_bytes), self.max_result_bytes)
+        _check_size(sql)
+        cursor = self._enter()
+        fired: List[bool] = []
+
+        def interrupt() -> None:
+            fired.append(True)
+            cursor.interrupt()
+
+        alarm = self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)
         try:
             self._check_statement(cursor, sql)
             parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
@@ -113,29 +145,63 @@ class Engine:
             tables = self._produce(names)
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
-            alarm = self._watchdog.schedule(limit, cursor.interrupt)
-            table, truncated = self._run(cursor, sql, cap)
-        except self._duckdb.InterruptException:
-            raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
-                          hint="narrow the query, or raise the limit with PROBE_QUERY_TIMEOUT") from None
-        except self._duckdb.Error as exc:
-            raise SQLError(_clean(exc)) from None
+            del tables
+            if fired:
+                raise self._duckdb.InterruptException("deadline passed before the query started")
+            table, truncated = self._run(cursor, sql, cap, byte_cap, reserve)
+        except (self._duckdb.InterruptException, Exception) as exc:
+            if fired or isinstance(exc, self._duckdb.InterruptException):
+                raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
+                              hint="narrow the query, or raise the limit with PROBE_QUERY_TIMEOUT") from None
+            if isinstance(exc, self._duckdb.Error):
+                raise SQLError(_clean(exc)) from None
+            raise
         finally:
-            if alarm is not None:
-                self._watchdog.cancel(alarm)
-            try:
-                cursor.close()
-            except Exception:
-                pass
+            self._watchdog.cancel(alarm)
+            self._leave(cursor)
         return QueryResult(table, truncated, (time.perf_counter() - started) * 1000.0)
 
     def close(self) -> None:
-        """Release the database (at agent stop, so nothing is left for interpreter shutdown)."""
+        """Interrupt every query in flight, wait (bounded) until none is inside DuckDB, then release it.
+
+        Called at agent stop, which runs at interpreter exit: a request thread still inside DuckDB
+        when the interpreter finalises is ended by CPython from within DuckDB's C++, and the process
+        aborts (exit status 134) instead of exiting as the program meant to.
+        """
+        deadline = time.monotonic() + _CLOSE_WAIT
+        with self._active_cond:
+            self._closing = True
+            while self._active and time.monotonic() < deadline:
+                for cursor in list(self._active):
+                    try:
+                        cursor.interrupt()
+                    except Exception:
+                        pass
+                self._active_cond.wait(_INTERRUPT_EVERY)
+            if self._active:
+                return  # a query DuckDB cannot interrupt: leave the database to the interpreter
         for con in (self._con, self._parser):
             try:
                 con.close()
             except Exception:
                 pass
+
+    def _enter(self) -> Any:
+        with self._active_cond:
+            if self._closing:
+                raise Busy("the agent is stopping: its process is exiting")
+            cursor = self._con.cursor()
+            self._active.add(cursor)
+            return cursor
+
+    def _leave(self, cursor: Any) -> None:
+        try:
+            cursor.close()
+        except Exception:
+            pass
+        with self._active_cond:
+            self._active.discard(cursor)
+            self._active_cond.notify_all()
 
     def _check_statement(self, cursor: Any, sql: str) -> None:
         try:
@@ -188,22 +254,50 @@ class Engine:
             self._con.fetchall()
             self._views.add(name)
 
-    def _run(self, cursor: Any, sql: str, cap: int) -> "tuple[Any, bool]":
+    def _run(self, cursor: Any, sql: str, cap: int, byte_cap: int,
+             reserve: Optional[Reserve]) -> "tuple[Any, bool]":
+        """The result, read batch by batch so that neither the row cap nor the byte bound is passed."""
         import pyarrow as pa
 
-        reader = cursor.sql(sql).to_arrow_reader(min(max(cap, 1), 65536) + 1)
-        batches: List[Any] = []
-        count = 0
-        truncated = False
-        for batch in reader:
-            if count + batch.num_rows > cap:
-                batches.append(batch.slice(0, cap - count))
-                truncated = True
-                count = cap
-                break
-            batches.append(batch)
-            count += batch.num_rows
-        return pa.Table.from_batches(batches, schema=reader.schema), truncated
+        reader = cursor.sql(sql).to_arrow_reader(min(max(cap, 1) + 1, _BATCH_ROWS))
+        try:
+            schema = reader.schema
+            batches: List[Any] = []
+            count = size = 0
+            truncated = False
+            for batch in reader:
+                if count + batch.num_rows > cap:
+                    batch = batch.slice(0, cap - count)
+                    truncated = True
+                size += batch.nbytes
+                if size > byte_cap:
+                    raise TooLarge("the result is larger than %s, the agent's bound for one result"
+                                   % _megabytes(byte_cap),
+                                   hint="select fewer rows or columns (LIMIT, WHERE, an aggregate), or raise "
+                                        "PROBE_MAX_RESULT_BYTES where the agent starts")
+                if reserve is not None:
+                    reserve(size)
+                batches.append(batch)
+                count += batch.num_rows
+                if truncated:
+                    break
+            return pa.Table.from_batches(batches, schema=schema), truncated
+        finally:
+            reader = None  # freed here, on this thread, not by a later collection
+
+
+def _check_size(sql: str) -> None:
+    if len(sql) > MAX_SQL_CHARS:
+        raise SQLError("the query is %d characters long; the agent accepts at most %d" % (len(sql), MAX_SQL_CHARS))
+    selects = len(_SELECT.findall(sql))
+    if selects > MAX_SELECTS:
+        raise SQLError("the query has %d SELECTs; the agent accepts at most %d (DuckDB cannot interrupt the "
+                       "binding of a query, and its time grows faster than the number of terms)"
+                       % (selects, MAX_SELECTS))
+
+
+def _megabytes(size: int) -> str:
+    return "%.0f MB" % (size / 1e6) if size >= 10 ** 6 else "%d bytes" % size
 
 
 def _kind(statement: Any) -> str:

@@ -2,31 +2,40 @@
 
 A ``threading.Timer`` per query starts (and tears down) a thread each time, which cost about 0.6 ms of
 a query that should take a few. The watchdog keeps a heap of deadlines and sleeps until the next one;
-with none pending it waits without waking.
+with none pending it waits without waking. Entries hold no reference cycles: a cancelled entry, and
+the cursor its action names, are freed at once, never by a later garbage collection.
 """
 
 import heapq
 import itertools
 import threading
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 __all__ = ["Watchdog"]
+
+Action = Callable[[], None]
 
 
 class Watchdog:
     def __init__(self, name: str = "probe-watchdog") -> None:
         self._name = name
         self._cond = threading.Condition()
-        self._heap: List[Tuple[float, int, Callable[[], None]]] = []
+        self._heap: List[Tuple[float, int]] = []
+        self._actions: Dict[int, Tuple[Action, Optional[float]]] = {}  # live entries: action, repeat
         self._ids = itertools.count()
         self._thread: Optional[threading.Thread] = None
 
-    def schedule(self, delay: float, action: Callable[[], None]) -> int:
-        """Call ``action`` (on the watchdog's thread) after ``delay`` seconds unless cancelled."""
+    def schedule(self, delay: float, action: Action, repeat: Optional[float] = None) -> int:
+        """Call ``action`` (on the watchdog's thread) after ``delay`` seconds unless cancelled.
+
+        With ``repeat``, call it again every ``repeat`` seconds until cancelled: DuckDB forgets an
+        interrupt that arrives before its query starts executing, so a single one may come too early.
+        """
         ident = next(self._ids)
         with self._cond:
-            heapq.heappush(self._heap, (time.monotonic() + delay, ident, action))
+            self._actions[ident] = (action, repeat)
+            heapq.heappush(self._heap, (time.monotonic() + delay, ident))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
                 self._thread.start()
@@ -36,10 +45,9 @@ class Watchdog:
     def cancel(self, ident: int) -> None:
         """Forget a deadline (and the reference its action holds, e.g. to a cursor)."""
         with self._cond:
-            kept = [entry for entry in self._heap if entry[1] != ident]
-            if len(kept) != len(self._heap):
-                heapq.heapify(kept)
-                self._heap = kept
+            if self._actions.pop(ident, None) is not None:
+                self._heap = [entry for entry in self._heap if entry[1] != ident]
+                heapq.heapify(self._heap)
                 self._cond.notify()
 
     def _run(self) -> None:
@@ -47,14 +55,22 @@ class Watchdog:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                remaining = self._heap[0][0] - time.monotonic()
+                due, ident = self._heap[0]
+                remaining = due - time.monotonic()
                 if remaining > 0:
-                    self._cond.wait(remaining)  # holding no action: a cancelled one is freed at once
+                    self._cond.wait(remaining)
                     continue
-                action: Optional[Callable[[], None]] = heapq.heappop(self._heap)[2]
+                heapq.heappop(self._heap)
+                entry = self._actions.get(ident)
+                if entry is None:
+                    continue
+                action, repeat = entry
+                if repeat is None:
+                    del self._actions[ident]
+                else:
+                    heapq.heappush(self._heap, (time.monotonic() + repeat, ident))
             try:
-                if action is not None:
-                    action()
+                action()
             except Exception:
                 pass  # an interrupt that comes too late must not end the watchdog
-            action = None
+            action = entry = None  # type: ignore[assignment]

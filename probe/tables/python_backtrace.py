@@ -1,5 +1,6 @@
 """``python.backtrace``: one row per frame of every thread, innermost frame first (depth 0)."""
 
+import gc
 import linecache
 import operator
 import sys
@@ -8,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 from probe.tables.spec import Column
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "is_agent_thread"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "is_agent_thread", "current_frames"]
 
 NAME = "python.backtrace"
 DESCRIPTION = "One row per Python frame of every thread (but the agent's own), innermost frame first."
@@ -41,10 +42,11 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
     each thread is ``(thread_id, name, native_id, is_main, [frame index, innermost first])`` and each
     frame ``(func, file, lineno, code)``.
     """
-    current = sys._current_frames()
+    me = threading.get_ident()
+    current = current_frames()
+    current.pop(me, None)  # our own frame holds ``current``: keeping it would make a reference cycle
     threads: Dict[int, Any] = dict(threading._active)  # type: ignore[attr-defined]
     main_ident = threading.main_thread().ident
-    me = threading.get_ident()
     index: Dict[Tuple[Any, int], int] = {}
     frames: List[Tuple[str, str, int, Any]] = []
     stacks: List[Tuple[Any, ...]] = []
@@ -69,7 +71,28 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
             frame = frame.f_back
         stacks.append((ident, getattr(thread, "name", None), getattr(thread, "native_id", None),
                        ident == main_ident, chain))
+    current.clear()  # the other threads' frames go now, on this thread, not in a later collection
     return stacks, frames
+
+
+def current_frames() -> Dict[int, Any]:
+    """``sys._current_frames()`` with the cyclic garbage collector held off while it runs.
+
+    CPython (gh-106883; fixed only in later 3.12 and 3.13 releases) holds the runtime's thread-list
+    lock while it creates frame objects there. A collection started by one of those allocations may
+    run a destructor that releases the GIL; a thread that takes the GIL and then wants the list lock
+    (any thread starting or exiting) waits forever for ours, and ours for the GIL: the whole process
+    freezes. With the collector off, no collection can start inside the call. (Should the target's
+    own code switch the collector off in the few bytecodes between, it would find it on again.)
+    """
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        return sys._current_frames()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def rows() -> Dict[str, List[Any]]:

@@ -1,0 +1,256 @@
+"""The target comes first: what no client, however many or however hostile, may do to the process.
+
+Each test is a finding of an adversarial review, reproduced against a real target: a freeze under
+concurrent load (CPython gh-106883), a normal exit turned into SIGABRT by a query in flight, a result
+that bloats the target, a daemon whose stdout is closed, and limits a request could step around.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Tuple
+
+import pytest
+from procs import REPO, Proc, pyenv_python, run_cli, spawn, target_env, wait_for_socket
+
+import probe
+from probe import _paths
+
+VERSIONS = ["3.9", "3.10", "3.11", "3.12", "3.13"]
+
+
+def _status(pid: int) -> Dict[str, int]:
+    """VmRSS and VmHWM of ``pid`` in MB."""
+    out = {}
+    with open("/proc/%d/status" % pid) as handle:
+        for line in handle:
+            if line.startswith(("VmRSS", "VmHWM")):
+                out[line.split(":")[0]] = int(line.split()[1]) // 1024
+    return out
+
+
+def _post(pid: int, path: str, body: bytes, timeout: float = 30.0) -> Tuple[int, Dict[str, object]]:
+    """One raw HTTP request on the agent's unix socket: (status, JSON body)."""
+    head = "POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+        path, len(body))
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout)
+        sock.connect(_paths.socket_path(pid))
+        sock.sendall(head.encode("latin-1") + body)
+        data = b""
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    top, _, payload = data.partition(b"\r\n\r\n")
+    return int(top.split(b" ")[1]), json.loads(payload.decode("utf-8"))
+
+
+# -- a freeze under load ---------------------------------------------------------------------------
+
+def _hammer(pid: int, seconds: float) -> Tuple[Dict[str, int], List[str]]:
+    """Clients in threads (4 queries, a backtrace, an eval) for ``seconds``; counts and failures."""
+    client = probe.connect(str(pid), timeout=10.0)
+    counts = {"query": 0, "backtrace": 0, "eval": 0}
+    failures: List[str] = []
+    stop_at = time.monotonic() + seconds
+
+    def work(kind: str) -> None:
+        while time.monotonic() < stop_at and not failures:
+            try:
+                if kind == "query":
+                    client.query_rows("SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10")
+                elif kind == "backtrace":
+                    client.backtrace()
+                else:
+                    client.eval("state['count']")
+                counts[kind] += 1
+            except probe.ProbeError as exc:
+                if exc.code != "busy":
+                    failures.append("%s: %s" % (kind, exc))
+
+    threads = [threading.Thread(target=work, args=(kind,)) for kind in ("query",) * 4 + ("backtrace", "eval")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(seconds + 30)
+    return counts, failures
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_concurrent_clients_never_freeze_a_target_whose_threads_come_and_go(version):
+    python = pyenv_python(version) if version != "%d.%d" % sys.version_info[:2] else sys.executable
+    if not python:
+        pytest.skip("CPython %s is not installed" % version)
+    proc = spawn("churn.py", ["--start"], python=python, env=target_env(probe=False, PYTHONPATH=REPO))
+    try:
+        counts, failures = _hammer(proc.pid, 4.0 if version == "%d.%d" % sys.version_info[:2] else 2.5)
+        assert not failures, failures[:3]
+        assert proc.alive()
+        state = json.loads(probe.connect(str(proc.pid), timeout=10).eval("import json; json.dumps(state)").value[1:-1])
+        # The deadlock's first step: a collection started inside sys._current_frames(). Never again.
+        assert state["collections"] > 0 and state["collections_in_current_frames"] == 0, state
+        assert state["max_gap"] < 2.0, state  # the main loop never stalled for long
+        assert min(counts.values()) > 0, counts
+    finally:
+        proc.kill()
+
+
+# -- a normal exit stays normal --------------------------------------------------------------------
+
+def _wait_until_query_runs(client: "probe.Client", deadline: float) -> None:
+    """Handshake: the request thread is inside the engine's result loop (DuckDB is executing)."""
+    look = ("import sys, traceback\n"  # python.backtrace leaves out the agent's threads: walk them all
+            "any(s.name == '_run' and s.filename.endswith('sandbox.py') for f in sys._current_frames().values() "
+            "for s in traceback.extract_stack(f))")
+    while client.eval(look).value != "True":
+        assert time.monotonic() < deadline, "the long query never started"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("attempt", range(3))
+def test_a_normal_exit_during_a_query_exits_0(attempt):
+    env = target_env()
+    popen = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "targets", "exit_on_line.py")],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        assert popen.stdout is not None and popen.stdin is not None
+        assert popen.stdout.readline().startswith(b"READY")
+        wait_for_socket(popen.pid)
+        client = probe.connect(str(popen.pid), timeout=30)
+        outcome: List[str] = []
+
+        def long_query() -> None:
+            try:
+                client.query_rows("SELECT count(*) FROM range(3000000000) t(i) WHERE i % 7 = 3")
+                outcome.append("finished")
+            except probe.ProbeError as exc:
+                outcome.append(exc.code)
+
+        runner = threading.Thread(target=long_query)
+        runner.start()
+        _wait_until_query_runs(client, time.monotonic() + 20)
+        popen.stdin.write(b"exit\n")
+        popen.stdin.flush()
+        status = popen.wait(20)
+        runner.join(30)
+        err = popen.stderr.read().decode("utf-8", "replace") if popen.stderr else ""
+        assert status == 0, "exit status %s: %s" % (status, err[-500:])
+        assert "terminate called" not in err
+        assert outcome and outcome[0] != "finished"
+    finally:
+        if popen.poll() is None:
+            popen.kill()
+        popen.wait(10)
+        for stream in (popen.stdin, popen.stdout, popen.stderr):
+            if stream:
+                stream.close()
+
+
+# -- results are bounded in bytes ------------------------------------------------------------------
+
+def test_a_result_past_the_byte_bound_is_refused_and_memory_comes_back(target_factory):
+    proc = target_factory("idle.py")
+    assert run_cli(str(proc.pid), "query", "SELECT 1").code == 0  # DuckDB and pyarrow are loaded now
+    before = _status(proc.pid)
+    # 1 GB of results in small DuckDB vectors: refused as it is read, never materialised whole.
+    big = run_cli(str(proc.pid), "query", "SELECT repeat('x', 1000) AS s FROM range(1000000)")
+    assert big.code == 2 and "larger than" in big.err and "PROBE_MAX_RESULT_BYTES" in big.err, big.err
+    grown = _status(proc.pid)
+    assert grown["VmHWM"] - before["VmHWM"] < 400, (before, grown)
+    # The review's own query: one DuckDB vector holds 900 MB before probe sees a byte of it.
+    huge = run_cli(str(proc.pid), "query", "SELECT repeat('x', 10000000) AS s FROM range(90)")
+    assert huge.code == 2 and "larger than" in huge.err, huge.err
+    after = _status(proc.pid)
+    assert after["VmRSS"] - before["VmRSS"] < 150, (before, after)
+    assert proc.alive()
+    assert run_cli(str(proc.pid), "query", "SELECT 42 AS x", "-f", "json").out.count("42") == 1
+
+
+def test_the_byte_bound_can_be_set_where_the_agent_starts(target_factory):
+    proc = target_factory("idle.py", env=target_env(PROBE_MAX_RESULT_BYTES="1MB"))
+    refused = run_cli(str(proc.pid), "query", "SELECT repeat('x', 1000) AS s FROM range(2000)")
+    assert refused.code == 2 and "larger than 1 MB" in refused.err, refused.err
+    assert run_cli(str(proc.pid), "query", "SELECT repeat('x', 1000) AS s FROM range(500)").code == 0
+
+
+# -- eval in a daemon without stdout ---------------------------------------------------------------
+
+def test_eval_in_a_target_whose_stdout_and_stderr_are_closed():
+    script = os.path.join(REPO, "tests", "targets", "no_stdout.py")
+    popen = subprocess.Popen("exec %s %s >&- 2>&-" % (sys.executable, script), shell=True, env=target_env())
+    try:
+        wait_for_socket(popen.pid, 20)
+        client = probe.connect(str(popen.pid), timeout=30)
+        before = int(client.eval("state['prints']").value)
+        result = client.eval("import time; print('from the snippet'); time.sleep(1.5); 7")
+        assert result.stdout == "from the snippet\n" and result.value == "7"
+        after = int(client.eval("state['prints']").value)
+        assert popen.poll() is None and after > before  # the target printed meanwhile, and lives on
+        assert client.eval("state['error'] is None and state['stdout_was_none']").value == "True"
+    finally:
+        popen.kill()
+        popen.wait(10)
+
+
+# -- limits a request cannot step around -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sandbox_target():
+    proc = spawn("idle.py", env=target_env(PROBE_QUERY_TIMEOUT="3", PROBE_MEMORY_LIMIT="64MB"))
+    try:
+        yield proc
+    finally:
+        proc.kill()
+
+
+@pytest.mark.parametrize("raw", ['0', '-1', 'NaN', 'Infinity', '"5"', 'true', '1e400'])
+def test_a_bad_query_timeout_is_a_400(sandbox_target, raw):
+    status, body = _post(sandbox_target.pid, "/v1/query", ('{"sql": "SELECT 1", "timeout": %s}' % raw).encode())
+    assert status == 400 and body["error"]["code"] == "bad_request", body
+
+
+@pytest.mark.parametrize("raw", ['0', 'NaN', '-5'])
+def test_a_bad_eval_timeout_is_a_400(sandbox_target, raw):
+    status, body = _post(sandbox_target.pid, "/v1/eval", ('{"code": "1", "timeout": %s}' % raw).encode())
+    assert status == 400 and body["error"]["code"] == "bad_request", body
+
+
+@pytest.mark.parametrize("timeout", [1e-9, 0.001, 100000])
+def test_every_query_is_bounded_by_the_agents_limit(sandbox_target, timeout):
+    started = time.monotonic()
+    status, body = _post(sandbox_target.pid, "/v1/query", json.dumps(
+        {"sql": "SELECT count(*) FROM range(100000000000) t(i) WHERE i % 7 = 3", "timeout": timeout}).encode())
+    assert status == 504 and body["error"]["code"] == "timeout", body
+    assert time.monotonic() - started < 3 + 5  # the agent's own limit is 3 s
+
+
+@pytest.mark.parametrize("terms, why", [(20000, "characters long"), (5000, "SELECTs")])
+def test_a_query_too_large_to_bind_is_refused_at_once(sandbox_target, terms, why):
+    sql = " UNION ALL ".join("SELECT %d AS x" % i for i in range(terms))
+    started = time.monotonic()
+    with pytest.raises(probe.ProbeError) as refused:
+        probe.connect(str(sandbox_target.pid), timeout=30).query_rows(sql)
+    assert refused.value.code == "sql_error" and why in refused.value.message
+    assert time.monotonic() - started < 10
+
+
+def test_a_large_sort_never_spills_to_disk(tmp_path):
+    env = target_env(PROBE_MEMORY_LIMIT="64MB")
+    popen = subprocess.Popen([sys.executable, os.path.join(REPO, "tests", "targets", "idle.py")],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=str(tmp_path))
+    proc = Proc(popen, "idle.py")
+    try:
+        assert proc.read_line().startswith("READY")
+        wait_for_socket(popen.pid)
+        result = run_cli(str(popen.pid), "query", "SELECT count(*) FROM (SELECT i, repeat('x', 50) AS s "
+                         "FROM range(3000000) t(i) ORDER BY s || i)")
+        assert result.code == 1 and "Out of Memory" in result.err, result.err
+        assert os.listdir(str(tmp_path)) == []  # no duckdb_temp files, no .tmp directory
+    finally:
+        proc.kill()
