@@ -254,3 +254,46 @@ def test_a_large_sort_never_spills_to_disk(tmp_path):
         assert os.listdir(str(tmp_path)) == []  # no duckdb_temp files, no .tmp directory
     finally:
         proc.kill()
+
+
+# -- slow readers cannot bloat or starve the target ------------------------------------------------
+
+def _rate(client: "probe.Client", seconds: float) -> float:
+    """Iterations per second of busy.py's main loop over ``seconds``."""
+    first, started = int(client.eval("counter").value), time.monotonic()
+    time.sleep(seconds)
+    return (int(client.eval("counter").value) - first) / (time.monotonic() - started)
+
+
+def test_clients_that_never_read_neither_bloat_nor_starve_the_target(target_factory):
+    proc = target_factory("busy.py")
+    client = probe.connect(str(proc.pid), timeout=30)
+    client.query_rows("SELECT 1")  # DuckDB and pyarrow loaded
+    baseline, quiet = _status(proc.pid)["VmRSS"], _rate(client, 1.5)
+    sql = "SELECT repeat('x', 1000) AS s FROM range(40000)"  # 40 MB as a result; more as JSON
+    body = json.dumps({"sql": sql}).encode()
+    hung: List[socket.socket] = []
+    try:
+        for _ in range(16):  # each sends its query and never reads a byte of the answer
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(_paths.socket_path(proc.pid))
+            sock.sendall(("POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)).encode()
+                         + body)
+            hung.append(sock)
+        started = time.monotonic()
+        legit = run_cli(str(proc.pid), "query", "SELECT 42 AS answer", "-f", "json", timeout=60)
+        assert legit.code == 0 and "42" in legit.out, legit.err
+        assert time.monotonic() - started < 15
+        loaded = _rate(client, 1.5)
+        peak = _status(proc.pid)["VmRSS"]
+        assert peak - baseline < 700, (baseline, peak)  # 16 answers held whole would be > 1.3 GB
+        assert loaded > 0.25 * quiet, (quiet, loaded)
+    finally:
+        for sock in hung:
+            sock.close()
+    deadline = time.monotonic() + 20
+    while _status(proc.pid)["VmRSS"] - baseline > 150:  # the memory comes back once they are gone
+        assert time.monotonic() < deadline, (baseline, _status(proc.pid))
+        time.sleep(0.2)
+    assert proc.alive()

@@ -4,9 +4,9 @@ Without them, 32 clients that each ask for a 100 MB result and never read it hel
 target's memory, and a dozen concurrent queries left its main thread a small share of the GIL.
 
 * ``ResultBudget``: the bytes held by results being built, encoded and sent, across all requests.
-  A result grows its hold as it is read; past the budget it waits briefly for others to finish and
-  is then refused as ``busy``. Small results (under ``free_bytes``) never wait, so a flood of large
-  ones cannot lock out an ordinary query.
+  A result grows its hold as it is read; past the budget it is refused at once as ``busy`` (waiting
+  would keep a work slot from others). Small results (under ``free_bytes``) are never refused, so a
+  flood of large ones cannot lock out an ordinary query.
 * ``work_slot``: at most ``MAX_WORKERS`` requests produce tables or run SQL at a time; the others
   wait their turn (bounded), and the target's own threads keep most of the GIL.
 
@@ -39,7 +39,7 @@ def work_slot(wait: float) -> Iterator[None]:
 
 
 class ResultBudget:
-    def __init__(self, total_bytes: int, free_bytes: int = 1 << 20, wait: float = 2.0) -> None:
+    def __init__(self, total_bytes: int, free_bytes: int = 1 << 20, wait: float = 0.0) -> None:
         self.total_bytes = total_bytes
         self.free_bytes = free_bytes
         self._wait = wait
@@ -87,6 +87,30 @@ class Hold:
         self.size = max(self.size, size)
 
     def release(self) -> None:
+        """Give the bytes back; after a large result, hand the freed memory back to the system too."""
         size, self.size = self.size, 0
         if size:
             self._budget._shrink(size)
+        if size >= _TRIM_AFTER:
+            _return_memory()
+
+
+_TRIM_AFTER = 8 << 20
+_trim: "list" = []
+
+
+def _return_memory() -> None:
+    """glibc keeps freed memory in its arenas (a killed client's 400 MB stayed for good); trim them.
+
+    Never raises: this runs after the answer was sent, at the edge of the target.
+    """
+    try:
+        if not _trim:
+            import ctypes
+
+            # The process's own symbols (libc among them); find_library would start a subprocess.
+            _trim.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
+        if _trim[0] is not None:
+            _trim[0](0)
+    except Exception:
+        _trim[:] = [None]

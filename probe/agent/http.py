@@ -11,7 +11,7 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Sequence, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 from probe.errors import BadRequest, ProbeError, TooLarge
 
@@ -76,6 +76,8 @@ class Response:
     body: bytes
     content_type: str = "application/json"
     headers: Dict[str, str] = field(default_factory=dict)
+    on_sent: Optional[Callable[[], None]] = None
+    """Called once the body was sent (or given up on) and dropped: gives back the memory it held."""
 
     @classmethod
     def json(cls, value: object, status: int = 200) -> "Response":

@@ -249,7 +249,14 @@ class Listener:
                         "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
                 return  # otherwise the client went away or timed out; nothing to answer
             self._untrack(conn)  # evicted or not: a whole request is answered
-            send(conn, self._handler(request))
+            response = self._handler(request)
+            on_sent, response.on_sent = response.on_sent, None
+            try:
+                send(conn, response)
+            finally:
+                del response  # the body goes before the budget hears it is free
+                if on_sent is not None:
+                    on_sent()
         finally:
             self._untrack(conn)
             _close(conn)

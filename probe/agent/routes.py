@@ -86,9 +86,10 @@ def rows(agent: "Agent", request: Request) -> Response:
             chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
             body = _json_rows({"table": name, "columns": columns, "truncated": False}, chunks, hold,
                               2 * agent.options.max_result_bytes)
-    finally:
+    except BaseException:
         hold.release()
-    return Response(200, body)
+        raise
+    return Response(200, body, on_sent=hold.release)  # held until sent: slow readers count too
 
 
 def backtrace(agent: "Agent", request: Request) -> Response:
@@ -122,12 +123,13 @@ def query(agent: "Agent", request: Request) -> Response:
                 hold.reserve(len(payload))
                 return Response(200, payload, ARROW_STREAM,
                                 {"X-Probe-Truncated": "true" if result.truncated else "false",
-                                 "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms})
+                                 "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms}, on_sent=hold.release)
             body_bytes = _json_rows(result.json_head(), result.row_chunks(_CHUNK), hold,
                                     2 * agent.options.max_result_bytes)
-            return Response(200, body_bytes)
-    finally:
+            return Response(200, body_bytes, on_sent=hold.release)  # held until sent: slow readers count too
+    except BaseException:
         hold.release()
+        raise
 
 
 def evaluate(agent: "Agent", request: Request) -> Response:
