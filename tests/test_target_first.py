@@ -123,6 +123,7 @@ def test_a_normal_exit_during_a_query_exits_0(attempt):
         assert popen.stdout.readline().startswith(b"READY")
         wait_for_socket(popen.pid)
         client = probe.connect(str(popen.pid), timeout=30)
+        client.query_rows("SELECT 1")  # the engine exists: the long query goes straight into DuckDB
         outcome: List[str] = []
 
         def long_query() -> None:
