@@ -51,8 +51,12 @@ def health(agent: "Agent", request: Request) -> Response:
         "uptime_s": round(time.time() - agent.started_at, 3),
         "unix_socket": agent.unix_path,
         "tcp": agent.tcp_address,
+        "tcp_error": getattr(agent, "tcp_error", None),
         "capabilities": {"sql": agent.sql_available(), "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
+        "limits": {"query_timeout_s": agent.options.query_timeout, "eval_timeout_s": agent.options.eval_timeout,
+                   "max_rows": agent.options.max_rows, "max_result_bytes": agent.options.max_result_bytes,
+                   "memory_limit": agent.options.memory_limit},
     })
     return Response.json(info)
 
