@@ -7,28 +7,17 @@ loop (``max_gap``), which tests read with eval: a freeze shows as a gap, or as n
 """
 
 import gc
-import linecache
 import os
 import sys
 import threading
 import time
 
+state = {"count": 0, "max_gap": 0.0, "threads": 0}
+
 
 class ReleasesTheGil:
     def __del__(self) -> None:
         time.sleep(0)  # a finaliser that lets other threads run
-
-state = {"count": 0, "max_gap": 0.0, "threads": 0, "collections": 0, "collections_in_current_frames": 0}
-
-
-def on_collection(phase: str, info: dict) -> None:
-    """Counts collections, and those started inside sys._current_frames(): the deadlock's first step."""
-    if phase != "start":
-        return
-    state["collections"] += 1
-    caller = sys._getframe(0).f_back  # None when the collection started outside Python code
-    if caller is not None and "_current_frames()" in linecache.getline(caller.f_code.co_filename, caller.f_lineno):
-        state["collections_in_current_frames"] += 1
 
 
 def short_lived() -> None:
@@ -56,7 +45,6 @@ def main_loop() -> None:
 
         probe.start()
     gc.set_threshold(50)
-    gc.callbacks.append(on_collection)
     threading.Thread(target=churn, name="churn", daemon=True).start()
     print("READY", os.getpid(), flush=True)
     last = time.monotonic()
