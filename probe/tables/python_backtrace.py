@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 
 from probe.tables.spec import Column
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "is_agent_thread", "current_frames"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "is_agent_thread"]
 
 NAME = "python.backtrace"
 DESCRIPTION = "One row per Python frame of every thread (but the agent's own), innermost frame first."
@@ -41,19 +41,50 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
     in many threads is described, and its source line looked up, once. Returns ``(threads, frames)``:
     each thread is ``(thread_id, name, native_id, is_main, [frame index, innermost first])`` and each
     frame ``(func, file, lineno, code)``.
+
+    The other threads' frames are read with the cyclic collector off and without anything that could
+    let those threads run (no file reads: source lines are looked up afterwards, when no frame is
+    held). Two CPython hazards make this necessary:
+
+    * gh-106883 (fixed only in later 3.12 and 3.13 releases): ``sys._current_frames()`` holds the
+      runtime's thread-list lock while it creates frame objects. A collection started there may run
+      a finaliser that releases the GIL; a thread that then takes the GIL and wants the list lock (any
+      thread starting or exiting) waits forever for ours, and ours for the GIL: the process freezes.
+    * On 3.11, following ``f_back`` through another thread's frames while that thread runs on and
+      exits crashed the target (SIGSEGV within a minute of six clients against threads that come and
+      go, when a finaliser or a source-file read let the other threads run in the middle of the walk).
+
+    (Should the target's own code switch the collector off in the bytecodes between, it would find it
+    on again.)
     """
     me = threading.get_ident()
-    current = current_frames()
-    current.pop(me, None)  # our own frame holds ``current``: keeping it would make a reference cycle
     threads: Dict[int, Any] = dict(threading._active)  # type: ignore[attr-defined]
     main_ident = threading.main_thread().ident
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        current = sys._current_frames()
+        current.pop(me, None)  # our own frame holds ``current``: keeping it would make a reference cycle
+        stacks, places = _walk(current, threads, main_ident)
+        current.clear()  # the other threads' frames go now, on this thread, not in a later collection
+    finally:
+        if enabled:
+            gc.enable()
+    frames = [(func, file, lineno, _source(file, lineno)) for func, file, lineno in places]
+    return stacks, frames
+
+
+def _walk(current: Dict[int, Any], threads: Dict[int, Any],
+          main_ident: Any) -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int]]]:
+    """Each thread's chain of frames as indices into distinct (func, file, lineno): attribute reads only."""
     index: Dict[Tuple[Any, int], int] = {}
-    frames: List[Tuple[str, str, int, Any]] = []
+    places: List[Tuple[str, str, int]] = []
     stacks: List[Tuple[Any, ...]] = []
     frame: Any
     for ident, frame in current.items():
         thread = threads.get(ident)
-        if ident == me or is_agent_thread(thread):
+        if is_agent_thread(thread):
             continue
         chain: List[int] = []
         while frame is not None:
@@ -63,36 +94,13 @@ def snapshot() -> Tuple[List[Tuple[Any, ...]], List[Tuple[str, str, int, Any]]]:
             key = (code, frame.f_lasti)
             position = index.get(key)
             if position is None:
-                position = index[key] = len(frames)
-                file = code.co_filename
-                lineno = frame.f_lineno or 0
-                frames.append((getattr(code, "co_qualname", code.co_name), file, lineno, _source(file, lineno)))
+                position = index[key] = len(places)
+                places.append((getattr(code, "co_qualname", code.co_name), code.co_filename, frame.f_lineno or 0))
             chain.append(position)
             frame = frame.f_back
         stacks.append((ident, getattr(thread, "name", None), getattr(thread, "native_id", None),
                        ident == main_ident, chain))
-    current.clear()  # the other threads' frames go now, on this thread, not in a later collection
-    return stacks, frames
-
-
-def current_frames() -> Dict[int, Any]:
-    """``sys._current_frames()`` with the cyclic garbage collector held off while it runs.
-
-    CPython (gh-106883; fixed only in later 3.12 and 3.13 releases) holds the runtime's thread-list
-    lock while it creates frame objects there. A collection started by one of those allocations may
-    run a destructor that releases the GIL; a thread that takes the GIL and then wants the list lock
-    (any thread starting or exiting) waits forever for ours, and ours for the GIL: the whole process
-    freezes. With the collector off, no collection can start inside the call. (Should the target's
-    own code switch the collector off in the few bytecodes between, it would find it on again.)
-    """
-    enabled = gc.isenabled()
-    if enabled:
-        gc.disable()
-    try:
-        return sys._current_frames()
-    finally:
-        if enabled:
-            gc.enable()
+    return stacks, places
 
 
 def rows() -> Dict[str, List[Any]]:
