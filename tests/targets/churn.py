@@ -44,7 +44,7 @@ def main_loop() -> None:
         import probe
 
         probe.start()
-    gc.set_threshold(50)
+    gc.set_threshold(10)
     threading.Thread(target=churn, name="churn", daemon=True).start()
     print("READY", os.getpid(), flush=True)
     last = time.monotonic()
