@@ -15,6 +15,7 @@ from procs import run_cli, target_env
 
 from probe.injector.elf import python_version_of
 from probe.injector.target import read_target
+from probe.injector.xstate import needs_fix
 
 IMPOSTOR_C = textwrap.dedent("""
     #include <stdio.h>
@@ -137,3 +138,21 @@ def _state(pid: int) -> str:
     with open("/proc/%d/stat" % pid, "rb") as handle:
         stat = handle.read()
     return stat[stat.rfind(b")") + 2:][:1].decode()
+
+
+@pytest.mark.skipif(not needs_fix() or shutil.which("gdb") is None,
+                    reason="only CPUs with register state gdb cannot write back (AMX) need probe's gdb fix")
+def test_without_a_compiler_inject_refuses_rather_than_crash_the_target(tmp_path):
+    only_gdb = tmp_path / "bin"
+    only_gdb.mkdir()
+    (only_gdb / "gdb").symlink_to(shutil.which("gdb"))  # gdb, and no C compiler
+    popen = subprocess.Popen([sys.executable, "-c", "import time; print('READY', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, env=target_env(probe=False))
+    try:
+        _read_ready(popen)
+        env = target_env(probe=False, PATH=str(only_gdb), XDG_CACHE_HOME=str(tmp_path / "cache"))
+        result = run_cli(str(popen.pid), "inject", "--timeout", "5", env=env)
+        assert result.code == 6 and "needs a C compiler" in result.err and "apt-get install gcc" in result.err
+        assert popen.poll() is None  # untouched and alive
+    finally:
+        _stop(popen)
