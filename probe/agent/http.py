@@ -11,7 +11,7 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from probe.errors import BadRequest, ProbeError, TooLarge
 
@@ -73,7 +73,7 @@ def _finite(text: str) -> float:
 @dataclass
 class Response:
     status: int
-    body: bytes
+    body: Union[bytes, bytearray]  # a large JSON answer is built in one bytearray, never copied
     content_type: str = "application/json"
     headers: Dict[str, str] = field(default_factory=dict)
     on_sent: Optional[Callable[[], None]] = None
@@ -82,19 +82,6 @@ class Response:
     @classmethod
     def json(cls, value: object, status: int = 200) -> "Response":
         return cls(status, json.dumps(value, default=str).encode("utf-8"))
-
-    @classmethod
-    def json_rows(cls, head: Dict[str, object], chunks: "Iterable[Sequence[object]]") -> "Response":
-        """``head`` plus a ``rows`` array encoded chunk by chunk.
-
-        The JSON encoder holds the GIL for as long as one call runs; encoding a large result in
-        pieces lets the target's threads run between them.
-        """
-        parts = [json.dumps(chunk, default=str)[1:-1] for chunk in chunks]
-        rows = "[" + ",".join(p for p in parts if p) + "]"
-        text = json.dumps(head, default=str)
-        body = text[:-1] + (", " if head else "") + '"rows": ' + rows + "}"
-        return cls(200, body.encode("utf-8"))
 
     @classmethod
     def error(cls, exc: ProbeError) -> "Response":
@@ -213,7 +200,7 @@ def send(conn: socket.socket, response: Response) -> bool:
     return True
 
 
-def _send_all(conn: socket.socket, data: bytes, deadline: float) -> None:
+def _send_all(conn: socket.socket, data: Union[bytes, bytearray], deadline: float) -> None:
     view = memoryview(data)
     while view:
         remaining = deadline - time.monotonic()

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["Dispatcher", "ARROW_STREAM"]
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
-_CHUNK = 500  # rows per JSON encoding call (see Response.json_rows)
+_CHUNK = 500  # rows per JSON encoding call (see _json_rows)
 
 Route = Callable[["Agent", Request], Response]
 
@@ -88,12 +88,12 @@ def rows(agent: "Agent", request: Request) -> Response:
             data = produce_rows(spec)
             columns = [{"name": c.name, "type": c.type} for c in spec.columns]
             chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
-            body = _json_rows({"table": name, "columns": columns, "truncated": False}, chunks, hold,
-                              2 * agent.options.max_result_bytes)
+            payload = _json_rows({"table": name, "columns": columns, "truncated": False}, chunks, hold,
+                                 2 * agent.options.max_result_bytes)
     except BaseException:
         hold.release()
         raise
-    return Response(200, body, on_sent=hold.release)  # held until sent: slow readers count too
+    return Response(200, payload, on_sent=hold.release)  # held until sent: slow readers count too
 
 
 def backtrace(agent: "Agent", request: Request) -> Response:

@@ -11,7 +11,8 @@ from typing import Dict, Optional, Tuple
 
 from probe.injector.elf import python_version_of
 
-__all__ = ["TargetInfo", "read_target", "tracer_pid", "process_state", "running_threads", "target_environ", "expected_socket_path", "process_exists"]
+__all__ = ["TargetInfo", "read_target", "tracer_pid", "process_state", "running_threads", "target_environ",
+           "expected_socket_path", "process_exists"]
 
 _LIBPYTHON = re.compile(r"/libpython(\d+)\.(\d+)[a-z]*\.so")
 _EXE_VERSION = re.compile(r"python(\d+)\.(\d+)")
