@@ -38,9 +38,20 @@ def _start_injected(options_json: str) -> None:
         _report(exc)
 
 
+_tried_in = 0  # the pid that already ran start_from_environment (a pid, so a forked child is not fooled)
+
+
 def start_from_environment() -> Optional[object]:
     """Start the agent as ``PROBE=1`` / ``PROBE_LISTEN`` asks, unless this process is a launcher or the
-    probe command itself (``PROBE=1`` exported in a shell must not put an agent into ``probe list``)."""
+    probe command itself (``PROBE=1`` exported in a shell must not put an agent into ``probe list``).
+
+    Once per process: in a virtual environment whose ``lib64`` links to ``lib``, site runs every
+    ``.pth`` file twice, and a start that failed must say so once, not try and complain again.
+    """
+    global _tried_in
+    if _tried_in == os.getpid():
+        return None
+    _tried_in = os.getpid()
     try:
         argv = _command_line()
         if _is_launcher(argv) or _is_probe_cli(argv):
