@@ -12,7 +12,7 @@ import pytest
 
 import probe
 from probe import _paths
-from procs import TARGETS, target_env
+from procs import TARGETS, Proc, target_env
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -38,15 +38,17 @@ def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
     env = target_env(PROBE="1", PROBE_LISTEN="127.0.0.1:0", PROBE_PORT=str(port))
     launcher = subprocess.Popen([TORCHRUN, "--nproc_per_node=2", "--master_port=%d" % _free_port_pair(),
                                  os.path.join(TARGETS, "rank.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env, start_new_session=True)
+                                env=env, start_new_session=True)
     try:
         ranks = {}
         deadline = time.monotonic() + 90
-        assert launcher.stdout is not None
+        output = Proc(launcher, "torchrun")  # reads the pipe itself, with a bounded wait for each line
         while len(ranks) < 2:
-            assert time.monotonic() < deadline, "the ranks did not start"
-            line = launcher.stdout.readline()
-            assert line, "torchrun exited: %s" % launcher.stderr.read()[-2000:] if launcher.stderr else ""
+            try:
+                line = output.read_line(max(deadline - time.monotonic(), 0.1))
+            except (TimeoutError, RuntimeError) as exc:
+                raise AssertionError("the ranks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
+            output.lines.append(line)
             if line.startswith("READY"):
                 _, pid, rank, local_rank = line.split()
                 ranks[int(local_rank)] = (int(pid), int(rank))
