@@ -17,7 +17,8 @@ from typing import Optional, Tuple
 from probe.errors import UsageError
 
 __all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
-           "pid_from_socket_name", "socket_state", "is_stale_socket", "open_parent_dir"]
+           "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
+           "open_parent_dir"]
 
 STALE_AFTER_S = 2.0
 """A socket file younger than this is never taken for stale: an agent binds its socket before it listens."""
@@ -97,6 +98,22 @@ def socket_path(pid: int) -> str:
 def token_path(pid: int) -> str:
     """The owner-only file that holds the TCP token of the agent in process ``pid``."""
     return os.path.join(runtime_dir(), "%d.token" % pid)
+
+
+def process_start_ticks(pid: str = "self") -> int:
+    """A process's start time in clock ticks after boot (/proc/PID/stat field 22): with the pid, a name
+    that no later process can share. Raises OSError (no such process) or ValueError."""
+    with open("/proc/%s/stat" % pid, "rb") as handle:
+        stat = handle.read()
+    try:
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except IndexError:
+        raise ValueError("unexpected /proc/%s/stat" % pid) from None
+
+
+def crash_record_path(pid: int, ticks: int) -> str:
+    """The file where the agent of process ``pid`` (started at ``ticks``) leaves its last stacks."""
+    return os.path.join(runtime_dir(), "%d-%d.crash" % (pid, ticks))
 
 
 def pid_from_socket_name(name: str) -> Optional[int]:

@@ -11,7 +11,7 @@ from typing import Dict, Optional, Type
 __all__ = [
     "ProbeError", "BadRequest", "SQLError", "SQLUnavailable", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
     "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
-    "error_from_code",
+    "AgentBlocked", "ProcessDead", "ReaderError", "error_from_code",
 ]
 
 
@@ -108,6 +108,26 @@ class InjectError(ProbeError):
     """The injector could not start an agent in the target (client side only)."""
 
     code, status, exit_code = "inject_error", 500, 6
+
+
+class AgentBlocked(ProbeError):
+    """The agent cannot run Python now (a C call holds the GIL, the process is stopped), so what needs
+    the agent is refused at once rather than after a long wait (client side only)."""
+
+    code, status, exit_code = "agent_blocked", 503, 5
+
+
+class ProcessDead(ConnectError):
+    """The target process is dead or is a core file: nothing runs there to answer (client side only)."""
+
+    code, status, exit_code = "process_dead", 503, 3
+
+
+class ReaderError(ProbeError):
+    """Reading the stacks from outside the process failed: permission, no reader installed, not a
+    Python process, an unreadable core file (client side only)."""
+
+    code, status, exit_code = "reader_error", 500, 3
 
 
 _BY_CODE: Dict[str, Type[ProbeError]] = {

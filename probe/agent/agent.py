@@ -36,6 +36,8 @@ class Agent:
         self.unix_path: Optional[str] = None
         self.tcp_address: Optional[str] = None
         self.token_file: Optional[str] = None
+        self.crash_record: Optional[str] = None
+        """The file this process's last stacks go to should it crash (None: not armed)."""
         self.tcp_error: Optional[str] = None
         """Why the agent serves no TCP although asked to (bind failed, unusable token file); else None."""
         self._token: Optional[bytes] = None
@@ -68,6 +70,7 @@ class Agent:
         for listener in self._listeners:
             listener.start()
         atexit.register(self.stop)
+        self.crash_record = _arm_crash_record()
         return self
 
     def _start_tcp(self, dispatcher: Any) -> None:
@@ -194,6 +197,19 @@ class Agent:
                                       timeout=self.options.query_timeout, memory_limit=self.options.memory_limit,
                                       max_result_bytes=self.options.max_result_bytes)
         return self._engine
+
+
+def _arm_crash_record() -> Optional[str]:
+    """Leave last stacks behind should this process die of a signal or an uncaught exception (see
+    ``probe.agent.crash``); ``PROBE_CRASH_RECORD=0`` switches it off. Never fails the agent's start."""
+    if os.environ.get("PROBE_CRASH_RECORD", "1").strip() in ("0", "false", "no", "off"):
+        return None
+    try:
+        from probe.agent import crash
+
+        return crash.install()
+    except Exception:
+        return None
 
 
 def _say(line: str) -> None:

@@ -15,17 +15,18 @@ import socket
 import struct
 import threading
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
 from probe.errors import Busy, Forbidden, ProbeError
 
-__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S"]
+__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread"]
 
 READ_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
 GRACE_S = 1.0  # a connection may take this long to send its request before it can lose its slot
+HEARTBEAT_S = 1.0  # how often the accept thread touches its socket file (see _beat)
 BUSY_WAIT_S = 5.0  # how long a new connection waits for a slot before it is answered 503
 LINGER_S = 2.0  # after answering a request not read whole, how long (and how much) of the rest
 LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
@@ -48,6 +49,7 @@ class Listener:
         self._idle = 0  # worker threads waiting for a connection
         self._waiting = 0  # connections handed over and not yet taken by a worker
         self._closed = False
+        self._heartbeat_path: Optional[str] = None  # set for a unix socket: touched every HEARTBEAT_S
         self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
 
     @classmethod
@@ -64,7 +66,9 @@ class Listener:
         except BaseException:
             sock.close()
             raise
-        return cls(sock, "unix", handler, "probe-accept-unix")
+        listener = cls(sock, "unix", handler, "probe-accept-unix")
+        listener._heartbeat_path = path
+        return listener
 
     @classmethod
     def tcp(cls, host: str, port: int, handler: Handler) -> "Listener":
@@ -113,9 +117,18 @@ class Listener:
     # -- the accept thread ---------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
+        name_os_thread("probe-accept")
+        if self._heartbeat_path:
+            self._sock.settimeout(HEARTBEAT_S)
+        last_beat = 0.0
         while not self._closed:
+            if self._heartbeat_path and time.monotonic() - last_beat >= HEARTBEAT_S:
+                self._beat()
+                last_beat = time.monotonic()
             try:
                 conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
             except OSError:
                 if not self._closed:
                     time.sleep(0.05)  # e.g. EMFILE: the target is out of file descriptors; don't spin
@@ -129,6 +142,14 @@ class Listener:
                 self._admit(conn)
             except Exception:
                 pass  # _admit answered or closed the connection; keep accepting
+
+    def _beat(self) -> None:
+        """Touch the socket file: its mtime tells a client, without asking, that this thread still gets the
+        GIL (a client that sees it stale knows at once that the agent cannot answer)."""
+        try:
+            os.utime(self._heartbeat_path)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            pass
 
     def _admit(self, conn: socket.socket) -> None:
         """Give ``conn`` a slot and a worker, or answer it 503 busy (after a bounded wait)."""
@@ -213,6 +234,7 @@ class Listener:
 
     def _work(self) -> None:
         me = threading.current_thread()
+        name_os_thread("probe-worker")
         while not self._closed:
             me.name = "probe-idle"  # python.threads tells idle workers from those serving a request
             conn = self._queue.get()
@@ -249,6 +271,8 @@ class Listener:
                         "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
                 return  # otherwise the client went away or timed out; nothing to answer
             self._untrack(conn)  # evicted or not: a whole request is answered
+            if _peer_gone(conn):
+                return  # asked long ago, and nobody waits for the answer: run nothing (an eval above all)
             response = self._handler(request)
             on_sent, response.on_sent = response.on_sent, None
             try:
@@ -270,6 +294,34 @@ class Listener:
     def _release(self) -> None:
         self._slots.release()
         switch.end()
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread an OS-level name (``comm``), so that a reader outside the process, which
+    sees no Python thread names, can tell the agent's threads from the program's."""
+    try:
+        with open("/proc/self/task/%d/comm" % threading.get_native_id(), "w") as handle:
+            handle.write(name[:15])
+    except (OSError, AttributeError):
+        pass
+
+
+def _peer_gone(conn: socket.socket) -> bool:
+    """The client closed its end while its request waited: it gave up (the agent could not get the GIL,
+    say), so nothing it asked for should run now."""
+    timeout = conn.gettimeout()
+    try:
+        conn.setblocking(False)  # a socket with a timeout would wait for bytes, even with MSG_DONTWAIT
+        return conn.recv(1, socket.MSG_PEEK) == b""
+    except (BlockingIOError, InterruptedError):
+        return False
+    except OSError:
+        return True
+    finally:
+        try:
+            conn.settimeout(timeout)
+        except OSError:
+            pass
 
 
 def _peer_is_owner(conn: socket.socket) -> bool:

@@ -27,7 +27,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "health": ("health", "health"),
     "inject": ("inject", "inject"),
 }
-_GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout"}
+_GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable"}
 
 
 class _Commands(click.Group):
@@ -52,10 +52,15 @@ class _Commands(click.Group):
               help="File holding the token for TCP targets (or $PROBE_TOKEN_FILE).")
 @click.option("--timeout", type=click.FloatRange(min=0.01), default=30.0, show_default=True,
               help="Seconds to wait for each target's answer.")
+@click.option("--wait", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
+              help="Wait this long for a local agent before reading the process from outside. "
+                   "Default: decide in about a second whether it can answer (GIL held, stopped).")
+@click.option("--executable", type=click.Path(dir_okay=False), metavar="PATH",
+              help="For a core:PATH target: the Python executable that made the core (default: as the core says).")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],
-        timeout: float) -> None:
+        timeout: float, wait: Optional[float], executable: Optional[str]) -> None:
     """Ask a live Python process questions in SQL, and run Python in it.
 
     \b
@@ -67,7 +72,7 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
       probe PID inject                               attach to a running process
       probe HOST:PORT --token-file tok tables        a remote agent over TCP
     """
-    ctx.obj = CliContext(list(targets), token, token_file, timeout)
+    ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable)
 
 
 def normalise_argv(argv: List[str]) -> List[str]:

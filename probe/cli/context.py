@@ -21,6 +21,8 @@ class CliContext:
     timeout: float = 30.0
     failures: int = 0
     exit_code: int = 0
+    wait: Optional[float] = None
+    executable: Optional[str] = None
 
     def clients(self) -> List[Client]:
         import os
@@ -29,7 +31,8 @@ class CliContext:
         if not targets:
             raise UsageError("no target given", hint="write `probe PID COMMAND`, `probe HOST:PORT COMMAND`, "
                                                      "use -t, or set PROBE_TARGET")
-        return [connect(t, token=self.token, token_file=self.token_file, timeout=self.timeout) for t in targets]
+        return [connect(t, token=self.token, token_file=self.token_file, timeout=self.timeout, wait=self.wait,
+                        executable=self.executable) for t in targets]
 
     def record(self, exc: ProbeError, label: Optional[str] = None) -> None:
         """Report one target's error and remember the exit code; the other targets still run."""
@@ -47,7 +50,12 @@ def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[
     """Run ``work`` against each target in turn; an error is reported and the next target runs."""
     clients = cli.clients()
     for client in clients:
+        label = client.target.label if len(clients) > 1 else None
         try:
-            yield client, work(client)
+            result = work(client)
         except ProbeError as exc:
-            cli.record(exc, client.target.label if len(clients) > 1 else None)
+            cli.record(exc, label)
+            continue
+        if getattr(client, "note", None):  # the answer did not come from the agent: say where from
+            click.echo(("probe: %s: " % label if label else "probe: ") + str(client.note), err=True)
+        yield client, result

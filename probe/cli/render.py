@@ -8,7 +8,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Sequence
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 
 __all__ = ["render_rows", "render_table", "render_json", "render_csv", "render_backtrace", "render_tables",
-           "render_schema", "render_eval", "FORMATS"]
+           "render_schema", "render_eval", "render_unavailable", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
 _MAX_CELL = 80
@@ -86,11 +86,32 @@ def render_backtrace(frames: Sequence[Frame]) -> Iterator[str]:
         tags = ["native %s" % first.native_id] if first.native_id is not None else []
         if first.is_main:
             tags.append("main")
-        yield 'Thread %d "%s" (%s)' % (first.thread_id, first.thread_name or "?", ", ".join(tags))
+        yield 'Thread %d "%s"%s' % (first.thread_id, first.thread_name or "?", " (%s)" % ", ".join(tags) if tags else "")
         for frame in sorted(stack, key=lambda f: f.depth):
+            if frame.frame_type == "native":
+                where = "%s:%d" % (frame.file, frame.lineno) if frame.lineno else frame.file
+                yield "    [C] %s (%s)" % (frame.func, where)
+                continue
             yield "    %s (%s:%d)" % (frame.func, frame.file, frame.lineno)
             if frame.code:
                 yield "        %s" % frame.code
+
+
+def render_unavailable(label: str, info: Dict[str, Any]) -> str:
+    """``health`` of a target whose agent cannot answer: its state, and who holds the GIL."""
+    parts = ["%s: pid %s, %s; agent %s" % (label, info.get("pid"), info.get("state"), info.get("agent"))]
+    if info.get("agent_silent_s") is not None:
+        parts.append("last ran %s s ago (%s)" % (info["agent_silent_s"], info.get("agent_last_ran")))
+    holder = info.get("gil_holder")
+    if holder:
+        parts.append("GIL held by thread %s%s in %s" % (holder.get("native_id"),
+                                                        ' "%s"' % holder["thread_name"] if holder.get("thread_name")
+                                                        else "", holder.get("where")))
+    if info.get("cause"):
+        parts.append("cause: %s" % info["cause"])
+    if info.get("signal"):
+        parts.append("signal: %s" % info["signal"])
+    return "; ".join(parts) + "\n  " + str(info.get("why")) + (" -- %s" % info["hint"] if info.get("hint") else "")
 
 
 def render_tables(tables: Iterable[TableInfo]) -> Iterator[str]:

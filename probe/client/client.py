@@ -15,7 +15,7 @@ from probe import _paths
 from probe.client import transport
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 from probe.client.targets import Target, parse_target
-from probe.errors import ProbeError, SQLUnavailable, UsageError, error_from_code
+from probe.errors import AgentBlocked, ProbeError, ProcessDead, SQLUnavailable, UsageError, error_from_code
 
 __all__ = ["Client", "connect", "ARROW_STREAM"]
 
@@ -26,9 +26,16 @@ DEFAULT_TIMEOUT = 30.0
 class Client:
     """A connection-less client: each call is one HTTP request to the agent."""
 
-    def __init__(self, target: Target, token: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, target: Target, token: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
+                 wait: Optional[float] = None, executable: Optional[str] = None) -> None:
         self.target = target
         self.timeout = timeout
+        self.wait = wait
+        """Seconds to wait for a local agent before reading from outside; None: decide quickly (see
+        ``probe.client.outside``)."""
+        self.executable = executable  # of a core file's process, where the core does not name it
+        self.note: Optional[str] = None
+        """Set when the last answer did not come from the agent: where it came from, and why."""
         self._token = token
         self._local_sql = False  # set once the agent said it cannot run SQL itself
 
@@ -45,14 +52,43 @@ class Client:
         if accept:
             headers["Accept"] = accept
         payload = json.dumps(body).encode("utf-8") if body is not None else None
+        if self.target.core is not None:
+            raise ProcessDead("%s is a core file: it holds stacks only, and nothing runs there" % self.target.label,
+                              hint="backtrace and SQL over python.backtrace work on it")
         try:
-            response = transport.request(self.target.address, method, path, payload, headers,
-                                         timeout or self.timeout)
+            if self.target.pid is not None and self.target.is_local:
+                response = self._watched(method, path, payload, headers, timeout or self.timeout)
+            else:
+                response = transport.request(self.target.address, method, path, payload, headers,
+                                             timeout or self.timeout)
         except ProbeError as exc:
             raise self._explain(exc) from None
         if response.status >= 400:
             raise self._error_from(response)
         return response
+
+    def _watched(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
+                 timeout: float) -> transport.HttpResponse:
+        """A request to a local agent, watched from outside: when the agent cannot answer (a C call holds
+        the GIL, the process is stopped) this says so within about a second (``AgentBlocked``, with the
+        stacks read from outside) instead of waiting out the timeout."""
+        from probe.client import outside
+
+        pid, socket_path = self.target.pid, self.target.address.path  # type: ignore[union-attr]
+        assert pid is not None
+        diagnosis = outside.before_sending(pid, socket_path) if self.wait is None else None
+        if diagnosis is not None:
+            raise _blocked(diagnosis)
+        sock = transport.send_request(self.target.address, method, path, payload, headers, timeout)
+        try:
+            diagnosis = outside.await_answer(sock, pid, socket_path, timeout, self.wait)
+        except BaseException:
+            sock.close()
+            raise
+        if diagnosis is not None:
+            sock.close()  # the agent sees nobody waits, and runs nothing for this request
+            raise _blocked(diagnosis)
+        return transport.read_response(sock, self.target.address, timeout)
 
     def _json(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
               timeout: Optional[float] = None) -> Dict[str, Any]:
@@ -86,6 +122,10 @@ class Client:
         cause = exc.__context__
         answering = cause is None or isinstance(cause, (ConnectionResetError, BrokenPipeError))
         state = _process_state(pid, wait=0.5 if answering else 0.0)
+        if state in ("gone", "zombie"):
+            dead = _dead_with_record(pid)
+            if dead is not None:
+                return dead
         if answering and state in ("gone", "zombie"):
             return ConnectError("process %d died while answering (it exited or was killed)%s"
                                 % (pid, _zombie_note(pid) if state == "zombie" else ""),
@@ -116,9 +156,25 @@ class Client:
 
     # -- operations -------------------------------------------------------------------------------
 
-    def health(self) -> Dict[str, Any]:
-        """Who the agent is: pid, host, rank, world size, python, probe version, capabilities."""
-        return self._json("GET", "/v1/health")
+    def health(self, fallback: bool = True) -> Dict[str, Any]:
+        """Who the agent is: pid, host, rank, world size, python, probe version, capabilities.
+
+        Where the agent cannot answer (GIL held, stopped, dead, a core file) the answer says so instead
+        (unless ``fallback`` is False: then the error is raised): ``state`` and ``agent`` keys, and who
+        holds the GIL where that is known.
+        """
+        self.note = None
+        try:
+            return self._json("GET", "/v1/health")
+        except ProbeError as exc:
+            if not fallback:
+                raise
+            stacks = _outside_stacks(exc)
+            if stacks is None and self.target.core is None:
+                raise
+            if self.target.core is not None:
+                stacks = self._read_core(False)
+            return _health_from_outside(self.target, exc, stacks)
 
     def tables(self) -> List[TableInfo]:
         return [TableInfo.from_json(t) for t in self._json("GET", "/v1/tables")["tables"]]
@@ -131,9 +187,24 @@ class Client:
         raw = self._json("POST", "/v1/rows", {"table": name})
         return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], False)
 
-    def backtrace(self) -> List[Frame]:
-        """Every thread's stack, innermost frame first within each thread (the rows of python.backtrace)."""
-        raw = self._json("GET", "/v1/backtrace")
+    def backtrace(self, native: bool = False) -> List[Frame]:
+        """Every thread's stack, innermost frame first within each thread (the rows of python.backtrace).
+
+        From the agent when it can answer; otherwise read from outside the process (GIL held, stopped),
+        from its crash record (dead), or from a core file, and ``note`` says so. ``native`` adds the C
+        frames, read from outside (a process on this host; it is stopped for tens of milliseconds).
+        """
+        self.note = None
+        if self.target.core is not None or native:
+            return _frames_of(self._outside(native))
+        try:
+            raw = self._json("GET", "/v1/backtrace")
+        except ProbeError as exc:
+            stacks = _outside_stacks(exc)
+            if stacks is None:
+                raise
+            self.note = _note_for(exc, stacks)
+            return _frames_of(stacks)
         frames = raw["frames"]
         out = []
         for thread_id, name, native_id, is_main, chain in raw["threads"]:
@@ -142,8 +213,44 @@ class Client:
                 out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
         return out
 
-    def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Rows:
-        """Run SQL; the result as plain rows (no pyarrow needed when the agent runs the query)."""
+    def _outside(self, native: bool) -> Any:
+        """The stacks read from outside: a core file, or a live process on this host."""
+        if self.target.core is not None:
+            stacks = self._read_core(native)
+            self.note = "read from %s" % stacks.source
+            return stacks
+        if not self.target.is_local or self.target.pid is None:
+            raise UsageError("native frames are read from outside the process, which needs it on this host",
+                             hint="run probe on %s's host" % self.target.label)
+        from probe.reader import pystack_source
+
+        pid = self.target.pid
+        if _process_state(pid) != "alive":
+            dead = _dead_with_record(pid)
+            if dead is not None:
+                raise dead
+        stacks = pystack_source.read_live(pid, native=native)
+        self.note = "stacks %s" % stacks.source
+        return stacks
+
+    def _read_core(self, native: bool) -> Any:
+        from probe.reader import pystack_source
+
+        assert self.target.core is not None
+        return pystack_source.read_core(self.target.core, self.executable, native)
+
+    def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
+                   native: bool = False) -> Rows:
+        """Run SQL; the result as plain rows (no pyarrow needed when the agent runs the query).
+
+        Where the agent cannot answer, SQL over ``python.backtrace`` still runs, here, on the stacks
+        read from outside (``note`` says so); ``native`` makes that table hold the C frames too.
+        """
+        from probe.client.local_sql import rows_of
+
+        self.note = None
+        if self.target.core is not None or native:
+            return rows_of(self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None))
         if not self._local_sql:
             body = _query_body(sql, max_rows, timeout)
             try:
@@ -152,20 +259,42 @@ class Client:
                             bool(raw.get("truncated")))
             except SQLUnavailable:
                 self._local_sql = True
-        from probe.client.local_sql import rows_of
-
+            except ProbeError as exc:
+                stacks = _outside_stacks(exc)
+                if stacks is None:
+                    raise
+                self.note = _note_for(exc, stacks)
+                return rows_of(self._sql_on_stacks(sql, stacks, max_rows, timeout, exc))
         return rows_of(self.query(sql, max_rows=max_rows, timeout=timeout))
 
-    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Any:
-        """Run SQL; the result as a ``pyarrow.Table`` (metadata ``probe.truncated`` says if it was cut)."""
+    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
+              native: bool = False) -> Any:
+        """Run SQL; the result as a ``pyarrow.Table`` (metadata ``probe.truncated`` says if it was cut).
+
+        Falls back to the stacks read from outside as ``query_rows`` does."""
+        self.note = None
+        if self.target.core is not None or native:
+            return self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None)
         if not self._local_sql:
             try:
                 return self._query_arrow(sql, max_rows, timeout)
             except SQLUnavailable:
                 self._local_sql = True
+            except ProbeError as exc:
+                stacks = _outside_stacks(exc)
+                if stacks is None:
+                    raise
+                self.note = _note_for(exc, stacks)
+                return self._sql_on_stacks(sql, stacks, max_rows, timeout, exc)
         from probe.client.local_sql import run_locally
 
         return run_locally(self, sql, max_rows, timeout)
+
+    def _sql_on_stacks(self, sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float],
+                       why: Optional[ProbeError]) -> Any:
+        from probe.client.local_sql import run_on_stacks
+
+        return run_on_stacks(sql, stacks, max_rows, timeout, why, self.target.label)
 
     def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
         import pyarrow as pa
@@ -185,6 +314,72 @@ class Client:
         return EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
                           bool(raw.get("timed_out")))
 
+
+def _outside_stacks(exc: ProbeError) -> Any:
+    """The stacks that came with an error: read from outside (agent blocked) or a crash record (dead)."""
+    diagnosis = getattr(exc, "diagnosis", None)
+    if diagnosis is not None and diagnosis.stacks is not None:
+        return diagnosis.stacks
+    record = getattr(exc, "record", None)
+    if record is not None and record.has_stacks:
+        return record.stacks()
+    return None
+
+
+def _note_for(exc: ProbeError, stacks: Any) -> str:
+    """Why the agent did not answer, and where the stacks shown come from (the CLI prints it on stderr)."""
+    if isinstance(exc, ProcessDead):
+        return "%s; these are its last stacks, from its %s" % (exc.message, stacks.source)
+    return "%s\n  %s\n  stacks %s" % (exc.message, exc.hint or "", stacks.source)
+
+
+def _frames_of(stacks: Any) -> List[Frame]:
+    return [Frame(r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], code=r[9], frame_type=r[8]) for r in stacks.rows()]
+
+
+def _health_from_outside(target: Target, exc: ProbeError, stacks: Any) -> Dict[str, Any]:
+    """What health can say when the agent cannot: the process's state and who holds the GIL."""
+    diagnosis = getattr(exc, "diagnosis", None)
+    record = getattr(exc, "record", None)
+    holder = stacks.gil_holder() if stacks is not None else None
+    out: Dict[str, Any] = {"pid": stacks.pid if stacks is not None else target.pid, "agent": "unavailable",
+                           "why": exc.message, "hint": exc.hint}
+    if target.core is not None:
+        out.update(state="core file", source=stacks.source, signal=stacks.facts.get("signal"))
+    elif record is not None:
+        out.update(state="dead", cause=record.cause, died_at=record.written_at, record=record.path)
+    elif diagnosis is not None:
+        out.update(state=diagnosis.state, agent="blocked" if diagnosis.state != "no_answer" else "silent")
+        if diagnosis.silent_for is not None:
+            out["agent_silent_s"] = round(diagnosis.silent_for, 1)
+            out["agent_last_ran"] = time.strftime("%H:%M:%S", time.localtime(time.time() - diagnosis.silent_for))
+    if holder is not None:
+        out["gil_holder"] = {"native_id": holder.native_id, "thread_name": holder.name, "where": holder.where()}
+    if stacks is not None:
+        out["python"] = stacks.python_version
+        out["threads"] = len(stacks.program_threads())
+    return out
+
+
+def _dead_with_record(pid: int) -> Optional[ProcessDead]:
+    """A dead process whose agent left a crash record: how it died, with the record attached."""
+    from probe.reader import crash
+
+    record = crash.dead_record(pid)
+    if record is None:
+        return None
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.written_at))
+    hint = ("its last stacks: `probe %d backtrace` (SQL over python.backtrace works too)" % pid if record.has_stacks
+            else "it left no stacks")
+    exc = ProcessDead("process %d is dead: %s, at %s" % (pid, record.cause, when), hint=hint)
+    exc.record = record  # type: ignore[attr-defined]
+    return exc
+
+
+def _blocked(diagnosis: Any) -> AgentBlocked:
+    exc = AgentBlocked(diagnosis.message, diagnosis.hint)
+    exc.diagnosis = diagnosis  # type: ignore[attr-defined]
+    return exc
 
 
 def _process_state(pid: int, wait: float = 0.0) -> str:
@@ -248,7 +443,8 @@ def _read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str
 
 
 def connect(target: Optional[str] = None, token: Optional[str] = None, token_file: Optional[str] = None,
-            timeout: float = DEFAULT_TIMEOUT) -> Client:
+            timeout: float = DEFAULT_TIMEOUT, wait: Optional[float] = None,
+            executable: Optional[str] = None) -> Client:
     """A client of the agent at ``target`` (a pid, ``host:port``, ``unix:PATH``; default ``$PROBE_TARGET``).
 
     For TCP, the token comes from ``token``, ``token_file``, ``$PROBE_TOKEN_FILE`` or ``$PROBE_TOKEN``.
@@ -257,4 +453,5 @@ def connect(target: Optional[str] = None, token: Optional[str] = None, token_fil
     target = target if target is not None else os.environ.get("PROBE_TARGET")
     if not target:
         raise UsageError("no target given", hint="give a pid, HOST:PORT or unix:PATH, or set PROBE_TARGET")
-    return Client(parse_target(str(target)), _read_token(token, token_file), timeout)
+    parsed = parse_target(str(target))
+    return Client(parsed, _read_token(token, token_file) if parsed.core is None else None, timeout, wait, executable)

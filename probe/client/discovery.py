@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 from probe import _paths
 from probe.client.client import Client
 from probe.client.targets import parse_target
-from probe.errors import ProbeError, UsageError
+from probe.errors import AgentBlocked, ProbeError, UsageError
 
 __all__ = ["LocalAgent", "local_agents"]
 
@@ -18,6 +18,7 @@ class LocalAgent:
     socket: str
     health: Optional[Dict[str, Any]]  # None when the socket did not answer
     error: Optional[str] = None
+    blocked: bool = False  # the process runs, but its agent cannot answer (GIL held, stopped)
 
     @property
     def alive(self) -> bool:
@@ -48,13 +49,27 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
         path = os.path.join(directory, name)
         client = Client(parse_target("unix:" + path), timeout=timeout)
         try:
-            found.append(LocalAgent(pid, path, client.health()))
+            found.append(LocalAgent(pid, path, client.health(fallback=False)))
+        except AgentBlocked as exc:
+            found.append(LocalAgent(pid, path, None, _short_reason(exc), blocked=True))
         except ProbeError as exc:
             if _paths.is_stale_socket(path):
                 _remove_stale(pid, path)  # its process died without running its exit hooks (SIGKILL, os._exit)
                 continue
             found.append(LocalAgent(pid, path, None, exc.message))
     return found
+
+
+def _short_reason(exc: AgentBlocked) -> str:
+    """A few words for a table cell: "GIL held in f (x.py:3)", "stopped (SIGSTOP)", "no answer in 1.0 s"."""
+    diagnosis = getattr(exc, "diagnosis", None)
+    if diagnosis is None:
+        return exc.message
+    if diagnosis.state == "gil_held" and diagnosis.holder is not None:
+        return "GIL held in %s" % diagnosis.holder.where()
+    if diagnosis.state == "stopped":
+        return "stopped"
+    return "agent silent"
 
 
 def _remove_stale(pid: int, path: str) -> None:

@@ -12,7 +12,7 @@ from probe.client.results import Rows
 if TYPE_CHECKING:
     from probe.client.client import Client
 
-__all__ = ["run_locally", "rows_of"]
+__all__ = ["run_locally", "run_on_stacks", "rows_of"]
 
 
 def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
@@ -33,6 +33,32 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     finally:
         engine.close()
     return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false"})
+
+
+def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float], why: Any,
+                  label: str) -> Any:
+    """SQL over stacks read from outside a process (``probe.reader``): ``python.backtrace`` is there;
+    any other table needs the agent, and the error says why it cannot answer."""
+    from probe.engine import Engine
+    from probe.errors import AgentBlocked, ProcessDead
+    from probe.tables.arrow import to_arrow
+    from probe.tables.python_backtrace import COLUMNS
+
+    def fetch(name: str) -> Any:
+        if name == "python.backtrace":
+            return to_arrow(tuple((c.name, c.type) for c in COLUMNS), stacks.rows())
+        reason = why.message if why is not None else "%s is read from outside" % label
+        cls = type(why) if isinstance(why, (AgentBlocked, ProcessDead)) else ProcessDead
+        raise cls("%s needs the agent, and %s" % (name, reason[0].lower() + reason[1:]),
+                  hint="only python.backtrace is read from outside the process")
+
+    engine = Engine(fetch)
+    try:
+        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
+    finally:
+        engine.close()
+    return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false",
+                                                 "probe.source": stacks.source})
 
 
 def rows_of(table: Any) -> Rows:

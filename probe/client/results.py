@@ -60,12 +60,13 @@ class Frame(NamedTuple):
     file: str
     lineno: int
     code: Optional[str] = None
+    frame_type: str = "python"  # "native" for a C frame (read from outside the process)
 
     def as_row(self) -> Dict[str, Any]:
         """The frame as a row of python.backtrace."""
         return {"thread_id": self.thread_id, "thread_name": self.thread_name, "native_id": self.native_id,
                 "is_main": self.is_main, "depth": self.depth, "func": self.func, "file": self.file,
-                "lineno": self.lineno, "frame_type": "python", "code": self.code}
+                "lineno": self.lineno, "frame_type": self.frame_type, "code": self.code}
 
 
 class ColumnInfo(NamedTuple):

@@ -1,4 +1,5 @@
-"""What a target string means: a pid on this host, ``host:port``, or ``unix:PATH``."""
+"""What a target string means: a pid on this host, ``host:port``, ``unix:PATH``, or ``core:PATH`` (a core
+file, read from outside: there is no agent to ask)."""
 
 import os
 from typing import NamedTuple, Optional
@@ -14,20 +15,31 @@ class Target(NamedTuple):
     label: str  # as the user wrote it; shown in the ``target`` column
     address: Address
     pid: Optional[int] = None
+    core: Optional[str] = None  # the path of a core file: no agent, stacks only
 
     @property
     def is_tcp(self) -> bool:
         return isinstance(self.address, TcpAddress)
+
+    @property
+    def is_local(self) -> bool:
+        """A process on this host, reached by its unix socket: it can also be read from outside."""
+        return isinstance(self.address, UnixAddress) and self.pid is not None
 
 
 def parse_target(text: str) -> Target:
     """``"4242"`` -> the agent of pid 4242; ``"node7:9700"``; ``"[::1]:9700"``; ``"unix:/path/x.sock"``."""
     text = text.strip()
     if not text:
-        raise UsageError("empty target", hint="give a pid, HOST:PORT or unix:PATH")
+        raise UsageError("empty target", hint="give a pid, HOST:PORT, unix:PATH or core:PATH")
     if text.isdigit():
         pid = int(text)
         return Target(text, UnixAddress(_paths.socket_path(pid)), pid)
+    if text.startswith("core:"):
+        path = text[len("core:"):]
+        if not path:
+            raise UsageError("core: target needs a path", hint="e.g. core:./core.1234")
+        return Target(text, UnixAddress(os.devnull), None, os.path.abspath(path))
     if text.startswith("unix:"):
         path = text[len("unix:"):]
         if not path:
@@ -36,4 +48,4 @@ def parse_target(text: str) -> Target:
     host, sep, port = text.rpartition(":")
     if sep and port.isdigit() and host:
         return Target(text, TcpAddress(host.strip("[]"), int(port)))
-    raise UsageError("cannot understand target %r" % text, hint="give a pid, HOST:PORT or unix:PATH")
+    raise UsageError("cannot understand target %r" % text, hint="give a pid, HOST:PORT, unix:PATH or core:PATH")

@@ -14,7 +14,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 from probe.errors import ConnectError, Timeout
 
-__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "request"]
+__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "request", "send_request", "read_response"]
 
 MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
 
@@ -70,6 +70,14 @@ def _connect(address: Address, timeout: float) -> socket.socket:
 def request(address: Address, method: str, path: str, body: Optional[bytes] = None,
             headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> HttpResponse:
     """Send one request and read the whole response; ``timeout`` bounds every socket operation."""
+    sock = send_request(address, method, path, body, headers, timeout)
+    return read_response(sock, address, timeout)
+
+
+def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
+                 headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> socket.socket:
+    """Connect and send one request; the caller waits for the answer (``read_response``), or closes
+    the socket to give up on it (the agent then runs nothing for it)."""
     host = address.host if isinstance(address, TcpAddress) else "localhost"
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
              "Content-Length: %d" % len(body or b"")]
@@ -88,10 +96,25 @@ def request(address: Address, method: str, path: str, body: Optional[bytes] = No
     except OSError as exc:
         raise ConnectError("cannot connect to %s: %s" % (address, exc.strerror or exc)) from None
     try:
-        try:
-            sock.sendall(payload)
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the agent answered before it read all of the request (e.g. 413): read that answer
+        sock.sendall(payload)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the agent answered before it read all of the request (e.g. 413): read that answer
+    except socket.timeout:
+        sock.close()
+        raise Timeout("sending to %s timed out after %.1f s" % (address, timeout)) from None
+    except OSError as exc:
+        sock.close()
+        raise ConnectError("connection to %s failed: %s" % (address, exc.strerror or exc)) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def read_response(sock: socket.socket, address: Address, timeout: float) -> HttpResponse:
+    """The whole answer to the request sent on ``sock``; closes ``sock``."""
+    try:
+        sock.settimeout(timeout)
         return _read_response(sock, address, timeout)
     except socket.timeout:
         raise Timeout("no answer from %s within %.1f s" % (address, timeout),

@@ -10,11 +10,20 @@ from probe.cli.render import render_backtrace
 
 @click.command("backtrace")
 @click.option("--json", "as_json", is_flag=True, help="Print the frames as JSON rows (those of python.backtrace).")
+@click.option("--native", is_flag=True,
+              help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for "
+                   "tens of milliseconds).")
 @pass_cli
-def backtrace(cli: CliContext, as_json: bool) -> None:
-    """Print the Python stack of every thread, like py-spy dump."""
+def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
+    """Print the Python stack of every thread, like py-spy dump.
+
+    \b
+    The agent answers when it can. When it cannot (a C call holds the GIL, the process is stopped) the
+    stacks are read from outside the process within about a second, and a line on stderr says why; a
+    dead process shows the last stacks its agent recorded; TARGET may be core:PATH (a core file).
+    """
     several = len(cli.targets) > 1
-    for client, frames in each_target(cli, lambda c: c.backtrace()):
+    for client, frames in each_target(cli, lambda c: c.backtrace(native=native)):
         if as_json:
             records = [f.as_row() for f in frames]
             if several:

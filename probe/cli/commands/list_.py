@@ -35,28 +35,54 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
     return out
 
 
+def _dead() -> List[Dict[str, Any]]:
+    """Processes that died with an agent, from the crash records their agents left (old ones cleaned up)."""
+    import time
+
+    from probe.reader import crash
+
+    crash.clean_up()
+    out = []
+    for record in crash.records():
+        if record.alive:
+            continue
+        when = time.strftime("%m-%d %H:%M:%S", time.localtime(record.written_at))
+        out.append({"pid": record.pid, "agent": "dead", "state": "died %s: %s" % (when, record.cause),
+                    "rank": None, "python": record.header.get("python"),
+                    "command": record.header.get("command", "")[:100],
+                    "reach": "probe %d backtrace  (its last stacks)" % record.pid if record.has_stacks else "-"})
+    return out
+
+
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the processes as JSON rows.")
-@click.option("--agents-only", is_flag=True, help="Only processes that run an agent.")
+@click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
 def list_(as_json: bool, agents_only: bool) -> None:
-    """Local Python processes: those running an agent, and those that could be attached."""
+    """Local Python processes: those running an agent, those that could be attached, and those that
+    died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
     records: List[Dict[str, Any]] = []
     for agent in local_agents():
+        if agent.blocked:
+            records.append({"pid": agent.pid, "agent": "blocked", "state": agent.error, "rank": None,
+                            "python": None, "command": _command_of(agent.pid)[:100],
+                            "reach": "probe %d backtrace  (read from outside)" % agent.pid})
+            continue
         if not agent.alive:
             continue
         info = agent.health or {}
         reach = "probe %d ..." % agent.pid
         if info.get("tcp"):
             reach += "  or  probe %s ..." % info["tcp"]
-        records.append({"pid": agent.pid, "agent": "yes", "rank": info.get("rank"), "python": info.get("python"),
-                        "command": _command_of(agent.pid)[:100], "reach": reach})
+        records.append({"pid": agent.pid, "agent": "yes", "state": "running", "rank": info.get("rank"),
+                        "python": info.get("python"), "command": _command_of(agent.pid)[:100], "reach": reach})
     if not agents_only:
-        records.extend(_attachable({r["pid"] for r in records}))
+        records.extend(dict(r, state="running") for r in _attachable({r["pid"] for r in records}))
+    records.extend(_dead())
     if as_json:
         click.echo(json.dumps(records))
         return
     if not records:
         click.echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
         return
-    columns = tuple((c, "") for c in ("pid", "agent", "rank", "python", "command", "reach"))
+    columns = tuple((c, "") for c in ("pid", "agent", "state", "rank", "python", "command", "reach"))
     click.echo(render_rows(Rows(columns, [[r[c] for c, _ in columns] for r in records]), "table"))

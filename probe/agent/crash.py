@@ -1,0 +1,138 @@
+"""The crash record: a process with an agent that dies of a fatal signal or an uncaught exception
+leaves every thread's last stack in ``<runtime dir>/<pid>-<start>.crash``.
+
+At a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) nothing but async-signal-safe work is
+possible, so the stacks are written by the interpreter's own ``faulthandler`` into a file opened at
+agent start; faulthandler then restores the previous handler and raises the signal again, so the exit
+status, a core dump and any earlier handler (a C library's own) are what they would have been. An
+uncaught exception is recorded from ``sys.excepthook`` (chained to the one that was there). A clean
+exit removes the file; a kill that leaves no chance to write (SIGKILL, the OOM killer) leaves the
+header only, which is a record too: "ended without a word".
+
+When the program has already enabled faulthandler for itself (``-X faulthandler``,
+``PYTHONFAULTHANDLER``), it keeps it: its stacks go where it sent them, and the header says so.
+
+The file starts with ``key value`` lines, then a line ``---``, then what faulthandler or the exception
+hook wrote. ``probe.reader.crash`` reads it. Runs inside the target: stdlib only, Python 3.9+.
+"""
+
+import faulthandler
+import os
+import sys
+import threading
+import time
+from typing import IO, Any, Optional
+
+from probe import _paths
+
+__all__ = ["install", "MAGIC", "SEPARATOR"]
+
+MAGIC = "probe-crash-record 1"
+SEPARATOR = "---"
+
+_file: Optional[IO[str]] = None
+_path: Optional[str] = None
+_pid = 0
+_keep = False
+_ours = False
+
+
+def install() -> Optional[str]:
+    """Open this process's record and arm the handlers; returns its path (None where it cannot be)."""
+    global _file, _path, _pid, _ours
+    if _file is not None and _pid == os.getpid():
+        return _path
+    try:
+        ticks = _paths.process_start_ticks()
+        path = _paths.crash_record_path(os.getpid(), ticks)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except (OSError, ValueError, IndexError):
+        return None
+    handle = os.fdopen(fd, "w", encoding="utf-8", errors="replace")
+    preexisting = faulthandler.is_enabled()
+    main = threading.main_thread().ident or 0
+    try:
+        command = open("/proc/self/cmdline", "rb").read().replace(b"\0", b" ").decode("utf-8", "replace")
+    except OSError:
+        command = " ".join(sys.argv)
+    agent_threads = ",".join("0x%016x" % (t.ident or 0) for t in threading.enumerate() if t.name.startswith("probe-"))
+    header = [MAGIC, "pid %d" % os.getpid(), "start_ticks %d" % ticks, "started_at %.3f" % time.time(),
+              "main_thread 0x%016x" % main, "agent_threads %s" % agent_threads, "python %s" % sys.version.split()[0],
+              "faulthandler %s" % ("program" if preexisting else "probe"),
+              "command %s" % command.strip().replace("\n", " ")[:2000], SEPARATOR]
+    handle.write("\n".join(header) + "\n")
+    handle.flush()
+    _file, _path, _pid = handle, path, os.getpid()
+    if not preexisting:
+        faulthandler.enable(file=handle, all_threads=True)
+        _ours = True
+    previous = sys.excepthook
+    sys.excepthook = _ExceptHook(previous)
+    import atexit
+
+    atexit.register(_remove_at_exit)
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_in_child)
+    return path
+
+
+class _ExceptHook:
+    """Records an uncaught exception, then hands it to the hook that was installed before."""
+
+    def __init__(self, previous: Any) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: Any, value: Any, tb: Any) -> None:
+        global _keep
+        try:
+            if _file is not None and _pid == os.getpid():
+                import traceback
+
+                _keep = True
+                summary = "".join(traceback.format_exception_only(kind, value)).strip().replace("\n", " ")
+                _file.write("Uncaught exception: %s\n" % summary[:2000])
+                _file.write("".join(traceback.format_exception(kind, value, tb)) + "\n")
+                # Where it was raised, in faulthandler's own format (this thread's stack has unwound by
+                # now); then every thread, as faulthandler sees them (a reader keeps a thread's first block).
+                _file.write("Current thread 0x%016x (most recent call first):\n" % threading.get_ident())
+                for entry in reversed(traceback.extract_tb(tb)):
+                    _file.write('  File "%s", line %s in %s\n' % (entry.filename, entry.lineno, entry.name))
+                _file.write("\n")
+                _file.flush()
+                faulthandler.dump_traceback(file=_file, all_threads=True)
+                _file.flush()
+        except Exception:
+            pass
+        self.previous(kind, value, tb)
+
+
+def _remove_at_exit() -> None:
+    """A clean exit leaves nothing behind; an exit after an uncaught exception keeps the record."""
+    global _file
+    if _pid != os.getpid() or _file is None:
+        return
+    if _keep:
+        return
+    try:
+        if _ours:
+            faulthandler.disable()
+        _file.close()
+        _file = None
+        if _path:
+            os.unlink(_path)
+    except Exception:
+        pass
+
+
+def _forget_in_child() -> None:
+    """A forked child (a DataLoader worker) must not write its crash into its parent's record."""
+    global _file, _ours
+    if _file is None:
+        return
+    try:
+        if _ours:
+            faulthandler.disable()
+    except Exception:
+        pass
+    _ours = False
+    _file = None  # the parent's handle: never closed here (the buffer is empty: every write flushes)

@@ -1,0 +1,156 @@
+"""Deciding quickly that a local agent cannot answer, and why; the stacks then come from outside.
+
+An agent is Python code: it answers only when its thread gets the GIL. A C call that never lets go of
+the GIL (an extension's loop, a CUDA synchronisation that does not return), a stopped process or a
+dying one leave it silent, and a plain socket timeout would make the user wait for nothing. So while
+the request is in flight, the client looks at what the kernel and the process's memory already tell:
+
+1. Before sending: a stopped process (state T) cannot answer; an agent whose heartbeat (the accept
+   thread touches its socket file every second) is stale, while some thread holds the GIL, is blocked.
+2. After ``GRACE_S`` without an answer: read the stacks from outside (pystack, without stopping the
+   process). If a thread other than the agent's holds the GIL, count its voluntary context switches
+   over ``CONFIRM_S``: a thread running Python hands the GIL over when the agent asks, and waits to
+   get it back (a voluntary switch); one held in a C call never does. No switch: the GIL is held.
+3. Otherwise (no holder, or the GIL moves) the agent is only slow: keep waiting, looking again every
+   second, up to the timeout.
+
+The request is then abandoned by closing its socket; the agent, when it gets the GIL back, sees that
+nobody waits and runs nothing (an eval must not run minutes later).
+"""
+
+import os
+import select
+import socket
+import time
+from typing import NamedTuple, Optional
+
+from probe.reader import proc
+from probe.reader.stacks import Stacks, ThreadStack
+
+__all__ = ["Diagnosis", "before_sending", "await_answer", "GRACE_S", "CONFIRM_S", "STALE_HEARTBEAT_S"]
+
+GRACE_S = 0.3
+"""How long an agent may take to answer before the client looks at the process from outside."""
+CONFIRM_S = 0.25
+"""How long the GIL holder is watched for a hand-over before the GIL is called held."""
+STALE_HEARTBEAT_S = 2.5
+"""A heartbeat older than this means the agent's accept thread has not run (it beats every second)."""
+
+
+class Diagnosis(NamedTuple):
+    """Why the agent does not answer. ``state`` is ``gil_held``, ``stopped`` or ``no_answer``."""
+
+    state: str
+    message: str
+    hint: str
+    stacks: Optional[Stacks] = None
+    holder: Optional[ThreadStack] = None
+    silent_for: Optional[float] = None  # seconds since the agent last ran, when its heartbeat tells
+
+
+def heartbeat_age(socket_path: str) -> Optional[float]:
+    try:
+        return max(0.0, time.time() - os.stat(socket_path).st_mtime)
+    except OSError:
+        return None
+
+
+def _read(pid: int) -> Optional[Stacks]:
+    from probe.errors import ReaderError
+    from probe.reader import pystack_source
+
+    if not pystack_source.available():
+        return None
+    try:
+        return pystack_source.read_live(pid, native=False)
+    except ReaderError:
+        return None
+
+
+def _program_holder(stacks: Optional[Stacks]) -> Optional[ThreadStack]:
+    holder = stacks.gil_holder() if stacks else None
+    return holder if holder is not None and not holder.is_agent else None
+
+
+def _gil_held(pid: int, stacks: Stacks, holder: ThreadStack, silent_for: Optional[float]) -> Diagnosis:
+    since = " for %.1f s" % silent_for if silent_for is not None and silent_for > 1.5 else ""
+    message = ('process %d cannot answer: thread %s holds the GIL in %s and does not let go (a call into C '
+               'that keeps it), so the agent has not run%s' % (pid, holder.label().strip(), holder.where(), since))
+    hint = ("its stacks are read from outside; eval can run only once that call returns "
+            "(`probe %d backtrace --native` shows the C frames)" % pid)
+    return Diagnosis("gil_held", message, hint, stacks, holder, silent_for)
+
+
+def _stopped(pid: int, letter: str, silent_for: Optional[float]) -> Diagnosis:
+    stacks = _read(pid)
+    how = proc.STATE_WORDS.get(letter, "stopped")
+    return Diagnosis("stopped", "process %d is %s: nothing in it runs, its agent included" % (pid, how),
+                     "`kill -CONT %d` resumes it; its stacks are read from outside" % pid
+                     if letter == "T" else "its stacks are read from outside", stacks, None, silent_for)
+
+
+def before_sending(pid: int, socket_path: str) -> Optional[Diagnosis]:
+    """What is known without asking: a stopped process, or an agent silent for seconds while the GIL is held."""
+    letter = proc.state(pid)
+    age = heartbeat_age(socket_path)
+    if letter in ("T", "t"):
+        return _stopped(pid, letter, age)
+    if age is not None and age > STALE_HEARTBEAT_S and letter not in (None, "Z", "X"):
+        stacks = _read(pid)
+        holder = _program_holder(stacks)
+        if stacks is not None and holder is not None:
+            return _gil_held(pid, stacks, holder, age)
+    return None
+
+
+def _answered(sock: socket.socket, seconds: float) -> bool:
+    """Bytes (or the end) arrived on ``sock`` within ``seconds``."""
+    try:
+        readable, _, _ = select.select([sock], [], [], max(0.0, seconds))
+    except (OSError, ValueError):
+        return True  # let the read report what is wrong
+    return bool(readable)
+
+
+def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float,
+                 patience: Optional[float] = None) -> Optional[Diagnosis]:
+    """Wait for the agent's answer on ``sock``: None once it is there, else why it will not come.
+
+    ``patience`` (seconds) replaces the quick decision: wait that long for the agent, then read from
+    outside whatever its state.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    if patience is not None:
+        if _answered(sock, min(patience, timeout)):
+            return None
+        return _no_answer(pid, socket_path, min(patience, timeout))
+    if _answered(sock, GRACE_S):
+        return None
+    while time.monotonic() < deadline:
+        letter = proc.state(pid)
+        if letter in (None, "Z", "X"):
+            return None  # dying or gone: the read says so, and the client explains it
+        if letter in ("T", "t"):
+            return _stopped(pid, letter, heartbeat_age(socket_path))
+        stacks = _read(pid)
+        holder = _program_holder(stacks)
+        if stacks is not None and holder is not None and holder.native_id is not None:
+            before = proc.voluntary_switches(pid, holder.native_id)
+            if _answered(sock, CONFIRM_S):
+                return None
+            after = proc.voluntary_switches(pid, holder.native_id)
+            if before is not None and before == after and _program_holder(_read(pid)) is not None:
+                return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+        if _answered(sock, min(1.0, deadline - time.monotonic())):
+            return None
+    return _no_answer(pid, socket_path, timeout)
+
+
+def _no_answer(pid: int, socket_path: str, waited: float) -> Diagnosis:
+    stacks = _read(pid)
+    holder = _program_holder(stacks)
+    extra = " (thread %s holds the GIL in %s)" % (holder.label().strip(), holder.where()) if holder else ""
+    return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
+                     "its stacks are read from outside; give it longer with --wait SECONDS", stacks, holder,
+                     heartbeat_age(socket_path))

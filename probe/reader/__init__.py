@@ -1,0 +1,12 @@
+"""The reader: a process's stacks read from outside it, when its agent cannot answer (a C call holds
+the GIL, the process is stopped), for native frames, and after death (a crash record, a core file).
+
+It runs in the client's process, never in the target, and gives the rows of ``python.backtrace``, so
+every output format and SQL work on what it reads. ``python -m probe.reader`` runs it alone (JSON out),
+so it can run on a rank's own host. Modules: ``stacks`` (the data), ``pystack_source`` (live processes
+and core files), ``crash`` (records left by agents of dead processes), ``proc`` (what /proc tells).
+"""
+
+from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
+
+__all__ = ["OutsideFrame", "Stacks", "ThreadStack"]

@@ -1,0 +1,90 @@
+"""What the kernel tells about a process without asking it anything: its state, its threads' names and
+context switches, and whether ptrace (which outside reading needs) is allowed. Stdlib only."""
+
+import os
+from typing import Dict, Optional, Tuple
+
+__all__ = ["state", "comm", "thread_names", "voluntary_switches", "ptrace_denied_reason", "STATE_WORDS"]
+
+STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
+               "t": "stopped by a debugger", "Z": "a zombie (exited, not reaped)", "X": "dead", "I": "idle"}
+
+
+def _stat_fields(path: str) -> Optional[list]:
+    try:
+        with open(path, "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    try:
+        return stat[stat.rindex(b")") + 2:].decode("ascii", "replace").split()
+    except ValueError:
+        return None
+
+
+def state(pid: int) -> Optional[str]:
+    """The process's state letter (R, S, D, T, t, Z, ...), or None when there is no such process."""
+    fields = _stat_fields("/proc/%d/stat" % pid)
+    return fields[0] if fields else None
+
+
+def comm(pid: int) -> Optional[str]:
+    try:
+        with open("/proc/%d/comm" % pid, "rb") as handle:
+            return handle.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+
+
+def thread_names(pid: int) -> Dict[int, str]:
+    """OS thread id -> its OS-level name (the agent names its own threads ``probe-*``)."""
+    out: Dict[int, str] = {}
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid), "rb") as handle:
+                out[int(tid)] = handle.read().decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def voluntary_switches(pid: int, tid: int) -> Optional[int]:
+    """How many times thread ``tid`` gave up the CPU by waiting. A thread that holds the GIL and hands
+    it over when asked (Python code running) waits each time it wants it back; one held in a C call
+    never does, so an unchanged count while the agent asks for the GIL means it is not handed over."""
+    try:
+        with open("/proc/%d/task/%d/status" % (pid, tid), "rb") as handle:
+            for line in handle:
+                if line.startswith(b"voluntary_ctxt_switches:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def ptrace_denied_reason(pid: int) -> Tuple[str, str]:
+    """Why ptrace of ``pid`` is likely refused, and what to do (for the reader's error message)."""
+    try:
+        owner = os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        owner = None
+    if owner is not None and owner != os.getuid() and os.getuid() != 0:
+        return ("it belongs to uid %d" % owner, "run probe as that user, or as root")
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as handle:
+            scope = int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        scope = 0
+    if scope == 1:
+        return ("Yama's ptrace_scope is 1, which lets only a process's ancestors read it",
+                "run probe with sudo, or `echo 0 | sudo tee /proc/sys/kernel/yama/ptrace_scope`")
+    if scope >= 2:
+        return ("Yama's ptrace_scope is %d" % scope, "run probe as root (ptrace_scope 2) or not at all (3)")
+    if state(pid) == "t":
+        return ("another debugger is attached to it", "detach that debugger first")
+    return ("the kernel refused ptrace (a container without CAP_SYS_PTRACE?)",
+            "run probe with sudo, or give its container CAP_SYS_PTRACE")
