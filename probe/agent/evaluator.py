@@ -1,9 +1,9 @@
-"""Run a snippet of Python in the target's ``__main__`` namespace, the way a REPL would.
+"""Run a snippet of Python in the target's ``__main__`` namespace (or a frame's), the way a REPL would.
 
-The snippet runs on its own daemon thread so that the request can give up after its time limit; when
-it does, the snippet is interrupted with an asynchronous exception (which stops Python code, though not
-a C call that never returns). What the snippet prints is captured per thread: the target's own threads
-keep printing to the real stdout and stderr meanwhile. Stdlib only; Python 3.9+.
+``probe.agent.placement`` decides on which thread it runs (its own daemon thread by default) so that
+the request can give up after its time limit; then the snippet is interrupted with an asynchronous
+exception (which stops Python code, though not a C call that never returns). What the snippet prints
+is captured per thread: the target's own threads keep printing to the real stdout and stderr meanwhile. Stdlib only; Python 3.9+.
 """
 
 import ast
@@ -14,14 +14,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+from probe.agent.frames import FrameSpec, Scope, frame_scope, note_unwritten
+from probe.agent.placement import EvalInterrupted, Job, submit
+from probe.errors import ProbeError, Timeout
+
 __all__ = ["EvalOutcome", "run_snippet", "EvalInterrupted"]
 
 _MAX_CAPTURE = 1024 * 1024
 _MAX_REPR = 64 * 1024
-
-
-class EvalInterrupted(BaseException):
-    """Raised inside a snippet that ran past its time limit."""
 
 
 @dataclass(frozen=True)
@@ -126,30 +126,40 @@ def _compile(code: str) -> "tuple[Any, Any]":
     return compile(tree, "<probe-eval>", "exec"), None
 
 
-def _execute(code: str, namespace: Dict[str, Any], result: Dict[str, Any]) -> None:
+def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job) -> None:
     out, err = _Capture(), _Capture()
     ident = threading.get_ident()
     stdout, stderr = _capture("stdout", ident, out), _capture("stderr", ident, err)
+    before: Optional[Dict[str, int]] = None
     try:
         import linecache
 
         linecache.cache["<probe-eval>"] = (len(code), None, code.splitlines(True), "<probe-eval>")
         body, last = _compile(code)
-        exec(body, namespace)
+        namespace, local_names = scope.globals, scope.locals
+        if local_names is not None:
+            before = {k: id(v) for k, v in local_names.items()}
+            namespace = dict(scope.globals)  # functions the snippet defines see the frame's names too
+            namespace.update(local_names)
+        exec(body, namespace, local_names if local_names is not None else namespace)
         if last is not None:
-            value = eval(last, namespace)
+            value = eval(last, namespace, local_names if local_names is not None else namespace)
             if value is not None:
-                namespace["_"] = value
+                if local_names is None:
+                    namespace["_"] = value
                 text = repr(value)
                 result["value"] = text if len(text) <= _MAX_REPR else text[:_MAX_REPR] + "...[truncated]"
     except EvalInterrupted:
-        result["error"] = "EvalInterrupted: the snippet ran past its time limit and was interrupted\n"
+        result["error"] = "EvalInterrupted: %s\n" % (job.why_interrupted or "the snippet was interrupted")
     except BaseException as exc:
+        if isinstance(exc, KeyboardInterrupt):
+            job.keyboard_interrupt = True  # type: ignore[attr-defined]
         result["error"] = _snippet_traceback(exc)
     finally:
         _release("stdout", stdout, ident)
         _release("stderr", stderr, ident)
-        result["stdout"], result["stderr"] = out.getvalue(), err.getvalue()
+        note = note_unwritten(scope, before)
+        result["stdout"], result["stderr"] = out.getvalue(), err.getvalue() + note
 
 
 def _snippet_traceback(exc: BaseException) -> str:
@@ -160,28 +170,53 @@ def _snippet_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
-def run_snippet(code: str, timeout: float) -> EvalOutcome:
-    """Run ``code`` in ``__main__``; wait at most ``timeout`` seconds for it."""
-    namespace = sys.modules["__main__"].__dict__
+def run_snippet(code: str, timeout: float, place: str = "agent", frame: Optional[FrameSpec] = None,
+                job_id: Optional[str] = None, wait: float = 10.0) -> EvalOutcome:
+    """Run ``code`` in ``__main__`` (or in ``frame``'s namespace) on the thread ``place`` names.
+
+    Waits at most ``wait`` seconds for that thread to take the snippet (``main``, ``step``), then at
+    most ``timeout`` seconds for the snippet itself.
+    """
     result: Dict[str, Any] = {}
-    worker = threading.Thread(target=_execute, args=(code, namespace, result), name="probe-eval", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    if worker.is_alive():
-        _interrupt(worker)
-        worker.join(1.0)
+
+    def body(job: Job) -> None:
+        try:
+            scope = frame_scope(frame) if frame is not None else Scope(sys.modules["__main__"].__dict__)
+        except ProbeError as exc:
+            result["error"] = "%s%s\n" % (exc.message, " -- %s" % exc.hint if exc.hint else "")
+            return
+        _execute(code, scope, result, job)
+
+    job = Job(body, job_id)
+    submit(job, place)
+    if not job.started.wait(wait if place != "agent" else 10.0):
+        if job.abandon_if_waiting():
+            raise Timeout(_never_started(place, wait), hint=_NEVER_STARTED_HINT[place])
+    if not job.finished.wait(timeout):
+        job.interrupt("the snippet did not finish within %.1f s and was interrupted" % timeout)
+        job.finished.wait(1.0)
+        if not job.finished.is_set():
+            return EvalOutcome("", "", None, "the snippet did not finish within %.1f s and was interrupted (it is "
+                               "still running: it is in a call that cannot be interrupted)\n" % timeout,
+                               timed_out=True)
         return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), None,
-                           "the snippet did not finish within %.1f s and was interrupted%s\n"
-                           % (timeout, "" if not worker.is_alive() else " (it is still running: it is in a call "
-                              "that cannot be interrupted)"), timed_out=True)
+                           "the snippet did not finish within %.1f s and was interrupted\n" % timeout, timed_out=True)
+    if job.state == "abandoned":  # the client cancelled it before it started
+        return EvalOutcome("", "", None, "EvalInterrupted: cancelled before it started; nothing ran\n")
     return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), result.get("value"), result.get("error"))
 
 
-def _interrupt(thread: threading.Thread) -> None:
-    """Raise EvalInterrupted in ``thread`` at its next bytecode boundary."""
-    try:
-        import ctypes
+_NEVER_STARTED_HINT = {
+    "agent": "the process may be short of threads or memory",
+    "main": "the main thread is blocked in C (a lock, I/O, a long native call), so it reaches no bytecode "
+            "boundary; run the snippet concurrently (without --on main)",
+    "step": "the job may be hung or between epochs; a hung job's state is not changing, so running the snippet "
+            "concurrently (without --between-steps) reads it consistently",
+}
 
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident or 0), ctypes.py_object(EvalInterrupted))
-    except Exception:
-        pass
+
+def _never_started(place: str, wait: float) -> str:
+    what = {"agent": "no thread could be started for the snippet",
+            "main": "the main thread reached no bytecode boundary",
+            "step": "no optimizer step finished"}[place]
+    return "%s within %.1f s; the snippet did not run and never will" % (what, wait)

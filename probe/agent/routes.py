@@ -137,18 +137,89 @@ def query(agent: "Agent", request: Request) -> Response:
 
 
 def evaluate(agent: "Agent", request: Request) -> Response:
-    if not agent.options.eval_enabled:
-        raise EvalDisabled("eval is switched off in this agent (it was started with --no-eval or PROBE_EVAL=0)",
-                           hint="use SQL queries, or restart the agent with eval enabled")
+    _require_eval(agent)
     body = request.json()
     code = body.get("code")
     if not isinstance(code, str):
         raise BadRequest("give the snippet as {\"code\": \"...\"}")
     timeout = _optional_seconds(body, "timeout") or agent.options.eval_timeout
     from probe.agent.evaluator import run_snippet
+    from probe.agent.frames import parse_frame
+    from probe.agent.placement import PLACES
 
-    outcome = run_snippet(code, min(timeout, agent.options.eval_timeout))
+    place = body.get("on", "agent")
+    if place not in PLACES:
+        raise BadRequest("\"on\" is one of %s" % ", ".join(PLACES))
+    frame = parse_frame(body["frame"]) if body.get("frame") is not None else None
+    wait = min(_optional_seconds(body, "wait") or (10.0 if place == "main" else 60.0), _MAX_WAIT)
+    outcome = run_snippet(code, min(timeout, agent.options.eval_timeout), place, frame, _job_id(body), wait)
     return Response.json(outcome.to_json_dict())
+
+
+_MAX_WAIT = 600.0  # seconds a snippet may wait for the main thread or a step
+
+
+def _require_eval(agent: "Agent") -> None:
+    if not agent.options.eval_enabled:
+        raise EvalDisabled("eval is switched off in this agent (it was started with --no-eval or PROBE_EVAL=0)",
+                           hint="use SQL queries, or restart the agent with eval enabled")
+
+
+def _job_id(body: Dict[str, Any]) -> Optional[str]:
+    value = body.get("id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 64:
+        raise BadRequest("id must be a string of 1 to 64 characters")
+    return value
+
+
+def interrupt_eval(agent: "Agent", request: Request) -> Response:
+    """Interrupt the snippet sent with ``{"id": ...}`` (the REPL's Ctrl-C)."""
+    _require_eval(agent)
+    job_id = _job_id(request.json())
+    if job_id is None:
+        raise BadRequest("give the snippet's id as {\"id\": \"...\"}")
+    from probe.agent.placement import interrupt
+
+    return Response.json({"id": job_id, "state": interrupt(job_id)})
+
+
+def complete(agent: "Agent", request: Request) -> Response:
+    """Completions of a name or dotted attribute in ``__main__`` (or a frame), bounded in time."""
+    _require_eval(agent)
+    body = request.json()
+    text = body.get("text")
+    if not isinstance(text, str) or len(text) > 1000:
+        raise BadRequest("give the text to complete as {\"text\": \"model.la\"}")
+    import sys
+
+    from probe.agent.completion import complete_bounded
+    from probe.agent.frames import Scope, frame_scope, parse_frame
+
+    frame = parse_frame(body["frame"]) if body.get("frame") is not None else None
+    matches = complete_bounded(text, lambda: frame_scope(frame) if frame else Scope(sys.modules["__main__"].__dict__))
+    return Response.json({"matches": matches or [], "timed_out": matches is None})
+
+
+def debug_start(agent: "Agent", request: Request) -> Response:
+    _require_eval(agent)
+    body = request.json()
+    host, port = body.get("host", "127.0.0.1"), body.get("port", 5678)
+    if not isinstance(host, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 <= port < 65536:
+        raise BadRequest("give {\"host\": \"127.0.0.1\", \"port\": 5678}")
+    import_dir = body.get("import_dir")
+    from probe.agent import debugger
+
+    return Response.json(debugger.start(host, port, bool(body.get("insecure")),
+                                        import_dir if isinstance(import_dir, str) else None))
+
+
+def debug_stop(agent: "Agent", request: Request) -> Response:
+    _require_eval(agent)
+    from probe.agent import debugger
+
+    return Response.json(debugger.stop())
 
 
 def _optional_count(body: Dict[str, Any], key: str) -> Optional[int]:
@@ -216,6 +287,10 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("GET", "/v1/backtrace"): backtrace,
     ("POST", "/v1/query"): query,
     ("POST", "/v1/eval"): evaluate,
+    ("POST", "/v1/eval/interrupt"): interrupt_eval,
+    ("POST", "/v1/complete"): complete,
+    ("POST", "/v1/debug/start"): debug_start,
+    ("POST", "/v1/debug/stop"): debug_stop,
 }
 
 

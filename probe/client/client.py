@@ -305,14 +305,94 @@ class Client:
             raise ProbeError("%s did not answer in Arrow" % self.target.label)
         return pa.ipc.open_stream(response.body).read_all()
 
-    def eval(self, code: str, timeout: Optional[float] = None) -> EvalResult:
-        """Run ``code`` in the target's ``__main__``; printed output, final value and any traceback."""
+    def eval(self, code: str, timeout: Optional[float] = None, on: str = "agent", frame: Optional[str] = None,
+             wait: Optional[float] = None, eval_id: Optional[str] = None) -> EvalResult:
+        """Run ``code`` in the target's ``__main__``; printed output, final value and any traceback.
+
+        ``on``: ``"agent"`` (the agent's own thread, concurrent with the program), ``"main"`` (the main
+        thread, which waits while it runs) or ``"step"`` (right after the next optimizer step); ``wait``
+        bounds the wait for that thread. ``frame``: ``"THREAD:DEPTH"`` evaluates in that frame's
+        namespace. ``eval_id`` names the run for :meth:`interrupt_eval`.
+        """
         body: Dict[str, Any] = {"code": code}
         if timeout is not None:
             body["timeout"] = timeout
-        raw = self._json("POST", "/v1/eval", body, timeout=_wait_for(timeout, self.timeout))
+        if on != "agent":
+            body["on"] = on
+        for key, value in (("frame", frame), ("wait", wait), ("id", eval_id)):
+            if value is not None:
+                body[key] = value
+        socket_wait = _wait_for(timeout, self.timeout)
+        if on != "agent":
+            socket_wait = max(socket_wait, (wait or (10.0 if on == "main" else 60.0)) + (timeout or 30.0) + 5.0)
+        raw = self._json("POST", "/v1/eval", body, timeout=socket_wait)
         return EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
                           bool(raw.get("timed_out")))
+
+    def interrupt_eval(self, eval_id: str) -> str:
+        """Interrupt the snippet sent with ``eval_id``: ``interrupted``, ``cancelled``, ``finished`` or ``unknown``."""
+        return str(self._json("POST", "/v1/eval/interrupt", {"id": eval_id}).get("state"))
+
+    def complete(self, text: str, frame: Optional[str] = None) -> List[str]:
+        """Completions of a name or dotted attribute in the target's ``__main__`` (or ``frame``)."""
+        body: Dict[str, Any] = {"text": text}
+        if frame is not None:
+            body["frame"] = frame
+        return [str(m) for m in self._json("POST", "/v1/complete", body).get("matches", [])]
+
+    def debug_start(self, host: str = "127.0.0.1", port: int = 5678, insecure: bool = False) -> Dict[str, Any]:
+        """Start debugpy in the target, listening on ``host:port``; where it listens.
+
+        debugpy has no authentication, so a host other than a loopback address needs ``insecure``.
+        On this host, a target whose environment lacks debugpy gets this process's copy.
+        """
+        from probe.client.debugpy_dir import exposure_dir
+
+        body: Dict[str, Any] = {"host": host, "port": port, "insecure": insecure}
+        if self.target.pid is not None or getattr(self.target.address, "path", None):
+            body["import_dir"] = exposure_dir()
+        return self._json("POST", "/v1/debug/start", body, timeout=max(self.timeout, 60.0))
+
+    def debug_stop(self) -> Dict[str, Any]:
+        """Stop debugpy in the target."""
+        return self._json("POST", "/v1/debug/stop", {})
+
+    def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
+                   timeout: float = 300.0) -> Dict[str, Any]:
+        """Save the target's models, optimizers, step and RNG states to ``path`` (in the target's file system;
+        ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``: expressions in ``__main__``;
+        default: those the agent finds. Returns the path, bytes, sha256 and what the file holds."""
+        body: Dict[str, Any] = {"path": path, "timeout": timeout}
+        if models:
+            body["models"] = list(models)
+        if optimizers:
+            body["optimizers"] = list(optimizers)
+        return self._json("POST", "/v1/torch/checkpoint", body, timeout=_wait_for(timeout, self.timeout))
+
+    def trace(self, action: str, **options: Any) -> Dict[str, Any]:
+        """Control the target's torch trace: ``action`` is start, stop, status or export.
+
+        ``start`` takes ``every``, ``modules`` (a glob), ``backward``, ``anomalies``, ``size``; every action
+        answers the trace's status, except ``export``, which answers Chrome trace-event JSON.
+        """
+        body: Dict[str, Any] = {"action": action}
+        body.update({k: v for k, v in options.items() if v is not None})
+        return self._json("POST", "/v1/torch/trace", body)
+
+    def trace_start(self, every: Optional[int] = None, modules: Optional[str] = None, backward: Optional[bool] = None,
+                    anomalies: Optional[bool] = None, size: Optional[int] = None) -> Dict[str, Any]:
+        return self.trace("start", every=every, modules=modules, backward=backward, anomalies=anomalies, size=size)
+
+    def trace_stop(self) -> Dict[str, Any]:
+        return self.trace("stop")
+
+    def trace_status(self) -> Dict[str, Any]:
+        return self.trace("status")
+
+    def trace_export(self) -> Dict[str, Any]:
+        """The trace as Chrome trace-event JSON (``{"traceEvents": [...]}``; pid = rank, tid = thread)."""
+        return self.trace("export")
+
 
 
 def _outside_stacks(exc: ProbeError) -> Any:

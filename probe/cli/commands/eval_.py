@@ -1,7 +1,7 @@
-"""``probe TARGET eval CODE``: run Python in the target's ``__main__``."""
+"""``probe TARGET eval CODE``: run Python in the target's ``__main__`` (or in one of its frames)."""
 
 import sys
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import click
 
@@ -9,18 +9,55 @@ from probe.cli.context import CliContext, each_target, pass_cli
 from probe.cli.render import render_eval
 from probe.errors import UsageError
 
+__all__ = ["eval_", "placement_options", "placement"]
+
+
+def placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Where a snippet runs and whose names it sees: shared by ``eval`` and ``repl``."""
+    options = [
+        click.option("--on", "on", type=click.Choice(["agent", "main"]), default="agent", show_default=True,
+                     help="agent: the agent's own thread, while the program runs on (what the snippet reads may "
+                          "change under it). main: the main thread, at its next bytecode boundary; the main thread "
+                          "waits while the snippet runs (it may have stopped in the middle of a Python-level "
+                          "update)."),
+        click.option("--between-steps", is_flag=True,
+                     help="torch jobs: run right after the next optimizer step, on the thread that ran it."),
+        click.option("--frame", metavar="THREAD:DEPTH",
+                     help="Evaluate in that frame's namespace (THREAD: a name such as MainThread, or an ident; "
+                          "DEPTH as python.backtrace counts it, or a function's name). Before Python 3.13 the "
+                          "frame's local variables are read-only."),
+        click.option("--wait", type=click.FloatRange(min=0.01, max=600), metavar="SECONDS",
+                     help="With --on main / --between-steps: how long to wait for that moment "
+                          "(default 10 / 60); after it nothing runs."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def placement(on: str, between_steps: bool, frame: Optional[str], wait: Optional[float]) -> Dict[str, Any]:
+    """The client's ``eval`` keyword arguments for these options."""
+    if between_steps and on != "agent":
+        raise UsageError("--on main and --between-steps exclude each other")
+    return {"on": "step" if between_steps else on, "frame": frame, "wait": wait}
+
 
 @click.command("eval")
 @click.argument("code", required=False)
 @click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False), help="Read the snippet from a file.")
 @click.option("--eval-timeout", type=click.FloatRange(min=0.001), help="Seconds the snippet may run.")
 @click.option("--json", "as_json", is_flag=True, help="Print stdout, stderr, value and error as JSON.")
+@placement_options
 @pass_cli
-def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeout: Optional[float], as_json: bool) -> None:
+def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeout: Optional[float], as_json: bool,
+          on: str, between_steps: bool, frame: Optional[str], wait: Optional[float]) -> None:
     """Run CODE (or `-` for stdin, or -f FILE) in the target; a final expression's value is printed.
 
+    By default the snippet runs on the agent's thread, concurrently with the program: a value it reads
+    twice may differ. --on main or --between-steps run it where the program's state holds still.
     Exits non-zero when the snippet raises; its traceback goes to stderr.
     """
+    where = placement(on, between_steps, frame, wait)
     if path:
         with open(path) as handle:
             code = handle.read()
@@ -29,7 +66,7 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
     if code is None:
         raise UsageError("no code given", hint="probe TARGET eval 'print(1)', eval - (stdin), or eval -f FILE")
     several = len(cli.targets) > 1
-    for client, result in each_target(cli, lambda c: c.eval(code or "", timeout=eval_timeout)):
+    for client, result in each_target(cli, lambda c: c.eval(code or "", timeout=eval_timeout, **where)):
         if as_json:
             import json
 

@@ -1,0 +1,290 @@
+"""Where a snippet runs: the agent's own thread, the main thread, or the thread that just ended a
+training step.
+
+* ``agent`` (the default): a fresh daemon thread, concurrent with the program: the program's state may
+  change while the snippet reads it.
+* ``main``: the main thread, at its next bytecode boundary, through a pending call
+  (``Py_AddPendingCall``, the same call the injector makes from outside). The main thread waits while
+  the snippet runs, so a long read is never torn by it; it may still have stopped in the middle of a
+  Python-level update. A main thread blocked in C never reaches a boundary: after ``wait`` seconds the
+  request gives up and the snippet will never run, even if the pending call fires later.
+* ``step``: on the thread that ran an optimizer step, right after it (torch's global
+  ``register_optimizer_step_post_hook``), only where the target itself has imported torch.
+
+A snippet that runs past its time limit, or that its client interrupts, gets ``EvalInterrupted`` at
+its next bytecode boundary (``PyThreadState_SetAsyncExc``). On the program's own threads that
+exception must never escape the snippet: it is sent at most once, only while the snippet runs, under a
+lock, and taken back (``SetAsyncExc(ident, NULL)``) by the same lock when the snippet ends first; one
+that lands in our frames after the snippet is caught there. Runs in the target; stdlib only, 3.9+.
+"""
+
+import sys
+import threading
+from typing import Any, Callable, Dict, List, Optional
+
+from probe.errors import BadRequest, Busy, Timeout
+
+__all__ = ["Job", "PLACES", "submit", "interrupt", "EvalInterrupted"]
+
+PLACES = ("agent", "main", "step")
+_MAX_JOBS = 64  # jobs waiting or running at once, all places together
+
+_lock = threading.Lock()
+_jobs: Dict[str, "Job"] = {}  # by client-given id, while waiting or running
+_main_queue: List["Job"] = []
+_step_queue: List["Job"] = []
+_pending_queued = False  # one pending call of ours at most sits in the interpreter's small queue
+_callback: Any = None  # the C thunk the interpreter calls; kept forever (it may fire long after a request)
+_step_hook_installed = False
+
+
+class EvalInterrupted(BaseException):
+    """Raised inside a snippet that ran past its time limit or that its client interrupted."""
+
+
+class Job:
+    """One snippet on its way to the thread that runs it, and back."""
+
+    def __init__(self, body: Callable[["Job"], None], job_id: Optional[str] = None) -> None:
+        self.body = body
+        self.id = job_id
+        self.state = "waiting"  # -> running -> done, or waiting -> abandoned
+        self.ident = 0
+        self.why_interrupted: Optional[str] = None
+        self.started = threading.Event()
+        self.finished = threading.Event()
+
+    # -- on the thread that runs it ---------------------------------------------------------------
+
+    def run_here(self) -> None:
+        """Run the body on this thread, unless the requester gave up; never raises."""
+        with _lock:
+            if self.state != "waiting":
+                return
+            self.state, self.ident = "running", threading.get_ident()
+        self.started.set()
+        try:
+            try:
+                self.body(self)
+            finally:
+                self._finish()
+        except BaseException:  # EvalInterrupted landing after the snippet's own frames: it was for the snippet
+            self._finish()
+
+    def _finish(self) -> None:
+        with _lock:
+            if self.state == "running":
+                self.state = "done"
+                if self.why_interrupted is not None:
+                    _set_async_exc(self.ident, None)  # not delivered yet: take it back
+                if self.id is not None:
+                    _jobs.pop(self.id, None)
+        self.finished.set()
+
+    # -- from other threads -----------------------------------------------------------------------
+
+    def interrupt(self, why: str) -> str:
+        """Stop the snippet: ``"cancelled"`` before it started, ``"interrupted"``, or ``"finished"``."""
+        with _lock:
+            if self.state == "waiting":
+                self._abandon_locked()
+                return "cancelled"
+            if self.state != "running":
+                return "finished"
+            if self.why_interrupted is None:
+                self.why_interrupted = why
+                _set_async_exc(self.ident, EvalInterrupted)
+            return "interrupted"
+
+    def abandon_if_waiting(self) -> bool:
+        """The requester gives up on a job that never started: it will never run. True if so."""
+        with _lock:
+            if self.state != "waiting":
+                return False
+            self._abandon_locked()
+            return True
+
+    def _abandon_locked(self) -> None:
+        self.state = "abandoned"
+        for queue in (_main_queue, _step_queue):
+            if self in queue:
+                queue.remove(self)
+        if self.id is not None:
+            _jobs.pop(self.id, None)
+        self.started.set()  # wakes the requester, which finds it abandoned
+        self.finished.set()
+
+
+def _set_async_exc(ident: int, exc: Any) -> None:
+    try:
+        import ctypes
+
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc) if exc else None)
+    except Exception:
+        pass
+
+
+def submit(job: Job, place: str) -> None:
+    """Hand ``job`` to the thread of ``place``; errors say why it cannot go there."""
+    with _lock:
+        if len(_jobs) >= _MAX_JOBS:
+            raise Busy("%d snippets are waiting or running in this process" % len(_jobs),
+                       hint="interrupt them or wait for them to finish")
+        if job.id is not None:
+            if job.id in _jobs:
+                raise BadRequest("a snippet with id %r is already waiting or running" % job.id)
+            _jobs[job.id] = job
+    try:
+        if place == "agent":
+            threading.Thread(target=job.run_here, name="probe-eval", daemon=True).start()
+        elif place == "main":
+            _to_main(job)
+        elif place == "step":
+            _to_step(job)
+        else:
+            raise BadRequest("a snippet runs on one of %s, not %r" % (", ".join(PLACES), place))
+    except BaseException:
+        job.abandon_if_waiting()
+        raise
+
+
+def interrupt(job_id: str) -> str:
+    """Interrupt the snippet sent with ``job_id``: ``cancelled``, ``interrupted``, ``finished`` or ``unknown``."""
+    with _lock:
+        job = _jobs.get(job_id)
+    if job is None:
+        return "unknown"
+    return job.interrupt("it was interrupted at the client's request (Ctrl-C)")
+
+
+# -- the main thread ------------------------------------------------------------------------------
+
+def _run_main_queue(_arg: Any) -> int:
+    """The pending call: runs on the main thread between two bytecodes. Returns 0, always."""
+    global _pending_queued
+    try:
+        with _lock:
+            _pending_queued = False
+            jobs = list(_main_queue)
+            del _main_queue[:]
+        for job in jobs:
+            job.run_here()
+            _redeliver_keyboard_interrupt(job)
+    except BaseException:
+        pass
+    return 0
+
+
+def _to_main(job: Job) -> None:
+    global _pending_queued, _callback
+    import ctypes
+
+    with _lock:
+        _main_queue.append(job)
+        if _pending_queued:
+            return  # the call already queued runs this job too
+        if _callback is None:
+            _callback = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(_run_main_queue)
+        if ctypes.pythonapi.Py_AddPendingCall(_callback, None) != 0:
+            raise Busy("the interpreter's queue of pending calls is full",
+                       hint="the main thread has not reached a bytecode boundary for a while; run concurrently "
+                            "(without --on main)")
+        _pending_queued = True
+
+
+def _redeliver_keyboard_interrupt(job: Job) -> None:
+    """A Ctrl-C meant for the program that arrived while a snippet ran on its main thread goes back to it."""
+    if getattr(job, "keyboard_interrupt", False):
+        try:
+            import _thread
+
+            _thread.interrupt_main()
+        except BaseException:
+            pass
+
+
+# -- right after an optimizer step ----------------------------------------------------------------
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer post-step hook: nearly free while no snippet waits."""
+    if not _step_queue:
+        return
+    try:
+        with _lock:
+            jobs = list(_step_queue)
+            del _step_queue[:]
+        for job in jobs:
+            job.run_here()
+            if threading.current_thread() is threading.main_thread():
+                _redeliver_keyboard_interrupt(job)
+    except BaseException:
+        pass
+
+
+def _to_step(job: Job) -> None:
+    _install_step_hook()
+    with _lock:
+        _step_queue.append(job)
+
+
+def _install_step_hook() -> None:
+    """Register ``_after_step`` once per process, never importing torch.
+
+    The hook stays: removing it from the training thread's hook dict while that thread may be
+    iterating it would raise there. Adding it is safe while no global post-step hook exists (torch
+    iterates that dict only inside one C-level ``next()`` then); where others exist it waits until no
+    thread is inside an optimizer step.
+    """
+    global _step_hook_installed
+    if _step_hook_installed:
+        return
+    module = sys.modules.get("torch.optim.optimizer")
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if module is None:
+        raise BadRequest("torch's optimizers are not loaded in this process, so there is no optimizer step to "
+                         "wait for", hint="run the snippet without --between-steps")
+    if register is None:
+        raise BadRequest("this torch has no global optimizer hooks (torch 2.0 or later has them)",
+                         hint="run the snippet with --on main, or concurrently")
+    if getattr(module, "_global_optimizer_post_hooks", None):
+        _wait_until_no_step(module)
+    with _lock:
+        if not _step_hook_installed:
+            register(_after_step)
+            _step_hook_installed = True
+
+
+def _wait_until_no_step(module: Any, limit: float = 5.0) -> None:
+    import time
+
+    filename = getattr(module, "__file__", None)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not _any_thread_in_step(filename):
+            return
+        time.sleep(0.002)
+    raise Timeout("a thread stayed inside an optimizer step for %.0f s; the hook was not installed" % limit,
+                  hint="run the snippet with --on main, or concurrently")
+
+
+def _any_thread_in_step(filename: Any) -> bool:
+    """Whether a thread runs torch's step wrapper: frames read as python.backtrace reads them."""
+    import gc
+
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        current = sys._current_frames()
+        current.pop(threading.get_ident(), None)
+        found = False
+        frame: Any
+        for frame in current.values():
+            while frame is not None and not found:
+                found = frame.f_code.co_filename == filename and frame.f_code.co_name == "wrapper"
+                frame = frame.f_back
+        current.clear()
+        return found
+    finally:
+        if enabled:
+            gc.enable()
