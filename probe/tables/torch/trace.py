@@ -1,0 +1,202 @@
+"""``python.torch_trace``: one row per traced span (module forward, backward, optimizer step), and the
+control of the trace behind ``probe T trace start|stop|status|export`` and ``PROBE_TORCH_TRACE=1``.
+
+One trace per process. Starting while one runs replaces it (new options, an empty buffer); a stopped
+trace keeps its rows for queries and export until the next start. Nothing here imports torch: every
+entry point takes it from ``sys.modules`` and says so when the target has not imported it.
+"""
+
+import math
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+from probe.errors import BadRequest, Forbidden, NotFound, TooLarge
+from probe.tables.spec import Column
+from probe.tables.torch._common import torch_or_raise
+from probe.tables.torch.anomalies import STORE, rank_and_world
+from probe.tables.torch.trace_hooks import Tracer
+from probe.tables.torch.trace_options import TraceOptions
+
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "start", "stop", "status", "current", "control",
+           "refresh_device_results"]
+
+NAME = "python.torch_trace"
+DESCRIPTION = ("One row per traced span of a PyTorch training step: each module's forward (and backward when "
+               "asked for) and the optimizer step; start it with `probe T trace start` or PROBE_TORCH_TRACE=1.")
+COLUMNS = (
+    Column("step", "BIGINT", "Training step: counts the steps of the first optimizer seen (0 = the first traced "
+                             "step); before any optimizer steps (inference), each call of the first top-level module."),
+    Column("seq", "BIGINT", "The span's order within its step, by start time (0 = the first span to begin)."),
+    Column("module", "VARCHAR", "Module path as named_modules() gives it (the root: its class name); for "
+                                "stage 'optimizer', the optimizer's class."),
+    Column("stage", "VARCHAR", "'forward', 'backward' (module's backward, from autograd graph hooks) or 'optimizer'."),
+    Column("depth", "INTEGER", "Nesting depth of the module call (0 = a top-level call)."),
+    Column("duration", "DOUBLE", "Seconds spent in the span itself: its total_duration minus its traced children's "
+                                 "(self time), so SUM(duration) counts no time twice and a slow module ranks "
+                                 "above the modules that call it. Device time (CUDA events) where CUDA is in use "
+                                 "and the events have completed, else host wall time."),
+    Column("total_duration", "DOUBLE", "Seconds from the span's begin to its end, children included (device time "
+                                       "on CUDA once completed, else host)."),
+    Column("host_duration", "DOUBLE", "Seconds of host (CPU) wall time between the span's begin and end hooks, "
+                                      "children included."),
+    Column("time_offset", "DOUBLE", "Seconds from the step's beginning (the previous optimizer step's end) to the "
+                                    "span's beginning."),
+    Column("allocated", "DOUBLE", "MB at the span's end: CUDA caching allocator's allocated bytes; on a CPU-only "
+                                  "process, the process's resident set size (RSS)."),
+    Column("max_allocated", "DOUBLE", "MB: CUDA peak allocated bytes; on CPU, the highest RSS this trace has seen."),
+    Column("cached", "DOUBLE", "MB reserved by the CUDA caching allocator; NULL on a CPU-only process."),
+    Column("max_cached", "DOUBLE", "MB: CUDA peak reserved bytes; NULL on a CPU-only process."),
+    Column("device", "VARCHAR", "Where the memory columns come from: 'cuda:N' (allocator) or 'cpu' (RSS)."),
+    Column("thread_id", "BIGINT", "Python thread identifier of the thread that ran the span's end hook."),
+    Column("rank", "INTEGER", "This process's rank (torch.distributed, else RANK), 0 if not distributed."),
+    Column("world_size", "INTEGER", "Ranks in the job, 1 if not distributed."),
+    Column("time", "TIMESTAMP", "Wall-clock time (UTC) when the span began."),
+)
+EXAMPLE = ("SELECT module, stage, COUNT(*) AS count, AVG(duration) AS avg_time, SUM(duration) AS total_time "
+           "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+           "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10")
+
+_lock = threading.Lock()
+_tracer: Optional[Tracer] = None
+
+
+def current() -> Optional[Tracer]:
+    """The running trace, or the last one that ran (its rows stay until the next start); None if none."""
+    return _tracer
+
+
+def start(options: Optional[TraceOptions] = None) -> Dict[str, Any]:
+    """Start tracing (replacing a running trace); ``TorchNotLoaded`` if the target has not imported torch."""
+    global _tracer
+    torch = torch_or_raise()
+    options = options or TraceOptions()
+    with _lock:
+        if _tracer is not None:
+            _tracer.stop()
+        tracer = Tracer(torch, options, STORE)
+        if options.anomalies:
+            STORE.enabled_once = True
+        tracer.start()
+        _tracer = tracer
+    return status()
+
+
+def stop() -> Dict[str, Any]:
+    torch_or_raise()
+    with _lock:
+        if _tracer is not None:
+            _tracer.stop()
+    return status()
+
+
+def status() -> Dict[str, Any]:
+    """What ``probe T trace status`` shows; works with or without a trace (not without torch)."""
+    torch_or_raise()
+    tracer = _tracer
+    if tracer is None:
+        return {"state": "off", "rows": 0, "anomalies": len(STORE)}
+    end = tracer.stopped_perf_ns or time.perf_counter_ns()
+    elapsed = max(end - tracer.started_perf_ns, 1)
+    state = "on" if tracer.running else ("failed" if tracer.failure else "stopped")
+    return {
+        "state": state,
+        "failure": tracer.failure,
+        "options": tracer.options.to_json(),
+        "device": tracer.device,
+        "rows": tracer.ring.held(),
+        "size": tracer.ring.size,
+        "spans_recorded": tracer.ring.written(),
+        "step": tracer.step,
+        "steps_seen": tracer.steps_seen,
+        "hook_seconds": round(tracer.hook_ns / 1e9, 6),
+        "overhead_percent": round(100.0 * tracer.hook_ns / elapsed, 3),
+        "hook_us_per_step": round(tracer.hook_ns / 1e3 / max(tracer.steps_seen, 1), 1),
+        "hooks_left": tracer.hooks_left(),
+        "anomalies": len(STORE),
+        "started": tracer.started_wall_ns / 1e9,
+    }
+
+
+def refresh_device_results() -> None:
+    """Fill in device times and CUDA anomaly results that have completed (never waits for the device)."""
+    tracer = _tracer
+    if tracer is None:
+        return
+    try:
+        if tracer.timer is not None:
+            tracer.timer.resolve(tracer.ring.set_device_time)
+        if tracer.anomaly is not None:
+            tracer.anomaly.resolve()
+    except Exception:
+        pass
+
+
+def rows() -> Dict[str, List[Any]]:
+    torch = torch_or_raise()
+    tracer = _tracer
+    if tracer is None:
+        raise NotFound("no torch trace has run in this process",
+                       hint="start one with `probe TARGET trace start` (or PROBE_TORCH_TRACE=1 at start)")
+    refresh_device_results()
+    data = tracer.ring.snapshot()
+    rank, world = rank_and_world(torch)
+    n = len(data["step"])
+    base_us = tracer.started_wall_ns // 1000
+    base_perf = tracer.started_perf_ns
+    return {
+        "step": data["step"], "seq": data["seq"], "module": data["module"], "stage": data["stage"],
+        "depth": data["depth"], "duration": data["duration"], "total_duration": data["total"],
+        "host_duration": [ns / 1e9 for ns in data["host_ns"]],
+        "time_offset": data["time_offset"],
+        "allocated": _nulls(data["allocated"]), "max_allocated": _nulls(data["max_allocated"]),
+        "cached": _nulls(data["cached"]), "max_cached": _nulls(data["max_cached"]),
+        "device": [tracer.device] * n, "thread_id": data["thread"],
+        "rank": [rank] * n, "world_size": [world] * n,
+        "time": [base_us + (ns - base_perf) // 1000 for ns in data["start_ns"]],
+    }
+
+
+def _nulls(values: List[float]) -> List[Any]:
+    if not any(math.isnan(v) for v in values):
+        return values
+    return [None if math.isnan(v) else v for v in values]
+
+
+def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[str, Any]:
+    """``POST /v1/torch/trace``: ``{"action": "start"|"stop"|"status"|"export", options...}``.
+
+    ``start`` changes what the target's training step runs (it adds hooks), so an agent whose eval is
+    switched off (read-only) refuses it; ``stop`` only takes our hooks out and ``status``/``export``
+    only read, so they always work.
+    """
+    action = body.get("action")
+    if action == "start":
+        if not eval_enabled:
+            raise Forbidden("this agent is read-only (--no-eval / PROBE_EVAL=0), and starting a trace changes what "
+                            "the target runs", hint="start it at launch with PROBE_TORCH_TRACE=1, or give the "
+                            "agent eval; `trace status`, `stop` and `export` work read-only")
+        return start(TraceOptions.from_request(body))
+    if action == "stop":
+        return stop()
+    if action == "status":
+        return status()
+    if action == "export":
+        data = rows()
+        if len(data["step"]) * _EXPORT_BYTES_PER_SPAN > max_bytes:
+            raise TooLarge("the trace holds %d spans, more than one answer of the agent may carry as JSON"
+                           % len(data["step"]), hint="export fewer: restart the trace with a smaller "
+                           "PROBE_TORCH_TRACE_SIZE, or query python.torch_trace with SQL")
+        import socket
+
+        from probe.tables.torch.trace_export import chrome_trace
+
+        return chrome_trace(data, socket.gethostname(), _thread_names())
+    raise BadRequest("action must be start, stop, status or export, got %r" % (action,))
+
+
+_EXPORT_BYTES_PER_SPAN = 400
+
+
+def _thread_names() -> Dict[int, str]:
+    return {t.ident: t.name for t in threading.enumerate() if t.ident is not None}

@@ -1,0 +1,153 @@
+"""Memory and device time for a span, read without ever synchronising a device.
+
+* CUDA in use: memory from the caching allocator's counters (one ``_cuda_memoryStats`` call gives
+  current and peak, allocated and reserved; the allocator keeps them on the host, no sync); each span's
+  device time from two CUDA events recorded on the current stream, read once the end event has
+  completed (``Event.query()`` does not block), at the next step boundary or at query time.
+* CPU only: ``allocated`` is the process's resident set (RSS) in MB, read from ``/proc/self/statm`` with
+  one ``pread`` on a descriptor kept open (about 1 us); ``max_allocated`` is the highest RSS this trace
+  has seen; ``cached`` and ``max_cached`` are NaN (NULL in the table): there is no caching allocator.
+"""
+
+import math
+import os
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, List, Optional, Tuple
+
+__all__ = ["CpuMemory", "CudaMemory", "CudaTimer", "memory_reader"]
+
+MB = 1024.0 * 1024.0
+Memory = Tuple[float, float, float, float]
+_NAN = math.nan
+_REUSE_NS = 100_000
+_perf_ns = time.perf_counter_ns
+
+
+class CpuMemory:
+    """Process RSS (MB) and the highest RSS seen; cached columns NaN."""
+
+    device = "cpu"
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._fd = -1
+        self._page_mb = os.sysconf("SC_PAGE_SIZE") / MB
+        self._peak = 0.0
+        self._at = -_REUSE_NS
+        self._last: Memory = (_NAN, _NAN, _NAN, _NAN)
+
+    def __call__(self) -> Memory:
+        now = _perf_ns()
+        if now - self._at < _REUSE_NS:  # spans that end within 100 us of each other share one reading
+            return self._last
+        if self._pid != os.getpid():  # a forked child must read its own /proc entry
+            self._open()
+        try:
+            raw = os.pread(self._fd, 96, 0)
+            rss = int(raw.split(None, 2)[1]) * self._page_mb
+        except (OSError, ValueError, IndexError):
+            return (_NAN, _NAN, _NAN, _NAN)
+        if rss > self._peak:
+            self._peak = rss
+        self._at, self._last = now, (rss, self._peak, _NAN, _NAN)
+        return self._last
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        try:
+            self._fd = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            self._fd = -1
+
+    def close(self) -> None:
+        if self._fd >= 0 and self._pid == os.getpid():
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd = -1
+
+
+class CudaMemory:
+    """The CUDA caching allocator's counters of the current device, in MB (host-side, no sync)."""
+
+    def __init__(self, torch: Any) -> None:
+        self._torch = torch
+        self._stats: Optional[Callable[[int], Any]] = getattr(torch._C, "_cuda_memoryStats", None)
+        self.device = "cuda:%d" % torch.cuda.current_device()
+
+    def __call__(self) -> Memory:
+        index = self._torch.cuda.current_device()
+        if self._stats is not None:
+            stats = self._stats(index)
+            allocated, reserved = stats["allocated_bytes"]["all"], stats["reserved_bytes"]["all"]
+            return (allocated["current"] / MB, allocated["peak"] / MB, reserved["current"] / MB, reserved["peak"] / MB)
+        cuda = self._torch.cuda
+        return (cuda.memory_allocated(index) / MB, cuda.max_memory_allocated(index) / MB,
+                cuda.memory_reserved(index) / MB, cuda.max_memory_reserved(index) / MB)
+
+    def close(self) -> None:
+        pass
+
+
+def memory_reader(torch: Any) -> Any:
+    """CUDA counters when this process has initialised CUDA (never initialise it ourselves), else RSS."""
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_initialized():
+            return CudaMemory(torch)
+    except Exception:
+        pass
+    return CpuMemory()
+
+
+class CudaTimer:
+    """Device time of spans from CUDA event pairs, resolved when the events have completed.
+
+    Events are reused from a pool; at most ``limit`` spans wait for their events (older ones keep their
+    host duration), so a stalled device cannot make this grow.
+    """
+
+    def __init__(self, torch: Any, limit: int = 20_000) -> None:
+        self._event = torch.cuda.Event
+        self._pool: List[Any] = []
+        self._pending: Deque[Tuple[int, Any, Any, Optional[List[int]]]] = deque()
+        self._limit = limit
+        self._resolving = threading.Lock()
+
+    def mark(self) -> Any:
+        """Record an event on the current stream now (no sync) and return it."""
+        event = self._pool.pop() if self._pool else self._event(enable_timing=True)
+        event.record()
+        return event
+
+    def pending(self, number: int, start: Any, end: Any, children: Optional[List[int]] = None) -> None:
+        self._pending.append((number, start, end, children))
+        while len(self._pending) > self._limit:
+            _, a, b, _ = self._pending.popleft()
+            self._pool.extend((a, b))
+
+    def resolve(self, store: Callable[[int, float, Optional[List[int]]], None]) -> None:
+        """Store the device time of every span whose end event has completed, in order; stop at the first not yet.
+
+        Called from the training thread at a step's end and from the agent at query time: whoever comes
+        second while the other resolves simply returns (never waits in a hook).
+        """
+        if not self._resolving.acquire(blocking=False):
+            return
+        try:
+            self._resolve(store)
+        finally:
+            self._resolving.release()
+
+    def _resolve(self, store: Callable[[int, float, Optional[List[int]]], None]) -> None:
+        while self._pending:
+            number, start, end, children = self._pending[0]
+            if not end.query():
+                return
+            self._pending.popleft()
+            store(number, start.elapsed_time(end) / 1000.0, children)
+            if len(self._pool) < 4096:
+                self._pool.extend((start, end))

@@ -1,0 +1,315 @@
+"""The tracer: global module and optimizer hooks that time each forward, backward and optimizer step.
+
+Hot path rules (these hooks run for every module call of the training step):
+
+* no device sync: CPU time from ``perf_counter_ns``, device time from CUDA events read later;
+* nothing allocated per call beyond a stack tuple: names come from a cache keyed by ``id(module)``, spans
+  go into preallocated arrays, a filtered-out module costs one dict look-up;
+* steps that ``--every N`` skips cost nothing: the module hooks are taken out for them (torch's
+  ``Module.__call__`` then takes its fast path again) and put back for the next sampled step;
+* every exception is caught: a hook that raised would kill the training step. The first one switches
+  the trace off and keeps its reason for ``trace status``.
+
+Steps: the step advances when the first optimizer this trace saw finishes ``step()`` (a global
+optimizer step post hook; other optimizers' steps are spans of the same step). Until an optimizer has
+stepped (inference, evaluation), a step is one call of the first top-level module seen.
+
+Removing hooks: module hooks may go at any time (``Module.__call__`` copies the hook dicts into a
+tuple in one C call before running them). The optimizer's hook dicts are iterated by a Python loop
+inside ``Optimizer.step``, so removing an entry from another thread could break that loop; they are
+removed on the training thread, by a one-shot module forward pre-hook at the next forward.
+"""
+
+import importlib
+import itertools
+import threading
+import time
+import weakref
+from typing import Any, List, Optional
+
+from probe.tables.torch.trace_anomaly import AnomalyCheck
+from probe.tables.torch.trace_backward import BackwardSpans
+from probe.tables.torch.trace_device import CpuMemory, CudaMemory, CudaTimer, memory_reader
+from probe.tables.torch.trace_names import ModuleNames
+from probe.tables.torch.trace_options import TraceOptions
+from probe.tables.torch.trace_ring import BACKWARD, FORWARD, OPTIMIZER, SpanRing
+
+__all__ = ["Tracer"]
+
+_perf_ns = time.perf_counter_ns
+_ident = threading.get_ident
+_MAX_STACK = 10_000
+_cpu_memory = CpuMemory()  # one per process: its descriptor is never closed under a running hook
+
+
+class Tracer:
+    def __init__(self, torch: Any, options: TraceOptions, anomaly_store: Any) -> None:
+        self.torch = torch
+        self.options = options
+        self.ring = SpanRing(options.size)
+        self.names = ModuleNames(options.modules, self.ring.name_id)
+        memory = memory_reader(torch)
+        self.memory: Any = _cpu_memory if isinstance(memory, CpuMemory) else memory
+        self.device = self.memory.device
+        self.timer: Optional[CudaTimer] = CudaTimer(torch) if isinstance(memory, CudaMemory) else None
+        self.anomaly: Optional[AnomalyCheck] = AnomalyCheck(torch, anomaly_store) if options.anomalies else None
+        self.backward: Optional[BackwardSpans] = (BackwardSpans(torch, self._backward_begins, self._backward_ends,
+                                                                self._fail) if options.backward else None)
+        self.step = 0
+        self.steps_seen = 0
+        self.step_start = _perf_ns()
+        self.sampled = True
+        self.running = False
+        self.failure: Optional[str] = None
+        self.hook_ns = 0
+        self.started_perf_ns = _perf_ns()
+        self.started_wall_ns = time.time_ns()
+        self.stopped_perf_ns: Optional[int] = None
+        self._seq = itertools.count()
+        self._by_optimizer = False
+        self._primary: Optional[Any] = None  # weak reference to the optimizer whose steps count
+        self._first_root: Optional[Any] = None  # weak reference to the module whose calls count, until then
+        self._local = threading.local()
+        self._module_handles: List[Any] = []
+        self._optimizer_handles: List[Any] = []
+        self._janitor_handle: Optional[Any] = None
+        self._lock = threading.RLock()  # start/stop/arm only; held for no call into user code
+
+    # -- life cycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        optim = _submodule("torch.optim.optimizer")
+        self._optimizer_handles = [optim.register_optimizer_step_pre_hook(self._optimizer_pre),
+                                   optim.register_optimizer_step_post_hook(self._optimizer_post)]
+        self.running = True
+        self._arm(True)
+
+    def stop(self, failure: Optional[str] = None) -> None:
+        """Switch off now: module hooks removed at once, optimizer hooks at the next forward (see above)."""
+        with self._lock:
+            if failure and not self.failure:
+                self.failure = failure
+            if not self.running:
+                return
+            self.running = False
+            self.stopped_perf_ns = _perf_ns()
+            if self.backward is not None:
+                self.backward.active = False
+            self._remove(self._module_handles)
+            if self._optimizer_handles and self._janitor_handle is None:
+                module = _submodule("torch.nn.modules.module")
+                self._janitor_handle = module.register_module_forward_pre_hook(self._janitor)
+
+    def hooks_left(self) -> int:
+        """Hooks of this trace still registered in torch (0 once a stopped trace has fully left)."""
+        return len(self._module_handles) + len(self._optimizer_handles) + (self._janitor_handle is not None)
+
+    def _janitor(self, module: Any, args: Any) -> None:
+        try:
+            with self._lock:
+                self._remove(self._optimizer_handles)
+                if self._janitor_handle is not None:
+                    self._janitor_handle.remove()
+                    self._janitor_handle = None
+        except Exception:
+            pass
+
+    def _arm(self, on: bool) -> None:
+        """Module hooks in (``on``) or out; called at step boundaries and at start."""
+        with self._lock:
+            if on and self.running and not self._module_handles:
+                module = _submodule("torch.nn.modules.module")
+                self._module_handles = [module.register_module_forward_pre_hook(self._pre),
+                                        module.register_module_forward_hook(self._post)]
+            elif not on and self._module_handles:
+                self._remove(self._module_handles)
+
+    @staticmethod
+    def _remove(handles: List[Any]) -> None:
+        for handle in handles:
+            try:
+                handle.remove()
+            except Exception:
+                pass
+        handles.clear()
+
+    def _fail(self, exc: BaseException) -> None:
+        try:
+            self.stop("%s: %s" % (type(exc).__name__, str(exc)[:300]))
+        except Exception:
+            self.running = False
+
+    # -- module forward ---------------------------------------------------------------------------
+
+    def _pre(self, module: Any, args: Any) -> None:
+        t0 = _perf_ns()
+        try:
+            local = self._local
+            stack = getattr(local, "stack", None)
+            if stack is None:
+                stack = local.stack = []
+            if stack:
+                outer, parent = stack[0][0], stack[-1][1]
+                if len(stack) > _MAX_STACK:  # forwards that raised left their entries: start afresh
+                    stack.clear()
+            else:
+                outer = parent = None
+                if not self._by_optimizer:
+                    self._root_begins(module, t0)
+            entry = self.names.entries.get(id(module))
+            if entry is None or entry[0]() is not module:
+                entry = self.names.lookup(module, outer, parent)
+            if entry[3] and self.sampled and self.running:
+                timer = self.timer
+                # [module, entry, start, seq, CUDA event, children's host ns, children's spans, their backward]
+                stack.append([module, entry, _perf_ns(), next(self._seq), timer.mark() if timer else None, 0, None,
+                              None])
+            else:
+                stack.append([module, entry, 0, -1, None, 0, None, None])
+        except Exception as exc:
+            self._fail(exc)
+        self.hook_ns += _perf_ns() - t0
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        t0 = _perf_ns()
+        try:
+            stack = getattr(self._local, "stack", None)
+            if stack:
+                item = stack.pop()
+                while item[0] is not module and stack:  # a forward that raised skipped its post hook
+                    item = stack.pop()
+                if item[0] is module:
+                    if item[3] >= 0 and self.running:
+                        self._forward_ends(item, stack, args, output, t0)
+                    if not stack and self.anomaly is not None:
+                        self._maybe_loss(output)
+        except Exception as exc:
+            self._fail(exc)
+        self.hook_ns += _perf_ns() - t0
+
+    def _forward_ends(self, item: Any, stack: List[Any], args: Any, output: Any, end: int) -> None:
+        _, entry, start, seq, event, inner, children, below = item
+        host = end - start
+        offset = (start - self.step_start) / 1e9
+        number = self.ring.add(self.step, seq, entry[2], FORWARD, len(stack), _ident(), start, host,
+                               max(host - inner, 0) / 1e9, host / 1e9, offset, self.memory())
+        parent = _traced_parent(stack)
+        if parent is not None:
+            parent[5] += host
+        if event is not None and self.timer is not None:
+            self.timer.pending(number, event, self.timer.mark(), children)
+            if parent is not None:
+                parent[6] = (parent[6] or []) + [number]
+        if self.backward is not None and self.torch.is_grad_enabled():
+            span = self.backward.attach(entry, len(stack), self.step, args, output, below)
+            if span is not None and parent is not None:
+                parent[7] = (parent[7] or []) + [span]
+        if self.anomaly is not None:
+            self.anomaly.check(output, entry[1], "forward", self.step, seq, offset)
+
+    def _maybe_loss(self, output: Any) -> None:
+        if isinstance(output, self.torch.Tensor) and output.dim() == 0 and output.is_floating_point():
+            assert self.anomaly is not None
+            self.anomaly.last_loss = output.detach()
+
+    def _root_begins(self, module: Any, now: int) -> None:
+        """Until an optimizer steps: each call of the first top-level module begins a step."""
+        first = self._first_root() if self._first_root is not None else None
+        if first is None:
+            self._first_root = weakref.ref(module)
+        elif first is module:
+            self._advance(now)
+
+    # -- backward ---------------------------------------------------------------------------------
+
+    def _backward_begins(self, span: Any) -> None:
+        span.seq = next(self._seq)
+        if self.timer is not None:
+            span.event = self.timer.mark()
+
+    def _backward_ends(self, span: Any, end: int, grads: Any) -> None:
+        if not self.running:
+            return
+        host = end - span.start
+        offset = (span.start - self.step_start) / 1e9
+        number = self.ring.add(span.step, span.seq, span.entry[2], BACKWARD, span.depth, _ident(), span.start, host,
+                               max(host - span.inner, 0) / 1e9, host / 1e9, offset, self.memory())
+        parent = span.parent
+        if parent is not None:
+            parent.inner += host
+        if span.event is not None and self.timer is not None:
+            self.timer.pending(number, span.event, self.timer.mark(), span.children)
+            if parent is not None:
+                parent.children = (parent.children or []) + [number]
+        if self.anomaly is not None and grads is not None:
+            self.anomaly.check(grads, span.entry[1], "backward", span.step, span.seq, offset)
+
+    # -- optimizer --------------------------------------------------------------------------------
+
+    def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t0 = _perf_ns()
+        try:
+            if self.running and self.sampled:
+                timer = self.timer
+                self._local.optimizer = (t0, next(self._seq), timer.mark() if timer else None)
+        except Exception as exc:
+            self._fail(exc)
+        self.hook_ns += _perf_ns() - t0
+
+    def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        t0 = _perf_ns()
+        try:
+            if self.running:
+                started = getattr(self._local, "optimizer", None)
+                self._local.optimizer = None
+                if started is not None:
+                    self._optimizer_span(optimizer, started, t0)
+                primary = self._primary() if self._primary is not None else None
+                if primary is None:
+                    self._primary, primary = weakref.ref(optimizer), optimizer
+                if primary is optimizer:
+                    self._by_optimizer = True
+                    stack = getattr(self._local, "stack", None)
+                    if stack:
+                        stack.clear()
+                    self._advance(_perf_ns())
+        except Exception as exc:
+            self._fail(exc)
+        self.hook_ns += _perf_ns() - t0
+
+    def _optimizer_span(self, optimizer: Any, started: Any, end: int) -> None:
+        start, seq, event = started
+        host = end - start
+        name = self.ring.name_id(type(optimizer).__name__)
+        number = self.ring.add(self.step, seq, name, OPTIMIZER, 0, _ident(), start, host, host / 1e9, host / 1e9,
+                               (start - self.step_start) / 1e9, self.memory())
+        if event is not None and self.timer is not None:
+            self.timer.pending(number, event, self.timer.mark())
+
+    def _advance(self, now: int) -> None:
+        ended = self.step
+        self.step += 1
+        self.steps_seen += 1
+        self.step_start = now
+        self._seq = itertools.count()
+        if self.timer is not None:
+            self.timer.resolve(self.ring.set_device_time)
+        if self.anomaly is not None:
+            self.anomaly.step_ended(ended)
+        every = self.options.every
+        self.sampled = self.step % every == 0
+        if every > 1:
+            self._arm(self.sampled or not self._by_optimizer)
+
+
+def _traced_parent(stack: List[Any]) -> Optional[List[Any]]:
+    """The innermost traced span still open on this thread (modules the filter skips are passed over)."""
+    for item in reversed(stack):
+        if item[3] >= 0:
+            return item
+    return None
+
+
+def _submodule(name: str) -> Any:
+    """A torch submodule that ``import torch`` has loaded already (so this imports nothing new)."""
+    return importlib.import_module(name)

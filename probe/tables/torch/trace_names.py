@@ -1,0 +1,61 @@
+"""Module names for global hooks, which are handed the module object, not its name.
+
+The first time a module runs outside any other traced forward it is a root: its whole tree is named at
+once, the root by its class (``Net``), the others by their path below it (``encoder.layers.0.linear1``,
+as ``named_modules()`` says). A module met inside a forward that its root's tree does not hold (made
+on the fly) is named ``<parent>.<Class>``. Each entry also says whether the module filter matches, so a
+filtered module costs one dict look-up. Entries are keyed by ``id`` and checked with a weak reference
+(an id can be reused by a new object); the cache is bounded.
+"""
+
+import fnmatch
+import weakref
+from typing import Any, Callable, Dict, Optional, Tuple
+
+__all__ = ["ModuleNames", "Entry"]
+
+Entry = Tuple[Any, str, int, bool]
+"""(weak reference to the module, name, name id in the ring, whether it is traced)."""
+
+_MAX_ENTRIES = 200_000
+_MAX_WALK = 100_000
+
+
+class ModuleNames:
+    def __init__(self, pattern: str, name_id: Callable[[str], int]) -> None:
+        self._pattern = pattern
+        self._match_all = pattern == "*"
+        self._name_id = name_id
+        self.entries: Dict[int, Entry] = {}
+
+    def lookup(self, module: Any, outer: Optional[Any], parent: Optional[Entry]) -> Entry:
+        """The entry of ``module`` (cached, else made): ``outer`` is the outermost module in forward on
+        this thread (None: this is a root), ``parent`` the entry of the module that called it."""
+        entry = self.entries.get(id(module))
+        if entry is not None and entry[0]() is module:
+            return entry
+        if outer is None:
+            self._name_tree(module)
+        elif outer is not module:
+            self._name_tree(outer)
+        entry = self.entries.get(id(module))
+        if entry is not None and entry[0]() is module:
+            return entry
+        base = parent[1] if parent is not None else ""
+        return self._add(module, (base + "." if base else "") + type(module).__name__)
+
+    def _name_tree(self, root: Any) -> None:
+        if len(self.entries) > _MAX_ENTRIES:
+            self.entries.clear()
+        self._add(root, type(root).__name__)
+        for count, (path, child) in enumerate(root.named_modules()):
+            if count >= _MAX_WALK:
+                break
+            if path:
+                self._add(child, path)
+
+    def _add(self, module: Any, name: str) -> Entry:
+        traced = self._match_all or fnmatch.fnmatchcase(name, self._pattern)
+        entry = (weakref.ref(module), name, self._name_id(name), traced)
+        self.entries[id(module)] = entry
+        return entry

@@ -1,0 +1,130 @@
+"""python.torch_trace, torch.anomalies and `probe T trace ...`, on real CPU training processes, through the CLI."""
+
+import json
+import time
+from typing import Any, Callable, Dict, List
+
+import pytest
+
+from procs import run_cli, target_env
+
+pytest.importorskip("torch", reason="the torch trace needs torch (CPU build, torch==2.13.0)")
+
+SLOW_SQL = ("SELECT module, stage, COUNT(*) AS count, AVG(duration) AS avg_time, SUM(duration) AS total_time "
+            "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+            "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10")
+MEMORY_SQL = ("SELECT step, MAX(allocated) AS peak_memory, MAX(allocated) - MIN(allocated) AS memory_range "
+              "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 20 FROM python.torch_trace) "
+              "GROUP BY step ORDER BY step")
+
+
+def query(pid: int, sql: str) -> List[Dict[str, Any]]:
+    done = run_cli(str(pid), "query", sql, "-f", "json")
+    assert done.code == 0, done.err
+    return json.loads(done.out)
+
+
+def trace(pid: int, *args: str) -> Dict[str, Any]:
+    done = run_cli(str(pid), "trace", *args, "--json")
+    assert done.code == 0, done.err
+    return json.loads(done.out)
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
+    """Poll ``check`` until it returns something true; fail after ``timeout`` seconds, naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("waited %.0f s for %s" % (timeout, what))
+        time.sleep(0.1)
+
+
+def steps_seen(pid: int, at_least: int) -> Dict[str, Any]:
+    return wait_for("%d traced steps" % at_least, lambda: (lambda s: s if s["steps_seen"] >= at_least else None)(
+        trace(pid, "status")))
+
+
+def traced(**extra: str) -> Dict[str, str]:
+    return target_env(PROBE_TORCH_TRACE="1", **extra)
+
+
+def test_from_first_step_slow_module_ranked_first(target_factory):
+    proc = target_factory("train_trace.py", "slow", env=traced())
+    steps_seen(proc.pid, 14)
+    rows = query(proc.pid, SLOW_SQL)
+    assert rows[0]["module"] == "encoder.2" and rows[0]["stage"] == "forward", rows
+    assert rows[0]["count"] in (4, 5)  # the newest step may be under way
+    first = query(proc.pid, "SELECT MIN(step) AS s FROM python.torch_trace WHERE module = 'Net'")
+    assert first == [{"s": 0}]  # the first step of the job is traced
+    memory = query(proc.pid, MEMORY_SQL)
+    assert len(memory) >= 10 and all(r["peak_memory"] > 10 for r in memory)  # RSS in MB
+    assert [r["step"] for r in memory] == sorted(r["step"] for r in memory)
+
+
+def test_a_leaking_job_shows_growth(target_factory):
+    proc = target_factory("train_trace.py", "leak", env=traced())
+    steps_seen(proc.pid, 22)
+    memory = query(proc.pid, MEMORY_SQL)
+    growth = memory[-1]["peak_memory"] - memory[0]["peak_memory"]
+    assert growth > 20, memory  # ~2 MB of kept activations per step over 20 steps
+
+
+def test_live_start_every_modules_backward_stop_export(target_factory, tmp_path):
+    proc = target_factory("train_trace.py", "normal")
+    assert trace(proc.pid, "status")["state"] == "off"
+    status = trace(proc.pid, "start", "--every", "3", "--modules", "encoder.*", "--backward")
+    assert status["state"] == "on" and status["options"]["every"] == 3
+    steps_seen(proc.pid, 10)
+    rows = query(proc.pid, "SELECT DISTINCT step % 3 AS r FROM python.torch_trace")
+    assert rows == [{"r": 0}]
+    modules = {r["module"] for r in query(proc.pid, "SELECT DISTINCT module FROM python.torch_trace")}
+    assert modules == {"encoder.0", "encoder.1", "encoder.2", "encoder.3", "encoder.4", "SGD"}  # not "encoder"
+    backward = query(proc.pid, "SELECT module, COUNT(*) AS n FROM python.torch_trace WHERE stage = 'backward' "
+                               "GROUP BY module ORDER BY module")
+    assert {r["module"] for r in backward} >= {"encoder.0", "encoder.1", "encoder.3", "encoder.4"}  # ReLU(inplace)
+    bad = query(proc.pid, "SELECT COUNT(*) AS n FROM python.torch_trace WHERE NOT (0 <= duration "
+                          "AND duration <= total_duration AND total_duration > 0)")
+    assert bad == [{"n": 0}]
+
+    stopped = trace(proc.pid, "stop")
+    assert stopped["state"] == "stopped"
+    wait_for("the trace's hooks to leave", lambda: trace(proc.pid, "status")["hooks_left"] == 0)
+    done = run_cli(str(proc.pid), "eval", "import sys; m = sys.modules; print(len(m['torch.nn.modules.module']."
+                   "_global_forward_pre_hooks) + len(m['torch.nn.modules.module']._global_forward_hooks) + "
+                   "len(m['torch.optim.optimizer']._global_optimizer_post_hooks))")
+    assert done.code == 0 and done.out.strip() == "0", done
+    assert proc.alive()
+
+    out = tmp_path / "trace.json"
+    done = run_cli(str(proc.pid), "trace", "export", "-o", str(out))
+    assert done.code == 0, done.err
+    events = json.loads(out.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0}
+    assert {e["cat"] for e in spans} == {"forward", "backward", "optimizer", "step"}
+    assert all(e["dur"] > 0 and isinstance(e["ts"], float) for e in spans)
+    assert any(e["ph"] == "M" and e["name"] == "process_name" for e in events)
+
+
+def test_anomalies_name_the_poisoned_module_and_step(target_factory):
+    proc = target_factory("train_trace.py", "nan", "8", env=traced(PROBE_TORCH_TRACE_ANOMALIES="1", PROBE_EVAL="0"))
+    steps_seen(proc.pid, 11)
+    first = query(proc.pid, "SELECT * FROM torch.anomalies ORDER BY step LIMIT 1")
+    assert first[0]["step"] == 8 and first[0]["module"] == "encoder.0" and first[0]["stage"] == "forward", first
+    assert first[0]["kind"] == "nan" and first[0]["nan_count"] > 0 and first[0]["first"] is True
+    assert first[0]["loss"] != first[0]["loss"] or first[0]["loss"] is None  # NaN loss (NULL in JSON)
+    refused = run_cli(str(proc.pid), "trace", "start")  # a read-only agent does not add hooks...
+    assert refused.code == 4 and "read-only" in refused.err
+    assert trace(proc.pid, "status")["state"] == "on"  # ...but says what runs
+
+
+def test_a_target_without_torch_is_not_made_to_import_it(target_factory):
+    proc = target_factory("idle.py", env=traced())
+    done = run_cli(str(proc.pid), "trace", "status")
+    assert done.code != 0 and "torch is not loaded" in done.err and len(done.err.strip().splitlines()) == 1
+    done = run_cli(str(proc.pid), "query", "SELECT * FROM python.torch_trace")
+    assert done.code != 0 and "torch is not loaded" in done.err
+    assert query(proc.pid, "SELECT name FROM python.modules WHERE name = 'torch'") == []
