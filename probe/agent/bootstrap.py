@@ -58,7 +58,12 @@ def start_from_environment() -> Optional[object]:
             return None
         from probe.agent import start
 
-        return start()
+        agent = start()
+        if os.environ.get("PROBE_TORCH_TRACE"):  # trace from the first step, once the program imports torch
+            from probe.tables.torch.trace_autostart import arm_from_environment
+
+            arm_from_environment()
+        return agent
     except BaseException as exc:
         _report(exc)
         return None
