@@ -280,6 +280,15 @@ def _arrow_stream(result: Any) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def torch_trace(agent: "Agent", request: Request) -> Response:
+    """Start, stop, describe or export the torch trace (see probe.tables.torch.trace.control)."""
+    from probe.tables.torch.trace import control
+
+    body = request.json()
+    with work_slot(agent.options.query_timeout), fast_switching():
+        return Response.json(control(body, agent.options.eval_enabled, agent.options.max_result_bytes))
+
+
 _EXACT: Dict[Tuple[str, str], Route] = {
     ("GET", "/v1/health"): health,
     ("GET", "/v1/tables"): tables,
@@ -287,6 +296,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("GET", "/v1/backtrace"): backtrace,
     ("POST", "/v1/query"): query,
     ("POST", "/v1/eval"): evaluate,
+    ("POST", "/v1/torch/trace"): torch_trace,
     ("POST", "/v1/eval/interrupt"): interrupt_eval,
     ("POST", "/v1/complete"): complete,
     ("POST", "/v1/debug/start"): debug_start,

@@ -26,6 +26,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "schema": ("tables", "schema"),
     "health": ("health", "health"),
     "inject": ("inject", "inject"),
+    "trace": ("trace", "trace"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable"}
 
