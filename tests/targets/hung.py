@@ -1,0 +1,58 @@
+"""A target that gets stuck (or dies) in a way the agent cannot answer from, named by the first argument.
+
+    gil         the main thread calls libc sleep() through ctypes.PyDLL, which keeps the GIL   (hold_gil)
+    gil_thread  a thread named "holder" does the same; the main thread waits on an Event
+    gil_for     the main thread keeps the GIL for the seconds given as the second argument, then
+                sleeps in Python (time.sleep), where the agent can answer again
+    segv        dies of SIGSEGV (reads address 0)                                   (die)
+    abort       dies of SIGABRT (os.abort(), as NCCL's watchdog does)
+    exception   dies of an uncaught ValueError
+
+Prints ``READY <pid>`` just before it enters the state (the call that holds the GIL is the next line;
+tests wait until the kernel shows the thread in that sleep). A worker thread named "loader" waits
+on an Event throughout.
+"""
+
+import ctypes
+import os
+import sys
+import threading
+import time
+
+
+def loader() -> None:
+    threading.Event().wait()
+
+
+def hold_gil(seconds: int) -> None:
+    ctypes.PyDLL(None).sleep(seconds)  # STATE:gil
+
+
+def die(kind: str) -> None:
+    if kind == "segv":
+        ctypes.string_at(0)  # STATE:segv
+    elif kind == "abort":
+        os.abort()  # STATE:abort
+    raise ValueError("poisoned batch at step 7")  # STATE:exception
+
+
+def main() -> None:
+    mode = sys.argv[1]
+    threading.Thread(target=loader, name="loader", daemon=True).start()
+    if mode == "gil_thread":
+        holder = threading.Thread(target=hold_gil, args=(3600,), name="holder", daemon=True)
+        print("READY", os.getpid(), flush=True)
+        holder.start()
+        threading.Event().wait()
+    print("READY", os.getpid(), flush=True)
+    if mode == "gil":
+        hold_gil(3600)
+    elif mode == "gil_for":
+        hold_gil(int(sys.argv[2]))
+        while True:
+            time.sleep(0.05)  # STATE:released
+    else:
+        die(mode)
+
+
+main()
