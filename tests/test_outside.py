@@ -117,6 +117,9 @@ def test_a_gil_held_target_answers_from_outside_within_the_bound(target_factory,
     assert gil_line in result.out
     if holder:
         assert 'thread %d "MainThread" holds the GIL' % proc.pid in result.err
+    else:
+        assert '"holder" holds the GIL' in result.err  # Python thread names, read from outside
+    assert 'Thread ' in result.out and '"loader"' in result.out
     assert "probe-accept" not in result.out and "_accept_loop" not in result.out  # the agent's threads are left out
 
     result = _timed(pid, "query", "SELECT func, lineno, frame_type FROM python.backtrace WHERE depth = 0", "-f", "json")

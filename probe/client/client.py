@@ -222,14 +222,14 @@ class Client:
         if not self.target.is_local or self.target.pid is None:
             raise UsageError("native frames are read from outside the process, which needs it on this host",
                              hint="run probe on %s's host" % self.target.label)
-        from probe.reader import pystack_source
+        from probe.reader import live
 
         pid = self.target.pid
         if _process_state(pid) != "alive":
             dead = _dead_with_record(pid)
             if dead is not None:
                 raise dead
-        stacks = pystack_source.read_live(pid, native=native)
+        stacks = live.read_live(pid, native=native)
         self.note = "stacks %s" % stacks.source
         return stacks
 

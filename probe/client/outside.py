@@ -7,7 +7,7 @@ the request is in flight, the client looks at what the kernel and the process's 
 
 1. Before sending: a stopped process (state T) cannot answer; an agent whose heartbeat (the accept
    thread touches its socket file every second) is stale, while some thread holds the GIL, is blocked.
-2. After ``GRACE_S`` without an answer: read the stacks from outside (pystack, without stopping the
+2. After ``GRACE_S`` without an answer: read the stacks from outside (py-spy, without stopping the
    process). If a thread other than the agent's holds the GIL, count its voluntary context switches
    over ``CONFIRM_S``: a thread running Python hands the GIL over when the agent asks, and waits to
    get it back (a voluntary switch); one held in a C call never does. No switch: the GIL is held.
@@ -57,12 +57,12 @@ def heartbeat_age(socket_path: str) -> Optional[float]:
 
 def _read(pid: int) -> Optional[Stacks]:
     from probe.errors import ReaderError
-    from probe.reader import pystack_source
+    from probe.reader import live
 
-    if not pystack_source.available():
+    if not live.available():
         return None
     try:
-        return pystack_source.read_live(pid, native=False)
+        return live.read_live(pid, native=False)
     except ReaderError:
         return None
 

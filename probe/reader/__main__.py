@@ -15,13 +15,13 @@ def main() -> int:
     parser.add_argument("--native", action="store_true", help="C frames too (stops a live process briefly)")
     parser.add_argument("--executable", help="the Python executable that made the core file")
     args = parser.parse_args()
-    from probe.reader import pystack_source
+    from probe.reader import live, pystack_source
 
     try:
         if args.target.startswith("core:"):
             stacks = pystack_source.read_core(args.target[5:], args.executable, args.native)
         elif args.target.isdigit():
-            stacks = pystack_source.read_live(int(args.target), args.native)
+            stacks = live.read_live(int(args.target), args.native)
         else:
             parser.error("give a pid or core:PATH")
     except ProbeError as exc:
