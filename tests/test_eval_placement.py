@@ -31,7 +31,7 @@ def test_on_main_bounded_wait_and_a_late_call_runs_nothing(target_factory):
         client.eval("ran_on_main.append(1)", on="main", wait=0.5)
     assert time.monotonic() - started < 5
     assert "main thread reached no bytecode boundary" in caught.value.message and "never will" in caught.value.message
-    cli = run_cli(str(proc.pid), "eval", "--on", "main", "--wait", "0.3", "ran_on_main.append(2)")
+    cli = run_cli(str(proc.pid), "eval", "--on", "main", "--start-within", "0.3", "ran_on_main.append(2)")
     assert cli.code == 5 and "without --on main" in cli.err, cli.err
     # Let the main thread go on: its queued pending call fires now, and must run nothing.
     assert client.eval("release.set()").ok

@@ -72,7 +72,7 @@ def stop() -> Dict[str, Any]:
         if _address is None:
             return dict(status(), stopped=False)
         pydevd = sys.modules.get("pydevd")
-        for thread in threading.enumerate():
+        for thread in list(threading._active.values()):  # type: ignore[attr-defined]  # pydevd hides its own from enumerate()
             server = getattr(thread, "_server_socket", None) if type(thread).__name__ == "_WaitForConnectionThread" else None
             if server is not None:
                 try:

@@ -22,6 +22,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "backtrace": ("backtrace", "backtrace"),
     "query": ("query", "query"),
     "eval": ("eval_", "eval_"),
+    "repl": ("repl", "repl"),
+    "debug": ("debug", "debug"),
     "tables": ("tables", "tables"),
     "schema": ("tables", "schema"),
     "health": ("health", "health"),

@@ -26,7 +26,7 @@ def placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="Evaluate in that frame's namespace (THREAD: a name such as MainThread, or an ident; "
                           "DEPTH as python.backtrace counts it, or a function's name). Before Python 3.13 the "
                           "frame's local variables are read-only."),
-        click.option("--wait", type=click.FloatRange(min=0.01, max=600), metavar="SECONDS",
+        click.option("--start-within", "wait", type=click.FloatRange(min=0.01, max=600), metavar="SECONDS",
                      help="With --on main / --between-steps: how long to wait for that moment "
                           "(default 10 / 60); after it nothing runs."),
     ]

@@ -1,0 +1,70 @@
+"""``probe TARGET debug``: start debugpy in the target and say how to attach an IDE; ``--stop`` ends it."""
+
+import json
+from typing import Any, Dict, Iterator, Optional
+
+import click
+
+from probe.cli.context import CliContext, each_target, pass_cli
+from probe.client import Client
+from probe.errors import UsageError
+
+__all__ = ["debug", "render_attach"]
+
+
+def render_attach(label: str, answer: Dict[str, Any], remote_host: Optional[str]) -> Iterator[str]:
+    """What to tell the user: where debugpy listens, the launch.json entry, and the tunnel for a remote target."""
+    host, port = answer["host"], answer["port"]
+    yield "debugpy %s in process %s on %s:%s (it has no authentication: whoever reaches that port can run code "\
+          "there)" % ("already listens" if answer.get("already") else "listens", answer.get("pid"), host, port)
+    connect_host = host
+    if remote_host:
+        yield ""
+        yield "The target is on %s; forward the port first:" % remote_host
+        yield "  ssh -N -L %s:%s:%s %s" % (port, host if host not in ("0.0.0.0", "::") else "127.0.0.1", port,
+                                          remote_host)
+        connect_host = "127.0.0.1"
+    entry = {"name": "probe: attach to %s" % label, "type": "debugpy", "request": "attach",
+             "connect": {"host": connect_host, "port": port}, "justMyCode": False}
+    yield ""
+    yield "VS Code, .vscode/launch.json, under \"configurations\":"
+    for line in json.dumps(entry, indent=2).splitlines():
+        yield "  " + line
+    yield ""
+    yield "Stop it with: probe %s debug --stop" % label
+
+
+def _remote_host(client: Client) -> Optional[str]:
+    if not client.target.is_tcp:
+        return None
+    return str(getattr(client.target.address, "host", None) or client.target.label.rsplit(":", 1)[0])
+
+
+@click.command("debug")
+@click.option("--port", type=click.IntRange(0, 65535), default=5678, show_default=True,
+              help="Port debugpy listens on in the target (0: any free one).")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Interface debugpy listens on in the target.")
+@click.option("--insecure", is_flag=True,
+              help="Allow an interface other than loopback: debugpy has no authentication, so anyone who reaches "
+                   "it can run code in the target.")
+@click.option("--stop", is_flag=True, help="Stop debugpy in the target.")
+@pass_cli
+def debug(cli: CliContext, port: int, host: str, insecure: bool, stop: bool) -> None:
+    """Start debugpy in the target, for VS Code (or any DAP client) to attach to.
+
+    It listens on 127.0.0.1 unless --host and --insecure say otherwise. Refused where eval is off.
+    """
+    from probe.agent.debugger import is_loopback
+
+    if not stop and not is_loopback(host) and not insecure:
+        raise UsageError("debugpy has no authentication: listening on %s lets anyone who reaches it run code in "
+                         "the target" % host, hint="keep 127.0.0.1 and tunnel with ssh -L, or insist with --insecure")
+    if stop:
+        for client, answer in each_target(cli, lambda c: c.debug_stop()):
+            click.echo("%s: debugpy %s" % (client.target.label, "stopped" if answer.get("stopped")
+                                            else "was not running"))
+        return
+    for client, answer in each_target(cli, lambda c: c.debug_start(host, port, insecure)):
+        for line in render_attach(client.target.label, answer, _remote_host(client)):
+            click.echo(line)

@@ -1,0 +1,177 @@
+"""``probe TARGET repl``: an interactive console whose input runs in the target.
+
+Python's own console decides when a block is complete (``code.InteractiveConsole``, ``codeop``); each
+complete input goes to every target as one eval, and the outputs are shown grouped by identical text.
+readline gives line editing, a history file and tab completion (names and attributes asked of the
+first target). Ctrl-C while a snippet runs interrupts it in the target (a second request naming the
+eval); a second Ctrl-C stops waiting for it. Ctrl-D leaves.
+"""
+
+import code
+import os
+import threading
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+import click
+
+from probe.cli.commands.eval_ import placement, placement_options
+from probe.cli.context import CliContext, pass_cli
+from probe.cli.render import render_eval
+from probe.client import Client
+from probe.client.results import EvalResult
+from probe.errors import ProbeError
+
+__all__ = ["repl", "group_outputs"]
+
+HISTORY = os.path.join(os.path.expanduser("~"), ".probe_history")
+
+
+def group_outputs(outputs: List[Tuple[str, str]]) -> List[Tuple[List[str], str]]:
+    """[(label, text)] -> [(labels, text)]: targets that printed the same text, together, in first-seen order."""
+    groups: Dict[str, List[str]] = {}
+    for label, text in outputs:
+        groups.setdefault(text, []).append(label)
+    return [(labels, text) for text, labels in groups.items()]
+
+
+class RemoteConsole(code.InteractiveConsole):
+    """A console whose ``runsource`` sends complete input to the targets instead of running it here."""
+
+    def __init__(self, clients: List[Client], where: Dict[str, Any], timeout: Optional[float]) -> None:
+        super().__init__(filename="<probe-repl>")
+        self.clients = clients
+        self.where = where
+        self.timeout = timeout
+        self.failed = False
+
+    def runsource(self, source: str, filename: str = "<input>", symbol: str = "single") -> bool:
+        try:
+            if self.compile(source, filename, symbol) is None:
+                return True  # an open block: ask for more
+        except (OverflowError, SyntaxError, ValueError):
+            pass  # the target's own parser says what is wrong (its Python may differ from ours)
+        self.run_remote(source)
+        return False
+
+    def run_remote(self, source: str) -> None:
+        eval_id = uuid.uuid4().hex
+        results: Dict[int, Any] = {}
+
+        def send(index: int, client: Client) -> None:
+            try:
+                results[index] = client.eval(source, timeout=self.timeout, eval_id=eval_id, **self.where)
+            except ProbeError as exc:
+                results[index] = exc
+            except Exception as exc:  # a bug of ours: show it, keep the console
+                results[index] = ProbeError("%s: %s" % (type(exc).__name__, exc))
+            finally:
+                done[index].set()
+
+        done = [threading.Event() for _ in self.clients]
+        for i, client in enumerate(self.clients):
+            threading.Thread(target=send, args=(i, client), daemon=True).start()
+        self._wait(done, eval_id)
+        outputs = [(c.target.label, _text(results.get(i))) for i, c in enumerate(self.clients)]
+        for labels, text in group_outputs(outputs):
+            if len(self.clients) > 1:
+                self.write("== %s ==\n" % ", ".join(labels))
+            self.write(text)
+
+    def _wait(self, done: List[threading.Event], eval_id: str) -> None:
+        """Until every answer is in; Ctrl-C interrupts the snippet in the targets, a second one stops waiting.
+
+        Events, not ``Thread.join``: a KeyboardInterrupt inside ``join`` marks a running thread stopped.
+        """
+        interrupted = False
+        while not all(event.is_set() for event in done):
+            try:
+                for event in done:
+                    event.wait(0.05)
+            except KeyboardInterrupt:
+                if interrupted:
+                    self.write("\n(not waiting for it any more; it may still run in the target)\n")
+                    return
+                interrupted = True
+                self.write("\nKeyboardInterrupt: interrupting the snippet in the target\n")
+                for client in self.clients:
+                    try:
+                        client.interrupt_eval(eval_id)
+                    except ProbeError as exc:
+                        self.write("probe: %s: %s\n" % (client.target.label, exc.message))
+
+    def write(self, data: str) -> None:
+        click.echo(data, nl=False)
+
+
+def _text(result: Any) -> str:
+    if result is None:
+        return "(no answer)\n"
+    if isinstance(result, ProbeError):
+        return "probe: error: %s%s\n" % (result.message, " -- %s" % result.hint if result.hint else "")
+    assert isinstance(result, EvalResult)
+    shown = render_eval(result)
+    return shown["stdout"] + shown["stderr"]
+
+
+def _completer(client: Client, frame: Optional[str]) -> Any:
+    cache: Dict[str, List[str]] = {}
+
+    def complete(text: str, state: int) -> Optional[str]:
+        if state == 0 or text not in cache:
+            try:
+                cache.clear()
+                cache[text] = client.complete(text, frame=frame)
+            except ProbeError:
+                cache[text] = []
+        matches = cache.get(text, [])
+        return matches[state] if state < len(matches) else None
+
+    return complete
+
+
+def _setup_readline(client: Client, frame: Optional[str]) -> Any:
+    try:
+        import readline
+    except ImportError:
+        return None
+    try:
+        readline.read_history_file(HISTORY)
+    except OSError:
+        pass
+    readline.set_history_length(2000)
+    readline.set_completer_delims(" \t\n`~!@#$%^&*()-=+[{]}\\|;:'\",<>/?")
+    readline.set_completer(_completer(client, frame))
+    readline.parse_and_bind("tab: complete")
+    return readline
+
+
+@click.command("repl")
+@click.option("--eval-timeout", type=click.FloatRange(min=0.001), help="Seconds each input may run.")
+@placement_options
+@pass_cli
+def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps: bool, frame: Optional[str],
+         wait: Optional[float]) -> None:
+    """An interactive Python console whose input runs in the target (every -t target at once).
+
+    Names and attributes complete with Tab; history is kept in ~/.probe_history. Ctrl-C interrupts the
+    running input in the target, Ctrl-D leaves. --on, --between-steps and --frame work as for eval.
+    """
+    where = placement(on, between_steps, frame, wait)
+    clients = cli.clients()
+    health = clients[0].health()
+    readline = _setup_readline(clients[0], frame)
+    console = RemoteConsole(clients, where, eval_timeout)
+    place = {"agent": "on the agent's thread, concurrently", "main": "on the main thread",
+             "step": "right after each optimizer step"}[where["on"]]
+    banner = "probe repl: %s (pid %s, Python %s); input runs %s in %s. Ctrl-D leaves." % (
+        ", ".join(c.target.label for c in clients), health.get("pid"), health.get("python_version", "?"),
+        place, frame or "__main__")
+    try:
+        console.interact(banner=banner, exitmsg="")
+    finally:
+        if readline is not None:
+            try:
+                readline.write_history_file(HISTORY)
+            except OSError:
+                pass

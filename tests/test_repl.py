@@ -1,0 +1,142 @@
+"""probe T repl driven through a real pseudo-terminal: editing, blocks, completion, Ctrl-C, Ctrl-D, history."""
+
+import os
+import pty
+import select
+import signal
+import sys
+import time
+
+import pytest
+
+from procs import REPO, target_env
+
+import probe
+from probe.cli.commands.repl import group_outputs
+
+SPINNING = ("import sys, threading; me = threading.get_ident(); sum(1 for i, f in sys._current_frames().items() "
+            "if i != me and f.f_code.co_filename == '<probe-eval>')")
+
+
+class Terminal:
+    """``probe ... repl`` on the child side of a pty; everything it prints is collected here."""
+
+    def __init__(self, args, home: str) -> None:
+        env = dict(target_env(probe=False), HOME=str(home), TERM="dumb")
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: becomes the REPL
+            os.chdir(REPO)
+            os.execve(sys.executable, [sys.executable, "-m", "probe", *args, "repl"], env)
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError("%r not printed within %.0f s; the terminal shows:\n%s" % (text, timeout, self.seen))
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the child is gone
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError("the REPL exited before printing %r:\n%s" % (text, self.seen))
+                self.seen += chunk.decode("utf-8", "replace")
+        index = self.seen.index(text) + len(text)
+        taken, self.seen = self.seen[:index], self.seen[index:]
+        return taken
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait_exit(self, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = 0
+                return os.waitstatus_to_exitcode(status)
+            try:
+                os.read(self.fd, 65536) if select.select([self.fd], [], [], 0.05)[0] else None
+            except OSError:
+                pass
+        raise AssertionError("the REPL did not exit within %.0f s" % timeout)
+
+    def close(self) -> None:
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)
+
+
+@pytest.fixture
+def terminal_factory(tmp_path):
+    opened = []
+
+    def open_(*args: str) -> Terminal:
+        term = Terminal(args, tmp_path)
+        opened.append(term)
+        return term
+
+    yield open_
+    for term in opened:
+        term.close()
+
+
+def test_repl_in_a_real_terminal(idle_target, terminal_factory, tmp_path):
+    term = terminal_factory(str(idle_target.pid))
+    term.expect("probe repl: %d" % idle_target.pid)
+    term.expect(">>> ")
+    term.send("x = 41\r")
+    term.expect(">>> ")
+    term.send("x + 1\r")
+    assert "42" in term.expect(">>> ")
+    term.send("def f():\r")
+    term.expect("... ")
+    term.send("    return x + 2\r")
+    term.expect("... ")
+    term.send("\r")
+    term.expect(">>> ")
+    term.send("f()\r")
+    assert "43" in term.expect(">>> ")
+    term.send("counte\t")  # completes from the target's __main__: `counter`
+    term.expect("counter")
+    term.send("['n'] > 0\r")
+    assert "True" in term.expect(">>> ")
+    term.send("while True: pass\r")
+    term.expect("... ")
+    term.send("\r")  # a compound statement ends with an empty line
+    client = probe.connect(str(idle_target.pid))
+    deadline = time.monotonic() + 10
+    while client.eval(SPINNING).value != "1":
+        assert time.monotonic() < deadline, "the snippet never started in the target"
+    term.send("\x03")  # Ctrl-C: interrupts the snippet in the target, not the REPL
+    shown = term.expect(">>> ")
+    assert "interrupting the snippet in the target" in shown and "EvalInterrupted" in shown, shown
+    assert client.eval(SPINNING).value == "0"
+    term.send("1 / 0\r")
+    assert "ZeroDivisionError" in term.expect(">>> ")
+    term.send("\x04")  # Ctrl-D leaves
+    assert term.wait_exit() == 0
+    history = (tmp_path / ".probe_history").read_text()
+    assert "x = 41" in history and "while True: pass" in history
+
+
+def test_several_targets_grouped_by_output(target_factory, terminal_factory):
+    first, second = target_factory("idle.py"), target_factory("idle.py")
+    term = terminal_factory("-t", str(first.pid), "-t", str(second.pid))
+    term.expect(">>> ")
+    term.send("counter['n'] > 0\r")
+    shown = term.expect(">>> ")
+    assert "== %d, %d ==" % (first.pid, second.pid) in shown and "True" in shown
+    term.send("import os; os.getpid()\r")
+    shown = term.expect(">>> ")
+    assert "== %d ==" % first.pid in shown and "== %d ==" % second.pid in shown
+    term.send("\x04")
+    assert term.wait_exit() == 0
+
+
+def test_group_outputs():
+    assert group_outputs([("a", "1\n"), ("b", "2\n"), ("c", "1\n")]) == [(["a", "c"], "1\n"), (["b"], "2\n")]
