@@ -26,7 +26,7 @@ __all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAI
 READ_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
 GRACE_S = 1.0  # a connection may take this long to send its request before it can lose its slot
-HEARTBEAT_S = 1.0  # how often the accept thread touches its socket file (see _beat)
+HEARTBEAT_S = 0.25  # how often the accept thread wakes and touches its socket file (see _beat)
 BUSY_WAIT_S = 5.0  # how long a new connection waits for a slot before it is answered 503
 LINGER_S = 2.0  # after answering a request not read whole, how long (and how much) of the rest
 LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
@@ -50,6 +50,7 @@ class Listener:
         self._waiting = 0  # connections handed over and not yet taken by a worker
         self._closed = False
         self._heartbeat_path: Optional[str] = None  # set for a unix socket: touched every HEARTBEAT_S
+        self._last_beat = 0.0
         self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
 
     @classmethod
@@ -120,11 +121,8 @@ class Listener:
         name_os_thread("probe-accept")
         if self._heartbeat_path:
             self._sock.settimeout(HEARTBEAT_S)
-        last_beat = 0.0
         while not self._closed:
-            if self._heartbeat_path and time.monotonic() - last_beat >= HEARTBEAT_S:
-                self._beat()
-                last_beat = time.monotonic()
+            self._beat()
             try:
                 conn, _ = self._sock.accept()
             except socket.timeout:
@@ -144,11 +142,16 @@ class Listener:
                 pass  # _admit answered or closed the connection; keep accepting
 
     def _beat(self) -> None:
-        """Touch the socket file: its mtime tells a client, without asking, that this thread still gets the
-        GIL (a client that sees it stale knows at once that the agent cannot answer)."""
+        """Touch the socket file at most every ``HEARTBEAT_S``: its mtime tells a client, without asking,
+        that this thread still gets the GIL (a client that sees it stale knows at once that the agent
+        cannot answer). Called wherever the accept thread runs: its loop, and its wait for a free slot."""
+        now = time.monotonic()
+        if not self._heartbeat_path or now - self._last_beat < HEARTBEAT_S:
+            return
+        self._last_beat = now
         try:
-            os.utime(self._heartbeat_path)  # type: ignore[arg-type]
-        except (OSError, TypeError):
+            os.utime(self._heartbeat_path)
+        except OSError:
             pass
 
     def _admit(self, conn: socket.socket) -> None:
@@ -179,6 +182,7 @@ class Listener:
             return True
         deadline = time.monotonic() + (_POLL_S if self._rejecting else BUSY_WAIT_S)
         while True:
+            self._beat()
             self._evict_stale_reader()
             remaining = deadline - time.monotonic()
             if self._slots.acquire(timeout=min(_POLL_S, max(remaining, 0.0))):

@@ -123,8 +123,10 @@ class Client:
         answering = cause is None or isinstance(cause, (ConnectionResetError, BrokenPipeError))
         state = _process_state(pid, wait=0.5 if answering else 0.0)
         if state in ("gone", "zombie"):
-            dead = _dead_with_record(pid)
-            if dead is not None:
+            dead = _dead_with_record(pid, answering)
+            if dead is not None and dead.record.has_stacks:  # type: ignore[attr-defined]
+                if state == "zombie":
+                    dead.message += _zombie_note(pid)
                 return dead
         if answering and state in ("gone", "zombie"):
             return ConnectError("process %d died while answering (it exited or was killed)%s"
@@ -141,8 +143,9 @@ class Client:
                                 hint="nothing runs there to answer; its parent must reap it (wait for it)")
         if state == "gone":
             if refused:
-                return ConnectError("process %d is gone (it exited or was killed) and left its agent's socket %s"
-                                    % (pid, path), hint="`probe list` removes such leftovers")
+                return ConnectError("process %d is gone (it exited or was killed) and left its agent's socket %s%s"
+                                    % (pid, path, "; no handler could run (SIGTERM, SIGKILL, the OOM killer, os._exit)"
+                                       if dead is not None else ""), hint="`probe list` removes such leftovers")
             return ConnectError("no process with pid %d (it exited, was killed, or never was)" % pid,
                                 hint="check the pid with `probe list` or ps")
         if refused:
@@ -441,17 +444,18 @@ def _health_from_outside(target: Target, exc: ProbeError, stacks: Any) -> Dict[s
     return out
 
 
-def _dead_with_record(pid: int) -> Optional[ProcessDead]:
+def _dead_with_record(pid: int, answering: bool = False) -> Optional[ProcessDead]:
     """A dead process whose agent left a crash record: how it died, with the record attached."""
     from probe.reader import crash
 
     record = crash.dead_record(pid)
     if record is None:
         return None
-    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.written_at))
+    when = ", at %s" % time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.died_at)) if record.died_at else ""
     hint = ("its last stacks: `probe %d backtrace` (SQL over python.backtrace works too)" % pid if record.has_stacks
-            else "it left no stacks")
-    exc = ProcessDead("process %d is dead: %s, at %s" % (pid, record.cause, when), hint=hint)
+            else "it left no stacks; its exit status, or the kernel log (OOM killer), may say more")
+    what = "died while answering" if answering else "is dead"
+    exc = ProcessDead("process %d %s: %s%s" % (pid, what, record.cause, when), hint=hint)
     exc.record = record  # type: ignore[attr-defined]
     return exc
 

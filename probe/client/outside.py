@@ -6,11 +6,12 @@ dying one leave it silent, and a plain socket timeout would make the user wait f
 the request is in flight, the client looks at what the kernel and the process's memory already tell:
 
 1. Before sending: a stopped process (state T) cannot answer; an agent whose heartbeat (the accept
-   thread touches its socket file every second) is stale, while some thread holds the GIL, is blocked.
+   thread touches its socket file every 0.25 s) is stale, while some thread holds the GIL, is blocked.
 2. After ``GRACE_S`` without an answer: read the stacks from outside (py-spy, without stopping the
-   process). If a thread other than the agent's holds the GIL, count its voluntary context switches
-   over ``CONFIRM_S``: a thread running Python hands the GIL over when the agent asks, and waits to
-   get it back (a voluntary switch); one held in a C call never does. No switch: the GIL is held.
+   process). If a thread other than the agent's holds the GIL, watch it for ``CONFIRM_S``: a thread
+   running Python hands the GIL over when another asks for it (the agent's accept thread does, every
+   0.25 s, to beat) and waits to get it back, a voluntary context switch; one held in a C call never
+   does. Neither a switch nor a beat: the GIL is held.
 3. Otherwise (no holder, or the GIL moves) the agent is only slow: keep waiting, looking again every
    second, up to the timeout.
 
@@ -31,10 +32,11 @@ __all__ = ["Diagnosis", "before_sending", "await_answer", "GRACE_S", "CONFIRM_S"
 
 GRACE_S = 0.3
 """How long an agent may take to answer before the client looks at the process from outside."""
-CONFIRM_S = 0.25
-"""How long the GIL holder is watched for a hand-over before the GIL is called held."""
-STALE_HEARTBEAT_S = 2.5
-"""A heartbeat older than this means the agent's accept thread has not run (it beats every second)."""
+CONFIRM_S = 0.35
+"""How long the GIL holder is watched for a hand-over before the GIL is called held: longer than the
+agent's heartbeat (0.25 s), so the agent's accept thread asks for the GIL at least once meanwhile."""
+STALE_HEARTBEAT_S = 2.0
+"""A heartbeat older than this means the agent's accept thread has not run (it beats every 0.25 s)."""
 
 
 class Diagnosis(NamedTuple):
@@ -48,6 +50,13 @@ class Diagnosis(NamedTuple):
     silent_for: Optional[float] = None  # seconds since the agent last ran, when its heartbeat tells
 
 
+def _mtime(path: str) -> Optional[float]:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return None
+
+
 def heartbeat_age(socket_path: str) -> Optional[float]:
     try:
         return max(0.0, time.time() - os.stat(socket_path).st_mtime)
@@ -55,15 +64,21 @@ def heartbeat_age(socket_path: str) -> Optional[float]:
         return None
 
 
+_last_problem: Optional[str] = None  # why the last read from outside failed, for the final message
+
+
 def _read(pid: int) -> Optional[Stacks]:
+    global _last_problem
     from probe.errors import ReaderError
     from probe.reader import live
 
     if not live.available():
+        _last_problem = "no reader installed (pip install py-spy)"
         return None
     try:
         return live.read_live(pid, native=False)
-    except ReaderError:
+    except ReaderError as exc:
+        _last_problem = exc.message + (" -- %s" % exc.hint if exc.hint else "")
         return None
 
 
@@ -136,11 +151,16 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
         stacks = _read(pid)
         holder = _program_holder(stacks)
         if stacks is not None and holder is not None and holder.native_id is not None:
-            before = proc.voluntary_switches(pid, holder.native_id)
+            switches_before = proc.voluntary_switches(pid, holder.native_id)
+            beat_before = _mtime(socket_path)
             if _answered(sock, CONFIRM_S):
                 return None
-            after = proc.voluntary_switches(pid, holder.native_id)
-            if before is not None and before == after and _program_holder(_read(pid)) is not None:
+            switches_after = proc.voluntary_switches(pid, holder.native_id)
+            # Progress is either signal: the holder handed the GIL over (it waited to get it back), or
+            # the agent's accept thread, which asks for the GIL every 0.25 s, got it and beat.
+            stuck = (switches_before is not None and switches_before == switches_after
+                     and _mtime(socket_path) == beat_before)
+            if stuck and _program_holder(_read(pid)) is not None:
                 return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
         if _answered(sock, min(1.0, deadline - time.monotonic())):
             return None
@@ -151,6 +171,7 @@ def _no_answer(pid: int, socket_path: str, waited: float) -> Diagnosis:
     stacks = _read(pid)
     holder = _program_holder(stacks)
     extra = " (thread %s holds the GIL in %s)" % (holder.label().strip(), holder.where()) if holder else ""
+    hint = ("its stacks are read from outside; give it longer with --wait SECONDS" if stacks is not None else
+            "give it longer with --wait SECONDS; reading it from outside failed: %s" % _last_problem)
     return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
-                     "its stacks are read from outside; give it longer with --wait SECONDS", stacks, holder,
-                     heartbeat_age(socket_path))
+                     hint, stacks, holder, heartbeat_age(socket_path))

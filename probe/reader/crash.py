@@ -2,8 +2,9 @@
 into stacks, and cleaned up.
 
 Clean-up rule: a record of a process that is gone is kept for ``KEEP_DAYS`` days, and at most
-``KEEP_RECORDS`` of them (the newest); older ones are removed whenever ``probe list`` runs. A record of
-a live process is never touched. Stdlib only.
+``KEEP_RECORDS`` of them (the newest); one without stacks (a process ended by a signal that runs no
+handler: SIGTERM, SIGKILL, the OOM killer) only for ``KEEP_SILENT_S``. Older ones are removed whenever
+``probe list`` runs. A record of a live process is never touched. Stdlib only.
 """
 
 import os
@@ -15,10 +16,11 @@ from typing import Dict, List, Optional, Tuple
 from probe import _paths
 from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
 
-__all__ = ["CrashRecord", "records", "dead_record", "clean_up", "KEEP_DAYS", "KEEP_RECORDS"]
+__all__ = ["CrashRecord", "records", "dead_record", "clean_up", "KEEP_DAYS", "KEEP_RECORDS", "KEEP_SILENT_S"]
 
 KEEP_DAYS = 7
 KEEP_RECORDS = 20
+KEEP_SILENT_S = 3600
 _MAGIC = "probe-crash-record 1"
 _NAME = re.compile(r"^(\d+)-(\d+)\.crash$")
 _HEADER = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+) \(most recent call first\):$")
@@ -60,7 +62,13 @@ class CrashRecord:
                 return "uncaught exception: " + line[len("Uncaught exception: "):].strip()
         if self.header.get("faulthandler") == "program":
             return "ended without a record here (the program's own faulthandler had its crash output)"
-        return "ended without a word: SIGKILL, the OOM killer, or os._exit (no handler could run)"
+        return "ended without a word: a signal that runs no handler (SIGTERM, SIGKILL, the OOM killer) or os._exit"
+
+    @property
+    def died_at(self) -> Optional[float]:
+        """When it died: the time the handler wrote; None for a header-only record (the file was last
+        written at start, so it does not tell)."""
+        return self.written_at if self.body.strip() else None
 
     @property
     def has_stacks(self) -> bool:
@@ -155,13 +163,34 @@ def dead_record(pid: int) -> Optional[CrashRecord]:
     return None
 
 
+def _noticed_dead(record: CrashRecord, now: float) -> float:
+    """When a header-only record was first seen dead: its mtime, once touched here. Untouched, its mtime
+    is its process's start (the header is written then), so it is touched now: a job killed after two
+    days keeps its record for KEEP_SILENT_S after that, not zero."""
+    try:
+        started = float(record.header.get("started_at", "0"))
+    except ValueError:
+        started = 0.0
+    if record.written_at - started > 5.0:
+        return record.written_at
+    try:
+        os.utime(record.path, (now, now))
+    except OSError:
+        pass
+    return now
+
+
 def clean_up(now: Optional[float] = None) -> int:
     """Remove records of dead processes past the rule above; returns how many went."""
     now = now or time.time()
     removed = 0
     dead = [r for r in records() if not r.alive]
     for index, record in enumerate(dead):
-        if index >= KEEP_RECORDS or now - record.written_at > KEEP_DAYS * 86400:
+        since = record.written_at
+        if not record.has_stacks:
+            since = _noticed_dead(record, now)
+        keep_for = KEEP_DAYS * 86400 if record.has_stacks else KEEP_SILENT_S
+        if index >= KEEP_RECORDS or now - since > keep_for:
             try:
                 os.unlink(record.path)
                 removed += 1

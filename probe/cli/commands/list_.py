@@ -46,8 +46,8 @@ def _dead() -> List[Dict[str, Any]]:
     for record in crash.records():
         if record.alive:
             continue
-        when = time.strftime("%m-%d %H:%M:%S", time.localtime(record.written_at))
-        out.append({"pid": record.pid, "agent": "dead", "state": "died %s: %s" % (when, record.cause),
+        when = " " + time.strftime("%m-%d %H:%M:%S", time.localtime(record.died_at)) if record.died_at else ""
+        out.append({"pid": record.pid, "agent": "dead", "state": "died%s: %s" % (when, record.cause),
                     "rank": None, "python": record.header.get("python"),
                     "command": record.header.get("command", "")[:100],
                     "reach": "probe %d backtrace  (its last stacks)" % record.pid if record.has_stacks else "-"})
