@@ -5,9 +5,11 @@ the GIL (an extension's loop, a CUDA synchronisation that does not return), a st
 dying one leave it silent, and a plain socket timeout would make the user wait for nothing. So while
 the request is in flight, the client looks at what the kernel and the process's memory already tell:
 
-1. Before sending: a stopped process (state T) cannot answer; an agent whose heartbeat (the accept
-   thread touches its socket file every 0.25 s) is stale, while some thread holds the GIL, is blocked.
-2. After ``GRACE_S`` without an answer: read the stacks from outside (py-spy, without stopping the
+1. After ``GRACE_S`` without an answer (the client waits that long itself, importing nothing of
+   this module on the usual path): a stopped process (state T) cannot answer; an agent whose heartbeat
+   (the accept thread touches its socket file every 0.25 s) is stale, while some thread holds the
+   GIL, is blocked.
+2. Otherwise read the stacks from outside (py-spy, without stopping the
    process). If a thread other than the agent's holds the GIL, watch it for ``CONFIRM_S``: a thread
    running Python hands the GIL over when another asks for it (the agent's accept thread does, every
    0.25 s, to beat) and waits to get it back, a voluntary context switch; one held in a C call never
@@ -23,12 +25,14 @@ import os
 import select
 import socket
 import time
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from probe.reader import proc
-from probe.reader.stacks import Stacks, ThreadStack
 
-__all__ = ["Diagnosis", "before_sending", "await_answer", "GRACE_S", "CONFIRM_S", "STALE_HEARTBEAT_S"]
+if TYPE_CHECKING:  # not imported at run time: this module is on the path of every local request
+    from probe.reader.stacks import Stacks, ThreadStack
+
+__all__ = ["Diagnosis", "known_at_once", "await_answer", "GRACE_S", "CONFIRM_S", "STALE_HEARTBEAT_S"]
 
 GRACE_S = 0.3
 """How long an agent may take to answer before the client looks at the process from outside."""
@@ -45,8 +49,8 @@ class Diagnosis(NamedTuple):
     state: str
     message: str
     hint: str
-    stacks: Optional[Stacks] = None
-    holder: Optional[ThreadStack] = None
+    stacks: Any = None  # Optional[Stacks]
+    holder: Any = None  # Optional[ThreadStack]
     silent_for: Optional[float] = None  # seconds since the agent last ran, when its heartbeat tells
 
 
@@ -67,7 +71,7 @@ def heartbeat_age(socket_path: str) -> Optional[float]:
 _last_problem: Optional[str] = None  # why the last read from outside failed, for the final message
 
 
-def _read(pid: int) -> Optional[Stacks]:
+def _read(pid: int) -> "Optional[Stacks]":
     global _last_problem
     from probe.errors import ReaderError
     from probe.reader import live
@@ -82,12 +86,12 @@ def _read(pid: int) -> Optional[Stacks]:
         return None
 
 
-def _program_holder(stacks: Optional[Stacks]) -> Optional[ThreadStack]:
+def _program_holder(stacks: "Optional[Stacks]") -> "Optional[ThreadStack]":
     holder = stacks.gil_holder() if stacks else None
     return holder if holder is not None and not holder.is_agent else None
 
 
-def _gil_held(pid: int, stacks: Stacks, holder: ThreadStack, silent_for: Optional[float]) -> Diagnosis:
+def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Optional[float]) -> Diagnosis:
     since = " for %.1f s" % silent_for if silent_for is not None and silent_for > 1.5 else ""
     message = ('process %d cannot answer: thread %s holds the GIL in %s and does not let go (a call into C '
                'that keeps it), so the agent has not run%s' % (pid, holder.label().strip(), holder.where(), since))
@@ -104,8 +108,9 @@ def _stopped(pid: int, letter: str, silent_for: Optional[float]) -> Diagnosis:
                      if letter == "T" else "its stacks are read from outside", stacks, None, silent_for)
 
 
-def before_sending(pid: int, socket_path: str) -> Optional[Diagnosis]:
-    """What is known without asking: a stopped process, or an agent silent for seconds while the GIL is held."""
+def known_at_once(pid: int, socket_path: str) -> Optional[Diagnosis]:
+    """What the kernel and the heartbeat tell at once: a stopped process, or an agent silent for seconds
+    while the GIL is held."""
     letter = proc.state(pid)
     age = heartbeat_age(socket_path)
     if letter in ("T", "t"):
@@ -129,19 +134,21 @@ def _answered(sock: socket.socket, seconds: float) -> bool:
 
 def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float,
                  patience: Optional[float] = None) -> Optional[Diagnosis]:
-    """Wait for the agent's answer on ``sock``: None once it is there, else why it will not come.
+    """Wait for the agent's answer on ``sock``, which the caller already gave ``GRACE_S``: None once it
+    is there, else why it will not come.
 
     ``patience`` (seconds) replaces the quick decision: wait that long for the agent, then read from
     outside whatever its state.
     """
     start = time.monotonic()
-    deadline = start + timeout
+    deadline = start + timeout - GRACE_S
     if patience is not None:
         if _answered(sock, min(patience, timeout)):
             return None
         return _no_answer(pid, socket_path, min(patience, timeout))
-    if _answered(sock, GRACE_S):
-        return None
+    early = known_at_once(pid, socket_path)  # stopped, or silent for seconds while the GIL is held
+    if early is not None:
+        return early
     while time.monotonic() < deadline:
         letter = proc.state(pid)
         if letter in (None, "Z", "X"):
