@@ -1,0 +1,247 @@
+"""The torch trace's cost on a training step, the hook's worst case, and the agent with a full buffer.
+
+    python bench/bench_trace.py [--rounds 15] [--steps 8] [--quick]
+
+1. Overhead (in this process, CPU, one intra-op thread so the 2 shared cores stay comparable): a
+   training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64) and of a
+   small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), untraced and under
+   each trace setting, interleaved in rounds (the order alternating), ``--steps`` steps per block; each
+   block gives its mean step time (20 steps for ``--every 10``), and the overhead is the median over rounds of (traced block /
+   the untraced blocks of the same round) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
+   ``--every 10``.
+2. Worst case per hook call: 200 x Linear(16, 16), forward only (no_grad), batch 4: (traced - untraced)
+   / 201 module calls; also torch's own cost of having any global hook (two empty ones).
+3. The agent (a real target, ``tests/targets/train_trace.py`` with ``PROBE_TORCH_TRACE=1`` and backward
+   spans): VmRSS before the trace starts and once the default buffer (10000 spans) is full; then the
+   slow-module query of DESIGN.md, ``elapsed_ms`` as served inside the agent (DESIGN-like target 20 ms).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List
+
+from _common import REPO, Summary, clean_env, header, table, verdict
+
+SLOW_SQL = ("SELECT module, stage, COUNT(*) AS count, AVG(duration) AS avg_time, SUM(duration) AS total_time "
+            "FROM python.torch_trace WHERE step > (SELECT MAX(step) - 5 FROM python.torch_trace) "
+            "GROUP BY module, stage ORDER BY total_time DESC LIMIT 10")
+
+
+def models(torch: Any) -> Dict[str, Callable[[], Callable[[], None]]]:
+    nn = torch.nn
+
+    def mlp() -> Callable[[], None]:
+        layers: List[Any] = []
+        for _ in range(8):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        model = nn.Sequential(*layers)
+        return _trainer(torch, model, torch.randn(64, 1024), torch.randn(64, 1024), nn.MSELoss())
+
+    def transformer() -> Callable[[], None]:
+        layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.1, batch_first=True)
+        model = nn.Sequential(nn.TransformerEncoder(layer, 6, enable_nested_tensor=False), nn.Linear(256, 256))
+        return _trainer(torch, model, torch.randn(16, 32, 256), torch.randn(16, 32, 256), nn.MSELoss())
+
+    return {"MLP 8 x Linear(1024), batch 64": mlp, "transformer 6 x d256, 16 x 32 tokens": transformer}
+
+
+def _trainer(torch: Any, model: Any, x: Any, y: Any, loss_fn: Any) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def block(step: Callable[[], None], steps: int) -> float:
+    """Mean seconds per step over ``steps`` steps (a mean, so a sampled step among skipped ones counts)."""
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return (time.perf_counter() - start) / steps
+
+
+def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
+    from probe.tables.torch import trace
+    from probe.tables.torch.trace_options import TraceOptions
+
+    settings = {
+        "forward, every step": TraceOptions(),
+        "forward, --every 10": TraceOptions(every=10),
+        "forward + backward": TraceOptions(backward=True),
+        "forward + anomalies": TraceOptions(anomalies=True),
+    }
+    out = []
+    for label, make in models(torch).items():
+        step = make()
+        for _ in range(3):
+            step()
+        ratios: Dict[str, List[float]] = {name: [] for name in settings}
+        base_times: List[float] = []
+        for r in range(rounds):
+            names = list(settings) if r % 2 == 0 else list(settings)[::-1]
+            base = [block(step, steps)]
+            for name in names:
+                trace.start(settings[name])
+                step()  # the first step after start names the modules
+                took = block(step, max(steps, 20) if settings[name].every > 1 else steps)
+                trace.stop()
+                step()  # the optimizer's hooks leave at this forward
+                base.append(block(step, steps))
+                ratios[name].append(took / statistics.median(base[-2:]) - 1.0)
+            base_times.extend(base)
+        out.append([label, "untraced", "%.2f ms" % (statistics.median(base_times) * 1000), "-", "-"])
+        for name, values in ratios.items():
+            s = Summary.of(values)
+            out.append([label, name, "", "%+.2f %%" % (s.median * 100), "%+.2f..%+.2f %%" % (s.q1 * 100, s.q3 * 100)])
+    return out
+
+
+def worst_case(torch: Any, rounds: int) -> List[List[str]]:
+    from probe.tables.torch import trace
+    from probe.tables.torch.trace_options import TraceOptions
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(200)])
+    x = torch.randn(4, 16)
+    hooks = sys.modules["torch.nn.modules.module"]
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+
+    def empty_hooks() -> float:
+        a = hooks.register_module_forward_pre_hook(lambda m, i: None)
+        b = hooks.register_module_forward_hook(lambda m, i, o: None)
+        try:
+            return block(forward, 20)
+        finally:
+            a.remove()
+            b.remove()
+
+    def traced(options: Any) -> Callable[[], float]:
+        def run() -> float:
+            trace.start(options)
+            try:
+                return block(forward, 20)
+            finally:
+                trace.stop()
+                forward()
+        return run
+
+    runners = {"untraced": lambda: block(forward, 20), "two empty global hooks": empty_hooks,
+               "traced (forward)": traced(TraceOptions()), "traced + anomalies": traced(TraceOptions(anomalies=True)),
+               "traced, module filtered out": traced(TraceOptions(modules="nothing*"))}
+    results: Dict[str, List[float]] = {name: [] for name in runners}
+    for r in range(rounds):
+        for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
+            results[name].append(runners[name]())
+    base = statistics.median(results["untraced"])
+    rows = []
+    for name, values in results.items():
+        s = Summary.of(values)
+        per_call = (s.median - base) / 201 * 1e6
+        rows.append([name, "%.2f ms" % (s.median * 1000), "-" if name == "untraced" else "%.2f us" % per_call])
+    return rows
+
+
+def agent_figures(runs: int) -> List[List[str]]:
+    sys.path.insert(0, REPO)
+    import probe
+    from probe.client import transport
+
+    env = clean_env(probe=True)
+    env.update({"PROBE_TORCH_TRACE": "1", "PROBE_TORCH_TRACE_BACKWARD": "1", "PYTHONPATH": REPO})
+    script = os.path.join(REPO, "tests", "targets", "train_trace.py")
+    popen = subprocess.Popen([sys.executable, script, "normal"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = popen.stdout.readline() if popen.stdout else ""
+        if not line.startswith("READY"):
+            raise RuntimeError("target did not get ready: %r" % line)
+        client = probe.connect(str(popen.pid))
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.health()
+                break
+            except probe.errors.ProbeError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        start_rss = _rss_mb(popen.pid)
+        deadline = time.monotonic() + 180
+        while True:
+            status = client.trace_status()
+            if status["rows"] >= status["size"]:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("buffer not full after 180 s: %r" % status)
+            time.sleep(0.5)
+        full_rss = _rss_mb(popen.pid)
+        client.query_rows("SELECT 1")  # DuckDB and pyarrow in the agent
+        body = json.dumps({"sql": SLOW_SQL}).encode()
+        inside = []
+        for _ in range(runs):
+            answer = transport.request(client.target.address, "POST", "/v1/query", body, {})
+            inside.append(json.loads(answer.body)["elapsed_ms"])
+        query_rss = _rss_mb(popen.pid)
+        s = Summary.of(inside)
+        ring_mb = status["size"] * (8 * 8 + 7 * 8 + 8) / 1e6
+        return [
+            ["spans held / buffer size", "%d / %d" % (status["rows"], status["size"]), ""],
+            ["ring arrays (preallocated at start)", "%.2f MB" % ring_mb, ""],
+            ["target VmRSS, trace started -> buffer full", "%.1f -> %.1f MB" % (start_rss, full_rss),
+             "+%.1f MB (includes the training's own growth)" % (full_rss - start_rss)],
+            ["target VmRSS after the queries (DuckDB + pyarrow loaded)", "%.1f MB" % query_rss, ""],
+            ["slow-module query on the full buffer, served in the agent (n=%d)" % s.n,
+             "median %.2f ms, IQR %.2f-%.2f, min-max %.2f-%.2f" % (s.median, s.q1, s.q3, s.low, s.high),
+             "<= 20 ms: %s" % verdict(s.median <= 20.0)],
+            ["trace status overhead estimate (time inside hooks)", "%.3f %%" % status["overhead_percent"],
+             "%s us per step" % status["hook_us_per_step"]],
+        ]
+    finally:
+        popen.kill()
+        popen.wait(10)
+
+
+def _rss_mb(pid: int) -> float:
+    with open("/proc/%d/status" % pid) as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024.0
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="5 rounds of 4 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps = 5, 4
+    import torch
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    header("torch trace: overhead on a training step, worst case per hook, agent with a full buffer",
+           ["%d interleaved rounds, %d steps per block; torch %s, 1 intra-op thread" % (args.rounds, args.steps,
+                                                                                     torch.__version__)])
+    print(table(overhead(torch, args.rounds, args.steps), ["model", "setting", "step time", "overhead median",
+                                                           "IQR"]))
+    print()
+    print(table(worst_case(torch, args.rounds), ["200 x Linear(16,16) forward", "median", "per module call"]))
+    print()
+    print(table(agent_figures(20), ["agent, default buffer", "figure", "note"]))
+
+
+if __name__ == "__main__":
+    main()
