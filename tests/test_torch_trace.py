@@ -108,6 +108,21 @@ def test_live_start_every_modules_backward_stop_export(target_factory, tmp_path)
     assert all(e["dur"] > 0 and isinstance(e["ts"], float) for e in spans)
     assert any(e["ph"] == "M" and e["name"] == "process_name" for e in events)
 
+    # A hook that raises switches the trace off, says why, and the training goes on.
+    trace(proc.pid, "start")
+    done = run_cli(str(proc.pid), "eval", "from probe.tables.torch import trace\n"
+                   "def broken():\n    raise ZeroDivisionError('planted by the test')\n"
+                   "trace.current().memory = broken")
+    assert done.code == 0, done.err
+    failed = wait_for("the trace to fail", lambda: (lambda s: s if s["state"] == "failed" else None)(
+        trace(proc.pid, "status")))
+    assert "ZeroDivisionError: planted by the test" in failed["failure"]
+    text = run_cli(str(proc.pid), "trace", "status").out
+    assert "switched off by an error in a hook: ZeroDivisionError" in text
+    steps = lambda: int(run_cli(str(proc.pid), "eval", "import __main__; __main__.STEPS[0]").out.strip())  # noqa: E731
+    before = steps()
+    wait_for("training to go on", lambda: steps() > before + 3)
+
 
 def test_anomalies_name_the_poisoned_module_and_step(target_factory):
     proc = target_factory("train_trace.py", "nan", "8", env=traced(PROBE_TORCH_TRACE_ANOMALIES="1", PROBE_EVAL="0"))

@@ -12,6 +12,8 @@ import time
 import torch
 from torch import nn
 
+STEPS = [0]  # steps done, for tests that check that training goes on
+
 
 class Slow(nn.Module):
     """Identity that sleeps ``delay`` seconds: the module whose time grows in mode ``slow``."""
@@ -63,6 +65,7 @@ def main() -> None:
         if mode == "leak":
             kept.append(loss)  # the graph, and every activation it holds, stays alive
         step += 1
+        STEPS[0] = step
         time.sleep(0.005)
 
 

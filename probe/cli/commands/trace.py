@@ -28,7 +28,7 @@ def trace() -> None:
 @click.option("--backward", is_flag=True, default=None, help="Also time each module's backward (autograd graph hooks).")
 @click.option("--anomalies", is_flag=True, default=None,
               help="Check traced outputs (and input gradients) for NaN/Inf: see torch.anomalies.")
-@click.option("--size", type=click.IntRange(min=100), help="Spans the ring buffer holds (default 20000).")
+@click.option("--size", type=click.IntRange(min=100), help="Spans the ring buffer holds (default 10000).")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
 @pass_cli
 def start(cli: CliContext, every: Optional[int], modules: Optional[str], backward: Optional[bool],

@@ -6,7 +6,6 @@ trace keeps its rows for queries and export until the next start. Nothing here i
 entry point takes it from ``sys.modules`` and says so when the target has not imported it.
 """
 
-import math
 import threading
 import time
 from typing import Any, Dict, List, Optional
@@ -142,25 +141,18 @@ def rows() -> Dict[str, List[Any]]:
     data = tracer.ring.snapshot()
     rank, world = rank_and_world(torch)
     n = len(data["step"])
-    base_us = tracer.started_wall_ns // 1000
-    base_perf = tracer.started_perf_ns
+    base_us = tracer.started_wall_ns // 1000 - tracer.started_perf_ns // 1000
+    cpu = tracer.device == "cpu"  # no caching allocator: the cached columns are NULL
     return {
         "step": data["step"], "seq": data["seq"], "module": data["module"], "stage": data["stage"],
         "depth": data["depth"], "duration": data["duration"], "total_duration": data["total"],
-        "host_duration": [ns / 1e9 for ns in data["host_ns"]],
-        "time_offset": data["time_offset"],
-        "allocated": _nulls(data["allocated"]), "max_allocated": _nulls(data["max_allocated"]),
-        "cached": _nulls(data["cached"]), "max_cached": _nulls(data["max_cached"]),
+        "host_duration": data["host"], "time_offset": data["time_offset"],
+        "allocated": data["allocated"], "max_allocated": data["max_allocated"],
+        "cached": [None] * n if cpu else data["cached"], "max_cached": [None] * n if cpu else data["max_cached"],
         "device": [tracer.device] * n, "thread_id": data["thread"],
         "rank": [rank] * n, "world_size": [world] * n,
-        "time": [base_us + (ns - base_perf) // 1000 for ns in data["start_ns"]],
+        "time": [base_us + ns // 1000 for ns in data["start_ns"]],
     }
-
-
-def _nulls(values: List[float]) -> List[Any]:
-    if not any(math.isnan(v) for v in values):
-        return values
-    return [None if math.isnan(v) else v for v in values]
 
 
 def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[str, Any]:

@@ -19,8 +19,8 @@ STAGES = ("forward", "backward", "optimizer")
 _MAX_NAMES = 100_000
 
 # column -> array typecode; "seqno" (the span's number since the ring was made) is written last.
-_INT_COLUMNS = ("step", "seq", "module", "stage", "depth", "thread", "start_ns", "host_ns")
-_FLOAT_COLUMNS = ("duration", "total", "time_offset", "allocated", "max_allocated", "cached", "max_cached")
+_INT_COLUMNS = ("step", "seq", "module", "stage", "depth", "thread", "start_ns")
+_FLOAT_COLUMNS = ("host", "duration", "total", "time_offset", "allocated", "max_allocated", "cached", "max_cached")
 
 
 class SpanRing:
@@ -36,9 +36,9 @@ class SpanRing:
         self._names: List[str] = []
         self._name_ids: Dict[str, int] = {}
         # Bound per column, so ``add`` does no dict look-up.
-        (self._step, self._seq, self._module, self._stage, self._depth, self._thread, self._start,
-         self._host) = (self._ints[n] for n in _INT_COLUMNS)
-        (self._duration, self._total, self._offset, self._allocated, self._max_allocated, self._cached,
+        (self._step, self._seq, self._module, self._stage, self._depth, self._thread,
+         self._start) = (self._ints[n] for n in _INT_COLUMNS)
+        (self._host, self._duration, self._total, self._offset, self._allocated, self._max_allocated, self._cached,
          self._max_cached) = (self._floats[n] for n in _FLOAT_COLUMNS)
 
     def name_id(self, name: str) -> int:
@@ -68,7 +68,7 @@ class SpanRing:
         self._depth[k] = depth
         self._thread[k] = thread
         self._start[k] = start_ns
-        self._host[k] = host_ns
+        self._host[k] = host_ns / 1e9
         self._duration[k] = duration
         self._total[k] = total
         self._offset[k] = offset
@@ -99,16 +99,30 @@ class SpanRing:
         return sum(1 for n in self._seqno.tolist() if n >= 0)
 
     def snapshot(self) -> Dict[str, list]:
-        """Every complete span, oldest first, as one list per column (plus ``module`` as names)."""
+        """Every complete span, oldest first, as one list per column (``module`` and ``stage`` as text).
+
+        The usual case (no slot rewritten while the columns were copied) is a rotation of the copied
+        lists at the oldest slot: slices, no per-row Python work beyond the name look-ups.
+        """
         before = self._seqno.tolist()
         ints = {name: column.tolist() for name, column in self._ints.items()}
         floats = {name: column.tolist() for name, column in self._floats.items()}
         after = self._seqno.tolist()
         names = list(self._names)
-        keep = sorted((n, k) for k, (n, m) in enumerate(zip(before, after)) if n >= 0 and n == m)
-        order = [k for _, k in keep]
-        out: Dict[str, list] = {name: [values[k] for k in order] for name, values in ints.items()}
-        out.update({name: [values[k] for k in order] for name, values in floats.items()})
-        out["module"] = [names[i] if 0 <= i < len(names) else "?" for i in out["module"]]
-        out["stage"] = [STAGES[i] if 0 <= i < len(STAGES) else "?" for i in out["stage"]]
+        out: Dict[str, list] = dict(ints)
+        out.update(floats)
+        top = max(after) if after else -1
+        held = min(top + 1, self.size)
+        if before == after and (top < 0 or after[top % self.size] == top) and (
+                held < self.size or after[(top + 1) % self.size] == top + 1 - self.size):
+            first = (top + 1) % self.size if held == self.size else 0
+            for name, values in out.items():
+                out[name] = values[first:] + values[:first] if held == self.size else values[:held]
+        else:
+            keep = sorted((n, k) for k, (n, m) in enumerate(zip(before, after)) if n >= 0 and n == m)
+            order = [k for _, k in keep]
+            for name, values in out.items():
+                out[name] = [values[k] for k in order]
+        out["module"] = [names[i] for i in out["module"]]  # ids only ever index names added before them
+        out["stage"] = [STAGES[i] for i in out["stage"]]
         return out
