@@ -49,7 +49,7 @@ class _Commands(click.Group):
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-t", "--target", "targets", multiple=True, metavar="TARGET",
-              help="A pid, HOST:PORT or unix:PATH (repeatable). Default: $PROBE_TARGET.")
+              help="A pid, HOST:PORT, unix:PATH or core:PATH (repeatable). Default: $PROBE_TARGET.")
 @click.option("--token", envvar="PROBE_TOKEN", help="Token for TCP targets (or $PROBE_TOKEN).")
 @click.option("--token-file", envvar="PROBE_TOKEN_FILE", type=click.Path(dir_okay=False),
               help="File holding the token for TCP targets (or $PROBE_TOKEN_FILE).")

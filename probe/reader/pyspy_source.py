@@ -75,6 +75,9 @@ def _explain(pid: int, stderr: str) -> ReaderError:
     lowered = text.lower()
     if "no such process" in lowered or proc.state(pid) is None:
         return ReaderError("no process with pid %d" % pid, hint="check the pid with `probe list` or ps")
+    if "python version" in lowered or "executable name" in lowered or "python interpreter" in lowered:
+        return ReaderError("process %d (%s) shows no Python interpreter that can be read" % (pid, proc.comm(pid) or "?"),
+                           hint="is it a Python process? (one just starting or shutting down has none yet)")
     if "permission" in lowered or "operation not permitted" in lowered:
         why, hint = proc.ptrace_denied_reason(pid)
         return ReaderError("not allowed to read process %d from outside: %s" % (pid, why), hint=hint)
