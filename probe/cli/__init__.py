@@ -27,8 +27,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     except click.ClickException as exc:
         exc.show()
         code = exc.exit_code
-    except click.exceptions.Abort:
-        click.echo("probe: aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # Ctrl-C: one line, not a traceback; the command already told the agent to stop what it could.
+        click.echo("probe: %s" % (str(exc) or "interrupted (Ctrl-C)"), err=True)
         code = 130
     except BrokenPipeError:
         code = 0

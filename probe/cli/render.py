@@ -3,45 +3,166 @@
 import csv
 import io
 import json
-from typing import Any, Dict, Iterable, Iterator, List, Sequence
+import math
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 
-__all__ = ["render_rows", "render_table", "render_json", "render_csv", "render_backtrace", "render_tables",
+__all__ = ["render_rows", "render_table", "render_vertical", "fit_widths", "text_width", "terminal_width", "plain",
+           "render_json", "render_csv", "render_backtrace", "render_tables",
            "render_schema", "render_eval", "render_unavailable", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
-_MAX_CELL = 80
+_MAX_CELL = 80  # a cell's width when the table is not fitted to a terminal (output piped)
+_MIN_COLUMN = 6  # a column is never fitted narrower than this (or its header, if shorter)
 
 
-def _cell(value: Any) -> str:
+def text_width(text: str) -> int:
+    """Columns ``text`` takes on a terminal: East-Asian wide and full-width characters take two."""
+    if text.isascii():
+        return len(text)
+    import unicodedata
+
+    return sum(0 if unicodedata.combining(c) else 2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def _cut(text: str, width: int) -> str:
+    """``text`` cut to ``width`` terminal columns, ending in an ellipsis when anything was dropped."""
+    if text_width(text) <= width:
+        return text
+    out, used = [], 0
+    for char in text:
+        w = text_width(char)
+        if used + w > width - 1:
+            break
+        out.append(char)
+        used += w
+    return "".join(out) + "…"
+
+
+def _pad(text: str, width: int) -> str:
+    return text + " " * (width - text_width(text))
+
+
+def _interval(value: Any) -> str:
+    """DuckDB's text for an INTERVAL sent as [months, days, nanoseconds]."""
+    months, days, nanos = (int(v) for v in value)
+    parts = []
+    if months:
+        years, months = divmod(months, 12)
+        parts += ["%d year%s" % (years, "" if years == 1 else "s")] if years else []
+        parts += ["%d month%s" % (months, "" if months == 1 else "s")] if months else []
+    if days:
+        parts.append("%d day%s" % (days, "" if days == 1 else "s"))
+    if nanos or not parts:
+        sign = "-" if nanos < 0 else ""
+        seconds, rest = divmod(abs(nanos), 10 ** 9)
+        minutes, seconds = divmod(seconds, 60)
+        hours, minutes = divmod(minutes, 60)
+        clock = "%s%02d:%02d:%02d" % (sign, hours, minutes, seconds)
+        parts.append(clock + (".%06d" % (rest // 1000) if rest else ""))
+    return " ".join(parts)
+
+
+def _blob(value: bytes) -> str:
+    """DuckDB's text for a BLOB: printable ASCII as is, every other byte as \\xNN."""
+    return "".join(chr(b) if 32 <= b < 127 and b != 92 else "\\x%02X" % b for b in value)
+
+
+def plain(value: Any, sql_type: str = "") -> Any:
+    """A value as text-friendly Python: intervals and blobs as DuckDB writes them, the rest unchanged."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return _blob(bytes(value))
+    if "interval" in sql_type.lower() and isinstance(value, (list, tuple)) and len(value) == 3:
+        return _interval(value)
+    if type(value).__name__ == "MonthDayNano":
+        return _interval(tuple(value))
+    return value
+
+
+def _cell(value: Any, sql_type: str = "", whole: bool = False) -> str:
+    value = plain(value, sql_type)
     if value is None:
         return "NULL"
     if isinstance(value, float):
         return "%.6g" % value
-    text = str(value).replace("\n", "\\n")
-    return text if len(text) <= _MAX_CELL else text[: _MAX_CELL - 1] + "…"
+    text = str(value)
+    if whole:
+        return text
+    return text.replace("\n", "\\n").replace("\t", "\\t")
 
 
-def render_table(rows: Rows) -> Iterator[str]:
-    """A fixed-width text table, then a line that counts the rows (and says if they were cut)."""
+def fit_widths(natural: List[int], headers: List[int], width: int) -> List[int]:
+    """Column widths that fit ``width`` terminal columns (two spaces between columns): the widest column
+    gives way first, none below its header or ``_MIN_COLUMN``; may stay wider when even that cannot fit."""
+    widths = list(natural)
+    floor = [min(n, max(h, _MIN_COLUMN)) for n, h in zip(natural, headers)]
+    budget = width - 2 * max(len(widths) - 1, 0)
+    while sum(widths) > budget:
+        widest = max(range(len(widths)), key=lambda i: widths[i] - floor[i])
+        over = widths[widest] - floor[widest]
+        if over <= 0:
+            break
+        others = sorted((w for i, w in enumerate(widths) if i != widest), reverse=True)
+        step = max(1, min(over, sum(widths) - budget, widths[widest] - (others[0] if others else 0) or 1))
+        widths[widest] -= step
+    return widths
+
+
+def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
+                 footer: Optional[str] = None) -> Iterator[str]:
+    """A text table, then a line that counts the rows.
+
+    ``width``: the terminal's columns; the table is fitted to it, the widest columns cut first. Without
+    it (output piped) cells are cut at 80 characters. ``wide``: nothing is cut. A cut cell ends in an
+    ellipsis, and the count line says how to see it whole.
+    """
     names = rows.column_names
-    cells = [[_cell(v) for v in row] for row in rows.rows]
-    widths = [len(n) for n in names]
+    types = [t for _, t in rows.columns]
+    cells = [[_cell(v, types[i] if i < len(types) else "") for i, v in enumerate(row)] for row in rows.rows]
+    natural = [text_width(n) for n in names]
     for row in cells:
         for i, text in enumerate(row):
-            widths[i] = max(widths[i], len(text))
-    yield "  ".join(n.ljust(w) for n, w in zip(names, widths)).rstrip()
+            natural[i] = max(natural[i], text_width(text))
+    if wide:
+        widths = natural
+    elif width:
+        widths = fit_widths(natural, [text_width(n) for n in names], width)
+    else:
+        widths = [min(w, _MAX_CELL) for w in natural]
+    cut = widths != natural
+    yield "  ".join(_pad(_cut(n, w), w) for n, w in zip(names, widths)).rstrip()
     yield "  ".join("-" * w for w in widths)
     for row in cells:
-        yield "  ".join(t.ljust(w) for t, w in zip(row, widths)).rstrip()
+        yield "  ".join(_pad(_cut(t, w), w) for t, w in zip(row, widths)).rstrip()
     count = "(%d row%s)" % (len(rows.rows), "" if len(rows.rows) == 1 else "s")
-    if rows.truncated:
-        count += " -- truncated at the row cap; narrow the query or raise --max-rows"
+    if footer:
+        count += " -- " + footer
+    if cut:
+        count += " -- cells cut to fit: -x shows one column per line, whole; --wide cuts nothing"
     yield count
 
 
-def _jsonable(value: Any) -> Any:
+def render_vertical(rows: Rows, footer: Optional[str] = None) -> Iterator[str]:
+    """One record per block, one column per line, values whole (psql's \\x, DuckDB's .mode line)."""
+    names = rows.column_names
+    types = [t for _, t in rows.columns]
+    name_w = max((text_width(n) for n in names), default=0)
+    for number, row in enumerate(rows.rows, 1):
+        yield "-[ RECORD %d ]%s" % (number, "-" * max(name_w - 8, 4))
+        for i, value in enumerate(row):
+            lines = _cell(value, types[i] if i < len(types) else "", whole=True).split("\n") or [""]
+            yield ("%s | %s" % (_pad(names[i], name_w), lines[0])).rstrip()
+            for more in lines[1:]:
+                yield ("%s | %s" % (" " * name_w, more)).rstrip()
+    count = "(%d row%s)" % (len(rows.rows), "" if len(rows.rows) == 1 else "s")
+    yield count + (" -- " + footer if footer else "")
+
+
+def _jsonable(value: Any, sql_type: str = "") -> Any:
+    value = plain(value, sql_type)
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # NaN and infinities have no JSON spelling; JSON.stringify writes null too
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, (list, tuple)):
@@ -52,25 +173,47 @@ def _jsonable(value: Any) -> Any:
 
 
 def render_json(rows: Rows) -> str:
-    """The rows as a JSON array of objects: exactly the rows the table view shows."""
-    return json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows.as_dicts()], indent=None)
+    """The rows as a JSON array of objects: exactly the rows the table view shows; valid JSON always
+    (NaN and infinities become null)."""
+    types = [t for _, t in rows.columns]
+    names = rows.column_names
+    return json.dumps([{n: _jsonable(v, t) for n, t, v in zip(names, types, row)} for row in rows.rows],
+                      indent=None, allow_nan=False)
 
 
 def render_csv(rows: Rows) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(rows.column_names)
+    types = [t for _, t in rows.columns]
     for row in rows.rows:
-        writer.writerow(["" if v is None else v for v in row])
+        writer.writerow(["" if v is None else plain(v, t) for v, t in zip(row, types)])
     return out.getvalue()
 
 
-def render_rows(rows: Rows, fmt: str) -> str:
+def render_rows(rows: Rows, fmt: str, width: Optional[int] = None, wide: bool = False,
+                footer: Optional[str] = None) -> str:
     if fmt == "json":
         return render_json(rows)
     if fmt == "csv":
         return render_csv(rows).rstrip("\n")
-    return "\n".join(render_table(rows))
+    if fmt == "vertical":
+        return "\n".join(render_vertical(rows, footer))
+    return "\n".join(render_table(rows, width, wide, footer))
+
+
+def terminal_width() -> Optional[int]:
+    """Columns to fit a table to: $COLUMNS when set, else the terminal's on a terminal, else None (piped)."""
+    import os
+    import sys
+
+    raw = os.environ.get("COLUMNS", "")
+    if raw.isdigit() and int(raw) > 0:
+        return int(raw)
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def render_backtrace(frames: Sequence[Frame]) -> Iterator[str]:

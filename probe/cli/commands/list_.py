@@ -5,7 +5,7 @@ from typing import Any, Dict, List
 
 import click
 
-from probe.cli.render import render_rows
+from probe.cli.render import render_rows, terminal_width
 from probe.client.discovery import local_agents
 from probe.client.results import Rows
 
@@ -85,4 +85,4 @@ def list_(as_json: bool, agents_only: bool) -> None:
         click.echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
         return
     columns = tuple((c, "") for c in ("pid", "agent", "state", "rank", "python", "command", "reach"))
-    click.echo(render_rows(Rows(columns, [[r[c] for c, _ in columns] for r in records]), "table"))
+    click.echo(render_rows(Rows(columns, [[r[c] for c, _ in columns] for r in records]), "table", terminal_width()))

@@ -5,31 +5,53 @@ from typing import List, Optional
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
-from probe.cli.output import file_format, write_arrow, write_rows
-from probe.cli.render import FORMATS, render_rows
+from probe.cli.output import check_writable, file_format, write_arrow, write_rows, wrote
+from probe.cli.render import FORMATS, render_rows, terminal_width
 from probe.client.results import Rows
+from probe.errors import UsageError
 
 
 @click.command("query")
 @click.argument("sql")
-@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-              help="How to print the result.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, writable=True),
-              help="Write the result to a file instead: .csv, .json, .parquet or .arrow.")
+@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default=None,
+              help="How to print the result (default: table). NaN and infinities are null in JSON.")
+@click.option("-x", "--vertical", is_flag=True,
+              help="One column per line, each record in its block, values whole (psql's \\x).")
+@click.option("--wide", is_flag=True,
+              help="Cut no cell and do not fit the table to the terminal (pipe it to `less -S`).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
 @click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
 @click.option("--query-timeout", type=click.FloatRange(min=0.001), help="Seconds the query may run in the agent.")
 @click.option("--native", is_flag=True,
               help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
+@click.option("--merge", metavar="SQL",
+              help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`.")
 @pass_cli
-def query(cli: CliContext, sql: str, fmt: str, output: Optional[str], max_rows: Optional[int],
-          query_timeout: Optional[float], native: bool) -> None:
+def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: bool, output: Optional[str],
+          max_rows: Optional[int], query_timeout: Optional[float], native: bool, merge: Optional[str] = None) -> None:
     """Run one SELECT statement. Tables: see `probe TARGET tables`.
 
     \b
     When the agent cannot answer (GIL held, stopped, dead) or TARGET is core:PATH, SQL over
     python.backtrace still runs, here, on the stacks read from outside; stderr says so.
+
+    \b
+    On a terminal the table is fitted to its width, the widest columns cut first (a cut cell ends
+    in "…"); -x prints one column per line with every value whole; --wide cuts nothing.
     """
     file_fmt = file_format(output) if output else None
+    _refuse_conflicts(fmt, file_fmt, output, vertical, wide)
+    if output:
+        check_writable(output)
+    fmt = "vertical" if vertical else fmt or "table"
+    if cli.is_cluster:
+        from probe.cli.query_ranks import query_across_ranks
+
+        query_across_ranks(cli, sql, fmt, wide, output, file_fmt, max_rows, query_timeout, merge)
+        return
+    if merge:
+        raise UsageError("--merge runs over the rows of several ranks", hint="add --all-ranks or --ranks LIST")
     several = len(cli.targets) > 1
     if file_fmt in ("parquet", "arrow"):
         tables = list(each_target(cli, lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout, native=native)))
@@ -45,8 +67,32 @@ def query(cli: CliContext, sql: str, fmt: str, output: Optional[str], max_rows: 
     combined = Rows.concat(parts)
     if output:
         write_rows(output, combined, file_fmt or "csv")
-        click.echo("wrote %d rows to %s" % (len(combined.rows), output), err=True)
-    else:
-        click.echo(render_rows(combined, fmt))
-    if combined.truncated and fmt != "table":
-        click.echo("probe: the result was truncated at the row cap", err=True)
+        wrote(len(combined.rows), output, combined.truncated)
+        return
+    footer = truncation_note(combined, max_rows) if combined.truncated else None
+    click.echo(render_rows(combined, fmt, terminal_width(), wide, footer))
+    if footer and fmt in ("json", "csv"):
+        click.echo("probe: " + footer, err=True)
+
+
+def truncation_note(rows: Rows, asked: Optional[int]) -> str:
+    """What cut the result, and a way to get more that can work."""
+    shown = len(rows.rows)
+    if asked is not None and asked <= shown:
+        return "cut at --max-rows %d; raise it, or narrow the query" % asked
+    return "cut at %d rows, the agent's row cap; ask for more with --max-rows (up to the agent's ceiling, " \
+           "see `probe TARGET health`), or narrow the query" % shown
+
+
+def _refuse_conflicts(fmt: Optional[str], file_fmt: Optional[str], output: Optional[str], vertical: bool,
+                      wide: bool) -> None:
+    """Options that contradict each other are refused, never silently resolved."""
+    if output and fmt and fmt != file_fmt:
+        raise UsageError("-f %s contradicts -o %s, whose extension says %s" % (fmt, output, file_fmt),
+                         hint="drop -f: a file's format follows its extension")
+    if output and (vertical or wide):
+        raise UsageError("%s shapes what is printed, and -o writes a file" % ("-x" if vertical else "--wide"),
+                         hint="drop one of them")
+    if vertical and fmt and fmt != "table":
+        raise UsageError("-x prints records one column per line; it cannot be combined with -f %s" % fmt,
+                         hint="drop -x or -f")
