@@ -18,7 +18,7 @@ from probe.errors import UsageError
 
 __all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
-           "open_parent_dir"]
+           "open_parent_dir", "job_token_path", "helper_socket_path"]
 
 STALE_AFTER_S = 2.0
 """A socket file younger than this is never taken for stale: an agent binds its socket before it listens."""
@@ -114,6 +114,16 @@ def process_start_ticks(pid: str = "self") -> int:
 def crash_record_path(pid: int, ticks: int) -> str:
     """The file where the agent of process ``pid`` (started at ``ticks``) leaves its last stacks."""
     return os.path.join(runtime_dir(), "%d-%d.crash" % (pid, ticks))
+
+
+def job_token_path(port: int) -> str:
+    """The token every rank of a job on this host shares (and its host helper): one per ``PROBE_PORT``."""
+    return os.path.join(runtime_dir(), "job-%d.token" % port)
+
+
+def helper_socket_path(pid: int) -> str:
+    """The unix socket of the host helper in launcher process ``pid``."""
+    return os.path.join(runtime_dir(), "host-%d.sock" % pid)
 
 
 def pid_from_socket_name(name: str) -> Optional[int]:

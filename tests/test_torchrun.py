@@ -52,8 +52,8 @@ def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
             if line.startswith("READY"):
                 _, pid, rank, local_rank = line.split()
                 ranks[int(local_rank)] = (int(pid), int(rank))
+        token_file = _paths.job_token_path(port)  # one token per job: every rank shares it
         for local_rank, (pid, rank) in sorted(ranks.items()):
-            token_file = _paths.token_path(pid)
             deadline = time.monotonic() + 20
             while not os.path.exists(token_file):
                 assert time.monotonic() < deadline, "rank %d wrote no token file" % rank

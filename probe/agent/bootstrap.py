@@ -42,8 +42,9 @@ _tried_in = 0  # the pid that already ran start_from_environment (a pid, so a fo
 
 
 def start_from_environment() -> Optional[object]:
-    """Start the agent as ``PROBE=1`` / ``PROBE_LISTEN`` asks, unless this process is a launcher or the
-    probe command itself (``PROBE=1`` exported in a shell must not put an agent into ``probe list``).
+    """Start the agent as ``PROBE=1`` / ``PROBE_LISTEN`` / ``PROBE_PORT`` asks, unless this process is a
+    launcher or the probe command itself (``PROBE=1`` exported in a shell must not put an agent into
+    ``probe list``). A launcher with ``PROBE_PORT`` gets the host helper (``probe.host``) instead.
 
     Once per process: in a virtual environment whose ``lib64`` links to ``lib``, site runs every
     ``.pth`` file twice, and a start that failed must say so once, not try and complain again.
@@ -54,7 +55,13 @@ def start_from_environment() -> Optional[object]:
     _tried_in = os.getpid()
     try:
         argv = _command_line()
-        if _is_launcher(argv) or _is_probe_cli(argv):
+        if _is_launcher(argv):
+            if os.environ.get("PROBE_PORT"):  # the node's host helper: lists the ranks, reads them from outside
+                from probe.host.helper import start_in_launcher
+
+                start_in_launcher(os.environ["PROBE_PORT"])
+            return None
+        if _is_probe_cli(argv):
             return None
         from probe.agent import start
 

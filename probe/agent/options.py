@@ -58,6 +58,11 @@ class AgentOptions:
             values["token"] = env["PROBE_TOKEN"]
         if env.get("PROBE_TOKEN_FILE"):
             values["token_file"] = env["PROBE_TOKEN_FILE"]
+        elif port and "token" not in values:
+            # One token per job, not per rank: every rank of the host (and its host helper) shares this file.
+            from probe import _paths
+
+            values["token_file"] = _paths.job_token_path(int(port))
         if "PROBE_EVAL" in env:
             values["eval_enabled"] = env["PROBE_EVAL"].strip().lower() not in _FALSE
         if "PROBE_SHOW_SECRETS" in env:

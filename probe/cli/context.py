@@ -1,7 +1,8 @@
 """What every command shares: the targets, how to reach them, and how errors end the command."""
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
+import os
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import click
 
@@ -23,6 +24,41 @@ class CliContext:
     exit_code: int = 0
     wait: Optional[float] = None
     executable: Optional[str] = None
+    timeout_given: bool = False  # --timeout was given: it bounds every answer (else the work's own limit does)
+    all_ranks: bool = False
+    ranks: Optional[str] = None  # --ranks LIST
+    hosts: Optional[str] = None  # --hosts FILE
+    deadline: Optional[float] = None
+    max_in_flight: int = 128
+    _cluster: Optional[Any] = None
+
+    @property
+    def is_cluster(self) -> bool:
+        """Every rank at once (``--all-ranks``, ``--ranks``, ``--hosts``): concurrent, grouped output."""
+        return self.all_ranks or self.ranks is not None or self.hosts is not None
+
+    def cluster(self) -> Any:
+        """The ranks this command runs on: discovered from the one target, or the listed targets."""
+        if self._cluster is not None:
+            return self._cluster
+        from probe.cli.progress import progress_line
+        from probe.client.cluster import DEFAULT_DEADLINE, connect_all, parse_rank_list
+
+        targets = list(self.targets)
+        if self.hosts:
+            targets += _read_hosts(self.hosts)
+        if not targets and os.environ.get("PROBE_TARGET"):
+            targets = [os.environ["PROBE_TARGET"]]
+        if not targets:
+            raise UsageError("no target given", hint="give the master's HOST:PROBE_PORT, -t several times, or --hosts FILE")
+        deadline = self.deadline or min(DEFAULT_DEADLINE, self.timeout)
+        cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
+                              self.token_file, self.timeout, deadline, self.max_in_flight)
+        if self.ranks is not None:
+            cluster = cluster.select(parse_rank_list(self.ranks))
+        cluster.progress = progress_line()
+        self._cluster = cluster
+        return cluster
 
     def clients(self) -> List[Client]:
         import os
@@ -31,7 +67,8 @@ class CliContext:
         if not targets:
             raise UsageError("no target given", hint="write `probe PID COMMAND`, `probe HOST:PORT COMMAND`, "
                                                      "use -t, or set PROBE_TARGET")
-        return [connect(t, token=self.token, token_file=self.token_file, timeout=self.timeout, wait=self.wait,
+        return [connect(t, token=self.token, token_file=self.token_file,
+                        timeout=self.timeout if self.timeout_given else None, wait=self.wait,
                         executable=self.executable) for t in targets]
 
     def record(self, exc: ProbeError, label: Optional[str] = None) -> None:
@@ -47,7 +84,13 @@ pass_cli = click.make_pass_decorator(CliContext)
 
 
 def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:
-    """Run ``work`` against each target in turn; an error is reported and the next target runs."""
+    """Run ``work`` against each target in turn; an error is reported and the next target runs.
+
+    Across ranks (``cli.is_cluster``) every rank runs at once, the answers come in rank order, and the
+    ranks that did not answer are named at the end (exit 7 when others answered)."""
+    if cli.is_cluster:
+        yield from _each_rank(cli, work)
+        return
     clients = cli.clients()
     for client in clients:
         label = client.target.label if len(clients) > 1 else None
@@ -59,3 +102,43 @@ def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[
         if getattr(client, "note", None):  # the answer did not come from the agent: say where from
             click.echo(("probe: %s: " % label if label else "probe: ") + str(client.note), err=True)
         yield client, result
+
+
+def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:
+    cluster = cli.cluster()
+    answers = cluster.map(work)
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])  # clear the line
+    for answer in answers:
+        if answer.note:
+            click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
+        yield answer.client, answer.value
+    report_failures(cli, cluster.failures, len(cluster.members))
+
+
+def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
+    """Name each rank that did not answer, with why; exit 7 for a partial answer, else the error's code."""
+    if not failures:
+        return
+    from probe.client.cluster import compact_ranks
+
+    click.echo("probe: %d of %d ranks did not answer (ranks %s):" % (
+        len(failures), total, compact_ranks([f.rank for f in failures])), err=True)
+    for failure in failures:
+        click.echo("  rank %d (%s): %s" % (failure.rank, failure.host, failure.reason), err=True)
+    cli.failures += len(failures)
+    cli.exit_code = cli.exit_code or (PARTIAL if len(failures) < total else failures[0].exit_code)
+
+
+PARTIAL = 7
+"""Exit code of a cross-rank command that some ranks answered and others did not."""
+
+
+def _read_hosts(path: str) -> List[str]:
+    """Targets from a file, one per line; blank lines and ``#`` comments skipped."""
+    try:
+        with open(path) as handle:
+            lines = [line.split("#", 1)[0].strip() for line in handle]
+    except OSError as exc:
+        raise UsageError("cannot read the hosts file %s: %s" % (path, exc.strerror or exc)) from None
+    return [line for line in lines if line]

@@ -44,7 +44,8 @@ STALE_HEARTBEAT_S = 2.0
 
 
 class Diagnosis(NamedTuple):
-    """Why the agent does not answer. ``state`` is ``gil_held``, ``stopped`` or ``no_answer``."""
+    """Why the agent does not answer. ``state`` is ``gil_held``, ``stopped`` or ``no_answer`` (and, from
+    :func:`diagnose_now` only, ``running``: nothing stops it answering)."""
 
     state: str
     message: str
@@ -182,3 +183,25 @@ def _no_answer(pid: int, socket_path: str, waited: float) -> Diagnosis:
             "give it longer with --wait SECONDS; reading it from outside failed: %s" % _last_problem)
     return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
                      hint, stacks, holder, heartbeat_age(socket_path))
+
+
+def diagnose_now(pid: int, socket_path: str) -> Diagnosis:
+    """What stops the agent in ``pid`` from answering, decided now without asking it (a host helper
+    runs this for a rank that is slow to answer a client elsewhere): stopped, a GIL held in C (watched
+    for ``CONFIRM_S``), or ``running`` when neither. The caller checks first that ``pid`` is alive."""
+    letter = proc.state(pid)
+    if letter in ("T", "t"):
+        return _stopped(pid, letter, heartbeat_age(socket_path))
+    stacks = _read(pid)
+    holder = _program_holder(stacks)
+    if stacks is not None and holder is not None and holder.native_id is not None:
+        switches_before = proc.voluntary_switches(pid, holder.native_id)
+        beat_before = _mtime(socket_path)
+        time.sleep(CONFIRM_S)
+        stuck = (switches_before is not None and switches_before == proc.voluntary_switches(pid, holder.native_id)
+                 and _mtime(socket_path) == beat_before)
+        if stuck and _program_holder(_read(pid)) is not None:
+            return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+    why = "" if stacks is not None else "; reading it from outside failed: %s" % _last_problem
+    return Diagnosis("running", "the agent in process %d can run (no thread keeps the GIL)%s" % (pid, why), "",
+                     stacks, holder, heartbeat_age(socket_path))

@@ -22,6 +22,9 @@ def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
     stacks are read from outside the process within about a second, and a line on stderr says why; a
     dead process shows the last stacks its agent recorded; TARGET may be core:PATH (a core file).
     """
+    if cli.is_cluster:
+        _across_ranks(cli, as_json, native)
+        return
     several = len(cli.targets) > 1
     for client, frames in each_target(cli, lambda c: c.backtrace(native=native)):
         if as_json:
@@ -34,3 +37,24 @@ def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
         if several:
             click.echo("== %s ==" % client.target.label)
         click.echo("\n".join(render_backtrace(frames)))
+
+
+def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
+    """Ranks grouped by identical stack per thread; --json: every rank's rows, ungrouped."""
+    from probe.cli.context import report_failures
+    from probe.cli.render_cluster import RankStacks, render_grouped_backtrace
+    from probe.client.cluster import backtrace_records
+
+    cluster = cli.cluster()
+    answers = cluster.map(lambda c: c.backtrace(native=native))
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])
+    if as_json:
+        click.echo(json.dumps(backtrace_records(answers)))
+    else:
+        stacks = [RankStacks(a.member.rank, a.value, a.note) for a in answers]
+        click.echo("\n".join(render_grouped_backtrace(stacks, len(cluster.members))))
+        for answer in answers:
+            if answer.note:
+                click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
+    report_failures(cli, cluster.failures, len(cluster.members))

@@ -1,0 +1,43 @@
+"""``probe MASTER:PORT --all-ranks query SQL [--merge SQL]``: a row per rank's row, ``rank`` and ``host``
+first; ``--merge`` queries their union here."""
+
+from typing import Any, Optional
+
+import click
+
+from probe.cli.context import CliContext, report_failures
+from probe.cli.output import write_arrow, write_rows
+from probe.cli.render import render_rows, terminal_width
+from probe.client.results import Rows
+
+__all__ = ["query_across_ranks"]
+
+
+def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: Optional[str],
+                       file_fmt: Optional[str], max_rows: Optional[int], timeout: Optional[float],
+                       merge: Optional[str]) -> None:
+    cluster = cli.cluster()
+    arrow = bool(merge) or file_fmt in ("parquet", "arrow")
+    combined: Any = (cluster.query if arrow else cluster.query_rows)(sql, max_rows=max_rows, timeout=timeout)
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])
+    if merge:
+        from probe.client.merge import merge_rows
+
+        combined = merge_rows(combined, merge)
+    if file_fmt in ("parquet", "arrow"):
+        write_arrow(output or "", [(None, combined)], file_fmt, False)  # type: ignore[list-item]
+    else:
+        rows = combined if isinstance(combined, Rows) else _rows(combined)
+        if output:
+            write_rows(output, rows, file_fmt or "csv")
+            click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
+        else:
+            click.echo(render_rows(rows, fmt, terminal_width(), wide))
+    report_failures(cli, cluster.failures, len(cluster.members))
+
+
+def _rows(table: Any) -> Rows:
+    from probe.client.local_sql import rows_of
+
+    return rows_of(table)

@@ -1,0 +1,113 @@
+"""Answers of many ranks, grouped: pure functions, data in, lines out.
+
+A hung job is hundreds of ranks doing the same thing and one doing something else; printing every
+rank's stack hides that one. So ranks whose stacks (per thread name) or outputs are identical share
+one block, largest group first, with their ranks in compact form (``0-6,8-15``), and the frames where
+a smaller group's stack departs from the largest group's are marked ``>``.
+"""
+
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+from probe.client.cluster import compact_ranks
+from probe.client.results import EvalResult, Frame
+
+__all__ = ["RankStacks", "group_stacks", "render_grouped_backtrace", "render_grouped_eval", "ranks_word"]
+
+Key = Tuple[Tuple[str, str, int], ...]  # (func, file, lineno), innermost first
+
+
+class RankStacks(NamedTuple):
+    """One rank's frames, and where they came from when not from its agent."""
+
+    rank: int
+    frames: Sequence[Frame]
+    outside: Optional[str] = None
+
+
+def ranks_word(ranks: Sequence[int]) -> str:
+    return ("rank %s" if len(ranks) == 1 else "ranks %s") % compact_ranks(ranks)
+
+
+def _threads(frames: Sequence[Frame]) -> Dict[str, Key]:
+    """Thread name -> its stack; threads that share a name get ``name#2``, ``name#3`` in ident order."""
+    by_thread: Dict[int, List[Frame]] = {}
+    for frame in frames:
+        by_thread.setdefault(frame.thread_id, []).append(frame)
+    out: Dict[str, Key] = {}
+    ordered = sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
+    for stack in ordered:
+        name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
+        unique, n = name, 1
+        while unique in out:
+            n += 1
+            unique = "%s#%d" % (name, n)
+        out[unique] = tuple((f.func, f.file, f.lineno) for f in sorted(stack, key=lambda f: f.depth))
+    return out
+
+
+def group_stacks(ranks: Sequence[RankStacks]) -> List[Tuple[str, List[Tuple[Key, List[int]]]]]:
+    """Per thread name (MainThread first): the distinct stacks with their ranks, largest group first."""
+    per_name: Dict[str, Dict[Key, List[int]]] = {}
+    for rank in ranks:
+        for name, key in _threads(rank.frames).items():
+            per_name.setdefault(name, {}).setdefault(key, []).append(rank.rank)
+    names = sorted(per_name, key=lambda n: (n != "MainThread", n))
+    return [(name, sorted(per_name[name].items(), key=lambda kv: (-len(kv[1]), min(kv[1])))) for name in names]
+
+
+def _short(path: str) -> str:
+    marker = "site-packages/"
+    return path[path.index(marker) + len(marker):] if marker in path else path
+
+
+def _differs(key: Key, majority: Key) -> List[bool]:
+    """For each frame of ``key`` (innermost first): whether the majority's stack, aligned at the
+    outermost frame, has another frame there (or none)."""
+    out = []
+    for i in range(len(key)):
+        j = len(majority) - len(key) + i  # the same distance from the outermost frame
+        out.append(j < 0 or majority[j] != key[i])
+    return out
+
+
+def render_grouped_backtrace(ranks: Sequence[RankStacks], total: int) -> Iterator[str]:
+    """Each thread name, each distinct stack once with its ranks; ``>`` marks where a minority departs."""
+    outside = {r.rank: r.outside for r in ranks if r.outside}
+    for t, (name, groups) in enumerate(group_stacks(ranks)):
+        if t:
+            yield ""
+        count = sum(len(g[1]) for g in groups)
+        yield 'Thread "%s": %d distinct stack%s across %d of %d ranks' % (
+            name, len(groups), "" if len(groups) == 1 else "s", count, total)
+        majority = groups[0][0]
+        for g, (key, members) in enumerate(groups):
+            read = [r for r in members if r in outside]
+            tag = "  [stacks read from outside: %s]" % compact_ranks(read) if read else ""
+            yield "  %s (%d)%s" % (ranks_word(members), len(members), tag)
+            marks = _differs(key, majority) if g else [False] * len(key)
+            for (func, file, lineno), mark in zip(key, marks):
+                yield "    %s %s (%s:%d)" % (">" if mark else " ", func, _short(file), lineno)
+
+
+def _eval_text(result: EvalResult) -> Tuple[str, str]:
+    out = result.stdout + ((result.value + "\n") if result.value is not None else "")
+    err = result.stderr + (result.error or "") + ("(timed out)\n" if result.timed_out else "")
+    return out, err
+
+
+def render_grouped_eval(results: Sequence[Tuple[int, EvalResult]]) -> Iterator[Tuple[str, bool]]:
+    """(line, to_stderr) pairs: identical outputs share one block headed by their ranks, largest first."""
+    groups: Dict[Tuple[str, str], List[int]] = {}
+    for rank, result in results:
+        groups.setdefault(_eval_text(result), []).append(rank)
+    for (out, err), members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))):
+        head = ranks_word(members)
+        lines = out.rstrip("\n").split("\n") if out else []
+        if len(lines) == 1 and not err:
+            yield "%s: %s" % (head, lines[0]), False
+            continue
+        yield "%s:" % head, False
+        for line in lines:
+            yield "  " + line, False
+        for line in err.rstrip("\n").split("\n") if err else []:
+            yield "  " + line, True

@@ -1,0 +1,199 @@
+"""Across ranks: real torchrun jobs on CPU; discovery through the host helper, fan-out, grouping, and the
+ranks that cannot answer (GIL held in C, killed) named or read from outside."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Dict, Iterator, List, Tuple
+
+import pytest
+
+from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, render_grouped_eval
+from probe.client.cluster import compact_ranks, parse_rank_list
+from probe.client.results import EvalResult, Frame
+from procs import TARGETS, Proc, run_cli, target_env
+
+TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+needs_torchrun = pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun (torch) is not installed")
+
+
+def _free_ports(count: int) -> int:
+    """A port p such that p - 1 .. p + count - 1 were free a moment ago (the helper takes p - 1)."""
+    for _ in range(100):
+        with socket.socket() as probe_sock:
+            probe_sock.bind(("127.0.0.1", 0))
+            base = probe_sock.getsockname()[1]
+        if base < 2000 or base + count > 65000:
+            continue
+        socks = []
+        try:
+            for port in range(base - 1, base + count):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+@contextmanager
+def torchrun_job(script: str, nproc: int, timeout: float = 90.0, extra: Tuple[str, ...] = (),
+                 **env: str) -> Iterator[Tuple[int, Dict[int, int]]]:
+    """A real torchrun job with PROBE_PORT: yields (PROBE_PORT, rank -> pid) once every rank printed READY;
+    the launcher's whole process group is killed and reaped at the end."""
+    port = _free_ports(nproc)
+    launcher = subprocess.Popen([TORCHRUN, "--nproc-per-node=%d" % nproc, "--master-port=%d" % _free_ports(1),
+                                 *extra, os.path.join(TARGETS, script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=target_env(probe=False, PROBE_PORT=str(port), **env),
+                                start_new_session=True)
+    output = Proc(launcher, "torchrun " + script)
+    try:
+        ranks: Dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while len(ranks) < nproc:
+            try:
+                line = output.read_line(max(deadline - time.monotonic(), 0.1))
+            except (TimeoutError, RuntimeError) as exc:
+                raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
+            output.lines.append(line)
+            if line.startswith("READY"):
+                ranks[int(line.split()[2])] = int(line.split()[1])
+        yield port, ranks
+    finally:
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.wait(20)
+        for stream in (launcher.stdout, launcher.stderr):
+            if stream:
+                stream.close()
+
+
+def _until(check, timeout: float, what: str):
+    """Poll ``check()`` until it returns something true (bounded), then return that."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError("%s within %.0f s; last: %r" % (what, timeout, last))
+
+
+# -- pure functions ----------------------------------------------------------------------------------
+
+
+def test_rank_lists_read_and_write_compactly():
+    assert parse_rank_list("0-3,8") == [0, 1, 2, 3, 8]
+    assert compact_ranks([0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15]) == "0-6,8-15"
+    assert compact_ranks([3]) == "3"
+
+
+def _frames(*funcs: str) -> List[Frame]:
+    return [Frame(1, "MainThread", 10, True, depth, f, "t.py", 10 + len(f)) for depth, f in enumerate(funcs)]
+
+
+def test_grouped_backtrace_puts_the_majority_first_and_marks_where_the_odd_rank_departs():
+    same = _frames("all_reduce", "train_step", "main")
+    odd = _frames("wait", "load_next_batch", "main")
+    ranks = [RankStacks(r, same) for r in (0, 1, 3, 4)] + [RankStacks(2, odd, "read from outside")]
+    lines = list(render_grouped_backtrace(ranks, 5))
+    assert lines[0] == 'Thread "MainThread": 2 distinct stacks across 5 of 5 ranks'
+    assert lines[1].startswith("  ranks 0-1,3-4 (4)")
+    assert lines[5] == "  rank 2 (1)  [stacks read from outside: 2]"
+    assert [line[4] for line in lines[6:9]] == [">", ">", " "]  # main is shared; the rest departs
+
+
+def test_grouped_eval_prints_each_distinct_output_once():
+    results = [(r, EvalResult("", "", "1200", None)) for r in (0, 1, 2, 4, 5, 6, 7)]
+    results.append((3, EvalResult("", "", "1187", None)))
+    assert list(render_grouped_eval(results)) == [("ranks 0-2,4-7: 1200", False), ("rank 3: 1187", False)]
+
+
+# -- real jobs -----------------------------------------------------------------------------------------
+
+
+@needs_torchrun
+def test_a_rank_holding_the_gil_is_read_from_outside_and_a_killed_rank_is_named():
+    """4 ranks: rank 1 holds its GIL in a C call, rank 3 is killed mid-job (torchrun does not look for a
+    minute), ranks 0 and 2 wait normally."""
+    with torchrun_job("rank_states.py", 4, extra=("--monitor-interval=60",), GIL_RANK="1") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        listed = run_cli(master, "ranks", "-f", "json")
+        assert listed.code == 0, listed.err
+        members = json.loads(listed.out)
+        assert [(m["rank"], m["pid"], m["port"]) for m in members] == [(r, pids[r], port + r) for r in range(4)]
+        assert "job-%d.token" % port in listed.err  # where the job's one token is
+
+        # The ranks share one token: an explicit list works with it.
+        token_file = os.path.join(os.environ.get("PROBE_RUNTIME_DIR", "/tmp/probe-%d" % os.getuid()),
+                                  "job-%d.token" % port)
+        listed_targets = run_cli("-t", "127.0.0.1:%d" % port, "-t", "127.0.0.1:%d" % (port + 2), "--all-ranks",
+                                 "--token-file", token_file, "query", "SELECT pid FROM process.info", "-f", "json")
+        assert listed_targets.code == 0, listed_targets.err
+        assert [r["pid"] for r in json.loads(listed_targets.out)] == [pids[0], pids[2]]
+
+        os.kill(pids[3], signal.SIGKILL)
+        _until(lambda: json.loads(run_cli(master, "ranks", "-f", "json").out)[3]["state"] == "dead", 10,
+               "rank 3 shown dead")
+
+        start = time.monotonic()
+        result = run_cli(master, "--all-ranks", "backtrace")
+        elapsed = time.monotonic() - start
+        assert result.code == 7, (result.code, result.out, result.err)  # a partial answer
+        assert "ranks 0,2 (2)" in result.out and "wait_for_work" in result.out
+        assert "rank 1 (1)  [stacks read from outside: 1]" in result.out
+        assert "> hold_the_gil" in result.out  # where the odd rank departs
+        assert "rank 3 (vm)" in result.err.replace(socket.gethostname(), "vm")
+        assert "killed by signal 9" in result.err
+        assert elapsed < 10, elapsed
+
+        rows = run_cli(master, "--all-ranks", "query", "SELECT func FROM python.backtrace WHERE depth = 0 "
+                       "AND thread_name = 'MainThread'", "--merge", "SELECT func, list(rank ORDER BY rank) AS ranks "
+                       "FROM result GROUP BY ALL ORDER BY func", "-f", "json")
+        assert rows.code == 7, rows.err
+        got = {r["func"]: r["ranks"] for r in json.loads(rows.out)}
+        assert got.pop("hold_the_gil") == [1] and list(got.values()) == [[0, 2]], rows.out
+
+
+@needs_torchrun
+def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
+    with torchrun_job("dist_hang.py", 4, timeout=120) as (port, pids):
+        master = "127.0.0.1:%d" % port
+
+        def grouped():
+            out = run_cli(master, "--all-ranks", "backtrace")
+            return out if out.code == 0 and "ranks 0-1,3 (3)" in out.out and "rank 2 (1)" in out.out else None
+
+        result = _until(grouped, 30, "ranks 0,1,3 in all_reduce and rank 2 apart")
+        text = result.out
+        assert text.index("ranks 0-1,3 (3)") < text.index("rank 2 (1)")  # the majority first
+        majority, minority = text.split("rank 2 (1)", 1)
+        assert "all_reduce" in majority and "train_step" in majority
+        assert "> load_next_batch" in minority  # marked where it departs from the majority
+
+        merged = run_cli(master, "--all-ranks", "query", "SELECT func, lineno FROM python.backtrace WHERE "
+                         "thread_name = 'MainThread' AND func IN ('train_step', 'load_next_batch')",
+                         "--merge", "SELECT func, list(rank ORDER BY rank) AS ranks FROM result GROUP BY ALL "
+                         "ORDER BY len(ranks) DESC", "-f", "json")
+        assert merged.code == 0, merged.err
+        assert json.loads(merged.out) == [{"func": "train_step", "ranks": [0, 1, 3]},
+                                          {"func": "load_next_batch", "ranks": [2]}]
+
+        grouped_eval = run_cli(master, "--all-ranks", "eval", "import os; int(os.environ['RANK']) == 2")
+        assert grouped_eval.out.splitlines() == ["ranks 0-1,3: False", "rank 2: True"], grouped_eval.out
+
+        subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
+        assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err
