@@ -9,7 +9,8 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError"]
+__all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError",
+           "connect_all"]
 
 _LAZY = {
     "start": ("probe.agent", "start"),
@@ -18,6 +19,7 @@ _LAZY = {
     "Column": ("probe.tables", "Column"),
     "connect": ("probe.client", "connect"),
     "attach": ("probe.client", "attach"),
+    "connect_all": ("probe.client.cluster", "connect_all"),
     "ProbeError": ("probe.errors", "ProbeError"),
 }
 

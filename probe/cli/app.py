@@ -28,9 +28,11 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "schema": ("tables", "schema"),
     "health": ("health", "health"),
     "inject": ("inject", "inject"),
+    "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
 }
-_GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable"}
+_GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
+                      "--hosts", "--deadline", "--max-in-flight"}
 
 
 class _Commands(click.Group):
@@ -60,10 +62,20 @@ class _Commands(click.Group):
                    "Default: decide in about a second whether it can answer (GIL held, stopped).")
 @click.option("--executable", type=click.Path(dir_okay=False), metavar="PATH",
               help="For a core:PATH target: the Python executable that made the core (default: as the core says).")
+@click.option("--all-ranks", is_flag=True,
+              help="Every rank of the job whose master is TARGET (HOST:PROBE_PORT), at once; answers grouped.")
+@click.option("--ranks", metavar="LIST", help="Only these ranks, e.g. 0-3,8 (implies --all-ranks).")
+@click.option("--hosts", type=click.Path(dir_okay=False), metavar="FILE",
+              help="Every target listed in FILE (one per line), at once, as ranks 0, 1, ...")
+@click.option("--deadline", type=click.FloatRange(min=0.01), metavar="SECONDS",
+              help="Across ranks: answer with what arrived after this long (default 10, at most --timeout).")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Across ranks: requests in flight at once.")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],
-        timeout: float, wait: Optional[float], executable: Optional[str]) -> None:
+        timeout: float, wait: Optional[float], executable: Optional[str], all_ranks: bool, ranks: Optional[str],
+        hosts: Optional[str], deadline: Optional[float], max_in_flight: int) -> None:
     """Ask a live Python process questions in SQL, and run Python in it.
 
     \b
@@ -74,8 +86,10 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
       probe PID eval "print(model)"                  Python in the target
       probe PID inject                               attach to a running process
       probe HOST:PORT --token-file tok tables        a remote agent over TCP
+      probe MASTER:PORT --all-ranks backtrace        every rank of a job, grouped
     """
-    ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable)
+    ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable,
+                         all_ranks=all_ranks, ranks=ranks, hosts=hosts, deadline=deadline, max_in_flight=max_in_flight)
 
 
 def normalise_argv(argv: List[str]) -> List[str]:

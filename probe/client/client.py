@@ -39,6 +39,9 @@ class Client:
         """Set when the last answer did not come from the agent: where it came from, and why."""
         self._token = token
         self._local_sql = False  # set once the agent said it cannot run SQL itself
+        self.helper: Optional[Any] = None
+        """A rank's host helper (``probe.client.helped.HostHelper``), asked why the rank is slow to answer."""
+        self.remote_pid: Optional[int] = None  # the rank's pid on its host, for its helper
 
     def __repr__(self) -> str:
         return "<probe.Client %s>" % self.target.label
@@ -59,6 +62,8 @@ class Client:
         try:
             if self.target.pid is not None and self.target.is_local:
                 response = self._watched(method, path, payload, headers, timeout or self.timeout)
+            elif self.helper is not None and self.remote_pid is not None:
+                response = self._helped(method, path, payload, headers, timeout or self.timeout)
             else:
                 response = transport.request(self.target.address, method, path, payload, headers,
                                              timeout or self.timeout)
@@ -91,6 +96,33 @@ class Client:
         if diagnosis is not None:
             sock.close()  # the agent sees nobody waits, and runs nothing for this request
             raise _blocked(diagnosis)
+        return transport.read_response(sock, self.target.address, timeout)
+
+    def _helped(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
+                timeout: float) -> transport.HttpResponse:
+        """A request to a rank elsewhere whose host helper says, when it is slow, whether it cannot answer
+        (dead, stopped, GIL held) and sends the stacks it read from outside (see ``probe.client.helped``)."""
+        from probe.client import helped
+        from probe.errors import ConnectError
+
+        helper, pid = self.helper, self.remote_pid
+        assert helper is not None and pid is not None
+        try:
+            sock = transport.send_request(self.target.address, method, path, payload, headers, timeout)
+        except ConnectError:
+            raw = helped.ask(helper, pid)
+            error = helped.error_for(raw, helper, self.target.label) if raw is not None else None
+            if error is not None:
+                raise error from None
+            raise
+        try:
+            error = helped.await_answer(sock, helper, pid, self.target.label, timeout)
+        except BaseException:
+            sock.close()
+            raise
+        if error is not None:
+            sock.close()  # the agent sees nobody waits, and runs nothing for this request
+            raise error
         return transport.read_response(sock, self.target.address, timeout)
 
     def _json(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,

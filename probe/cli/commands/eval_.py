@@ -65,6 +65,9 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
         code = sys.stdin.read()
     if code is None:
         raise UsageError("no code given", hint="probe TARGET eval 'print(1)', eval - (stdin), or eval -f FILE")
+    if cli.is_cluster and not as_json:
+        _across_ranks(cli, code, eval_timeout, where)
+        return
     several = len(cli.targets) > 1
     for client, result in each_target(cli, lambda c: c.eval(code or "", timeout=eval_timeout, **where)):
         if as_json:
@@ -82,3 +85,19 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
                 click.echo(shown["stderr"], nl=False, err=True)
         if not result.ok:
             cli.exit_code = cli.exit_code or 1
+
+
+def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], where: Dict[str, Any]) -> None:
+    """Every rank runs the snippet; identical outputs are printed once, headed by their ranks."""
+    from probe.cli.context import report_failures
+    from probe.cli.render_cluster import render_grouped_eval
+
+    cluster = cli.cluster()
+    answers = cluster.map(lambda c: c.eval(code, timeout=eval_timeout, **where))
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])
+    for line, to_stderr in render_grouped_eval([(a.member.rank, a.value) for a in answers]):
+        click.echo(line, err=to_stderr)
+    if any(not a.value.ok for a in answers):
+        cli.exit_code = 1
+    report_failures(cli, cluster.failures, len(cluster.members))
