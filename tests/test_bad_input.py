@@ -205,10 +205,10 @@ def test_result_past_the_row_cap_is_truncated_and_flagged(busy, unharmed):
 
     cli = run_cli(str(busy.pid), "query", "--max-rows", "5", "SELECT * FROM range(100)")
     assert cli.code == 0, cli.err
-    assert cli.out.splitlines()[-1] == "(5 rows) -- truncated at the row cap; narrow the query or raise --max-rows"
+    assert cli.out.splitlines()[-1] == "(5 rows) -- cut at --max-rows 5; raise it, or narrow the query"
     as_json = run_cli(str(busy.pid), "query", "--max-rows", "5", "-f", "json", "SELECT * FROM range(100)")
     assert as_json.code == 0 and len(json.loads(as_json.out)) == 5
-    assert "truncated" in as_json.err
+    assert "cut at --max-rows 5" in as_json.err
 
 
 # -- malformed HTTP ------------------------------------------------------------------------------------

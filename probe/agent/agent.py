@@ -191,10 +191,14 @@ class Agent:
                 if not self.sql_available():
                     raise SQLUnavailable("this process cannot import DuckDB and pyarrow, so it cannot run SQL "
                                          "itself", hint="the probe client runs such queries on its side")
+                from probe.agent.limits import Ceilings
                 from probe.engine import Engine
 
-                self._engine = Engine(_produce_arrow, max_rows=self.options.max_rows,
-                                      timeout=self.options.query_timeout, memory_limit=self.options.memory_limit,
+                # The engine's own bounds are the ceilings; each request passes the limits it runs under.
+                ceilings = Ceilings.from_env()
+                self._engine = Engine(_produce_arrow, max_rows=max(self.options.max_rows, ceilings.max_rows),
+                                      timeout=max(self.options.query_timeout, ceilings.query_timeout),
+                                      memory_limit=self.options.memory_limit,
                                       max_result_bytes=self.options.max_result_bytes)
         return self._engine
 

@@ -16,12 +16,17 @@ from typing import Any, Dict, Optional
 
 from probe.agent.frames import FrameSpec, Scope, frame_scope, note_unwritten
 from probe.agent.placement import EvalInterrupted, Job, submit
-from probe.errors import ProbeError, Timeout
+from probe.errors import Busy, ProbeError, Timeout
 
-__all__ = ["EvalOutcome", "run_snippet", "EvalInterrupted"]
+__all__ = ["EvalOutcome", "run_snippet", "EvalInterrupted", "MAX_STUCK"]
 
 _MAX_CAPTURE = 1024 * 1024
 _MAX_REPR = 64 * 1024
+MAX_STUCK = 8
+"""Snippets past their time limit that could not be interrupted (a C call that never returns) each keep
+a thread; past this many, new snippets are refused (``busy``) until some return."""
+_stuck: "set[Job]" = set()
+_stuck_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -31,26 +36,30 @@ class EvalOutcome:
     value: Optional[str]  # repr of a final expression's value, None when there is none (or it is None)
     error: Optional[str]  # the traceback, when the snippet raised
     timed_out: bool = False
+    stdout_dropped: int = 0  # characters past the capture limit, counted, not kept
+    stderr_dropped: int = 0
 
     def to_json_dict(self) -> Dict[str, Any]:
         return {"stdout": self.stdout, "stderr": self.stderr, "value": self.value, "error": self.error,
-                "ok": self.error is None and not self.timed_out, "timed_out": self.timed_out}
+                "ok": self.error is None and not self.timed_out, "timed_out": self.timed_out,
+                "stdout_dropped": self.stdout_dropped, "stderr_dropped": self.stderr_dropped}
 
 
 class _Capture(io.TextIOBase):
     """Bounded buffer that remembers how much it dropped."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = _MAX_CAPTURE) -> None:
         self._parts: list = []
         self._size = 0
+        self._limit = limit
         self.dropped = 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, text: str) -> int:
-        if self._size < _MAX_CAPTURE:
-            keep = text[: _MAX_CAPTURE - self._size]
+        if self._size < self._limit:
+            keep = text[: self._limit - self._size]
             self._parts.append(keep)
             self._size += len(keep)
             self.dropped += len(text) - len(keep)
@@ -59,10 +68,8 @@ class _Capture(io.TextIOBase):
         return len(text)
 
     def getvalue(self) -> str:
-        value = "".join(self._parts)
-        if self.dropped:
-            value += "\n[probe: %d more characters not captured]\n" % self.dropped
-        return value
+        """What was kept; ``dropped`` says how much was not (reported beside the output, never inside it)."""
+        return "".join(self._parts)
 
 
 class _ThreadRouter(io.TextIOBase):
@@ -116,18 +123,25 @@ def _release(stream_name: str, router: _ThreadRouter, ident: int) -> None:
 
 
 def _compile(code: str) -> "tuple[Any, Any]":
-    """(body, final expression or None): a trailing expression is evaluated for its value, as in a REPL."""
+    """(body, final expression or None): a trailing expression is evaluated for its value, as in a REPL,
+    except a call of a ``write`` method, whose count of characters written is no answer to show."""
     tree = ast.parse(code, "<probe-eval>", "exec")
     final = tree.body[-1] if tree.body else None
-    if isinstance(final, ast.Expr):
+    if isinstance(final, ast.Expr) and not _is_write_call(final.value):
         tree.body.pop()
         last = ast.Expression(final.value)
         return compile(tree, "<probe-eval>", "exec"), compile(last, "<probe-eval>", "eval")
     return compile(tree, "<probe-eval>", "exec"), None
 
 
-def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job) -> None:
-    out, err = _Capture(), _Capture()
+def _is_write_call(node: ast.AST) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("write", "writelines"))
+
+
+def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job, limit: int) -> None:
+    out, err = _Capture(limit), _Capture(limit)
+    result["captures"] = (out, err)  # read as they are, should the snippet outlive its time limit
     ident = threading.get_ident()
     stdout, stderr = _capture("stdout", ident, out), _capture("stderr", ident, err)
     before: Optional[Dict[str, int]] = None
@@ -160,10 +174,14 @@ def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job) -> None:
         _release("stderr", stderr, ident)
         note = note_unwritten(scope, before)
         result["stdout"], result["stderr"] = out.getvalue(), err.getvalue() + note
+        result["dropped"] = (out.dropped, err.dropped)
 
 
 def _snippet_traceback(exc: BaseException) -> str:
-    """The traceback from the snippet's own frames down, without the agent's frames above them."""
+    """The traceback from the snippet's own frames down, without the agent's frames above them; a
+    syntax error as the caret under the snippet's line (its frames are the parser's, not the snippet's)."""
+    if isinstance(exc, SyntaxError) and exc.filename == "<probe-eval>":
+        return "".join(traceback.format_exception_only(type(exc), exc))
     tb = exc.__traceback__
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
@@ -171,12 +189,19 @@ def _snippet_traceback(exc: BaseException) -> str:
 
 
 def run_snippet(code: str, timeout: float, place: str = "agent", frame: Optional[FrameSpec] = None,
-                job_id: Optional[str] = None, wait: float = 10.0) -> EvalOutcome:
+                job_id: Optional[str] = None, wait: float = 10.0, max_output: int = _MAX_CAPTURE) -> EvalOutcome:
     """Run ``code`` in ``__main__`` (or in ``frame``'s namespace) on the thread ``place`` names.
 
     Waits at most ``wait`` seconds for that thread to take the snippet (``main``, ``step``), then at
-    most ``timeout`` seconds for the snippet itself.
+    most ``timeout`` seconds for the snippet itself. Keeps ``max_output`` characters of each stream.
     """
+    with _stuck_lock:
+        _stuck.difference_update([j for j in _stuck if j.finished.is_set()])
+        if len(_stuck) >= MAX_STUCK:
+            raise Busy("%d snippets that ran past their time limit could not be interrupted and still run here, "
+                       "each on its own thread; no more are started until some return" % len(_stuck),
+                       hint="they are in calls that never return (see `probe TARGET backtrace`, threads "
+                            "\"probe-eval\"); a snippet that must block should take a timeout of its own")
     result: Dict[str, Any] = {}
 
     def body(job: Job) -> None:
@@ -185,7 +210,7 @@ def run_snippet(code: str, timeout: float, place: str = "agent", frame: Optional
         except ProbeError as exc:
             result["error"] = "%s%s\n" % (exc.message, " -- %s" % exc.hint if exc.hint else "")
             return
-        _execute(code, scope, result, job)
+        _execute(code, scope, result, job, max_output)
 
     job = Job(body, job_id)
     submit(job, place)
@@ -196,14 +221,22 @@ def run_snippet(code: str, timeout: float, place: str = "agent", frame: Optional
         job.interrupt("the snippet did not finish within %.1f s and was interrupted" % timeout)
         job.finished.wait(1.0)
         if not job.finished.is_set():
-            return EvalOutcome("", "", None, "the snippet did not finish within %.1f s and was interrupted (it is "
-                               "still running: it is in a call that cannot be interrupted)\n" % timeout,
-                               timed_out=True)
+            with _stuck_lock:
+                _stuck.add(job)
+            out, err = result.get("captures", (_Capture(0), _Capture(0)))  # what it printed so far
+            return EvalOutcome(out.getvalue(), err.getvalue(), None,
+                               "the snippet did not finish within %.1f s and could not be interrupted: it is in a "
+                               "call that never returns, and goes on running on its own thread\n" % timeout,
+                               timed_out=True, stdout_dropped=out.dropped, stderr_dropped=err.dropped)
+        dropped = result.get("dropped", (0, 0))
         return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), None,
-                           "the snippet did not finish within %.1f s and was interrupted\n" % timeout, timed_out=True)
+                           "the snippet did not finish within %.1f s and was interrupted\n" % timeout, timed_out=True,
+                           stdout_dropped=dropped[0], stderr_dropped=dropped[1])
     if job.state == "abandoned":  # the client cancelled it before it started
         return EvalOutcome("", "", None, "EvalInterrupted: cancelled before it started; nothing ran\n")
-    return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), result.get("value"), result.get("error"))
+    dropped = result.get("dropped", (0, 0))
+    return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), result.get("value"), result.get("error"),
+                       stdout_dropped=dropped[0], stderr_dropped=dropped[1])
 
 
 _NEVER_STARTED_HINT = {

@@ -12,6 +12,7 @@ import probe
 from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
+from probe.agent.limits import Ceilings, within
 from probe.agent.switch import fast_switching
 from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, TooLarge
 from probe.tables import get_table, list_tables, produce_rows
@@ -37,6 +38,17 @@ def _budget(agent: "Agent") -> ResultBudget:
     return _results
 
 
+_ceilings_now: Optional[Ceilings] = None
+
+
+def _ceilings() -> Ceilings:
+    """How far a request may raise the agent's limits (see probe.agent.limits), read once."""
+    global _ceilings_now
+    if _ceilings_now is None:
+        _ceilings_now = Ceilings.from_env()
+    return _ceilings_now
+
+
 def _available(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -51,14 +63,33 @@ def health(agent: "Agent", request: Request) -> Response:
         "uptime_s": round(time.time() - agent.started_at, 3),
         "unix_socket": agent.unix_path,
         "tcp": agent.tcp_address,
+        "tcp_reach": _reachable(agent.tcp_address),
+        "token_file": getattr(agent, "token_file", None) if agent.tcp_address else None,
         "tcp_error": getattr(agent, "tcp_error", None),
         "capabilities": {"sql": agent.sql_available(), "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
         "limits": {"query_timeout_s": agent.options.query_timeout, "eval_timeout_s": agent.options.eval_timeout,
                    "max_rows": agent.options.max_rows, "max_result_bytes": agent.options.max_result_bytes,
-                   "memory_limit": agent.options.memory_limit},
+                   "memory_limit": agent.options.memory_limit,
+                   "query_timeout_ceiling_s": max(_ceilings().query_timeout, agent.options.query_timeout),
+                   "eval_timeout_ceiling_s": max(_ceilings().eval_timeout, agent.options.eval_timeout),
+                   "max_rows_ceiling": max(_ceilings().max_rows, agent.options.max_rows),
+                   "eval_output": _ceilings().eval_output},
     })
     return Response.json(info)
+
+
+def _reachable(address: Optional[str]) -> Optional[str]:
+    """The address a client can use for ``address``: an agent bound to every interface is reached by the
+    host's name, not by 0.0.0.0 (or ::)."""
+    if not address:
+        return None
+    host, _, port = address.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        import socket
+
+        return "%s:%s" % (socket.gethostname(), port)
+    return address
 
 
 def tables(agent: "Agent", request: Request) -> Response:
@@ -114,26 +145,42 @@ def query(agent: "Agent", request: Request) -> Response:
     sql = body.get("sql")
     if not isinstance(sql, str) or not sql.strip():
         raise BadRequest("give the SQL as {\"sql\": \"SELECT ...\"}")
-    max_rows = _optional_count(body, "max_rows")
-    timeout = _optional_seconds(body, "timeout")
+    options, ceilings = agent.options, _ceilings()
+    max_rows = int(within(_optional_count(body, "max_rows"), options.max_rows, ceilings.max_rows, "--max-rows",
+                          "PROBE_MAX_ROWS_CEILING"))
+    timeout = within(_optional_seconds(body, "timeout"), options.query_timeout, ceilings.query_timeout,
+                     "--query-timeout", "PROBE_QUERY_TIMEOUT_CEILING")
     engine = agent.engine()
-    wait = min(timeout or agent.options.query_timeout, agent.options.query_timeout)
     hold = _budget(agent).hold()
     try:
-        with work_slot(wait), fast_switching():
-            result = engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve)
+        with work_slot(timeout), fast_switching():
+            result = _run_query(engine, sql, max_rows, timeout, hold, max(ceilings.query_timeout, options.query_timeout))
             if ARROW_STREAM in request.headers.get("accept", ""):
                 payload = _arrow_stream(result)
                 hold.reserve(len(payload))
                 return Response(200, payload, ARROW_STREAM,
                                 {"X-Probe-Truncated": "true" if result.truncated else "false",
+                                 "X-Probe-Max-Rows": str(max_rows),
                                  "X-Probe-Elapsed-Ms": "%.3f" % result.elapsed_ms}, on_sent=hold.release)
-            body_bytes = _json_rows(result.json_head(), result.row_chunks(_CHUNK), hold,
-                                    2 * agent.options.max_result_bytes)
+            head = dict(result.json_head(), limits={"max_rows": max_rows, "timeout_s": timeout})
+            body_bytes = _json_rows(head, result.row_chunks(_CHUNK), hold, 2 * agent.options.max_result_bytes)
             return Response(200, body_bytes, on_sent=hold.release)  # held until sent: slow readers count too
     except BaseException:
         hold.release()
         raise
+
+
+def _run_query(engine: Any, sql: str, max_rows: int, timeout: float, hold: Hold, ceiling: float) -> Any:
+    """The engine's query, its time-out said with a hint that can work (raise the limit, or narrow the query)."""
+    from probe.errors import Timeout
+
+    try:
+        return engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve)
+    except Timeout:
+        hint = ("raise it with --query-timeout (this agent allows up to %g s), or narrow the query" % ceiling
+                if timeout < ceiling else "narrow the query: %g s is this agent's ceiling (PROBE_QUERY_TIMEOUT_CEILING "
+                                          "in the target's environment)" % ceiling)
+        raise Timeout("query interrupted after %g s, its time limit" % timeout, hint=hint) from None
 
 
 def evaluate(agent: "Agent", request: Request) -> Response:
@@ -142,7 +189,9 @@ def evaluate(agent: "Agent", request: Request) -> Response:
     code = body.get("code")
     if not isinstance(code, str):
         raise BadRequest("give the snippet as {\"code\": \"...\"}")
-    timeout = _optional_seconds(body, "timeout") or agent.options.eval_timeout
+    ceilings = _ceilings()
+    timeout = within(_optional_seconds(body, "timeout"), agent.options.eval_timeout, ceilings.eval_timeout,
+                     "--eval-timeout", "PROBE_EVAL_TIMEOUT_CEILING")
     from probe.agent.evaluator import run_snippet
     from probe.agent.frames import parse_frame
     from probe.agent.placement import PLACES
@@ -152,8 +201,12 @@ def evaluate(agent: "Agent", request: Request) -> Response:
         raise BadRequest("\"on\" is one of %s" % ", ".join(PLACES))
     frame = parse_frame(body["frame"]) if body.get("frame") is not None else None
     wait = min(_optional_seconds(body, "wait") or (10.0 if place == "main" else 60.0), _MAX_WAIT)
-    outcome = run_snippet(code, min(timeout, agent.options.eval_timeout), place, frame, _job_id(body), wait)
-    return Response.json(outcome.to_json_dict())
+    outcome = run_snippet(code, timeout, place, frame, _job_id(body), wait, ceilings.eval_output)
+    answer = outcome.to_json_dict()
+    answer["limits"] = {"timeout_s": timeout, "timeout_ceiling_s": max(ceilings.eval_timeout, agent.options.eval_timeout),
+                        "max_output": ceilings.eval_output, "stdout_dropped": outcome.stdout_dropped,
+                        "stderr_dropped": outcome.stderr_dropped}
+    return Response.json(answer)
 
 
 _MAX_WAIT = 600.0  # seconds a snippet may wait for the main thread or a step

@@ -7,6 +7,7 @@ repeated to run against several targets in turn.
 """
 
 import importlib
+import re
 from typing import Any, Dict, List, Optional, Tuple
 
 import click
@@ -46,7 +47,38 @@ class _Commands(click.Group):
             return None
         module, attr = COMMANDS[name]
         command: Any = getattr(importlib.import_module("probe.cli.commands." + module), attr)
+        if name not in _NO_TARGET:
+            _usage_shows_target(command)
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command's first sentence whole (click cuts it at the terminal's width), wrapped."""
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.get_command(ctx, name)
+            if command is not None and not command.hidden:
+                rows.append((name, command.get_short_help_str(limit=400)))
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+_NO_TARGET = {"list"}
+"""Commands that take no target; every other one is ``probe TARGET COMMAND ...``."""
+_NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject"}
+"""Commands without positional arguments: a target written after them is understood as one."""
+_LOOKS_LIKE_TARGET = re.compile(r"\d+|(?:unix|core):.+|\[?[\w.\-:]+\]?:\d+")
+
+
+def _usage_shows_target(command: click.Command) -> None:
+    """Make ``probe query --help`` say ``probe TARGET query [OPTIONS] SQL`` (and so for a group's commands)."""
+    def format_usage(ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        root = ctx.find_root().info_name or "probe"
+        formatter.write_usage(root + " TARGET" + ctx.command_path[len(root):], " ".join(command.collect_usage_pieces(ctx)))
+
+    command.format_usage = format_usage  # type: ignore[method-assign]
+    for sub in getattr(command, "commands", {}).values():
+        _usage_shows_target(sub)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
@@ -55,8 +87,9 @@ class _Commands(click.Group):
 @click.option("--token", envvar="PROBE_TOKEN", help="Token for TCP targets (or $PROBE_TOKEN).")
 @click.option("--token-file", envvar="PROBE_TOKEN_FILE", type=click.Path(dir_okay=False),
               help="File holding the token for TCP targets (or $PROBE_TOKEN_FILE).")
-@click.option("--timeout", type=click.FloatRange(min=0.01), default=30.0, show_default=True,
-              help="Seconds to wait for each target's answer.")
+@click.option("--timeout", type=click.FloatRange(min=0.01), default=None, metavar="SECONDS",
+              help="Seconds to wait for each target's answer, a long query's or snippet's too; inject's time "
+                   "limit. Default: 30, or a query's or snippet's own time limit and 5 s more.")
 @click.option("--wait", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
               help="Wait this long for a local agent before reading the process from outside. "
                    "Default: decide in about a second whether it can answer (GIL held, stopped).")
@@ -90,10 +123,17 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
     """
     ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable,
                          all_ranks=all_ranks, ranks=ranks, hosts=hosts, deadline=deadline, max_in_flight=max_in_flight)
+    ctx.obj.timeout_given = timeout is not None
+    if timeout is None:
+        ctx.obj.timeout = 30.0
 
 
 def normalise_argv(argv: List[str]) -> List[str]:
-    """Turn ``probe 4242 backtrace`` into ``probe --target 4242 backtrace`` (also after global options)."""
+    """Turn ``probe 4242 backtrace`` into ``probe --target 4242 backtrace`` (also after global options).
+
+    A target written after the command is understood too: ``-t X`` / ``--target X`` anywhere before a
+    ``--``, and ``probe inject 4242`` (a word that looks like a target, after a command that takes no
+    other argument, or followed by the command's own argument: ``probe query 4242 "SELECT 1"``)."""
     out = list(argv)
     i = 0
     while i < len(out):
@@ -106,5 +146,41 @@ def normalise_argv(argv: List[str]) -> List[str]:
             continue
         if arg not in COMMANDS:
             out[i:i + 1] = ["--target", arg]  # the first word that is no command is the target...
-        break  # ...and the next is the command (click names a misspelt one)
+            i += 2
+            if i < len(out) and out[i] in COMMANDS:
+                moved, kept = _targets_after(out[i], out[i + 1:], has_target=True)
+                return out[:i] + moved + out[i:i + 1] + kept
+            return out  # ...and the next is the command (click names a misspelt one)
+        given = any(a in ("-t", "--target") or a.startswith("--target=") for a in out[:i])
+        moved, kept = _targets_after(arg, out[i + 1:], has_target=given)
+        return out[:i] + moved + out[i:i + 1] + kept
     return out
+
+
+def _targets_after(command: str, rest: List[str], has_target: bool) -> Tuple[List[str], List[str]]:
+    """The targets written in ``rest`` (what follows ``command``) as ``--target X`` options, and the rest."""
+    if command in _NO_TARGET:
+        return [], rest
+    moved: List[str] = []
+    kept: List[str] = []
+    i = 0
+    while i < len(rest):
+        arg = rest[i]
+        if arg == "--":
+            kept.extend(rest[i:])
+            break
+        if arg in ("-t", "--target") and i + 1 < len(rest):
+            moved += ["--target", rest[i + 1]]
+            i += 2
+            continue
+        if arg.startswith("--target="):
+            moved += ["--target", arg.split("=", 1)[1]]
+            i += 1
+            continue
+        kept.append(arg)
+        i += 1
+    if not has_target and not moved:
+        words = [j for j, a in enumerate(kept) if not a.startswith("-")]
+        if words and _LOOKS_LIKE_TARGET.fullmatch(kept[words[0]]) and (command in _NO_ARGS or len(words) > 1):
+            moved = ["--target", kept.pop(words[0])]
+    return moved, kept

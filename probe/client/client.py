@@ -27,10 +27,13 @@ _GRACE_S = 0.3  # how long a local agent may take before the client looks at its
 class Client:
     """A connection-less client: each call is one HTTP request to the agent."""
 
-    def __init__(self, target: Target, token: Optional[str] = None, timeout: float = DEFAULT_TIMEOUT,
+    def __init__(self, target: Target, token: Optional[str] = None, timeout: Optional[float] = None,
                  wait: Optional[float] = None, executable: Optional[str] = None) -> None:
         self.target = target
-        self.timeout = timeout
+        self.fixed_timeout = timeout is not None
+        """True when the caller chose the wait (``--timeout``): it then bounds every answer, a long query's
+        or snippet's too. Otherwise the client waits 30 s, or the agent's own limit on the work and 5 s more."""
+        self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.wait = wait
         """Seconds to wait for a local agent before reading from outside; None: decide quickly (see
         ``probe.client.outside``)."""
@@ -129,16 +132,27 @@ class Client:
               timeout: Optional[float] = None) -> Dict[str, Any]:
         response = self._call(method, path, body, timeout=timeout)
         try:
-            return json.loads(response.body.decode("utf-8"))
+            answer = json.loads(response.body.decode("utf-8"))
         except ValueError:
-            raise ProbeError("%s sent an answer that is not JSON" % self.target.label) from None
+            answer = None
+        if not isinstance(answer, dict):
+            raise self._not_an_agent("HTTP %d with a body that is not a JSON object" % response.status)
+        return answer
+
+    def _not_an_agent(self, what: str) -> ProbeError:
+        """Something answers at the target, but not a probe agent (another HTTP server, a proxy's page)."""
+        from probe.errors import ConnectError
+
+        return ConnectError("%s answers, but is not a probe agent (it sent %s)" % (self.target.label, what),
+                            hint="check the address and port: an agent serves on the port of PROBE_LISTEN / "
+                                 "PROBE_PORT (+ LOCAL_RANK), and `probe list` on its host shows it")
 
     def _error_from(self, response: transport.HttpResponse) -> ProbeError:
         try:
             error = json.loads(response.body.decode("utf-8"))["error"]
             exc = error_from_code(error.get("code", "internal"), error.get("message", ""), error.get("hint"))
         except (ValueError, KeyError, TypeError, AttributeError):
-            exc = error_from_code("internal", "HTTP %d from %s" % (response.status, self.target.label))
+            return self._not_an_agent("HTTP %d without probe's error envelope" % response.status)
         if exc.code == "unauthorized" and not self._token and not exc.hint:
             exc.hint = "pass --token-file FILE (or set PROBE_TOKEN_FILE)"
         return exc
@@ -189,6 +203,10 @@ class Client:
                                 hint="start an agent in it with `probe %d inject`" % pid)
         if answering or socket_state != "missing":
             return exc  # what transport said is all there is to say (permission denied, a dropped answer)
+        not_python = _not_python(pid)
+        if not_python:
+            return ConnectError("process %d (%s) is not a Python interpreter, so no agent can run in it" % (pid, not_python),
+                                hint="give the pid of the Python process itself (`probe list` shows them)")
         return ConnectError("no agent in process %d" % pid,
                             hint="start it with PROBE=1 in the process's environment, or `probe %d inject`" % pid)
 
@@ -292,9 +310,9 @@ class Client:
         if not self._local_sql:
             body = _query_body(sql, max_rows, timeout)
             try:
-                raw = self._json("POST", "/v1/query", body, timeout=_wait_for(timeout, self.timeout))
+                raw = self._json("POST", "/v1/query", body, timeout=self._answer_wait(timeout, 10.0))
                 return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"],
-                            bool(raw.get("truncated")))
+                            bool(raw.get("truncated")), (raw.get("limits") or {}).get("max_rows"))
             except SQLUnavailable:
                 self._local_sql = True
             except ProbeError as exc:
@@ -338,7 +356,7 @@ class Client:
         import pyarrow as pa
 
         response = self._call("POST", "/v1/query", _query_body(sql, max_rows, timeout), accept=ARROW_STREAM,
-                              timeout=_wait_for(timeout, self.timeout))
+                              timeout=self._answer_wait(timeout, 10.0))
         if not response.headers.get("content-type", "").startswith(ARROW_STREAM):
             raise ProbeError("%s did not answer in Arrow" % self.target.label)
         return pa.ipc.open_stream(response.body).read_all()
@@ -360,12 +378,19 @@ class Client:
         for key, value in (("frame", frame), ("wait", wait), ("id", eval_id)):
             if value is not None:
                 body[key] = value
-        socket_wait = _wait_for(timeout, self.timeout)
-        if on != "agent":
+        socket_wait = self._answer_wait(timeout, 30.0)
+        if on != "agent" and not self.fixed_timeout:
             socket_wait = max(socket_wait, (wait or (10.0 if on == "main" else 60.0)) + (timeout or 30.0) + 5.0)
         raw = self._json("POST", "/v1/eval", body, timeout=socket_wait)
         return EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
-                          bool(raw.get("timed_out")))
+                          bool(raw.get("timed_out")), raw.get("limits"))
+
+    def _answer_wait(self, limit: Optional[float], agent_default: float) -> float:
+        """How long the socket waits: ``--timeout`` when given; else a little longer than the agent's own
+        limit on the work (``limit``, or the agent's default), so that the agent's answer arrives first."""
+        if self.fixed_timeout:
+            return self.timeout
+        return max(self.timeout, (limit or agent_default) + 5.0)
 
     def interrupt_eval(self, eval_id: str) -> str:
         """Interrupt the snippet sent with ``eval_id``: ``interrupted``, ``cancelled``, ``finished`` or ``unknown``."""
@@ -405,7 +430,7 @@ class Client:
             body["models"] = list(models)
         if optimizers:
             body["optimizers"] = list(optimizers)
-        return self._json("POST", "/v1/torch/checkpoint", body, timeout=_wait_for(timeout, self.timeout))
+        return self._json("POST", "/v1/torch/checkpoint", body, timeout=self._answer_wait(timeout, timeout))
 
     def trace(self, action: str, **options: Any) -> Dict[str, Any]:
         """Control the target's torch trace: ``action`` is start, stop, status or export.
@@ -521,6 +546,23 @@ def _process_state(pid: int, wait: float = 0.0) -> str:
         time.sleep(0.02)
 
 
+def _not_python(pid: int) -> str:
+    """The name of process ``pid`` when it is certainly no Python interpreter, else "" (also when unsure)."""
+    try:
+        from probe.injector.target import read_target
+
+        info = read_target(pid)
+    except Exception:  # unreadable, gone, no injector: say nothing rather than something wrong
+        return ""
+    if info.is_python:
+        return ""
+    try:
+        with open("/proc/%d/comm" % pid) as handle:
+            return handle.read().strip() or os.path.basename(info.exe)
+    except OSError:
+        return os.path.basename(info.exe) or "?"
+
+
 def _zombie_note(pid: int) -> str:
     """", and its parent (pid P, NAME) has not reaped it" for a zombie; "" when /proc does not say."""
     try:
@@ -543,9 +585,6 @@ def _query_body(sql: str, max_rows: Optional[int], timeout: Optional[float]) -> 
     return body
 
 
-def _wait_for(request_timeout: Optional[float], default: float) -> float:
-    """How long the socket waits: a little longer than the agent's own limit, so its error arrives."""
-    return max(default, (request_timeout or 0) + 5.0)
 
 
 def _read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str]:
@@ -562,12 +601,13 @@ def _read_token(token: Optional[str], token_file: Optional[str]) -> Optional[str
 
 
 def connect(target: Optional[str] = None, token: Optional[str] = None, token_file: Optional[str] = None,
-            timeout: float = DEFAULT_TIMEOUT, wait: Optional[float] = None,
+            timeout: Optional[float] = None, wait: Optional[float] = None,
             executable: Optional[str] = None) -> Client:
     """A client of the agent at ``target`` (a pid, ``host:port``, ``unix:PATH``; default ``$PROBE_TARGET``).
 
     For TCP, the token comes from ``token``, ``token_file``, ``$PROBE_TOKEN_FILE`` or ``$PROBE_TOKEN``.
-    No request is sent until the first call.
+    ``timeout``: seconds to wait for any answer; None: 30 s, or as long as a query's or snippet's limit
+    needs. No request is sent until the first call.
     """
     target = target if target is not None else os.environ.get("PROBE_TARGET")
     if not target:

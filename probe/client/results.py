@@ -15,6 +15,7 @@ class Rows(NamedTuple):
     columns: Tuple[Tuple[str, str], ...]  # (name, type)
     rows: List[List[Any]]
     truncated: bool = False
+    row_cap: Optional[int] = None  # the cap the agent applied, where it said
 
     @property
     def column_names(self) -> List[str]:
@@ -26,7 +27,8 @@ class Rows(NamedTuple):
 
     def with_column(self, name: str, value: Any) -> "Rows":
         """The same rows with a constant first column (the ``target`` column of multi-target runs)."""
-        return Rows(((name, "string"),) + self.columns, [[value] + list(r) for r in self.rows], self.truncated)
+        return Rows(((name, "string"),) + self.columns, [[value] + list(r) for r in self.rows], self.truncated,
+                    self.row_cap)
 
     @staticmethod
     def concat(parts: Sequence["Rows"]) -> "Rows":
@@ -35,7 +37,7 @@ class Rows(NamedTuple):
         rows: List[List[Any]] = []
         for part in parts:
             rows.extend(part.rows)
-        return Rows(parts[0].columns, rows, any(p.truncated for p in parts))
+        return Rows(parts[0].columns, rows, any(p.truncated for p in parts), parts[0].row_cap)
 
 
 class EvalResult(NamedTuple):
@@ -44,6 +46,9 @@ class EvalResult(NamedTuple):
     value: Optional[str]
     error: Optional[str]
     timed_out: bool = False
+    limits: Optional[Dict[str, Any]] = None
+    """What the agent applied: ``timeout_s``, ``timeout_ceiling_s``, ``max_output``, and ``stdout_dropped``/
+    ``stderr_dropped`` (characters cut past ``max_output``) where anything was cut."""
 
     @property
     def ok(self) -> bool:

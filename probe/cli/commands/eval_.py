@@ -1,13 +1,16 @@
 """``probe TARGET eval CODE``: run Python in the target's ``__main__`` (or in one of its frames)."""
 
 import sys
-from typing import Any, Callable, Dict, Optional
+import uuid
+from typing import Any, Callable, Dict, List, Optional
 
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
 from probe.cli.render import render_eval
-from probe.errors import UsageError
+from probe.client import Client
+from probe.client.results import EvalResult
+from probe.errors import ProbeError, Timeout, UsageError
 
 __all__ = ["eval_", "placement_options", "placement"]
 
@@ -58,6 +61,8 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
     Exits non-zero when the snippet raises; its traceback goes to stderr.
     """
     where = placement(on, between_steps, frame, wait)
+    if path and code is not None:
+        raise UsageError("both CODE and -f %s were given" % path, hint="give the snippet one way: CODE, - or -f FILE")
     if path:
         with open(path) as handle:
             code = handle.read()
@@ -69,22 +74,77 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
         _across_ranks(cli, code, eval_timeout, where)
         return
     several = len(cli.targets) > 1
-    for client, result in each_target(cli, lambda c: c.eval(code or "", timeout=eval_timeout, **where)):
-        if as_json:
-            import json
+    eval_id = uuid.uuid4().hex  # names the run, so that Ctrl-C or a client timeout can stop it in the target
+    running: List[Client] = []
 
-            click.echo(json.dumps({"target": client.target.label, "stdout": result.stdout, "stderr": result.stderr,
-                                   "value": result.value, "error": result.error, "ok": result.ok}))
-        else:
-            shown = render_eval(result)
-            if several:
-                click.echo("== %s ==" % client.target.label)
-            if shown["stdout"]:
-                click.echo(shown["stdout"], nl=False)
-            if shown["stderr"]:
-                click.echo(shown["stderr"], nl=False, err=True)
-        if not result.ok:
-            cli.exit_code = cli.exit_code or 1
+    def work(client: Client) -> EvalResult:
+        running[:] = [client]
+        try:
+            return client.eval(code or "", timeout=eval_timeout, eval_id=eval_id, **where)
+        except Timeout as exc:  # this client gave up: stop the snippet rather than leave it running unseen
+            exc.message += "; %s" % _stop_in_target(client, eval_id)
+            raise
+
+    try:
+        for client, result in each_target(cli, work):
+            _show(cli, client, result, as_json, several)
+    except KeyboardInterrupt:
+        state = _stop_in_target(running[0], eval_id) if running else "nothing was sent"
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % state) from None
+
+
+def _show(cli: CliContext, client: Client, result: EvalResult, as_json: bool, several: bool) -> None:
+    """Print one target's outcome; a snippet that raised exits 1, one that ran out of time 5."""
+    if as_json:
+        import json
+
+        click.echo(json.dumps({"target": client.target.label, "stdout": result.stdout, "stderr": result.stderr,
+                               "value": result.value, "error": result.error, "ok": result.ok,
+                               "timed_out": result.timed_out}))
+    else:
+        shown = render_eval(result)
+        if several:
+            click.echo("== %s ==" % client.target.label)
+        if shown["stdout"]:
+            click.echo(shown["stdout"], nl=False)
+        if shown["stderr"]:
+            click.echo(shown["stderr"], nl=False, err=True)
+    for note in eval_notes(result):
+        click.echo("probe: %s%s" % ("%s: " % client.target.label if several else "", note), err=True)
+    if not result.ok:
+        cli.exit_code = cli.exit_code or (5 if result.timed_out else 1)
+
+
+def eval_notes(result: EvalResult) -> List[str]:
+    """What the agent cut or limited, said on stderr (never mixed into the snippet's own output)."""
+    notes = []
+    for stream in ("stdout", "stderr"):
+        dropped = (result.limits or {}).get(stream + "_dropped")
+        if dropped:
+            notes.append("the snippet's %s was cut: %d more characters than the agent keeps (%s characters, "
+                         "PROBE_EVAL_OUTPUT in the target's environment); write big output to a file instead"
+                         % (stream, dropped, (result.limits or {}).get("max_output")))
+    if result.timed_out and result.limits:
+        notes.append(_timeout_hint(result.limits))
+    return notes
+
+
+def _timeout_hint(limits: Dict[str, Any]) -> str:
+    applied, ceiling = limits.get("timeout_s"), limits.get("timeout_ceiling_s")
+    if applied is not None and ceiling is not None and applied < ceiling:
+        return "it ran %s s, its limit; raise it with --eval-timeout (this agent allows up to %s s)" % (applied, ceiling)
+    return "it ran %s s, the most this agent allows (PROBE_EVAL_TIMEOUT_CEILING in the target's environment)" % applied
+
+
+def _stop_in_target(client: Client, eval_id: str) -> str:
+    """Ask the agent to interrupt the snippet; what became of it, in words."""
+    try:
+        state = client.interrupt_eval(eval_id)
+    except ProbeError as exc:
+        return "the snippet may still run in the target (%s)" % exc.message
+    return {"interrupted": "the snippet was interrupted in the target",
+            "cancelled": "the snippet was cancelled before it started",
+            "finished": "the snippet had already finished"}.get(state, "the agent knows no such snippet")
 
 
 def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], where: Dict[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """``probe TARGET health``: is the agent there, and who is it."""
 
 import json
+from typing import Any, Dict, Iterator
 
 import click
 
@@ -33,3 +34,21 @@ def health(cli: CliContext, as_json: bool) -> None:
         click.echo("%s: pid %s on %s%s, Python %s, probe %s, can: %s" % (
             client.target.label, info.get("pid"), info.get("host"), rank, info.get("python"),
             info.get("probe_version"), caps or "nothing"))
+        for line in detail_lines(info):
+            click.echo("  " + line)
+
+
+def detail_lines(info: Dict[str, Any]) -> Iterator[str]:
+    """Where the agent can be reached, and the limits in force with how far a request may raise them."""
+    if info.get("tcp"):
+        yield "tcp: %s (bound to %s); token in %s" % (info.get("tcp_reach") or info["tcp"], info["tcp"],
+                                                     info.get("token_file") or "the token given to the agent")
+    elif info.get("tcp_error"):
+        yield "tcp: not served: %s" % info["tcp_error"]
+    limits = info.get("limits") or {}
+    if "query_timeout_ceiling_s" in limits:
+        yield ("limits: query %gs (--query-timeout up to %gs), %d rows (--max-rows up to %d), eval %gs "
+               "(--eval-timeout up to %gs), eval output %d characters per stream, results %d MiB"
+               % (limits["query_timeout_s"], limits["query_timeout_ceiling_s"], limits["max_rows"],
+                  limits["max_rows_ceiling"], limits["eval_timeout_s"], limits["eval_timeout_ceiling_s"],
+                  limits["eval_output"], limits["max_result_bytes"] >> 20))

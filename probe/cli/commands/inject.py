@@ -14,23 +14,31 @@ from probe.errors import ProbeError, UsageError
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (a token is required and written to a file).")
 @click.option("--token-file", "agent_token_file", metavar="FILE", help="Where the agent reads or writes its TCP token.")
 @click.option("--no-eval", is_flag=True, help="Start a read-only agent: eval requests are refused.")
-@click.option("--timeout", "--wait", "wait", type=click.FloatRange(min=0.1), default=5.0, show_default=True, metavar="SECONDS",
-              help="Give up after this long, leaving the process running and untraced.")
+@click.option("--timeout", "--wait", "wait", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+              help="Give up after this long, leaving the process running and untraced (default: the global "
+                   "--timeout when given, else 5).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
 @pass_cli
-def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[str], no_eval: bool, wait: float,
-           as_json: bool) -> None:
+def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[str], no_eval: bool,
+           wait: Optional[float], as_json: bool) -> None:
     """Start the probe agent in the process PID (or report the one already there)."""
+    import os
+
     from probe.injector import inject as inject_into
 
+    targets = cli.targets or ([os.environ["PROBE_TARGET"]] if os.environ.get("PROBE_TARGET") else [])
+    if not targets:
+        raise UsageError("no process given", hint="write `probe PID inject` (`probe list` shows the candidates)")
+    if wait is None:
+        wait = cli.timeout if cli.timeout_given else 5.0
     options = AgentOptions(listen=listen, token_file=agent_token_file, eval_enabled=not no_eval)
-    for target in cli.targets:
+    for target in targets:
         try:
             if not target.isdigit():
                 raise UsageError("inject needs a pid, got %r" % target, hint="write `probe PID inject`")
             result = inject_into(int(target), options, timeout=wait)
         except ProbeError as exc:
-            cli.record(exc, target if len(cli.targets) > 1 else None)
+            cli.record(exc, target if len(targets) > 1 else None)
             continue
         if as_json:
             click.echo(json.dumps({"pid": result.pid, "socket": result.socket_path, "method": result.method,

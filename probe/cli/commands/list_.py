@@ -72,7 +72,8 @@ def list_(as_json: bool, agents_only: bool) -> None:
         info = agent.health or {}
         reach = "probe %d ..." % agent.pid
         if info.get("tcp"):
-            reach += "  or  probe %s ..." % info["tcp"]
+            reach += "  or  probe %s%s ..." % (info.get("tcp_reach") or info["tcp"],
+                                              " --token-file %s" % info["token_file"] if info.get("token_file") else "")
         records.append({"pid": agent.pid, "agent": "yes", "state": "running", "rank": info.get("rank"),
                         "python": info.get("python"), "command": _command_of(agent.pid)[:100], "reach": reach})
     if not agents_only:
