@@ -1,7 +1,8 @@
 """probe: ask a live Python process questions in SQL, and run Python in it.
 
 ``probe.start()`` runs the agent in this process; ``probe.register_table(...)`` adds a table to it;
-``probe.connect(target)`` and ``probe.attach(pid)`` give a client of an agent elsewhere. Names are
+``probe.connect(target)`` and ``probe.attach(pid)`` give a client of an agent elsewhere;
+``probe.watch(model, optimizer)`` names what the torch tables and the checkpoint look at. Names are
 imported on first use so that ``import probe`` inside a target costs next to nothing.
 """
 
@@ -9,7 +10,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError",
+__all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError", "watch",
            "connect_all"]
 
 _LAZY = {
@@ -21,6 +22,7 @@ _LAZY = {
     "attach": ("probe.client", "attach"),
     "connect_all": ("probe.client.cluster", "connect_all"),
     "ProbeError": ("probe.errors", "ProbeError"),
+    "watch": ("probe.tables.torch.discovery", "watch"),
 }
 
 

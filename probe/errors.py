@@ -11,7 +11,7 @@ from typing import Dict, Optional, Type
 __all__ = [
     "ProbeError", "BadRequest", "SQLError", "SQLUnavailable", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
     "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
-    "AgentBlocked", "ProcessDead", "ReaderError", "error_from_code",
+    "AgentBlocked", "ProcessDead", "ReaderError", "TorchNotLoaded", "error_from_code",
 ]
 
 
@@ -92,6 +92,12 @@ class InternalError(ProbeError):
     code, status, exit_code = "internal", 500, 1
 
 
+class TorchNotLoaded(ProbeError):
+    """A torch.* table or the checkpoint was asked of a process that has not imported torch (probe never does)."""
+
+    code, status, exit_code = "torch_not_loaded", 409, 1
+
+
 class ConnectError(ProbeError):
     """No agent answers at the target (client side only)."""
 
@@ -133,7 +139,7 @@ class ReaderError(ProbeError):
 _BY_CODE: Dict[str, Type[ProbeError]] = {
     cls.code: cls
     for cls in (BadRequest, SQLError, SQLUnavailable, EvalError, Unauthorized, Forbidden, NotFound, Timeout, TooLarge,
-                Busy, InternalError)
+                Busy, InternalError, TorchNotLoaded)
 }
 
 

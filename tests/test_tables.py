@@ -5,6 +5,7 @@ import re
 import pytest
 
 import probe
+from probe.errors import TorchNotLoaded
 from probe.tables import list_tables, produce_rows
 from probe.tables.arrow import to_arrow
 from procs import REPO
@@ -36,15 +37,22 @@ def test_builtin_rows_match_their_declared_schema():
 
 def _check_all_tables():
     for table in list_tables():
-        data = to_arrow([(c.name, c.type) for c in table.columns], produce_rows(table))  # raises on a wrong type
+        try:
+            produced = produce_rows(table)
+        except TorchNotLoaded:
+            continue  # this process has no torch: tests/test_torch_tables.py checks them on one that has
+        data = to_arrow([(c.name, c.type) for c in table.columns], produced)  # raises on a wrong type
         assert data.schema.names == list(table.column_names)
-        assert data.num_rows > 0, table.name
+        assert data.num_rows > 0 or "torch" in table.name, table.name  # no model here: torch tables may be empty
 
 
 def test_every_table_answers_select_star_in_a_real_agent(idle_target):
     client = probe.connect(str(idle_target.pid))
     for info in client.tables():
-        table = client.query("SELECT * FROM %s" % info.name)
+        try:
+            table = client.query("SELECT * FROM %s" % info.name)
+        except TorchNotLoaded:
+            continue  # idle.py never imports torch; tests/test_torch_tables.py covers these tables
         assert table.schema.names == [c.name for c in info.columns], info.name
         assert table.num_rows > 0, info.name
 

@@ -333,6 +333,26 @@ def _arrow_stream(result: Any) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def torch_checkpoint(agent: "Agent", request: Request) -> Response:
+    """Save models, optimizers, step and RNG states to a file, atomically (see probe.tables.torch.checkpoint)."""
+    if not agent.options.eval_enabled:
+        raise EvalDisabled("checkpoint is switched off with eval in this agent: it writes files as the target's "
+                           "user, and --model/--optimizer run code (it was started with --no-eval or PROBE_EVAL=0)",
+                           hint="restart the agent with eval enabled to save checkpoints through probe")
+    body = request.json()
+    from probe.tables.torch.checkpoint import DEFAULT_TIMEOUT_S, save
+
+    path = body.get("path")
+    names: Dict[str, Any] = {key: body.get(key) for key in ("models", "optimizers")}
+    for key, value in names.items():
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, str) for v in value)):
+            raise BadRequest("%s must be a list of expressions (strings)" % key)
+    if not isinstance(path, str) or not path:
+        raise BadRequest("give the checkpoint's path as {\"path\": \"/ckpt/x.pt\"}")
+    timeout = min(_optional_seconds(body, "timeout") or DEFAULT_TIMEOUT_S, 24 * 3600.0)
+    return Response.json(save(path, names["models"], names["optimizers"], timeout))
+
+
 def torch_trace(agent: "Agent", request: Request) -> Response:
     """Start, stop, describe or export the torch trace (see probe.tables.torch.trace.control)."""
     from probe.tables.torch.trace import control
@@ -349,6 +369,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("GET", "/v1/backtrace"): backtrace,
     ("POST", "/v1/query"): query,
     ("POST", "/v1/eval"): evaluate,
+    ("POST", "/v1/torch/checkpoint"): torch_checkpoint,
     ("POST", "/v1/torch/trace"): torch_trace,
     ("POST", "/v1/eval/interrupt"): interrupt_eval,
     ("POST", "/v1/complete"): complete,

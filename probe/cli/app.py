@@ -29,6 +29,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "schema": ("tables", "schema"),
     "health": ("health", "health"),
     "inject": ("inject", "inject"),
+    "checkpoint": ("checkpoint", "checkpoint"),
     "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
 }

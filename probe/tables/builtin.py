@@ -2,10 +2,20 @@
 
 from probe.tables import process_env, process_info, python_backtrace, python_locals, python_modules, python_threads
 from probe.tables.registry import register_table
+from probe.tables.torch import distributed as torch_distributed
+from probe.tables.torch import flight_recorder as torch_flight_recorder
+from probe.tables.torch import memory as torch_memory
+from probe.tables.torch import optimizers as torch_optimizers
+from probe.tables.torch import parameters as torch_parameters
+from probe.tables.torch import tensors as torch_tensors
 
 __all__ = ["BUILTIN_MODULES", "register_all"]
 
-BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, process_info, process_env)
+#: torch.* tables: registered always, answering with TorchNotLoaded until the target imports torch.
+TORCH_MODULES = (torch_parameters, torch_optimizers, torch_tensors, torch_memory, torch_distributed,
+                 torch_flight_recorder)
+BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, process_info,
+                   process_env) + TORCH_MODULES
 
 
 def register_all() -> None:

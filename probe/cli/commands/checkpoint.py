@@ -1,0 +1,66 @@
+"""``probe TARGET checkpoint PATH``: save the target's models, optimizers, step and RNG states, atomically."""
+
+import json
+import os
+from typing import Any, Dict, Iterator, Tuple
+
+import click
+
+from probe.cli.context import CliContext, each_target, pass_cli
+
+
+@click.command("checkpoint")
+@click.argument("path")
+@click.option("--model", "models", multiple=True, metavar="EXPR",
+              help="The model to save, as an expression in the target's __main__ (repeatable). "
+                   "Default: the models probe finds (probe.watch, __main__, the garbage collector).")
+@click.option("--optimizer", "optimizers", multiple=True, metavar="EXPR",
+              help="The optimizer to save, likewise (repeatable). Default: those probe finds.")
+@click.option("--checkpoint-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
+              help="Seconds the save may take; past them it stops and leaves the old file in place.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was saved as JSON.")
+@pass_cli
+def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: Tuple[str, ...],
+               checkpoint_timeout: float, as_json: bool) -> None:
+    """Save models, optimizers, step and RNG states to PATH with torch.save, atomically.
+
+    PATH is in the target's file system ({rank} becomes its rank); a relative PATH is taken from this
+    shell's directory for a target on this host, else from the target's. Written to a temporary file,
+    fsynced, then renamed: a crash never leaves a truncated file nor loses an older one at PATH.
+    Needs eval enabled in the agent (it writes files as the target's user).
+    """
+    several = len(cli.targets) > 1
+    for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
+                                                                  list(optimizers) or None, checkpoint_timeout)):
+        if as_json:
+            click.echo(json.dumps(dict(saved, target=client.target.label)))
+            continue
+        if several:
+            click.echo("== %s ==" % client.target.label)
+        for line in render_checkpoint(saved):
+            click.echo(line)
+
+
+def _where(client: Any, path: str) -> str:
+    """A relative path means this shell's directory when the target runs on this host (a unix socket)."""
+    local = getattr(client.target.address, "path", None) is not None
+    return os.path.abspath(path) if local and not os.path.isabs(os.path.expanduser(path)) else path
+
+
+def render_checkpoint(saved: Dict[str, Any]) -> Iterator[str]:
+    """What the agent saved, for a person."""
+    yield "saved %s: %.1f MB in %.2f s" % (saved.get("path"), (saved.get("bytes") or 0) / 1e6, saved.get("seconds") or 0)
+    yield "  sha256      %s" % saved.get("sha256")
+    for model in saved.get("models", []):
+        yield "  model       %s: %d tensors, %d parameters" % (model["name"], model["tensors"], model["parameters"])
+    for optimizer in saved.get("optimizers", []):
+        yield "  optimizer   %s: %s, %d param groups" % (optimizer["name"], optimizer["class"],
+                                                         optimizer["param_groups"])
+    if not saved.get("optimizers"):
+        yield "  optimizer   none found (name one with --optimizer EXPR)"
+    step = saved.get("step")
+    yield "  step        %s" % ("unknown" if step is None else "%s (from %s)" % (step, saved.get("step_source")))
+    yield "  rng         %s" % (", ".join(saved.get("rng", [])) or "none")
+    if saved.get("dtensors"):
+        yield "  dtensors    %d saved as rank %s's local shards (placements recorded)" % (saved["dtensors"],
+                                                                                       saved.get("rank"))

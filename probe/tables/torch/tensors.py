@@ -1,0 +1,123 @@
+"""``torch.tensors``: the live tensors the garbage collector knows, with what each one is (a parameter,
+a gradient, optimizer state, a buffer) where that can be told.
+
+``gc.get_objects()`` lists every tracked object of the process; the scan stops after
+:data:`BUDGET_S` seconds or :data:`MAX_TENSORS` tensors, and then every row says so (``complete``).
+"""
+
+import gc
+from typing import Any, Dict, List, Tuple
+
+from probe.tables.spec import Column
+from probe.tables.torch._common import Deadline, device_text, dtype_text, is_dtensor, shape_text, torch_or_raise
+from probe.tables.torch.discovery import find_models, find_optimizers
+
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "scan", "BUDGET_S", "MAX_TENSORS"]
+
+BUDGET_S = 3.0
+MAX_TENSORS = 200_000
+
+NAME = "torch.tensors"
+DESCRIPTION = ("Live tensors found through the garbage collector: shape, dtype, device, bytes, and whether "
+               "each is a parameter, gradient, buffer or optimizer state (and of what). The scan stops after "
+               "%.0f s or %d tensors; then `complete` is false on every row." % (BUDGET_S, MAX_TENSORS))
+COLUMNS = (
+    Column("kind", "VARCHAR", "parameter, gradient, buffer, optimizer_state, or tensor (anything else)."),
+    Column("owner", "VARCHAR", "What it belongs to: model.param_name for parameters, gradients and buffers; "
+                               "optimizer[model.param_name].state_key for optimizer state; NULL when unknown."),
+    Column("shape", "VARCHAR", "Its shape, e.g. [512, 256]."),
+    Column("dtype", "VARCHAR", "Element type, e.g. float32."),
+    Column("device", "VARCHAR", "Where it lives: cpu, cuda:0, meta ..."),
+    Column("numel", "BIGINT", "Number of elements."),
+    Column("bytes", "BIGINT", "Bytes of its own elements (numel x element size); 0 for a DTensor, whose local "
+                              "shard is a row of its own. Views of one storage each count their own extent: "
+                              "sum storage_bytes over DISTINCT storage_ptr for memory held."),
+    Column("storage_ptr", "BIGINT", "Address of its storage (equal for views of one storage); NULL where it has "
+                                    "none (a DTensor, a sparse tensor)."),
+    Column("storage_bytes", "BIGINT", "Size of that storage in bytes."),
+    Column("requires_grad", "BOOLEAN", "Whether autograd tracks it."),
+    Column("is_view", "BOOLEAN", "Whether it is a view of another tensor's storage."),
+    Column("type", "VARCHAR", "Its Python class: Tensor, Parameter, DTensor, ..."),
+    Column("complete", "BOOLEAN", "False on every row when the scan stopped early (time or row budget): the table "
+                                  "then holds only some of the live tensors."),
+)
+EXAMPLE = "SELECT device, dtype, count(*), sum(bytes) FROM torch.tensors GROUP BY ALL ORDER BY 4 DESC"
+
+
+def rows() -> Dict[str, List[Any]]:
+    torch = torch_or_raise()
+    tensors, complete = scan(torch)
+    roles = _roles(torch)
+    out: Dict[str, List[Any]] = {c.name: [] for c in COLUMNS}
+    with torch._C.DisableTorchFunctionSubclass():  # attribute reads run no subclass's Python code
+        for tensor in tensors:
+            kind, owner = roles.get(id(tensor), ("tensor", None))
+            try:
+                values = _describe(torch, tensor)
+            except Exception:
+                continue  # a tensor that cannot describe itself (freed storage, an odd subclass): skip it
+            for name, value in zip(COLUMNS, (kind, owner) + values + (complete,)):
+                out[name.name].append(value)
+    return out
+
+
+def scan(torch: Any) -> Tuple[List[Any], bool]:
+    """The tensors the collector tracks, and whether the scan saw them all (within the budgets)."""
+    deadline = Deadline(BUDGET_S)
+    found: List[Any] = []
+    objects = gc.get_objects()
+    complete = True
+    try:
+        tensor_type = torch.Tensor
+        for i, obj in enumerate(objects):
+            if i % 4096 == 0 and deadline.spent():
+                complete = False
+                break
+            if issubclass(type(obj), tensor_type):  # type(), not isinstance: no __class__ of proxies runs
+                if len(found) >= MAX_TENSORS:
+                    complete = False
+                    break
+                found.append(obj)
+    finally:
+        del objects
+    return found, complete
+
+
+def _describe(torch: Any, tensor: Any) -> Tuple[Any, ...]:
+    dtensor = is_dtensor(tensor)
+    numel = int(tensor.numel())
+    ptr = size = None
+    if not dtensor and tensor.layout == torch.strided:
+        storage = tensor.untyped_storage()
+        ptr, size = int(storage.data_ptr()), int(storage.nbytes())
+    own = 0 if dtensor else numel * int(tensor.element_size())
+    return (shape_text(tensor), dtype_text(tensor.dtype), device_text(tensor), numel, own, ptr, size,
+            bool(tensor.requires_grad), bool(tensor._is_view()), type(tensor).__name__)
+
+
+def _roles(torch: Any) -> Dict[int, Tuple[str, str]]:
+    """id(tensor) -> (kind, owner) for the parameters, gradients, buffers and optimizer state found."""
+    roles: Dict[int, Tuple[str, str]] = {}
+    names: Dict[int, str] = {}
+
+    def mark(tensor: Any, kind: str, owner: str) -> None:
+        if isinstance(tensor, torch.Tensor):
+            roles.setdefault(id(tensor), (kind, owner))
+            local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard: the same role
+            if local is not None:
+                roles.setdefault(id(local), (kind, owner))
+
+    for model_name, model in find_models(torch):
+        for name, param in model.named_parameters():
+            owner = "%s.%s" % (model_name, name)
+            names[id(param)] = owner
+            mark(param, "parameter", owner)
+            mark(param.grad, "gradient", owner)
+        for name, buffer in model.named_buffers():
+            mark(buffer, "buffer", "%s.%s" % (model_name, name))
+    for opt_name, optimizer in find_optimizers(torch):
+        for param, state in list(optimizer.state.items()):
+            if isinstance(state, dict):
+                for key, value in list(state.items()):
+                    mark(value, "optimizer_state", "%s[%s].%s" % (opt_name, names.get(id(param), "?"), key))
+    return roles
