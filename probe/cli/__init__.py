@@ -29,7 +29,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         code = exc.exit_code
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         # Ctrl-C: one line, not a traceback; the command already told the agent to stop what it could.
-        click.echo("probe: %s" % (str(exc) or "interrupted (Ctrl-C)"), err=True)
+        start = "\n" if sys.stderr.isatty() else ""  # after the terminal's "^C", on a line of its own
+        click.echo("%sprobe: %s" % (start, str(exc) or "interrupted (Ctrl-C)"), err=True)
         code = 130
     except BrokenPipeError:
         code = 0

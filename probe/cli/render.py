@@ -96,7 +96,7 @@ def fit_widths(natural: List[int], headers: List[int], width: int) -> List[int]:
     """Column widths that fit ``width`` terminal columns (two spaces between columns): the widest column
     gives way first, none below its header or ``_MIN_COLUMN``; may stay wider when even that cannot fit."""
     widths = list(natural)
-    floor = [min(n, max(h, _MIN_COLUMN)) for n, h in zip(natural, headers)]
+    floor = _floors(natural, headers)
     budget = width - 2 * max(len(widths) - 1, 0)
     while sum(widths) > budget:
         widest = max(range(len(widths)), key=lambda i: widths[i] - floor[i])
@@ -107,6 +107,22 @@ def fit_widths(natural: List[int], headers: List[int], width: int) -> List[int]:
         step = max(1, min(over, sum(widths) - budget, widths[widest] - (others[0] if others else 0) or 1))
         widths[widest] -= step
     return widths
+
+
+def _floors(natural: List[int], headers: List[int]) -> List[int]:
+    """The narrowest each column is fitted to: its header up to 10 columns, never below ``_MIN_COLUMN``."""
+    return [min(n, max(min(h, 10), _MIN_COLUMN)) for n, h in zip(natural, headers)]
+
+
+def fits(rows: Rows, width: int) -> bool:
+    """Whether the table can be fitted into ``width`` columns without cutting columns below their floor."""
+    names = rows.column_names
+    types = [t for _, t in rows.columns]
+    natural = [text_width(n) for n in names]
+    for row in rows.rows:
+        for i, value in enumerate(row):
+            natural[i] = max(natural[i], text_width(_cell(value, types[i] if i < len(types) else "")))
+    return sum(_floors(natural, [text_width(n) for n in names])) + 2 * max(len(names) - 1, 0) <= width
 
 
 def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
@@ -139,24 +155,44 @@ def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
     if footer:
         count += " -- " + footer
     if cut:
-        count += " -- cells cut to fit: -x shows one column per line, whole; --wide cuts nothing"
+        count += " -- cells cut to fit; -x or --wide shows them whole"
     yield count
 
 
-def render_vertical(rows: Rows, footer: Optional[str] = None) -> Iterator[str]:
-    """One record per block, one column per line, values whole (psql's \\x, DuckDB's .mode line)."""
+def render_vertical(rows: Rows, footer: Optional[str] = None, width: Optional[int] = None) -> Iterator[str]:
+    """One record per block, one column per line, values whole (psql's \\x, DuckDB's .mode line); with a
+    terminal ``width``, a long value wraps onto lines of its own rather than past the edge."""
     names = rows.column_names
     types = [t for _, t in rows.columns]
     name_w = max((text_width(n) for n in names), default=0)
     for number, row in enumerate(rows.rows, 1):
         yield "-[ RECORD %d ]%s" % (number, "-" * max(name_w - 8, 4))
         for i, value in enumerate(row):
-            lines = _cell(value, types[i] if i < len(types) else "", whole=True).split("\n") or [""]
+            lines = _wrap(_cell(value, types[i] if i < len(types) else "", whole=True).split("\n"),
+                          width - name_w - 3 if width else 0)
             yield ("%s | %s" % (_pad(names[i], name_w), lines[0])).rstrip()
             for more in lines[1:]:
                 yield ("%s | %s" % (" " * name_w, more)).rstrip()
     count = "(%d row%s)" % (len(rows.rows), "" if len(rows.rows) == 1 else "s")
     yield count + (" -- " + footer if footer else "")
+
+
+def _wrap(lines: List[str], width: int) -> List[str]:
+    """Each line cut into pieces of at most ``width`` terminal columns (none when ``width`` < 10)."""
+    if width < 10:
+        return lines or [""]
+    out: List[str] = []
+    for line in lines:
+        piece, used = "", 0
+        for char in line:
+            w = text_width(char)
+            if used + w > width:
+                out.append(piece)
+                piece, used = "", 0
+            piece += char
+            used += w
+        out.append(piece)
+    return out or [""]
 
 
 def _jsonable(value: Any, sql_type: str = "") -> Any:
@@ -198,7 +234,10 @@ def render_rows(rows: Rows, fmt: str, width: Optional[int] = None, wide: bool = 
     if fmt == "csv":
         return render_csv(rows).rstrip("\n")
     if fmt == "vertical":
-        return "\n".join(render_vertical(rows, footer))
+        return "\n".join(render_vertical(rows, footer, width))
+    if width and not wide and rows.rows and not fits(rows, width):  # psql's \x auto: records, one column a line
+        note = "one column per line (too wide for the terminal; --wide: a table)"
+        return "\n".join(render_vertical(rows, "%s -- %s" % (footer, note) if footer else note, width))
     return "\n".join(render_table(rows, width, wide, footer))
 
 

@@ -10,7 +10,7 @@ from probe.cli.context import CliContext, each_target, pass_cli
 from probe.cli.render import render_eval
 from probe.client import Client
 from probe.client.results import EvalResult
-from probe.errors import ProbeError, Timeout, UsageError
+from probe.errors import AgentBlocked, ProbeError, Timeout, UsageError
 
 __all__ = ["eval_", "placement_options", "placement"]
 
@@ -81,8 +81,9 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
         running[:] = [client]
         try:
             return client.eval(code or "", timeout=eval_timeout, eval_id=eval_id, **where)
-        except Timeout as exc:  # this client gave up: stop the snippet rather than leave it running unseen
-            exc.message += "; %s" % _stop_in_target(client, eval_id)
+        except (Timeout, AgentBlocked) as exc:  # gave up waiting: stop the snippet rather than leave it unseen
+            if isinstance(exc, Timeout) or getattr(getattr(exc, "diagnosis", None), "state", None) == "no_answer":
+                exc.message += "; %s" % _stop_in_target(client, eval_id)
             raise
 
     try:
@@ -132,8 +133,9 @@ def eval_notes(result: EvalResult) -> List[str]:
 def _timeout_hint(limits: Dict[str, Any]) -> str:
     applied, ceiling = limits.get("timeout_s"), limits.get("timeout_ceiling_s")
     if applied is not None and ceiling is not None and applied < ceiling:
-        return "it ran %s s, its limit; raise it with --eval-timeout (this agent allows up to %s s)" % (applied, ceiling)
-    return "it ran %s s, the most this agent allows (PROBE_EVAL_TIMEOUT_CEILING in the target's environment)" % applied
+        return "it ran %g s, its limit; raise it with --eval-timeout (this agent allows up to %g s)" % (applied, ceiling)
+    return "it ran %g s, the most this agent allows (PROBE_EVAL_TIMEOUT_CEILING in the target's environment)" % (
+        applied or 0)
 
 
 def _stop_in_target(client: Client, eval_id: str) -> str:

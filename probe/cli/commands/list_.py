@@ -57,7 +57,9 @@ def _dead() -> List[Dict[str, Any]]:
 @click.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print the processes as JSON rows.")
 @click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
-def list_(as_json: bool, agents_only: bool) -> None:
+@click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
+@click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
+def list_(as_json: bool, agents_only: bool, vertical: bool, wide: bool) -> None:
     """Local Python processes: those running an agent, those that could be attached, and those that
     died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
     records: List[Dict[str, Any]] = []
@@ -86,4 +88,5 @@ def list_(as_json: bool, agents_only: bool) -> None:
         click.echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
         return
     columns = tuple((c, "") for c in ("pid", "agent", "state", "rank", "python", "command", "reach"))
-    click.echo(render_rows(Rows(columns, [[r[c] for c, _ in columns] for r in records]), "table", terminal_width()))
+    table = Rows(columns, [["-" if r[c] is None else r[c] for c, _ in columns] for r in records])
+    click.echo(render_rows(table, "vertical" if vertical else "table", terminal_width(), wide))
