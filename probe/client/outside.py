@@ -146,7 +146,7 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
     if patience is not None:
         if _answered(sock, min(patience, timeout)):
             return None
-        return _no_answer(pid, socket_path, min(patience, timeout))
+        return _no_answer(pid, socket_path, min(patience, timeout), "--wait" if patience < timeout else "--timeout")
     early = known_at_once(pid, socket_path)  # stopped, or silent for seconds while the GIL is held
     if early is not None:
         return early
@@ -172,15 +172,16 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
                 return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
         if _answered(sock, min(1.0, deadline - time.monotonic())):
             return None
-    return _no_answer(pid, socket_path, timeout)
+    return _no_answer(pid, socket_path, timeout, "--timeout")
 
 
-def _no_answer(pid: int, socket_path: str, waited: float) -> Diagnosis:
+def _no_answer(pid: int, socket_path: str, waited: float, option: str) -> Diagnosis:
+    """``option``: what limited the wait (``--wait`` or ``--timeout``), to name in the hint."""
     stacks = _read(pid)
     holder = _program_holder(stacks)
     extra = " (thread %s holds the GIL in %s)" % (holder.label().strip(), holder.where()) if holder else ""
-    hint = ("its stacks are read from outside; give it longer with --wait SECONDS" if stacks is not None else
-            "give it longer with --wait SECONDS; reading it from outside failed: %s" % _last_problem)
+    hint = ("its stacks are read from outside; give it longer with %s SECONDS" % option if stacks is not None else
+            "give it longer with %s SECONDS; reading it from outside failed: %s" % (option, _last_problem))
     return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
                      hint, stacks, holder, heartbeat_age(socket_path))
 
