@@ -279,11 +279,17 @@ def render_backtrace(frames: Sequence[Frame]) -> Iterator[str]:
                 yield "        %s" % frame.code
 
 
+_STATE_WORDS = {"gil_held": "alive", "no_answer": "alive", "stopped": "stopped", "dead": "dead",
+                "core file": "a core file"}
+
+
 def render_unavailable(label: str, info: Dict[str, Any]) -> str:
     """``health`` of a target whose agent cannot answer: its state, and who holds the GIL."""
-    parts = ["%s: pid %s, %s; agent %s" % (label, info.get("pid"), info.get("state"), info.get("agent"))]
-    if info.get("agent_silent_s") is not None:
-        parts.append("last ran %s s ago (%s)" % (info["agent_silent_s"], info.get("agent_last_ran")))
+    state = _STATE_WORDS.get(str(info.get("state")), str(info.get("state")))
+    agent = "agent %s" % info.get("agent")
+    if info.get("agent_silent_s") is not None and info.get("state") in ("gil_held", "stopped", "no_answer"):
+        agent += " since %s (%s s)" % (info.get("agent_last_ran"), info["agent_silent_s"])
+    parts = ["%s: pid %s, %s, %s" % (label, info.get("pid"), state, agent)]
     holder = info.get("gil_holder")
     if holder:
         parts.append("GIL held by thread %s%s in %s" % (holder.get("native_id"),
