@@ -165,3 +165,16 @@ def test_fsdp2_ranks_save_their_own_shards_without_a_collective(tmp_path):
             print(type(weight).__name__, list(weight.shape), info["placements"], info["global_shape"], float(weight.sum()))
         """ % (str(tmp_path / ("ck-%d.pt" % rank)),))
         assert out == "Tensor [8, 8] (Shard(dim=0),) [16, 8] %s" % sums[rank]
+
+
+def test_a_save_past_its_time_limit_is_stopped_and_the_old_file_stays(tmp_path):
+    path, entered = str(tmp_path / "ck.pt"), str(tmp_path / "entered")
+    with running("train.py", "--idle") as proc:
+        old = _checkpoint(proc.pid, path)["sha256"]
+        _eval(proc.pid, "model.gate.gate.path = %r; model.gate.gate.armed = True" % entered)
+        done = run_cli(str(proc.pid), "checkpoint", path, "--checkpoint-timeout", "1")
+        assert done.code == 5 and "did not finish within 1 s" in done.err, done.err
+        _eval(proc.pid, "model.gate.gate.armed = False")
+        assert _sha256(path) == old
+        again = run_cli(str(proc.pid), "query", "SELECT count(*) AS n FROM torch.parameters", "-f", "csv")
+        assert again.code == 0 and again.out.split() == ["n", "6"]  # the agent serves on

@@ -71,8 +71,8 @@ def _in_worker(work: Any, timeout: float) -> Dict[str, Any]:
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
-        cancel.set()
-        worker.join(5.0)
+        cancel.set()  # checked at every write: a writing save stops within one write() call
+        worker.join(2.0)
         raise Timeout("the checkpoint did not finish within %.0f s; it was stopped and its temporary file "
                       "removed%s" % (timeout, "" if not worker.is_alive() else " (it is still inside a call that "
                                      "cannot be stopped; the file it was writing is removed when it returns)"),
