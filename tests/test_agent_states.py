@@ -12,6 +12,7 @@ import pytest
 from procs import TARGETS, Proc, run_cli, running, target_env, wait_for_socket
 
 import probe
+from probe.errors import TorchNotLoaded
 from probe import _paths
 
 STATES = os.path.join(TARGETS, "states.py")
@@ -182,10 +183,13 @@ def test_the_agent_never_imports_torch(idle_target):
     client = probe.connect(pid)
     _timed_cli(pid, "backtrace")
     names = [t.name for t in client.tables()]
-    assert "python.backtrace" in names
-    for name in names:
-        client.query_rows("SELECT * FROM %s" % name)
-        client.table_rows(name)
+    assert "python.backtrace" in names and "torch.parameters" in names
+    for name in names:  # every table, the torch ones included: those refuse, and import nothing
+        try:
+            client.query_rows("SELECT * FROM %s" % name)
+            client.table_rows(name)
+        except TorchNotLoaded:
+            assert name.startswith("torch.") or name == "python.torch_trace", name
     assert run_cli(pid, "eval", "import sys; 'torch' in sys.modules").out == "False\n"
 
 
@@ -258,9 +262,22 @@ def shared_idle() -> Iterator[Proc]:
         yield proc
 
 
+@pytest.fixture(scope="module")
+def shared_training() -> Iterator[Proc]:
+    """A CPU training job traced from its first step, with the anomaly check: for the torch tables."""
+    env = target_env(PROBE_TORCH_TRACE="1", PROBE_TORCH_TRACE_ANOMALIES="1")
+    with running("train_trace.py", "nan", "3", env=env) as proc:
+        yield proc
+
+
+def _needs_torch(name: str) -> bool:
+    return name.startswith("torch.") or name == "python.torch_trace"
+
+
 @pytest.mark.parametrize("name, example", _example_params())
-def test_every_tables_example_query_runs(shared_idle, name, example):
-    result = run_cli(str(shared_idle.pid), "query", example, "-f", "json", timeout=30)
+def test_every_tables_example_query_runs(request, name, example):
+    target = request.getfixturevalue("shared_training" if _needs_torch(name) else "shared_idle")
+    result = run_cli(str(target.pid), "query", example, "-f", "json", timeout=30)
     assert result.code == 0, "the example of %s fails: %s" % (name, result.err)
     assert isinstance(json.loads(result.out), list)
 
