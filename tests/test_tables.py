@@ -5,7 +5,7 @@ import re
 import pytest
 
 import probe
-from probe.errors import TorchNotLoaded
+from probe.errors import NotFound, TorchNotLoaded
 from probe.tables import list_tables, produce_rows
 from probe.tables.arrow import to_arrow
 from procs import REPO
@@ -41,6 +41,9 @@ def _check_all_tables():
             produced = produce_rows(table)
         except TorchNotLoaded:
             continue  # this process has no torch: tests/test_torch_tables.py checks them on one that has
+        except NotFound:
+            assert table.name in ("python.torch_trace", "torch.anomalies"), table.name
+            continue  # torch is loaded (an earlier test loaded it here) but no trace ran: test_torch_trace.py
         data = to_arrow([(c.name, c.type) for c in table.columns], produced)  # raises on a wrong type
         assert data.schema.names == list(table.column_names)
         assert data.num_rows > 0 or "torch" in table.name, table.name  # no model here: torch tables may be empty
