@@ -178,3 +178,22 @@ def test_a_save_past_its_time_limit_is_stopped_and_the_old_file_stays(tmp_path):
         assert _sha256(path) == old
         again = run_cli(str(proc.pid), "query", "SELECT count(*) AS n FROM torch.parameters", "-f", "csv")
         assert again.code == 0 and again.out.split() == ["n", "6"]  # the agent serves on
+
+
+def test_taken_between_steps_when_the_job_steps_and_concurrently_when_it_does_not(tmp_path):
+    with running("train.py") as proc:  # keeps training: the save waits for the next optimizer step
+        saved = _checkpoint(proc.pid, str(tmp_path / "steps.pt"))
+        assert saved["taken"].startswith("between optimizer steps"), saved["taken"]
+        assert _eval(proc.pid, "1 + 1") == "2"  # and the loop went on
+        saved = _checkpoint(proc.pid, str(tmp_path / "asked.pt"), "--concurrent")
+        assert saved["taken"] == "concurrently with the training loop (as asked)", saved["taken"]
+    with running("train.py", "--idle") as proc:  # makes no step, as a hung job: saved concurrently, said so
+        started = time.monotonic()
+        saved = _checkpoint(proc.pid, str(tmp_path / "idle.pt"))
+        assert "no optimizer step came within 2 s" in saved["taken"], saved["taken"]
+        assert time.monotonic() - started < 30
+    restored = _in_fresh_python("""
+        import torch
+        print(sorted(torch.load(%r, weights_only=True)["models"]))
+    """ % str(tmp_path / "steps.pt"))
+    assert restored.startswith("["), restored

@@ -148,6 +148,42 @@ def submit(job: Job, place: str) -> None:
         raise
 
 
+def run_between_steps(work: Callable[[threading.Event], Any], timeout: float,
+                      step_wait: float = 2.0) -> "tuple[Any, str]":
+    """Run ``work(cancel)`` on the training thread right after the next optimizer step, waiting at most
+    ``step_wait`` for that step and ``timeout`` for the work: (its result, "") or (None, why it did not
+    run). Past ``timeout`` ``cancel`` is set (work checks it) and ``Timeout`` raised. Its own errors are
+    raised here, never in the training loop."""
+    from probe.errors import ProbeError, Timeout
+
+    cancel = threading.Event()
+    result: Dict[str, Any] = {}
+
+    def body(job: Job) -> None:
+        try:
+            result["value"] = work(cancel)
+        except BaseException as exc:  # for the requester below; never into the training loop
+            result["error"] = exc
+
+    job = Job(body)
+    try:
+        submit(job, "step")
+    except ProbeError as exc:
+        return None, exc.message
+    no_step = "no optimizer step came within %.0f s (the job is not progressing)" % step_wait
+    if not job.started.wait(step_wait) and job.abandon_if_waiting():
+        return None, no_step
+    if not job.finished.wait(timeout):
+        cancel.set()
+        job.finished.wait(2.0)
+        raise Timeout("it did not finish within %.0f s and was stopped" % timeout)
+    if job.state == "abandoned":
+        return None, no_step
+    if "error" in result:
+        raise result["error"]
+    return result.get("value"), ""
+
+
 def interrupt(job_id: str) -> str:
     """Interrupt the snippet sent with ``job_id``: ``cancelled``, ``interrupted``, ``finished`` or ``unknown``."""
     with _lock:

@@ -350,7 +350,13 @@ def torch_checkpoint(agent: "Agent", request: Request) -> Response:
     if not isinstance(path, str) or not path:
         raise BadRequest("give the checkpoint's path as {\"path\": \"/ckpt/x.pt\"}")
     timeout = min(_optional_seconds(body, "timeout") or DEFAULT_TIMEOUT_S, 24 * 3600.0)
-    return Response.json(save(path, names["models"], names["optimizers"], timeout))
+    concurrent = body.get("concurrent", False)
+    if not isinstance(concurrent, bool):
+        raise BadRequest("concurrent must be true or false")
+    from probe.agent.placement import run_between_steps
+
+    return Response.json(save(path, names["models"], names["optimizers"], timeout,
+                              None if concurrent else run_between_steps))
 
 
 def torch_trace(agent: "Agent", request: Request) -> Response:

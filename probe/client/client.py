@@ -421,11 +421,13 @@ class Client:
         return self._json("POST", "/v1/debug/stop", {})
 
     def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
-                   timeout: float = 300.0) -> Dict[str, Any]:
+                   timeout: float = 300.0, concurrent: bool = False) -> Dict[str, Any]:
         """Save the target's models, optimizers, step and RNG states to ``path`` (in the target's file system;
         ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``: expressions in ``__main__``;
-        default: those the agent finds. Returns the path, bytes, sha256 and what the file holds."""
-        body: Dict[str, Any] = {"path": path, "timeout": timeout}
+        default: those the agent finds. Written between two optimizer steps when the job makes steps
+        (else, or with ``concurrent``, alongside the loop). Returns the path, bytes, sha256, what the
+        file holds, and ``taken``: how it was taken."""
+        body: Dict[str, Any] = {"path": path, "timeout": timeout, "concurrent": concurrent}
         if models:
             body["models"] = list(models)
         if optimizers:

@@ -18,20 +18,27 @@ from probe.cli.context import CliContext, each_target, pass_cli
               help="The optimizer to save, likewise (repeatable). Default: those probe finds.")
 @click.option("--checkpoint-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
               help="Seconds the save may take; past them it stops and leaves the old file in place.")
+@click.option("--concurrent", is_flag=True,
+              help="Write alongside the training loop instead of between two optimizer steps (no pause; a step "
+                   "that runs meanwhile may show in some tensors).")
 @click.option("--json", "as_json", is_flag=True, help="Print what was saved as JSON.")
 @pass_cli
 def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: Tuple[str, ...],
-               checkpoint_timeout: float, as_json: bool) -> None:
+               checkpoint_timeout: float, concurrent: bool, as_json: bool) -> None:
     """Save models, optimizers, step and RNG states to PATH with torch.save, atomically.
 
     PATH is in the target's file system ({rank} becomes its rank); a relative PATH is taken from this
     shell's directory for a target on this host, else from the target's. Written to a temporary file,
     fsynced, then renamed: a crash never leaves a truncated file nor loses an older one at PATH.
-    Needs eval enabled in the agent (it writes files as the target's user).
+    Written right after the next optimizer step, on the training thread (the loop waits, and every
+    tensor is of one step); a job that makes no step within 2 s (hung) is saved alongside it, its
+    state not changing. The output says which. Needs eval enabled in the agent (it writes files as the
+    target's user).
     """
     several = len(cli.targets) > 1
     for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
-                                                                  list(optimizers) or None, checkpoint_timeout)):
+                                                                  list(optimizers) or None, checkpoint_timeout,
+                                                                  concurrent)):
         if as_json:
             click.echo(json.dumps(dict(saved, target=client.target.label)))
             continue
@@ -51,6 +58,8 @@ def render_checkpoint(saved: Dict[str, Any]) -> Iterator[str]:
     """What the agent saved, for a person."""
     yield "saved %s: %.1f MB in %.2f s" % (saved.get("path"), (saved.get("bytes") or 0) / 1e6, saved.get("seconds") or 0)
     yield "  sha256      %s" % saved.get("sha256")
+    if saved.get("taken"):
+        yield "  taken       %s" % saved["taken"]
     for model in saved.get("models", []):
         yield "  model       %s: %d tensors, %d parameters" % (model["name"], model["tensors"], model["parameters"])
     for optimizer in saved.get("optimizers", []):

@@ -7,8 +7,10 @@ removed by the next checkpoint into that directory.
 
 What it never does: issue a collective (a DTensor is saved as this rank's local shard, its placements
 recorded), run ``state_dict`` hooks (FSDP2's would reshard the model under the training thread), or
-import torch (the target must have). The training loop keeps running meanwhile: tensors are written as
-they are when their turn comes, so a step that runs during the save may show in some of them.
+import torch (the target must have). By default the agent has it written right after the next optimizer
+step, on the training thread (the loop waits): every tensor is of the same step. A job that makes no
+step within seconds (hung) is saved concurrently, its state not changing; so is one asked with
+``--concurrent``, where a step that runs during the save may show in some tensors.
 
 File layout (loadable with ``torch.load(path)``, ``weights_only`` included)::
 
@@ -26,11 +28,14 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.errors import BadRequest, Busy, NotFound, ProbeError, Timeout
 from probe.tables.torch._common import is_dtensor, torch_or_raise
 from probe.tables.torch.discovery import find_models, find_optimizers, main_expression
+
+#: Runs ``work(cancel)`` right after the next optimizer step: (its result, "") or (None, why it did not).
+BetweenSteps = Callable[[Callable[[threading.Event], Dict[str, Any]], float], Tuple[Optional[Dict[str, Any]], str]]
 
 __all__ = ["save", "expand_path", "DEFAULT_TIMEOUT_S", "FORMAT"]
 
@@ -45,13 +50,30 @@ class _Cancelled(Exception):
 
 
 def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional[Sequence[str]] = None,
-         timeout: float = DEFAULT_TIMEOUT_S) -> Dict[str, Any]:
-    """Write the checkpoint; what it holds, its path, size and sha256. One checkpoint at a time."""
+         timeout: float = DEFAULT_TIMEOUT_S, between_steps: Optional[BetweenSteps] = None) -> Dict[str, Any]:
+    """Write the checkpoint; what it holds, its path, size and sha256, and how it was taken. One at a time.
+
+    ``between_steps`` (the agent's placement of a snippet right after the next optimizer step) writes
+    it on the training thread between two steps, so no tensor is from another step than the others;
+    the loop waits meanwhile. It answers (None, why) when no step came soon (a hung job, no optimizer):
+    the checkpoint is then written concurrently, as it is without ``between_steps``. ``taken`` says which.
+    """
     torch_or_raise()
     if not _busy.acquire(blocking=False):
         raise Busy("a checkpoint is being written in this process already", hint="wait for it to finish")
     try:
-        return _in_worker(lambda cancel: _save(path, models, optimizers, cancel), timeout)
+        work = lambda cancel: _save(path, models, optimizers, cancel)  # noqa: E731
+        taken = "concurrently with the training loop (as asked)"
+        if between_steps is not None:
+            try:
+                done, why = between_steps(work, timeout)
+            except Timeout:
+                raise Timeout("the checkpoint did not finish within %.0f s; it was stopped and its temporary file "
+                              "removed" % timeout, hint="give it longer with --checkpoint-timeout") from None
+            if done is not None:
+                return dict(done, taken="between optimizer steps (the training loop waited while it was written)")
+            taken = "concurrently with the training loop: %s" % why
+        return dict(_in_worker(work, timeout), taken=taken)
     finally:
         _busy.release()
 
