@@ -8,6 +8,9 @@ runs a busy loop that records the longest gap between two iterations. Each round
 ...), opens a gap window, runs one whole command, and closes the window:
 
 * ``probe PID checkpoint DIR/a.pt``: temporary file, fsync, rename, directory fsync, sha256 while writing;
+  the busy loop makes no optimizer step, so the command waits 2 s for one (it would write between two
+  steps) and then writes alongside the loop, as for a hung job;
+* ``probe PID checkpoint --concurrent DIR/c.pt``: the same without that wait;
 * ``probe PID eval "torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict()}, DIR/b.pt)"``:
   what one would type without the command (no fsync, written in place).
 
@@ -58,10 +61,12 @@ def main() -> None:
     try:
         with Target("big_model.py", "--layers", str(args.layers), "--width", str(args.width),
                     ready_timeout=300) as target:
-            a, b = os.path.join(directory, "a.pt"), os.path.join(directory, "b.pt")
+            a, b, c = (os.path.join(directory, n) for n in ("a.pt", "b.pt", "c.pt"))
             code = ("torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict()}, %r)" % b)
             runners: Dict[str, Callable[[], Tuple[float, float]]] = {
                 "probe checkpoint": measured(target, [probe, str(target.pid), "--timeout", "600", "checkpoint", a]),
+                "probe checkpoint --concurrent": measured(target, [probe, str(target.pid), "--timeout", "600",
+                                                                   "checkpoint", "--concurrent", c]),
                 "torch.save via probe eval": measured(target, [probe, str(target.pid), "--timeout", "600", "eval",
                                                                "--eval-timeout", "300", code]),
             }
@@ -72,6 +77,7 @@ def main() -> None:
                 for name in (list(runners) if i % 2 == 0 else list(runners)[::-1]):
                     results[name].append(runners[name]())
             sizes = {name: os.path.getsize(path) for name, path in (("probe checkpoint", a),
+                                                                   ("probe checkpoint --concurrent", c),
                                                                    ("torch.save via probe eval", b))}
     finally:
         shutil.rmtree(directory, ignore_errors=True)
