@@ -7,15 +7,20 @@ a batch that will never come: no error, no exit, and the last checkpoint is hour
     PROBE=1 python examples/hung_checkpoint.py &          # prints READY <pid> once it hangs
     probe $PID backtrace                                  # MainThread: train -> Queue.get -> wait:
                                                           #   no "prefetch" thread left to fill it
-    probe $PID checkpoint /tmp/ck.pt                      # model, optimizer, step 40, RNG states
+    probe $PID checkpoint /tmp/ck.pt                      # model, optimizer, step 40, RNG states; taken
+                                                          #   "concurrently with the training loop: no
+                                                          #   optimizer step came within 2 s"
     python -c "import torch; ck = torch.load('/tmp/ck.pt'); print(ck['step'], list(ck['models']['model']))"
+                                                          # -> 40 ['0.weight', '0.bias', '2.weight', ...]
 
-``checkpoint`` runs on the agent's own thread, so it needs nothing from the main thread, which is
-blocked in C and would never run ``eval --on main``; a hung job changes nothing meanwhile, so the
-file is consistent. The file holds plain state dicts (``torch.load`` with ``weights_only``):
-``{"models": {"model": ...}, "optimizers": {"optimizer": ...}, "step": 40, "rng": ..., "meta": ...}``;
-``model.load_state_dict(ck["models"]["model"])`` resumes. The names are the globals of ``__main__`` that
-hold them, and the step is its ``step`` global. Stop the job with Ctrl-C or ``kill $PID``.
+``checkpoint`` waits up to 2 s for an optimizer step, to write between two steps; a hung job makes
+none, so it writes alongside the loop, from a thread of the agent (``--concurrent`` skips the wait).
+It needs nothing from the main thread, which is blocked in C and would never run ``eval --on main``,
+and a hung job changes nothing meanwhile, so the file is consistent. It holds plain state dicts
+(``torch.load`` with ``weights_only`` reads it): ``{"models": {"model": ...}, "optimizers":
+{"optimizer": ...}, "step": 40, "rng": ..., "meta": ...}``, the names those of the globals of
+``__main__`` that hold them, the step its ``step`` global; ``model.load_state_dict(ck["models"]["model"])``
+resumes. Stop the job with Ctrl-C or ``kill $PID``.
 """
 
 import os
