@@ -20,8 +20,8 @@ is NaN too, whatever the data. The log says only that the loss is NaN; the quest
 The first anomaly names where NaN first appeared: later steps show it everywhere, from the poisoned
 weights. A NaN in the output of the first layer, whose weights were still finite then (the step
 before it had no anomaly), came in with the batch. Without the environment variables the screening
-starts with ``probe $PID trace start --anomalies``, and sees only the steps after it. The job stops
-after 2000 steps.
+starts with ``probe $PID trace start --anomalies``, and sees only the steps after it (numbered from 0
+there, not as the loop counts them). The job stops after 2000 steps.
 """
 
 import os
