@@ -11,10 +11,10 @@ there is no error and no exit; the log simply stops.
     probe $PID eval "import multiprocessing as mp; [(c.name, c.pid) for c in mp.active_children()]"
                                                           # -> [('Process-1', WORKER_PID)]: the worker
     probe list                                            # the worker: agent "no", "probe WORKER_PID inject"
-    probe $WORKER_PID backtrace                           # refused (exit 3): the worker runs no agent
-    probe $WORKER_PID backtrace --native                  # read from outside (py-spy), no agent needed:
-                                                          #   _worker_loop -> fetch -> Samples.__getitem__
-                                                          #   -> read_sample -> sleep
+    probe $WORKER_PID backtrace                           # the worker runs no agent: read from outside
+                                                          #   (py-spy; stderr says so): _worker_loop ->
+                                                          #   fetch -> Samples.__getitem__ -> read_sample
+    probe $WORKER_PID backtrace --native                  # the same with the C frames (-> sleep)
     probe $WORKER_PID inject                              # or start an agent in the worker (needs gdb) ...
     probe $WORKER_PID query "SELECT func, name, value FROM python.locals WHERE name = 'index'"
                                                           # -> read_sample and __getitem__: index 700;
@@ -23,8 +23,8 @@ there is no error and no exit; the log simply stops.
 The worker is a child process forked by the DataLoader. The agent does not follow a fork (a child
 must not answer on its parent's socket), so the worker runs no agent although ``PROBE=1`` is in its
 environment, and ``probe list`` offers ``inject`` as the way in.
-``backtrace`` without ``--native`` asks for an agent and says so; ``--native`` reads the stacks from
-outside (C frames between the Python ones; the Python frames are those of the plain backtrace).
+``backtrace`` of a process without an agent reads its stacks from outside and says so on stderr
+(``--native`` adds the C frames); eval and the other tables need the agent that ``inject`` starts.
 The stalled read leaves once the trainer is gone, so killing ``$PID`` leaves no worker behind.
 """
 

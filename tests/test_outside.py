@@ -306,3 +306,15 @@ def test_reader_runs_alone_as_a_module(target_factory):
     data = json.loads(done.stdout)
     assert data["gil_holder"] == proc.pid
     assert any(r["func"] == "hold_gil" and r["depth"] == 0 for r in data["rows"])
+
+
+def test_a_python_process_without_an_agent_still_shows_its_stacks(target_factory):
+    proc = _holding(target_factory("states.py", "sleep", probe=False, wait_socket=False), "sleep")
+    pid = str(proc.pid)
+    result = _timed(pid, "backtrace")
+    assert result.code == 0 and "no agent in process %s" % pid in result.err and "read from outside" in result.err
+    assert "main_sleep (%s:%d)" % (STATES, _line(STATES, "# STATE:sleep")) in result.out
+    result = _timed(pid, "query", "SELECT func FROM python.backtrace WHERE is_main AND depth = 0", "-f", "json")
+    assert result.code == 0 and json.loads(result.out) == [{"func": "main_sleep"}], result.err
+    result = _timed(pid, "eval", "1")
+    assert result.code == 3 and "inject" in result.err, result.err  # eval needs an agent: the hint starts one

@@ -198,17 +198,17 @@ class Client:
             return ConnectError("no process with pid %d (it exited, was killed, or never was)" % pid,
                                 hint="check the pid with `probe list` or ps")
         if refused:
-            return ConnectError("no agent listens in process %d: its socket %s refuses connections (its agent "
-                                "stopped, or an earlier process with this pid died and left it)" % (pid, path),
-                                hint="start an agent in it with `probe %d inject`" % pid)
+            return _agentless(ConnectError("no agent listens in process %d: its socket %s refuses connections (its "
+                                           "agent stopped, or an earlier process with this pid died and left it)"
+                                           % (pid, path), hint="start an agent in it with `probe %d inject`" % pid), pid)
         if answering or socket_state != "missing":
             return exc  # what transport said is all there is to say (permission denied, a dropped answer)
         not_python = _not_python(pid)
         if not_python:
             return ConnectError("process %d (%s) is not a Python interpreter, so no agent can run in it" % (pid, not_python),
                                 hint="give the pid of the Python process itself (`probe list` shows them)")
-        return ConnectError("no agent in process %d" % pid,
-                            hint="start it with PROBE=1 in the process's environment, or `probe %d inject`" % pid)
+        return _agentless(ConnectError("no agent in process %d" % pid, hint="start it with PROBE=1 in the process's "
+                                       "environment, or `probe %d inject`" % pid), pid)
 
     # -- operations -------------------------------------------------------------------------------
 
@@ -256,7 +256,7 @@ class Client:
         try:
             raw = self._json("GET", "/v1/backtrace")
         except ProbeError as exc:
-            stacks = _outside_stacks(exc)
+            stacks = _outside_stacks(exc, agentless=True)
             if stacks is None:
                 raise
             self.note = _note_for(exc, stacks)
@@ -316,7 +316,7 @@ class Client:
             except SQLUnavailable:
                 self._local_sql = True
             except ProbeError as exc:
-                stacks = _outside_stacks(exc)
+                stacks = _outside_stacks(exc, agentless=True)
                 if stacks is None:
                     raise
                 self.note = _note_for(exc, stacks)
@@ -337,7 +337,7 @@ class Client:
             except SQLUnavailable:
                 self._local_sql = True
             except ProbeError as exc:
-                stacks = _outside_stacks(exc)
+                stacks = _outside_stacks(exc, agentless=True)
                 if stacks is None:
                     raise
                 self.note = _note_for(exc, stacks)
@@ -460,8 +460,24 @@ class Client:
 
 
 
-def _outside_stacks(exc: ProbeError) -> Any:
-    """The stacks that came with an error: read from outside (agent blocked) or a crash record (dead)."""
+def _agentless(exc: ProbeError, pid: int) -> ProbeError:
+    """Mark an error about a live local process that runs no agent: its stacks can still be read from outside."""
+    exc.agentless_pid = pid  # type: ignore[attr-defined]
+    return exc
+
+
+def _outside_stacks(exc: ProbeError, agentless: bool = False) -> Any:
+    """The stacks that came with an error: read from outside (agent blocked), a crash record (dead), or
+    with ``agentless``, read now from a live process that runs no agent (None where that fails)."""
+    pid = getattr(exc, "agentless_pid", None)
+    if agentless and pid is not None:
+        from probe.errors import ReaderError
+        from probe.reader import live
+
+        try:
+            return live.read_live(pid)
+        except ReaderError:
+            return None
     diagnosis = getattr(exc, "diagnosis", None)
     if diagnosis is not None and diagnosis.stacks is not None:
         return diagnosis.stacks
