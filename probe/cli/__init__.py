@@ -3,7 +3,9 @@
 import sys
 from typing import List, Optional
 
-__all__ = ["main"]
+__all__ = ["main", "INTERRUPTED"]
+
+INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGINT)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -31,7 +33,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         # Ctrl-C: one line, not a traceback; the command already told the agent to stop what it could.
         start = "\n" if sys.stderr.isatty() else ""  # after the terminal's "^C", on a line of its own
         click.echo("%sprobe: %s" % (start, str(exc) or "interrupted (Ctrl-C)"), err=True)
-        code = 130
+        code = INTERRUPTED
     except BrokenPipeError:
         code = 0
     if argv is None:
