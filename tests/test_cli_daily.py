@@ -118,13 +118,18 @@ def test_ctrl_c_during_an_eval_interrupts_the_snippet_and_exits_130(target, tmp_
         time.sleep(0.02)
 
 
-def test_ctrl_c_during_a_query_exits_130_with_one_line(target):
+def test_ctrl_c_during_a_query_stops_it_in_the_agent_and_exits_130_with_one_line(target):
     status, out, _ = run_in_pty([str(target.pid), "query", "SELECT sum(hash(i)) FROM range(10000000000) t(i)"],
                                 when=_has_socket)
     assert status == 130, out
     assert "Traceback" not in out, out
     assert [line for line in out.splitlines() if line.strip() and line.strip() != "^C"] == \
-        ["probe: interrupted (Ctrl-C)"], out
+        ["probe: interrupted (Ctrl-C); the query was stopped in the target"], out
+    busy = "SELECT count(*) AS n FROM python.threads WHERE thread_name = 'probe-request'"
+    deadline = time.monotonic() + 5  # the agent's own limit is 10 s: only the interrupt ends it sooner
+    while json.loads(run_cli(str(target.pid), "query", busy, "-f", "json").out)[0]["n"] > 1:  # this query's own
+        assert time.monotonic() < deadline, "the query went on running in the agent after Ctrl-C"
+        time.sleep(0.05)
 
 
 # -- output that fits ----------------------------------------------------------------------------

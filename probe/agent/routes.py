@@ -150,11 +150,13 @@ def query(agent: "Agent", request: Request) -> Response:
                           "PROBE_MAX_ROWS_CEILING"))
     timeout = within(_optional_seconds(body, "timeout"), options.query_timeout, ceilings.query_timeout,
                      "--query-timeout", "PROBE_QUERY_TIMEOUT_CEILING")
+    query_id = _optional_id(body)
     engine = agent.engine()
     hold = _budget(agent).hold()
     try:
         with work_slot(timeout), fast_switching():
-            result = _run_query(engine, sql, max_rows, timeout, hold, max(ceilings.query_timeout, options.query_timeout))
+            result = _run_query(engine, sql, max_rows, timeout, hold, max(ceilings.query_timeout, options.query_timeout),
+                                query_id)
             if ARROW_STREAM in request.headers.get("accept", ""):
                 payload = _arrow_stream(result)
                 hold.reserve(len(payload))
@@ -170,12 +172,33 @@ def query(agent: "Agent", request: Request) -> Response:
         raise
 
 
-def _run_query(engine: Any, sql: str, max_rows: int, timeout: float, hold: Hold, ceiling: float) -> Any:
+def _optional_id(body: Dict[str, Any]) -> Optional[str]:
+    """A request's own name (for a later interrupt): up to 64 letters, digits, '-' or '_'."""
+    value = body.get("id")
+    if value is None:
+        return None
+    if not isinstance(value, str) or not (0 < len(value) <= 64) or not value.replace("-", "").replace("_", "").isalnum():
+        raise BadRequest("id must be 1 to 64 letters, digits, '-' or '_'")
+    return value
+
+
+def interrupt_query(agent: "Agent", request: Request) -> Response:
+    """Stop the query sent with ``{"id"}`` (a client's Ctrl-C): ``interrupted``, ``finished``, or
+    ``cancelled`` (not started yet: it stops when it does)."""
+    query_id = _optional_id(request.json())
+    if query_id is None:
+        raise BadRequest("give the query's id as {\"id\": \"...\"}")
+    # The engine is built by the first query: an interrupt that overtakes that query builds it too.
+    return Response.json({"id": query_id, "state": agent.engine().interrupt(query_id)})
+
+
+def _run_query(engine: Any, sql: str, max_rows: int, timeout: float, hold: Hold, ceiling: float,
+               query_id: Optional[str] = None) -> Any:
     """The engine's query, its time-out said with a hint that can work (raise the limit, or narrow the query)."""
     from probe.errors import Timeout
 
     try:
-        return engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve)
+        return engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve, query_id=query_id)
     except Timeout:
         hint = ("raise it with --query-timeout (this agent allows up to %g s), or narrow the query" % ceiling
                 if timeout < ceiling else "narrow the query: %g s is this agent's ceiling (PROBE_QUERY_TIMEOUT_CEILING "
@@ -378,6 +401,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("POST", "/v1/torch/checkpoint"): torch_checkpoint,
     ("POST", "/v1/torch/trace"): torch_trace,
     ("POST", "/v1/eval/interrupt"): interrupt_eval,
+    ("POST", "/v1/query/interrupt"): interrupt_query,
     ("POST", "/v1/complete"): complete,
     ("POST", "/v1/debug/start"): debug_start,
     ("POST", "/v1/debug/stop"): debug_stop,

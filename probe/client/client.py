@@ -296,11 +296,12 @@ class Client:
         return pystack_source.read_core(self.target.core, self.executable, native)
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
-                   native: bool = False) -> Rows:
+                   native: bool = False, query_id: Optional[str] = None) -> Rows:
         """Run SQL; the result as plain rows (no pyarrow needed when the agent runs the query).
 
         Where the agent cannot answer, SQL over ``python.backtrace`` still runs, here, on the stacks
         read from outside (``note`` says so); ``native`` makes that table hold the C frames too.
+        ``query_id`` names the query for :meth:`interrupt_query`.
         """
         from probe.client.local_sql import rows_of
 
@@ -308,7 +309,7 @@ class Client:
         if self.target.core is not None or native:
             return rows_of(self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None))
         if not self._local_sql:
-            body = _query_body(sql, max_rows, timeout)
+            body = _query_body(sql, max_rows, timeout, query_id)
             try:
                 raw = self._json("POST", "/v1/query", body, timeout=self._answer_wait(timeout, 10.0))
                 return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"],
@@ -324,7 +325,7 @@ class Client:
         return rows_of(self.query(sql, max_rows=max_rows, timeout=timeout))
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
-              native: bool = False) -> Any:
+              native: bool = False, query_id: Optional[str] = None) -> Any:
         """Run SQL; the result as a ``pyarrow.Table`` (metadata ``probe.truncated`` says if it was cut).
 
         Falls back to the stacks read from outside as ``query_rows`` does."""
@@ -333,7 +334,7 @@ class Client:
             return self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None)
         if not self._local_sql:
             try:
-                return self._query_arrow(sql, max_rows, timeout)
+                return self._query_arrow(sql, max_rows, timeout, query_id)
             except SQLUnavailable:
                 self._local_sql = True
             except ProbeError as exc:
@@ -352,10 +353,16 @@ class Client:
 
         return run_on_stacks(sql, stacks, max_rows, timeout, why, self.target.label)
 
-    def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
+    def interrupt_query(self, query_id: str) -> str:
+        """Stop the query sent with ``query_id`` in the agent: ``interrupted``, ``finished`` (it had
+        ended) or ``cancelled`` (it had not started: it will stop when it does)."""
+        return str(self._json("POST", "/v1/query/interrupt", {"id": query_id}, timeout=5.0).get("state"))
+
+    def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float],
+                     query_id: Optional[str] = None) -> Any:
         import pyarrow as pa
 
-        response = self._call("POST", "/v1/query", _query_body(sql, max_rows, timeout), accept=ARROW_STREAM,
+        response = self._call("POST", "/v1/query", _query_body(sql, max_rows, timeout, query_id), accept=ARROW_STREAM,
                               timeout=self._answer_wait(timeout, 10.0))
         if not response.headers.get("content-type", "").startswith(ARROW_STREAM):
             raise ProbeError("%s did not answer in Arrow" % self.target.label)
@@ -594,8 +601,11 @@ def _zombie_note(pid: int) -> str:
     return ", and its parent (pid %d, %s) has not reaped it" % (ppid, name)
 
 
-def _query_body(sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Dict[str, Any]:
+def _query_body(sql: str, max_rows: Optional[int], timeout: Optional[float],
+                query_id: Optional[str] = None) -> Dict[str, Any]:
     body: Dict[str, Any] = {"sql": sql}
+    if query_id is not None:
+        body["id"] = query_id
     if max_rows is not None:
         body["max_rows"] = max_rows
     if timeout is not None:

@@ -30,6 +30,7 @@ MAX_SELECTS = 256
 MAX_SQL_CHARS = 256 * 1024
 _BATCH_ROWS = 2048  # DuckDB's vector size: the byte bound is checked at least this often
 _INTERRUPT_EVERY = 0.02
+_REMEMBERED = 256  # query ids remembered as finished or cancelled-before-start
 _CLOSE_WAIT = 3.0
 _SELECT = re.compile(r"\bSELECT\b", re.IGNORECASE)
 
@@ -99,6 +100,9 @@ class Engine:
         self.timeout = timeout
         self.max_result_bytes = max_result_bytes
         self._active: Set[Any] = set()  # cursors of queries in flight
+        self._by_id: Dict[str, Callable[[], None]] = {}  # query_id -> its interrupt, while it runs
+        self._finished: Dict[str, None] = {}  # the last _REMEMBERED ids that ended, oldest first
+        self._cancelled: Dict[str, None] = {}  # ids interrupted before they started (bounded likewise)
         self._active_cond = threading.Condition()
         self._closing = False
         self._views: Set[str] = set()
@@ -120,8 +124,10 @@ class Engine:
         self._parser = duckdb.connect(":memory:", config={"enable_external_access": False, "threads": 1})
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
-              max_bytes: Optional[int] = None, reserve: Optional[Reserve] = None) -> QueryResult:
-        """Run one SELECT. ``max_rows``, ``timeout`` and ``max_bytes`` may only lower the engine's limits."""
+              max_bytes: Optional[int] = None, reserve: Optional[Reserve] = None,
+              query_id: Optional[str] = None) -> QueryResult:
+        """Run one SELECT. ``max_rows``, ``timeout`` and ``max_bytes`` may only lower the engine's limits.
+        ``query_id`` names it for :meth:`interrupt` (a client's Ctrl-C)."""
         started = time.perf_counter()
         cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
@@ -133,6 +139,13 @@ class Engine:
         def interrupt() -> None:
             fired.append(True)
             cursor.interrupt()
+
+        if query_id is not None:
+            with self._active_cond:
+                self._by_id[query_id] = interrupt
+                cancelled = self._cancelled.pop(query_id, None) is not None
+            if cancelled:  # its interrupt came first (the client's Ctrl-C while the query was on its way)
+                interrupt()
 
         alarm = self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)
         try:
@@ -158,8 +171,33 @@ class Engine:
             raise
         finally:
             self._watchdog.cancel(alarm)
+            if query_id is not None:
+                with self._active_cond:
+                    self._by_id.pop(query_id, None)
+                    self._finished[query_id] = None
+                    while len(self._finished) > _REMEMBERED:
+                        self._finished.pop(next(iter(self._finished)))
             self._leave(cursor)
         return QueryResult(table, truncated, (time.perf_counter() - started) * 1000.0)
+
+    def interrupt(self, query_id: str) -> str:
+        """Stop the query named ``query_id``: ``interrupted`` (it was running), ``finished`` (it had
+        ended), or ``cancelled``: not seen yet, so it stops as soon as it starts (the interrupt of a
+        client's Ctrl-C can overtake its query). It ends with the engine's time-out error."""
+        with self._active_cond:
+            stop = self._by_id.get(query_id)
+            if stop is None:
+                if query_id in self._finished:
+                    return "finished"
+                self._cancelled[query_id] = None
+                while len(self._cancelled) > _REMEMBERED:
+                    self._cancelled.pop(next(iter(self._cancelled)))
+                return "cancelled"
+        try:
+            stop()
+        except Exception:
+            pass
+        return "interrupted"
 
     def close(self) -> None:
         """Interrupt every query in flight, wait (bounded) until none is inside DuckDB, then release it.

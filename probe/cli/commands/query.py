@@ -1,14 +1,16 @@
 """``probe TARGET query SQL``: run SQL against the target's tables."""
 
-from typing import List, Optional
+import secrets
+from typing import Any, Callable, List, Optional
 
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
 from probe.cli.output import check_writable, file_format, write_arrow, write_rows, wrote
 from probe.cli.render import FORMATS, render_rows, terminal_width
+from probe.client import Client
 from probe.client.results import Rows
-from probe.errors import UsageError
+from probe.errors import ProbeError, UsageError
 
 
 @click.command("query")
@@ -53,15 +55,29 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
     if merge:
         raise UsageError("--merge runs over the rows of several ranks", hint="add --all-ranks or --ranks LIST")
     several = len(cli.targets) > 1
-    if file_fmt in ("parquet", "arrow"):
-        tables = list(each_target(cli, lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout, native=native)))
-        if tables:
-            write_arrow(output or "", tables, file_fmt, several)
-        return
-    parts: List[Rows] = []
-    for client, rows in each_target(cli, lambda c: c.query_rows(sql, max_rows=max_rows, timeout=query_timeout,
-                                                                native=native)):
-        parts.append(rows.with_column("target", client.target.label) if several else rows)
+    query_id = secrets.token_hex(8)
+    running: List[Client] = []  # the client whose query is in flight, for Ctrl-C
+
+    def tracked(work: Callable[[Client], Any]) -> Callable[[Client], Any]:
+        def run(client: Client) -> Any:
+            running[:] = [client]
+            return work(client)
+        return run
+
+    try:
+        if file_fmt in ("parquet", "arrow"):
+            tables = list(each_target(cli, tracked(lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout,
+                                                                     native=native, query_id=query_id))))
+            if tables:
+                write_arrow(output or "", tables, file_fmt, several)
+            return
+        parts: List[Rows] = []
+        for client, rows in each_target(cli, tracked(lambda c: c.query_rows(sql, max_rows=max_rows,
+                                                                            timeout=query_timeout, native=native,
+                                                                            query_id=query_id))):
+            parts.append(rows.with_column("target", client.target.label) if several else rows)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % _stop_in_target(running, query_id)) from None
     if not parts:
         return
     combined = Rows.concat(parts)
@@ -73,6 +89,18 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
     click.echo(render_rows(combined, fmt, terminal_width(), wide, footer))
     if footer and fmt in ("json", "csv"):
         click.echo("probe: " + footer, err=True)
+
+
+def _stop_in_target(running: List[Client], query_id: str) -> str:
+    """Ask the agent to stop the query in flight; what became of it, in words."""
+    if not running:
+        return "nothing was sent"
+    try:
+        state = running[0].interrupt_query(query_id)
+    except ProbeError as exc:
+        return "the query may still run in the target until its time limit (%s)" % exc.message
+    return {"interrupted": "the query was stopped in the target", "cancelled": "the query was stopped in the target",
+            "finished": "the query had already ended"}.get(state, "the query may still run in the target")
 
 
 def truncation_note(rows: Rows, asked: Optional[int]) -> str:
