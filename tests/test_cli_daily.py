@@ -7,6 +7,7 @@ import http.server
 import json
 import os
 import pty
+import re
 import select
 import signal
 import socket
@@ -362,3 +363,20 @@ def test_the_readme_lists_the_threads_columns_and_the_limits_the_code_has(target
         assert "`%s`" % variable in readme
     ceilings = Ceilings()
     assert "(%d s, %d s, %d)" % (ceilings.query_timeout, ceilings.eval_timeout, ceilings.max_rows) in readme
+
+
+def test_the_readme_quotes_the_inject_figures_of_the_bench_file():
+    with open(os.path.join(REPO, "README.md")) as handle:
+        readme = " ".join(handle.read().split())
+    with open(os.path.join(REPO, "bench", "RESULTS_inject.md")) as handle:
+        bench = handle.read().splitlines()
+
+    def torch_median(method: str) -> float:
+        row = next(line for line in bench if line.startswith(method))
+        return float(re.findall(r"(\d+\.\d+) s\b", row)[1])  # the second "N.NNN s": the torch column
+
+    cli = torch_median("probe PID inject (CLI)")
+    peers = sorted(torch_median(m) for m in ("debugpy run_python_code", "plain gdb, all symbols"))
+    quoted = "`probe PID inject` in %.2f s on a process that imported torch (debugpy or plain gdb: %.1f-%.1f s)" % (
+        cli, peers[0], peers[-1])
+    assert quoted in readme, quoted
