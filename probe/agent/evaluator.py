@@ -234,6 +234,10 @@ def run_snippet(code: str, timeout: float, place: str = "agent", frame: Optional
                            stdout_dropped=dropped[0], stderr_dropped=dropped[1])
     if job.state == "abandoned":  # the client cancelled it before it started
         return EvalOutcome("", "", None, "EvalInterrupted: cancelled before it started; nothing ran\n")
+    if job.why_interrupted is not None and not result.get("error") and result.get("value") is None:
+        # The interrupt landed outside the snippet's own try (while its run was being set up or wound
+        # down): Job.run_here swallowed it, so say here that it was interrupted.
+        result["error"] = "EvalInterrupted: %s\n" % job.why_interrupted
     dropped = result.get("dropped", (0, 0))
     return EvalOutcome(result.get("stdout", ""), result.get("stderr", ""), result.get("value"), result.get("error"),
                        stdout_dropped=dropped[0], stderr_dropped=dropped[1])
