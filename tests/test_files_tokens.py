@@ -506,3 +506,39 @@ def test_no_agent_in_a_live_process_still_says_how_to_start_one(runtime, target_
     shutil.rmtree(runtime)
     missing_dir = run_cli(str(plain.pid), "health", env=_env(runtime, probe=False))
     assert missing_dir.code == 3 and "no agent in process %d" % plain.pid in missing_dir.err
+
+
+def test_a_sigterm_leaves_its_stacks_and_the_next_command_clears_its_files(runtime, target_factory):
+    env = _env(runtime, probe=False)
+    proc = target_factory("idle.py", env=_env(runtime, PROBE_LISTEN="127.0.0.1:0"))
+    other = target_factory("idle.py", env=_env(runtime))
+    assert run_cli(str(proc.pid), "health", env=env).code == 0  # up, with its token file written
+    sock, token = _paths.socket_path(proc.pid), _paths.token_path(proc.pid)
+    assert os.path.exists(token)
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.popen.wait(10) == -signal.SIGTERM  # the default action, as without probe
+    assert os.path.exists(sock) and os.path.exists(token)  # no exit hook ran
+    then = time.time() - 60
+    os.utime(sock, (then, then))  # it died a minute ago: past the 2 s guard of a socket being set up
+
+    assert run_cli(str(other.pid), "health", env=env).code == 0  # any command that looks at the directory
+    assert not os.path.exists(sock) and not os.path.exists(token)
+    assert os.path.exists(_paths.socket_path(other.pid))
+
+    rows = json.loads(run_cli("list", "--json", "--agents-only", env=env).out)
+    dead = [r for r in rows if r["pid"] == proc.pid]
+    assert dead and dead[0]["agent"] == "dead" and "SIGTERM" in dead[0]["state"], rows
+    stacks = run_cli(str(proc.pid), "backtrace", env=env)
+    assert stacks.code == 0 and "main_sleep" in stacks.out and "data_loader_wait" in stacks.out, stacks.out
+
+
+def test_a_program_that_handles_sigterm_keeps_its_handler(runtime, target_factory):
+    proc = target_factory("own_sigterm.py", env=_env(runtime))
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.read_line(10) == "TERM" and proc.alive()
+    proc.popen.kill()
+    proc.popen.wait(10)
+    record = [n for n in os.listdir(runtime) if n.startswith("%d-" % proc.pid) and n.endswith(".crash")]
+    assert record, os.listdir(runtime)
+    with open(os.path.join(runtime, record[0])) as handle:
+        assert "Thread 0x" not in handle.read()  # its SIGTERM wrote no stacks: its own handler ran instead

@@ -9,6 +9,12 @@ uncaught exception is recorded from ``sys.excepthook`` (chained to the one that 
 exit removes the file; a kill that leaves no chance to write (SIGKILL, the OOM killer) leaves the
 header only, which is a record too: "ended without a word".
 
+SIGTERM runs no Python handler (installing one would change the program: a main thread blocked in C
+would never see it). Where SIGTERM's disposition is the default one (nobody catches or ignores it),
+faulthandler is registered for it with ``chain=True``: its C handler writes every thread's stack into
+the record, puts the default action back and raises SIGTERM again, so the process dies of SIGTERM with
+the same exit status as without probe. A program that sets its own SIGTERM handler later replaces it.
+
 When the program has already enabled faulthandler for itself (``-X faulthandler``,
 ``PYTHONFAULTHANDLER``), it keeps it: its stacks go where it sent them, and the header says so.
 
@@ -18,6 +24,7 @@ hook wrote. ``probe.reader.crash`` reads it. Runs inside the target: stdlib only
 
 import faulthandler
 import os
+import signal
 import sys
 import threading
 import time
@@ -35,11 +42,12 @@ _path: Optional[str] = None
 _pid = 0
 _keep = False
 _ours = False
+_sigterm = False
 
 
 def install() -> Optional[str]:
     """Open this process's record and arm the handlers; returns its path (None where it cannot be)."""
-    global _file, _path, _pid, _ours
+    global _file, _path, _pid, _ours, _sigterm
     if _file is not None and _pid == os.getpid():
         return _path
     try:
@@ -50,6 +58,7 @@ def install() -> Optional[str]:
         return None
     handle = os.fdopen(fd, "w", encoding="utf-8", errors="replace")
     preexisting = faulthandler.is_enabled()
+    sigterm = not preexisting and _sigterm_is_default()
     main = threading.main_thread().ident or 0
     try:
         command = open("/proc/self/cmdline", "rb").read().replace(b"\0", b" ").decode("utf-8", "replace")
@@ -58,7 +67,7 @@ def install() -> Optional[str]:
     agent_threads = ",".join("0x%016x" % (t.ident or 0) for t in threading.enumerate() if t.name.startswith("probe-"))
     header = [MAGIC, "pid %d" % os.getpid(), "start_ticks %d" % ticks, "started_at %.3f" % time.time(),
               "main_thread 0x%016x" % main, "agent_threads %s" % agent_threads, "python %s" % sys.version.split()[0],
-              "faulthandler %s" % ("program" if preexisting else "probe"),
+              "faulthandler %s" % ("program" if preexisting else "probe"), "sigterm %s" % ("stacks" if sigterm else "-"),
               "command %s" % command.strip().replace("\n", " ")[:2000], SEPARATOR]
     handle.write("\n".join(header) + "\n")
     handle.flush()
@@ -66,6 +75,12 @@ def install() -> Optional[str]:
     if not preexisting:
         faulthandler.enable(file=handle, all_threads=True)
         _ours = True
+    if sigterm:
+        try:
+            faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
+            _sigterm = True
+        except (AttributeError, OSError, RuntimeError, ValueError):
+            pass
     previous = sys.excepthook
     sys.excepthook = _ExceptHook(previous)
     import atexit
@@ -116,6 +131,7 @@ def _remove_at_exit() -> None:
     try:
         if _ours:
             faulthandler.disable()
+        _unregister_sigterm()
         _file.close()
         _file = None
         if _path:
@@ -132,7 +148,37 @@ def _forget_in_child() -> None:
     try:
         if _ours:
             faulthandler.disable()
+        _unregister_sigterm()
     except Exception:
         pass
     _ours = False
     _file = None  # the parent's handle: never closed here (the buffer is empty: every write flushes)
+
+
+def _sigterm_is_default() -> bool:
+    """Whether SIGTERM would kill this process now: neither caught (by Python or a C library) nor ignored."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return False
+        with open("/proc/self/status", "rb") as handle:
+            status = handle.read().decode("ascii", "replace")
+    except (OSError, ValueError):
+        return False
+    bit = 1 << (signal.SIGTERM - 1)
+    masks = {}
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigCgt", "SigIgn"):
+            masks[key] = int(value.strip(), 16)
+    return len(masks) == 2 and not any(mask & bit for mask in masks.values())
+
+
+def _unregister_sigterm() -> None:
+    """Take our SIGTERM handler away (before the record's file closes, and in a forked child), unless the
+    program has set its own SIGTERM handler since: that one replaced ours, and must stay."""
+    global _sigterm
+    if not _sigterm:
+        return
+    _sigterm = False
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        faulthandler.unregister(signal.SIGTERM)

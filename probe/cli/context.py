@@ -67,6 +67,11 @@ class CliContext:
         if not targets:
             raise UsageError("no target given", hint="write `probe PID COMMAND`, `probe HOST:PORT COMMAND`, "
                                                      "use -t, or set PROBE_TARGET")
+        pids = [int(t) for t in targets if t.isdigit()]
+        if pids:  # this command looks at the runtime directory: clear what dead agents left there
+            from probe.client.discovery import remove_stale_files
+
+            remove_stale_files(keep=pids)
         return [connect(t, token=self.token, token_file=self.token_file,
                         timeout=self.timeout if self.timeout_given else None, wait=self.wait,
                         executable=self.executable) for t in targets]

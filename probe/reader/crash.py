@@ -60,9 +60,11 @@ class CrashRecord:
                 return "%s (%s)" % (signal, what.lower()) if signal else what
             if line.startswith("Uncaught exception: "):
                 return "uncaught exception: " + line[len("Uncaught exception: "):].strip()
+        if self.header.get("sigterm") == "stacks" and self.has_stacks:
+            return "SIGTERM (terminated)"  # the only signal whose stacks come without a fatal-error line
         if self.header.get("faulthandler") == "program":
             return "ended without a record here (the program's own faulthandler had its crash output)"
-        return "ended without a word: a signal that runs no handler (SIGTERM, SIGKILL, the OOM killer) or os._exit"
+        return "ended without a word: a signal that runs no handler (SIGKILL, the OOM killer, SIGTERM) or os._exit"
 
     @property
     def died_at(self) -> Optional[float]:

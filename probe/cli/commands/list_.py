@@ -6,7 +6,7 @@ from typing import Any, Dict, List
 import click
 
 from probe.cli.render import render_rows, terminal_width
-from probe.client.discovery import local_agents
+from probe.client.discovery import local_agents, remove_stale_files
 from probe.client.results import Rows
 
 
@@ -63,6 +63,7 @@ def list_(as_json: bool, agents_only: bool, vertical: bool, wide: bool) -> None:
     """Local Python processes: those running an agent, those that could be attached, and those that
     died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
     records: List[Dict[str, Any]] = []
+    remove_stale_files()  # sockets and tokens of agents and host helpers that died without their exit hooks
     for agent in local_agents():
         if agent.blocked:
             records.append({"pid": agent.pid, "agent": "blocked", "state": agent.error, "rank": None,
