@@ -542,3 +542,35 @@ def test_a_program_that_handles_sigterm_keeps_its_handler(runtime, target_factor
     assert record, os.listdir(runtime)
     with open(os.path.join(runtime, record[0])) as handle:
         assert "Thread 0x" not in handle.read()  # its SIGTERM wrote no stacks: its own handler ran instead
+
+
+def test_the_injectors_copy_of_probe_goes_once_no_live_process_uses_it(runtime, target_factory):
+    if shutil.which("gdb") is None:
+        pytest.skip("probe PID inject needs gdb (apt-get install gdb)")
+    from probe.injector import diagnose
+
+    env = _env(runtime, probe=False)
+    bare = dict(env)
+    bare.pop("PYTHONPATH", None)  # the targets' own environment lacks probe: the injector exposes it
+    first, second = (target_factory("inject_sleeping.py", env=bare, probe=False) for _ in range(2))
+    problems = diagnose(first.pid)
+    if problems:
+        pytest.skip(problems[0].message)
+    for proc in (first, second):
+        injected = run_cli(str(proc.pid), "inject", "--timeout", "20", env=env)
+        assert injected.code == 0, injected.err
+    dirs = [n for n in os.listdir(runtime) if n.startswith("pkg-") and "." not in n]
+    assert len(dirs) == 1, os.listdir(runtime)
+    package = os.path.join(runtime, dirs[0])
+    assert os.listdir(package) == ["probe"]  # the target's sys.path sees the package and nothing else
+    assert len(os.listdir(package + ".users")) == 2
+
+    first.kill()
+    assert run_cli("list", env=env).code == 0
+    assert os.path.isdir(package) and len(os.listdir(package + ".users")) == 1  # the second still imports from it
+    query = run_cli(str(second.pid), "query", "SELECT count(*) AS n FROM python.threads", "-f", "json", env=env)
+    assert query.code == 0 and json.loads(query.out)[0]["n"] >= 1, query.err  # lazy imports from the copy
+
+    second.kill()
+    assert run_cli("list", env=env).code == 0
+    assert not os.path.exists(package) and not os.path.exists(package + ".users")

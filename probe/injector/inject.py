@@ -57,7 +57,7 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: float = 5.
     problems = diagnose(pid, need_gdb=not remote)
     if problems:
         raise _error(problems)
-    code = bootstrap_code(opts.to_json(), exposure_dir(info.uid))
+    code = bootstrap_code(opts.to_json(), exposure_dir(info.uid, pid))
     if remote:
         chosen = inject_with_remote_exec(info, code)
     else:

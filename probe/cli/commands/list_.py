@@ -35,6 +35,15 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
     return out
 
 
+def _remove_unused_package_dirs() -> None:
+    """The injector's copies of probe (``pkg-*``) that no live process imports from any more."""
+    try:
+        from probe.injector.exposure_users import remove_unused
+    except ImportError:
+        return
+    remove_unused()
+
+
 def _dead() -> List[Dict[str, Any]]:
     """Processes that died with an agent, from the crash records their agents left (old ones cleaned up)."""
     import time
@@ -64,6 +73,7 @@ def list_(as_json: bool, agents_only: bool, vertical: bool, wide: bool) -> None:
     died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
     records: List[Dict[str, Any]] = []
     remove_stale_files()  # sockets and tokens of agents and host helpers that died without their exit hooks
+    _remove_unused_package_dirs()
     for agent in local_agents():
         if agent.blocked:
             records.append({"pid": agent.pid, "agent": "blocked", "state": agent.error, "rank": None,
