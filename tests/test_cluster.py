@@ -70,6 +70,15 @@ def torchrun_job(script: str, nproc: int, timeout: float = 90.0, extra: Tuple[st
                 ranks[int(line.split()[2])] = int(line.split()[1])
         yield port, ranks
     finally:
+        # The ranks first: torchrun starts each in its own session, so the launcher's group is not theirs; while
+        # the launcher lives they are its children, and their pids cannot be reused.
+        from probe.host.members import _children
+
+        for pid in _children(launcher.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(launcher.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -197,3 +206,24 @@ def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
 
         subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
         assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err
+
+
+@needs_torchrun
+def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_only(tmp_path):
+    pytest.importorskip("torch")
+    with torchrun_job("dist_train.py", 2) as (port, pids):
+        done = run_cli("127.0.0.1:%d" % port, "--all-ranks", "checkpoint", str(tmp_path / "ck-{rank}.pt"))
+        assert done.code == 0, (done.out, done.err)
+    assert "== rank 0 (127.0.0.1:%d) ==" % port in done.out and "== rank 1 (127.0.0.1:%d) ==" % (port + 1) in done.out
+    assert done.out.count("saved %s" % tmp_path) == 2 and "model       model: 4 tensors, 212 parameters" in done.out
+    assert sorted(os.listdir(tmp_path)) == ["ck-0.pt", "ck-1.pt"]
+    loaded = subprocess.run([sys.executable, "-c", (
+        "import sys, torch\n"
+        "for path in sys.argv[1:]:\n"
+        "    ck = torch.load(path, weights_only=True)\n"
+        "    m = ck['models']['model']\n"
+        "    print(sorted(ck['optimizers']), list(m['0.weight'].shape), sorted(ck['rng']))\n"),
+        str(tmp_path / "ck-0.pt"), str(tmp_path / "ck-1.pt")], capture_output=True, text=True, timeout=60,
+        env=target_env(probe=False))
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.splitlines() == ["['optimizer'] [16, 8] ['numpy', 'python', 'torch']"] * 2, loaded.stdout

@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 import os
-from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import click
 
@@ -31,6 +31,11 @@ class CliContext:
     deadline: Optional[float] = None
     max_in_flight: int = 128
     _cluster: Optional[Any] = None
+    _labels: Dict[int, str] = field(default_factory=dict)  # id(client) -> "rank N (HOST:PORT)", across ranks
+
+    def label(self, client: Client) -> str:
+        """How output names a target: ``rank N (HOST:PORT)`` across ranks, else the target as written."""
+        return self._labels.get(id(client), client.target.label)
 
     @property
     def is_cluster(self) -> bool:
@@ -115,6 +120,7 @@ def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[C
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])  # clear the line
     for answer in answers:
+        cli._labels[id(answer.client)] = answer.member.label
         if answer.note:
             click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
         yield answer.client, answer.value

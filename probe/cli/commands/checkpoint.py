@@ -8,6 +8,9 @@ import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
 
+STEP_WAIT_S = 2.0
+"""How long the agent waits for an optimizer step before it saves alongside the loop."""
+
 
 @click.command("checkpoint")
 @click.argument("path")
@@ -35,7 +38,11 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     state not changing. The output says which. Needs eval enabled in the agent (it writes files as the
     target's user).
     """
-    several = len(cli.targets) > 1
+    several = len(cli.targets) > 1 or cli.is_cluster
+    if cli.is_cluster and cli.deadline is None:  # every rank's save may take its time limit, and the step wait
+        cli.deadline = checkpoint_timeout + STEP_WAIT_S + 5.0
+        if not cli.timeout_given:
+            cli.timeout = cli.deadline
     for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
                                                                   list(optimizers) or None, checkpoint_timeout,
                                                                   concurrent)):
@@ -43,7 +50,7 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
             click.echo(json.dumps(dict(saved, target=client.target.label)))
             continue
         if several:
-            click.echo("== %s ==" % client.target.label)
+            click.echo("== %s ==" % cli.label(client))
         for line in render_checkpoint(saved):
             click.echo(line)
 
