@@ -131,6 +131,30 @@ def test_grouped_eval_prints_each_distinct_output_once():
     assert list(render_grouped_eval(results)) == [("ranks 0-2,4-7: 1200", False), ("rank 3: 1187", False)]
 
 
+# -- several -t: at once, failures named, exit 7 -------------------------------------------------------
+
+
+def test_several_targets_run_at_once_and_a_partial_answer_exits_7(target_factory, tmp_path):
+    first, second = target_factory("idle.py"), target_factory("idle.py")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nobody = "127.0.0.1:%d" % free.getsockname()[1]  # closed again: nothing listens there
+    # Each snippet waits for the other target's: only targets asked at once both see it (each waits 15 s at most).
+    meet = ("import os, time\nopen(os.path.join(%r, str(os.getpid())), 'w').close()\nend = time.monotonic() + 15\n"
+            "while len(os.listdir(%r)) < 2 and time.monotonic() < end: time.sleep(0.01)\nlen(os.listdir(%r))"
+            % ((str(tmp_path),) * 3))
+    met = run_cli("-t", str(first.pid), "-t", str(second.pid), "eval", meet)
+    assert met.code == 0, met.err
+    assert met.out.split() == ["==", str(first.pid), "==", "2", "==", str(second.pid), "==", "2"], met.out
+
+    partial = run_cli("-t", str(first.pid), "-t", nobody, "-t", str(second.pid), "query",
+                      "SELECT pid FROM process.info", "-f", "json", env=target_env(probe=False, PROBE_TOKEN="t"))
+    assert partial.code == 7, (partial.code, partial.err)
+    assert json.loads(partial.out) == [{"target": str(first.pid), "pid": first.pid},
+                                       {"target": str(second.pid), "pid": second.pid}]
+    assert "probe: %s: error:" % nobody in partial.err, partial.err
+
+
 # -- real jobs -----------------------------------------------------------------------------------------
 
 

@@ -3,7 +3,7 @@
 Commands are registered in one explicit list below, by module, and imported only when invoked: the
 command's start-up is part of every answer's latency (``probe PID backtrace`` races py-spy). A target
 written before the command (``probe 4242 backtrace``) is the same as ``--target 4242``; ``-t`` may be
-repeated to run against several targets in turn.
+repeated to run against several targets at once.
 """
 
 import importlib
@@ -102,7 +102,8 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--hosts", type=click.Path(dir_okay=False), metavar="FILE",
               help="Every target listed in FILE (one per line), at once, as ranks 0, 1, ...")
 @click.option("--deadline", type=click.FloatRange(min=0.01), metavar="SECONDS",
-              help="Across ranks: answer with what arrived after this long (default 10, at most --timeout).")
+              help="Across ranks: answer with what arrived after this long (default 10, at most --timeout); "
+                   "several -t: none unless given.")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=128, show_default=True,
               help="Across ranks: requests in flight at once.")
 @click.version_option(probe.__version__, prog_name="probe")

@@ -94,7 +94,7 @@ pass_cli = click.make_pass_decorator(CliContext)
 
 
 def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:
-    """Run ``work`` against each target in turn; an error is reported and the next target runs.
+    """Run ``work`` against the target, or against several at once; an error is reported and the others run.
 
     Across ranks (``cli.is_cluster``) every rank runs at once, the answers come in rank order, and the
     ranks that did not answer are named at the end (exit 7 when others answered)."""
@@ -102,16 +102,38 @@ def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[
         yield from _each_rank(cli, work)
         return
     clients = cli.clients()
-    for client in clients:
-        label = client.target.label if len(clients) > 1 else None
-        try:
-            result = work(client)
-        except ProbeError as exc:
-            cli.record(exc, label)
+    if len(clients) > 1:
+        yield from _each_of_several(cli, clients, work)
+        return
+    try:
+        result = work(clients[0])
+    except ProbeError as exc:
+        cli.record(exc)
+        return
+    if getattr(clients[0], "note", None):  # the answer did not come from the agent: say where from
+        click.echo("probe: " + str(clients[0].note), err=True)
+    yield clients[0], result
+
+
+def _each_of_several(cli: CliContext, clients: List[Client], work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:
+    """Several ``-t``: every target at once (``--max-in-flight``), each within its own timeout and the whole
+    within ``--deadline`` when given; the answers in the order given, each failure named with its target,
+    exit 7 when some answered and others did not."""
+    from probe.client.fanout import fan_out
+
+    outcomes = fan_out(clients, work, cli.max_in_flight,
+                       cli.deadline if cli.deadline is not None else float("inf"))
+    failed = 0
+    for client, outcome in zip(clients, outcomes):
+        if outcome.error is not None:
+            cli.record(outcome.error, client.target.label)
+            failed += 1
             continue
-        if getattr(client, "note", None):  # the answer did not come from the agent: say where from
-            click.echo(("probe: %s: " % label if label else "probe: ") + str(client.note), err=True)
-        yield client, result
+        if getattr(client, "note", None):
+            click.echo("probe: %s: %s" % (client.target.label, client.note), err=True)
+        yield client, outcome.value
+    if 0 < failed < len(clients):
+        cli.exit_code = PARTIAL
 
 
 def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:
@@ -142,7 +164,7 @@ def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
 
 
 PARTIAL = 7
-"""Exit code of a cross-rank command that some ranks answered and others did not."""
+"""Exit code of a command across ranks or several targets that some answered and others did not."""
 
 
 def _read_hosts(path: str) -> List[str]:

@@ -78,7 +78,7 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
     running: List[Client] = []
 
     def work(client: Client) -> EvalResult:
-        running[:] = [client]
+        running.append(client)  # several targets run at once: Ctrl-C stops the snippet in each
         try:
             return client.eval(code or "", timeout=eval_timeout, eval_id=eval_id, **where)
         except (Timeout, AgentBlocked) as exc:  # gave up waiting: stop the snippet rather than leave it unseen
@@ -90,7 +90,7 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
         for client, result in each_target(cli, work):
             _show(cli, client, result, as_json, several)
     except KeyboardInterrupt:
-        state = _stop_in_target(running[0], eval_id) if running else "nothing was sent"
+        state = "; ".join(dict.fromkeys(_stop_in_target(c, eval_id) for c in running)) or "nothing was sent"
         raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % state) from None
 
 

@@ -56,11 +56,11 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
         raise UsageError("--merge runs over the rows of several ranks", hint="add --all-ranks or --ranks LIST")
     several = len(cli.targets) > 1
     query_id = secrets.token_hex(8)
-    running: List[Client] = []  # the client whose query is in flight, for Ctrl-C
+    running: List[Client] = []  # the clients whose query was sent (several targets run at once), for Ctrl-C
 
     def tracked(work: Callable[[Client], Any]) -> Callable[[Client], Any]:
         def run(client: Client) -> Any:
-            running[:] = [client]
+            running.append(client)
             return work(client)
         return run
 
@@ -92,11 +92,15 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
 
 
 def _stop_in_target(running: List[Client], query_id: str) -> str:
-    """Ask the agent to stop the query in flight; what became of it, in words."""
+    """Ask each agent to stop the query in flight; what became of them, in words (each outcome once)."""
     if not running:
         return "nothing was sent"
+    return "; ".join(dict.fromkeys(_stop_one(client, query_id) for client in running))
+
+
+def _stop_one(client: Client, query_id: str) -> str:
     try:
-        state = running[0].interrupt_query(query_id)
+        state = client.interrupt_query(query_id)
     except ProbeError as exc:
         return "the query may still run in the target until its time limit (%s)" % exc.message
     return {"interrupted": "the query was stopped in the target", "cancelled": "the query was stopped in the target",
