@@ -574,3 +574,24 @@ def test_the_injectors_copy_of_probe_goes_once_no_live_process_uses_it(runtime, 
     second.kill()
     assert run_cli("list", env=env).code == 0
     assert not os.path.exists(package) and not os.path.exists(package + ".users")
+
+
+def test_probe_port_alone_binds_the_address_shown_and_every_interface_must_be_asked_for(runtime, target_factory):
+    env = _env(runtime, probe=False)
+    shown = socket.gethostbyname(socket.gethostname())  # what the host helper shows for this node
+    port = _free_port()
+    alone = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT=str(port)))
+    health = json.loads(run_cli(str(alone.pid), "health", "--json", env=env).out)
+    assert health["tcp"] == "%s:%d" % (shown, port) and health["tcp_reach"] == health["tcp"], health
+    assert alone.popen.stderr is not None  # the agent started before READY: a warning would be there already
+    ready, _, _ = select.select([alone.popen.stderr.fileno()], [], [], 0.2)
+    assert not ready or not _probe_lines(os.read(alone.popen.stderr.fileno(), 65536).decode()), "a warning"
+
+    port = _free_port()
+    every = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT="0.0.0.0:%d" % port))
+    warned = _probe_lines(_stderr_until(every, lambda text: "every interface" in text))
+    assert warned == ["probe: the agent in process %d serves TCP on every interface (0.0.0.0:%d; token required); "
+                      "PROBE_LISTEN=ADDRESS:PORT binds one" % (every.pid, port)], warned
+    health = json.loads(run_cli(str(every.pid), "health", "--json", env=env).out)
+    assert health["tcp"] == "0.0.0.0:%d" % port and health["tcp_reach"] == "%s:%d" % (socket.gethostname(), port)
+    assert health["token_file"] == _paths.job_token_path(port)

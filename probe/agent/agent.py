@@ -20,7 +20,7 @@ from typing import Any, List, Optional
 from probe import _paths
 from probe.agent.http import Request
 from probe.agent.listener import Listener
-from probe.agent.options import AgentOptions, parse_hostport
+from probe.agent.options import AgentOptions, binds_every_interface, parse_hostport
 from probe.errors import ProbeError, SQLUnavailable, Unauthorized, UsageError
 
 __all__ = ["Agent"]
@@ -100,6 +100,9 @@ class Agent:
             return
         self.tcp_address = "%s:%d" % (host, tcp.port)
         self._listeners.append(tcp)
+        if binds_every_interface(host):
+            _say("probe: the agent in process %d serves TCP on every interface (%s; token required); "
+                 "PROBE_LISTEN=ADDRESS:PORT binds one" % (self.pid, self.tcp_address))
 
     def stop(self) -> None:
         """Close the listeners and remove our files; only the process that started us does this.

@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["AgentOptions", "parse_hostport"]
+__all__ = ["AgentOptions", "parse_hostport", "probe_port_binding", "binds_every_interface"]
 
 _FALSE = {"0", "false", "no", "off", ""}
 
@@ -49,9 +49,9 @@ class AgentOptions:
         port = env.get("PROBE_PORT")
         if port:
             # Under torchrun every rank of a host shares PROBE_PORT; each serves on PROBE_PORT + LOCAL_RANK.
-            host = parse_hostport(listen)[0] if listen else "0.0.0.0"
+            host, base = probe_port_binding(env)
             local_rank = int(env.get("LOCAL_RANK", "0") or 0)
-            listen = "%s:%d" % (host, int(port) + local_rank)
+            listen = "%s:%d" % ("[%s]" % host if ":" in host else host, base + local_rank)
         if listen:
             values["listen"] = listen
         if env.get("PROBE_TOKEN"):
@@ -62,7 +62,7 @@ class AgentOptions:
             # One token per job, not per rank: every rank of the host (and its host helper) shares this file.
             from probe import _paths
 
-            values["token_file"] = _paths.job_token_path(int(port))
+            values["token_file"] = _paths.job_token_path(probe_port_binding(env)[1])
         if "PROBE_EVAL" in env:
             values["eval_enabled"] = env["PROBE_EVAL"].strip().lower() not in _FALSE
         if "PROBE_SHOW_SECRETS" in env:
@@ -104,6 +104,36 @@ def _size(text: str) -> int:
     if not number.isdigit() or not number.isascii() or unit not in units:
         raise ValueError("expected a size such as 64MB or 1GiB, got %r" % text)
     return int(number) * units[unit]
+
+
+def probe_port_binding(environ: Optional[Mapping[str, str]] = None) -> "tuple[str, int]":
+    """Where ``PROBE_PORT`` serves (the ranks from its port on, the host helper one below): (host, port).
+
+    ``PROBE_PORT=HOST:PORT`` binds HOST (``0.0.0.0``: every interface, which must be asked for);
+    ``PROBE_LISTEN=HOST:...`` gives the host too. ``PROBE_PORT=PORT`` alone binds the address of the name
+    the host helper shows for this node (``PROBE_HOST``, else the host name), so that the address shown is
+    the address bound: other nodes reach it where that name is the node's address on the job's network;
+    127.0.0.1 when the name does not resolve.
+    """
+    env = os.environ if environ is None else environ
+    text = (env.get("PROBE_PORT") or "").strip()
+    host, sep, port = text.rpartition(":")
+    if not port.isdigit():
+        raise ValueError("PROBE_PORT is PORT or HOST:PORT, got %r" % text)
+    if sep:
+        return host.strip("[]") or "0.0.0.0", int(port)
+    if env.get("PROBE_LISTEN"):
+        return parse_hostport(env["PROBE_LISTEN"])[0], int(port)
+    import socket
+
+    try:
+        return socket.gethostbyname(env.get("PROBE_HOST") or socket.gethostname()), int(port)
+    except OSError:
+        return "127.0.0.1", int(port)
+
+
+def binds_every_interface(host: str) -> bool:
+    return host.strip("[]") in ("", "0.0.0.0", "::")
 
 
 def parse_hostport(text: str) -> "tuple[str, int]":

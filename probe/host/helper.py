@@ -273,13 +273,14 @@ def start_in_launcher(probe_port: str) -> None:
     """From the start-up hook in torchrun's launcher: the helper in daemon threads; never raises."""
     def run() -> None:
         try:
-            base = int(probe_port)
+            from probe.agent.options import binds_every_interface, probe_port_binding
+
+            host, base = probe_port_binding(dict(os.environ, PROBE_PORT=probe_port))
             token, token_file = _job_token(base)
             helper = Helper(base, token, token_file)
-            from probe.agent.options import parse_hostport
-
-            listen = os.environ.get("PROBE_LISTEN")
-            helper.serve(parse_hostport(listen)[0] if listen else "0.0.0.0")
+            helper.serve(host)
+            if binds_every_interface(host) and helper.tcp_address:
+                _say("probe: the host helper serves TCP on every interface (%s; token required)" % helper.tcp_address)
             if token_file:
                 _say("probe: host helper on %s; the job's token is in %s" % (helper.tcp_address, token_file))
             helper.report_forever()
