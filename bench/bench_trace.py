@@ -1,6 +1,6 @@
 """The torch trace's cost on a training step, the hook's worst case, and the agent with a full buffer.
 
-    python bench/bench_trace.py [--rounds 15] [--steps 8] [--quick]
+    python bench/bench_trace.py [--rounds 15] [--steps 8] [--quick] [--only SECTION] [--before DIR]
 
 1. Overhead (in this process, CPU, one intra-op thread so the 2 shared cores stay comparable): a
    training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64) and of a
@@ -14,11 +14,16 @@
 3. The agent (a real target, ``tests/targets/train_trace.py`` with ``PROBE_TORCH_TRACE=1`` and backward
    spans): VmRSS before the trace starts and once the default buffer (10000 spans) is full; then the
    slow-module query of DESIGN.md, ``elapsed_ms`` as served inside the agent (DESIGN-like target 20 ms).
+
+``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) measures that tree
+beside this one: section 2 alternates child processes of each tree, section 3 runs a target of each
+and alternates the queries between them.
 """
 
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -152,14 +157,14 @@ def worst_case(torch: Any, rounds: int) -> List[List[str]]:
     return rows
 
 
-def agent_figures(runs: int) -> List[List[str]]:
-    sys.path.insert(0, REPO)
+def _trace_target(repo: str) -> Any:
+    """``tests/targets/train_trace.py`` of the tree at ``repo``, run with that tree's probe, tracing from the
+    start with backward spans; returns (process, client) once its agent answers."""
     import probe
-    from probe.client import transport
 
     env = clean_env(probe=True)
-    env.update({"PROBE_TORCH_TRACE": "1", "PROBE_TORCH_TRACE_BACKWARD": "1", "PYTHONPATH": REPO})
-    script = os.path.join(REPO, "tests", "targets", "train_trace.py")
+    env.update({"PROBE_TORCH_TRACE": "1", "PROBE_TORCH_TRACE_BACKWARD": "1", "PYTHONPATH": repo})
+    script = os.path.join(repo, "tests", "targets", "train_trace.py")
     popen = subprocess.Popen([sys.executable, script, "normal"], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.DEVNULL, text=True)
     try:
@@ -176,40 +181,115 @@ def agent_figures(runs: int) -> List[List[str]]:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+    except BaseException:
+        popen.kill()
+        popen.wait(10)
+        raise
+    return popen, client
+
+
+def _wait_full(client: Any) -> Dict[str, Any]:
+    deadline = time.monotonic() + 180
+    while True:
+        status = client.trace_status()
+        if status["rows"] >= status["size"]:
+            return status
+        if time.monotonic() > deadline:
+            raise RuntimeError("buffer not full after 180 s: %r" % status)
+        time.sleep(0.5)
+
+
+def _served_ms(client: Any) -> float:
+    from probe.client import transport
+
+    body = json.dumps({"sql": SLOW_SQL}).encode()
+    answer = transport.request(client.target.address, "POST", "/v1/query", body, {})
+    return float(json.loads(answer.body)["elapsed_ms"])
+
+
+def agent_figures(runs: int, before: str = "") -> List[List[str]]:
+    """Section 3. With ``before`` (a tree of an earlier commit), a second target runs that tree's probe
+    beside this one, both buffers full, and the queries alternate between the two (A B B A ...), the
+    target not queried stopped (SIGSTOP) meanwhile."""
+    sys.path.insert(0, REPO)
+    trees = [("this tree", REPO)] + ([("before (%s)" % os.path.basename(before.rstrip("/")), before)]
+                                     if before else [])
+    started: List[Any] = []
+    try:
+        for _, repo in trees:
+            started.append(_trace_target(repo))
+        popen, client = started[0]
         start_rss = _rss_mb(popen.pid)
-        deadline = time.monotonic() + 180
-        while True:
-            status = client.trace_status()
-            if status["rows"] >= status["size"]:
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("buffer not full after 180 s: %r" % status)
-            time.sleep(0.5)
+        statuses = [_wait_full(c) for _, c in started]
+        status = statuses[0]
         full_rss = _rss_mb(popen.pid)
-        client.query_rows("SELECT 1")  # DuckDB and pyarrow in the agent
-        body = json.dumps({"sql": SLOW_SQL}).encode()
-        inside = []
-        for _ in range(runs):
-            answer = transport.request(client.target.address, "POST", "/v1/query", body, {})
-            inside.append(json.loads(answer.body)["elapsed_ms"])
+        for _, c in started:
+            c.query_rows("SELECT 1")  # DuckDB and pyarrow in the agent
+            _served_ms(c)
+        inside: List[List[float]] = [[] for _ in started]
+        for r in range(runs):
+            order = list(range(len(started))) if r % 2 == 0 else list(range(len(started)))[::-1]
+            for i in order:
+                # Only the target queried trains meanwhile (the other is stopped): the machine is as busy
+                # as with one target, as without --before.
+                for j, (other, _) in enumerate(started):
+                    os.kill(other.pid, signal.SIGCONT if j == i else signal.SIGSTOP)
+                time.sleep(0.3)
+                inside[i].append(_served_ms(started[i][1]))
+        for other, _ in started:
+            os.kill(other.pid, signal.SIGCONT)
         query_rss = _rss_mb(popen.pid)
-        s = Summary.of(inside)
         ring_mb = status["size"] * (8 * 8 + 7 * 8 + 8) / 1e6
-        return [
+        rows = [
             ["spans held / buffer size", "%d / %d" % (status["rows"], status["size"]), ""],
             ["ring arrays (preallocated at start)", "%.2f MB" % ring_mb, ""],
             ["target VmRSS, trace started -> buffer full", "%.1f -> %.1f MB" % (start_rss, full_rss),
              "+%.1f MB (includes the training's own growth)" % (full_rss - start_rss)],
             ["target VmRSS after the queries (DuckDB + pyarrow loaded)", "%.1f MB" % query_rss, ""],
-            ["slow-module query on the full buffer, served in the agent (n=%d)" % s.n,
-             "median %.2f ms, IQR %.2f-%.2f, min-max %.2f-%.2f" % (s.median, s.q1, s.q3, s.low, s.high),
-             "<= 20 ms: %s" % verdict(s.median <= 20.0)],
-            ["trace status overhead estimate (time inside hooks)", "%.3f %%" % status["overhead_percent"],
-             "%s us per step" % status["hook_us_per_step"]],
         ]
+        for (label, _), values in zip(trees, inside):
+            s = Summary.of(values)
+            rows.append(["slow-module query on the full buffer, served in the agent, %s (n=%d)" % (label, s.n),
+                         "median %.2f ms, IQR %.2f-%.2f, min-max %.2f-%.2f" % (s.median, s.q1, s.q3, s.low, s.high),
+                         "<= 20 ms: %s" % verdict(s.median <= 20.0)])
+        if before:
+            ratios = Summary.of([a / b for a, b in zip(inside[0], inside[1])])
+            rows.append(["this tree / before, per pair", "median %.2fx, IQR %.2f-%.2fx" % (ratios.median, ratios.q1,
+                                                                                           ratios.q3), ""])
+        rows.append(["trace status overhead estimate (time inside hooks)", "%.3f %%" % status["overhead_percent"],
+                     "%s us per step" % status["hook_us_per_step"]])
+        return rows
     finally:
-        popen.kill()
-        popen.wait(10)
+        for popen, _ in started:
+            popen.kill()
+            popen.wait(10)
+
+
+def worst_case_in(repo: str, rounds: int) -> List[List[str]]:
+    """Section 2 run by the tree at ``repo`` (its own bench and probe), in a child process."""
+    code = ("import json, sys; sys.path[:0] = [%r, %r]; import torch, bench_trace; torch.set_num_threads(1); "
+            "print(json.dumps(bench_trace.worst_case(torch, %d)))" % (os.path.join(repo, "bench"), repo, rounds))
+    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
+                          timeout=600, cwd=repo)
+    if done.returncode != 0:
+        raise RuntimeError("worst case in %s failed: %s" % (repo, done.stderr[-2000:]))
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare_worst_case(before: str, rounds: int, runs: int) -> List[List[str]]:
+    """Per-hook cost, this tree against ``before``: ``runs`` child runs each, alternating."""
+    per_call: Dict[str, Dict[str, List[float]]] = {"this tree": {}, "before": {}}
+    for r in range(runs):
+        order = [("this tree", REPO), ("before", before)]
+        for label, repo in (order if r % 2 == 0 else order[::-1]):
+            for name, _, cost in worst_case_in(repo, rounds):
+                if cost != "-":
+                    per_call[label].setdefault(name, []).append(float(cost.split()[0]))
+    rows = []
+    for name in per_call["this tree"]:
+        a, b = Summary.of(per_call["this tree"][name]), Summary.of(per_call["before"][name])
+        rows.append([name, "%.2f us [%.2f-%.2f]" % (a.median, a.q1, a.q3), "%.2f us [%.2f-%.2f]" % (b.median, b.q1, b.q3)])
+    return rows
 
 
 def _rss_mb(pid: int) -> float:
@@ -225,6 +305,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--quick", action="store_true", help="5 rounds of 4 steps")
+    parser.add_argument("--only", choices=("overhead", "worst", "agent"), help="run one section")
+    parser.add_argument("--queries", type=int, default=20, help="slow-module queries per target (section 3)")
+    parser.add_argument("--before", default="", help="a tree of an earlier commit (git archive REV | tar -x -C "
+                        "DIR): sections 2 and 3 measure it beside this one")
     args = parser.parse_args()
     if args.quick:
         args.rounds, args.steps = 5, 4
@@ -235,12 +319,19 @@ def main() -> None:
     header("torch trace: overhead on a training step, worst case per hook, agent with a full buffer",
            ["%d interleaved rounds, %d steps per block; torch %s, 1 intra-op thread" % (args.rounds, args.steps,
                                                                                      torch.__version__)])
-    print(table(overhead(torch, args.rounds, args.steps), ["model", "setting", "step time", "overhead median",
-                                                           "IQR"]))
-    print()
-    print(table(worst_case(torch, args.rounds), ["200 x Linear(16,16) forward", "median", "per module call"]))
-    print()
-    print(table(agent_figures(20), ["agent, default buffer", "figure", "note"]))
+    if args.only in (None, "overhead"):
+        print(table(overhead(torch, args.rounds, args.steps), ["model", "setting", "step time", "overhead median",
+                                                               "IQR"]))
+        print()
+    if args.only in (None, "worst"):
+        if args.before:
+            print(table(compare_worst_case(args.before, args.rounds, 4),
+                        ["200 x Linear(16,16) forward, per module call", "this tree", "before"]))
+        else:
+            print(table(worst_case(torch, args.rounds), ["200 x Linear(16,16) forward", "median", "per module call"]))
+        print()
+    if args.only in (None, "agent"):
+        print(table(agent_figures(args.queries, args.before), ["agent, default buffer", "figure", "note"]))
 
 
 if __name__ == "__main__":

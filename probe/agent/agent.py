@@ -350,10 +350,10 @@ def _keep_alive_forever(obj: Any) -> None:
 
 
 def _produce_arrow(name: str) -> Any:
-    from probe.tables import get_table, produce_columns
-    from probe.tables.arrow import from_columns
+    from probe.tables import get_table
+    from probe.tables.registry import produce_arrow
 
     spec = get_table(name)
     if spec is None:
         return None
-    return from_columns([(c.name, c.type) for c in spec.columns], produce_columns(spec))
+    return produce_arrow(spec)  # a table that gives Arrow itself (python.torch_trace) passes through

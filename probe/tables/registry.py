@@ -4,12 +4,14 @@ Built-in tables register through :func:`register_table`, the same call users mak
 Stdlib only; Python 3.9+.
 """
 
+import sys
 import threading
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from probe.tables.spec import Column, RowsFn, TableSpec
 
-__all__ = ["register_table", "unregister_table", "get_table", "list_tables", "produce_rows", "produce_columns"]
+__all__ = ["register_table", "unregister_table", "get_table", "list_tables", "produce_rows", "produce_columns",
+           "produce_arrow"]
 
 _lock = threading.Lock()
 _tables: Dict[str, TableSpec] = {}
@@ -31,7 +33,10 @@ def register_table(
 
     ``columns``: :class:`Column` objects, ``(name, type[, description])`` tuples or dicts with those
     keys. ``rows_fn()``: called for every query that names the table; returns tuples in column order,
-    or dicts keyed by column name, or (fastest) one dict mapping each column name to its list of values.
+    or dicts keyed by column name, or one dict mapping each column name to its list of values, or
+    (fastest, for large tables) a ``pyarrow.Table`` with the declared columns, which a query uses as it
+    is. Return Arrow only when pyarrow is imported already (``"pyarrow" in sys.modules``): the agent
+    imports it at the first query, never before.
     """
     spec = TableSpec(name, description, tuple(_as_column(c) for c in columns), rows_fn, example)
     with _lock:
@@ -62,6 +67,8 @@ def produce_rows(spec: TableSpec) -> List[Tuple[Any, ...]]:
     produced = spec.rows()
     if isinstance(produced, dict):
         return list(zip(*_checked_columns(spec, produced)))
+    if _is_arrow(produced):
+        return list(zip(*_arrow_columns(spec, produced)))
     return _normalised_rows(spec, produced)
 
 
@@ -70,10 +77,61 @@ def produce_columns(spec: TableSpec) -> List[List[Any]]:
     produced = spec.rows()
     if isinstance(produced, dict):
         return _checked_columns(spec, produced)
+    if _is_arrow(produced):
+        return _arrow_columns(spec, produced)
     rows = _normalised_rows(spec, produced)
     if not rows:
         return [[] for _ in spec.columns]
     return [list(values) for values in zip(*rows)]
+
+
+def produce_arrow(spec: TableSpec) -> Any:
+    """Call the table's rows function; its rows as a ``pyarrow.Table`` of exactly the declared schema.
+
+    A rows function that gives Arrow itself is passed through (cast only where its types differ);
+    imports pyarrow first, so such a function finds it loaded.
+    """
+    import pyarrow as pa
+
+    from probe.tables.arrow import from_columns, schema_of
+
+    produced = spec.rows()
+    declared = [(c.name, c.type) for c in spec.columns]
+    if isinstance(produced, pa.Table):
+        schema = schema_of(declared)
+        if produced.schema.equals(schema):
+            return produced
+        try:
+            return produced.select(spec.column_names).cast(schema)
+        except (KeyError, pa.ArrowInvalid, pa.ArrowNotImplementedError, ValueError) as exc:
+            raise ValueError("table %s: the rows function's Arrow table does not fit the declared columns: %s"
+                             % (spec.name, exc)) from None
+    if isinstance(produced, dict):
+        return from_columns(declared, _checked_columns(spec, produced))
+    rows = _normalised_rows(spec, produced)
+    return from_columns(declared, [list(values) for values in zip(*rows)] if rows else [[] for _ in declared])
+
+
+def _is_arrow(produced: Any) -> bool:
+    pa = sys.modules.get("pyarrow")  # an Arrow table exists only once pyarrow is loaded: no import here
+    return pa is not None and isinstance(produced, pa.Table)
+
+
+def _arrow_columns(spec: TableSpec, table: Any) -> List[List[Any]]:
+    """A rows function's Arrow table as one list per column, as a rows function's lists would have
+    them (a TIMESTAMP as integer microseconds)."""
+    import pyarrow as pa
+
+    missing = [n for n in spec.column_names if n not in table.column_names]
+    if missing:
+        raise ValueError("table %s: the rows function gave no values for %s" % (spec.name, ", ".join(missing)))
+    out = []
+    for name in spec.column_names:
+        column = table.column(name)
+        if pa.types.is_timestamp(column.type):
+            column = column.cast(pa.timestamp("us")).cast(pa.int64())
+        out.append(column.to_pylist())
+    return out
 
 
 def _checked_columns(spec: TableSpec, produced: Dict[str, Any]) -> List[List[Any]]:

@@ -6,9 +6,10 @@ trace keeps its rows for queries and export until the next start. Nothing here i
 entry point takes it from ``sys.modules`` and says so when the target has not imported it.
 """
 
+import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from probe.errors import BadRequest, Forbidden, NotFound, TooLarge
 from probe.tables.spec import Column
@@ -16,8 +17,9 @@ from probe.tables.torch._common import torch_or_raise
 from probe.tables.torch.anomalies import STORE, rank_and_world
 from probe.tables.torch.trace_hooks import Tracer
 from probe.tables.torch.trace_options import TraceOptions
+from probe.tables.torch.trace_ring import STAGES
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "start", "stop", "status", "current", "control",
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "columns", "start", "stop", "status", "current", "control",
            "refresh_device_results"]
 
 NAME = "python.torch_trace"
@@ -131,17 +133,41 @@ def refresh_device_results() -> None:
         pass
 
 
-def rows() -> Dict[str, List[Any]]:
+def rows() -> Any:
+    """The table's rows: once pyarrow is loaded (the agent loads it for its first query), a
+    ``pyarrow.Table`` made straight from the ring's arrays (no Python object per value); before that,
+    one list per column (:func:`columns`)."""
+    tracer, rank, world = _source()
+    if "pyarrow" in sys.modules:
+        return _arrow(tracer, rank, world)
+    return _columns(tracer, rank, world)
+
+
+def columns() -> Dict[str, List[Any]]:
+    """The rows as one list per column (``time`` in integer microseconds), oldest span first."""
+    return _columns(*_source())
+
+
+def _source() -> Tuple[Tracer, int, int]:
     torch = torch_or_raise()
     tracer = _tracer
     if tracer is None:
         raise NotFound("no torch trace has run in this process",
                        hint="start one with `probe TARGET trace start` (or PROBE_TORCH_TRACE=1 at start)")
     refresh_device_results()
-    data = tracer.ring.snapshot()
     rank, world = rank_and_world(torch)
+    return tracer, rank, world
+
+
+def _base_us(tracer: Tracer) -> int:
+    """Added to a span's ``perf_counter_ns() // 1000``: its wall-clock time in microseconds."""
+    return tracer.started_wall_ns // 1000 - tracer.started_perf_ns // 1000
+
+
+def _columns(tracer: Tracer, rank: int, world: int) -> Dict[str, List[Any]]:
+    data = tracer.ring.snapshot()
     n = len(data["step"])
-    base_us = tracer.started_wall_ns // 1000 - tracer.started_perf_ns // 1000
+    base_us = _base_us(tracer)
     cpu = tracer.device == "cpu"  # no caching allocator: the cached columns are NULL
     return {
         "step": data["step"], "seq": data["seq"], "module": data["module"], "stage": data["stage"],
@@ -153,6 +179,38 @@ def rows() -> Dict[str, List[Any]]:
         "rank": [rank] * n, "world_size": [world] * n,
         "time": [base_us + ns // 1000 for ns in data["start_ns"]],
     }
+
+
+def _arrow(tracer: Tracer, rank: int, world: int) -> Any:
+    """The ring's array copies wrapped as Arrow buffers (no copy, no Python object per value); module
+    and stage names by one ``take`` of the names each; the ring's rotation as two record batches."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from probe.tables.arrow import schema_of
+
+    data, names, first = tracer.ring.arrays()
+    n = len(data["step"])
+
+    def wrap(column: str, kind: Any = pa.int64()) -> Any:
+        return pa.Array.from_buffers(kind, n, [None, pa.py_buffer(data[column])])
+
+    def same(value: Any, kind: Any) -> Any:
+        return pa.repeat(pa.scalar(value, kind), n)
+
+    doubles = [wrap(c, pa.float64()) for c in ("duration", "total", "host", "time_offset", "allocated",
+                                                  "max_allocated")]
+    if tracer.device == "cpu":  # no caching allocator: the cached columns are NULL
+        cached = [pa.nulls(n, pa.float64()), pa.nulls(n, pa.float64())]
+    else:
+        cached = [wrap("cached", pa.float64()), wrap("max_cached", pa.float64())]
+    time_us = pc.add(pc.divide(wrap("start_ns"), 1000), _base_us(tracer))
+    arrays = ([wrap("step"), wrap("seq"), pa.array(names, pa.string()).take(wrap("module")),
+               pa.array(STAGES, pa.string()).take(wrap("stage")), wrap("depth").cast(pa.int32())]
+              + doubles + cached + [same(tracer.device, pa.string()), wrap("thread"), same(rank, pa.int32()),
+                                    same(world, pa.int32()), time_us.cast(pa.timestamp("us"))])
+    batch = pa.RecordBatch.from_arrays(arrays, schema=schema_of([(c.name, c.type) for c in COLUMNS]))
+    return pa.Table.from_batches([batch.slice(first), batch.slice(0, first)] if first else [batch])
 
 
 def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[str, Any]:
@@ -174,7 +232,7 @@ def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[st
     if action == "status":
         return status()
     if action == "export":
-        data = rows()
+        data = columns()
         if len(data["step"]) * _EXPORT_BYTES_PER_SPAN > max_bytes:
             raise TooLarge("the trace holds %d spans, more than one answer of the agent may carry as JSON"
                            % len(data["step"]), hint="export fewer: restart the trace with a smaller "

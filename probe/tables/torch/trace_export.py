@@ -12,7 +12,7 @@ __all__ = ["chrome_trace"]
 
 def chrome_trace(columns: Dict[str, List[Any]], host: str = "",
                  thread_names: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
-    """``columns``: the rows of python.torch_trace as one list per column (see ``trace.rows``)."""
+    """``columns``: the rows of python.torch_trace as one list per column (see ``trace.columns``)."""
     events: List[Dict[str, Any]] = []
     steps: Dict[Tuple[int, int, int], List[float]] = {}
     n = len(columns["step"])

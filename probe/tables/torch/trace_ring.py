@@ -5,11 +5,13 @@ comes from an ``itertools.count`` (atomic under the GIL, so hooks on several thr
 device threads, never share one), and its values go into ``array.array`` columns. The memory is fixed
 at creation: about 100 bytes per span. A reader copies the columns without a lock; a slot rewritten
 while it copied is left out (each slot carries the number of the span it holds, read before and after).
+``arrays`` hands out those copies as they are, for a query to wrap as Arrow columns without a Python
+object per value; ``snapshot`` makes lists of them.
 """
 
 import itertools
 from array import array
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["SpanRing", "STAGES", "FORWARD", "BACKWARD", "OPTIMIZER"]
 
@@ -98,31 +100,37 @@ class SpanRing:
     def held(self) -> int:
         return sum(1 for n in self._seqno.tolist() if n >= 0)
 
-    def snapshot(self) -> Dict[str, list]:
-        """Every complete span, oldest first, as one list per column (``module`` and ``stage`` as text).
+    def arrays(self) -> Tuple[Dict[str, "array[Any]"], List[str], int]:
+        """Every complete span as a copy of each column (``array.array``: no Python object per value), the
+        module names that the ``module`` ids index (``stage`` ids index ``STAGES``), and ``first``: oldest
+        first, the spans are each column's ``[first:]`` followed by its ``[:first]``.
 
-        The usual case (no slot rewritten while the columns were copied) is a rotation of the copied
-        lists at the oldest slot: slices, no per-row Python work beyond the name look-ups.
+        The copies are memcpy's, taken without a lock; in the usual case (no slot rewritten while they
+        were taken) that is all. Otherwise the complete slots are picked one by one (``first`` is 0).
         """
-        before = self._seqno.tolist()
-        ints = {name: column.tolist() for name, column in self._ints.items()}
-        floats = {name: column.tolist() for name, column in self._floats.items()}
-        after = self._seqno.tolist()
-        names = list(self._names)
-        out: Dict[str, list] = dict(ints)
-        out.update(floats)
+        before = self._seqno[:]
+        columns: Dict[str, "array[Any]"] = {name: column[:] for name, column in self._ints.items()}
+        columns.update((name, column[:]) for name, column in self._floats.items())
+        after = self._seqno[:]
+        names = list(self._names)  # after the columns: every id they hold indexes a name added before
         top = max(after) if after else -1
         held = min(top + 1, self.size)
         if before == after and (top < 0 or after[top % self.size] == top) and (
                 held < self.size or after[(top + 1) % self.size] == top + 1 - self.size):
-            first = (top + 1) % self.size if held == self.size else 0
-            for name, values in out.items():
-                out[name] = values[first:] + values[:first] if held == self.size else values[:held]
-        else:
-            keep = sorted((n, k) for k, (n, m) in enumerate(zip(before, after)) if n >= 0 and n == m)
-            order = [k for _, k in keep]
-            for name, values in out.items():
-                out[name] = [values[k] for k in order]
-        out["module"] = [names[i] for i in out["module"]]  # ids only ever index names added before them
+            if held == self.size:
+                return columns, names, (top + 1) % self.size
+            return {name: values[:held] for name, values in columns.items()}, names, 0
+        keep = sorted((n, k) for k, (n, m) in enumerate(zip(before, after)) if n >= 0 and n == m)
+        order = [k for _, k in keep]
+        return {name: array(values.typecode, [values[k] for k in order]) for name, values in columns.items()}, names, 0
+
+    def snapshot(self) -> Dict[str, list]:
+        """Every complete span, oldest first, as one list per column (``module`` and ``stage`` as text)."""
+        columns, names, first = self.arrays()
+        out: Dict[str, list] = {}
+        for name, values in columns.items():
+            listed = values.tolist()
+            out[name] = listed[first:] + listed[:first] if first else listed
+        out["module"] = [names[i] for i in out["module"]]
         out["stage"] = [STAGES[i] for i in out["stage"]]
         return out
