@@ -1,8 +1,8 @@
 """One query fanned out to 16, 64, 256 and 1024 agents on this machine: time to the merged result
 (``probe.connect_all([...]).query(SQL)``, one pyarrow table with rank and host), median and spread;
 the same with 10 % of the agents not answering (listening sockets that never answer): the answer must
-come at the deadline, not later; and the cost on a rank of being probed (its main loop's longest pause,
-its memory).
+come at the deadline, not later. The cost on a rank of being probed (its training loop's longest pause,
+its memory) is measured on a real torchrun job by ``bench_rank_cost.py``.
 
     python bench/bench_fanout.py [--runs 9] [--per-process 32] [--deadline 1.5]
 
