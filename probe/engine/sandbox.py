@@ -12,13 +12,18 @@
 - at most ``MAX_SELECTS`` SELECTs in one query: DuckDB cannot interrupt binding and planning, whose
   time grows faster than the number of terms (a 20,000-term UNION ALL bound for minutes);
 - ``close()`` interrupts every query in flight and waits for it to leave DuckDB: a thread still inside
-  DuckDB when the interpreter finalises is ended by CPython in a way that aborts the process.
+  DuckDB when the interpreter finalises is ended by CPython in a way that aborts the process;
+- what the parser says of an accepted query (one SELECT, the tables it names) is remembered by its text
+  (``_CHECKED`` texts of at most ``_CHECKED_CHARS``): a query fanned out to every rank, or asked again
+  by a watch, is parsed once per agent, not twice per request. Only the parser's verdict is kept:
+  every run still binds, is time-limited and bounded in rows and bytes.
 """
 
 import re
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set
+from collections import OrderedDict
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 
 from probe.engine.result import QueryResult
 from probe.engine.watchdog import Watchdog
@@ -33,6 +38,8 @@ _INTERRUPT_EVERY = 0.02
 _REMEMBERED = 256  # query ids remembered as finished or cancelled-before-start
 _CLOSE_WAIT = 3.0
 _SELECT = re.compile(r"\bSELECT\b", re.IGNORECASE)
+_CHECKED = 128  # accepted query texts whose parse is remembered (see Engine._parsed)
+_CHECKED_CHARS = 4096  # longer texts are parsed every time: the cache stays under ~0.5 MB
 
 #: Called with the bytes a result has reached; raises (``Busy``) to stop it.
 Reserve = Callable[[int], None]
@@ -106,6 +113,8 @@ class Engine:
         self._active_cond = threading.Condition()
         self._closing = False
         self._views: Set[str] = set()
+        self._checked: "OrderedDict[str, FrozenSet[str]]" = OrderedDict()  # sql -> tables it names
+        self._checked_lock = threading.Lock()  # held for dict operations only (str keys: no foreign code)
         self._watchdog = Watchdog()
         self._lock = threading.Lock()
         self._con = duckdb.connect(":memory:", config={
@@ -132,7 +141,9 @@ class Engine:
         cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
         byte_cap = self.max_result_bytes if max_bytes is None else min(int(max_bytes), self.max_result_bytes)
-        _check_size(sql)
+        names = self._remembered(sql)
+        if names is None:
+            _check_size(sql)
         cursor = self._enter()
         fired: List[bool] = []
 
@@ -149,12 +160,8 @@ class Engine:
 
         alarm = self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)
         try:
-            self._check_statement(cursor, sql)
-            parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
-            try:
-                names = referenced_tables(sql, parser)
-            finally:
-                parser.close()
+            if names is None:
+                names = self._parse(cursor, sql)
             tables = self._produce(names)
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
@@ -241,6 +248,29 @@ class Engine:
             self._active.discard(cursor)
             self._active_cond.notify_all()
 
+    def _remembered(self, sql: str) -> Optional[FrozenSet[str]]:
+        """The tables an accepted query of this very text names, if it was parsed lately."""
+        with self._checked_lock:
+            names = self._checked.get(sql)
+            if names is not None:
+                self._checked.move_to_end(sql)
+            return names
+
+    def _parse(self, cursor: Any, sql: str) -> FrozenSet[str]:
+        """Refuse anything but one SELECT; the tables it names. Remembered for short texts it accepts."""
+        self._check_statement(cursor, sql)
+        parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
+        try:
+            names = frozenset(referenced_tables(sql, parser))
+        finally:
+            parser.close()
+        if len(sql) <= _CHECKED_CHARS:
+            with self._checked_lock:
+                self._checked[sql] = names
+                while len(self._checked) > _CHECKED:
+                    self._checked.popitem(last=False)
+        return names
+
     def _check_statement(self, cursor: Any, sql: str) -> None:
         try:
             statements = cursor.extract_statements(sql)
@@ -263,7 +293,7 @@ class Engine:
             if len(explained) != 1 or _kind(explained[0]) != "SELECT":
                 raise SQLError("EXPLAIN is allowed only of a single SELECT statement")
 
-    def _produce(self, names: Set[str]) -> Dict[str, Any]:
+    def _produce(self, names: FrozenSet[str]) -> Dict[str, Any]:
         """Produce the tables the query names (and only those); create their views on first sight."""
         out: Dict[str, Any] = {}
         for name in sorted(names):

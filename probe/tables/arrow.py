@@ -4,15 +4,21 @@ Building the table with explicit types is also the check that a table's rows mat
 the wrong type raises here. pyarrow is imported inside the functions: only a query needs it.
 """
 
+from functools import lru_cache
 from typing import Any, Sequence, Tuple
 
 __all__ = ["arrow_type", "to_arrow", "from_columns", "schema_of"]
 
 
 def arrow_type(sql_type: str) -> Any:
+    return _arrow_types()[sql_type]
+
+
+@lru_cache(maxsize=1)
+def _arrow_types() -> Any:
     import pyarrow as pa
 
-    mapping = {
+    return {
         "BOOLEAN": pa.bool_(),
         "INTEGER": pa.int32(),
         "BIGINT": pa.int64(),
@@ -21,10 +27,14 @@ def arrow_type(sql_type: str) -> Any:
         "TIMESTAMP": pa.timestamp("us"),
         "VARCHAR[]": pa.list_(pa.string()),
     }
-    return mapping[sql_type]
 
 
 def schema_of(columns: Sequence[Tuple[str, str]]) -> Any:
+    return _schema(tuple((name, sql_type) for name, sql_type in columns))
+
+
+@lru_cache(maxsize=64)  # a schema per table (pyarrow schemas are immutable); bounded for user tables
+def _schema(columns: Tuple[Tuple[str, str], ...]) -> Any:
     import pyarrow as pa
 
     return pa.schema([(name, arrow_type(sql_type)) for name, sql_type in columns])
