@@ -76,3 +76,38 @@ def test_readme_names_every_command_and_table():
         assert re.search(r"probe [^\n]*\b%s\b" % name, readme), "README does not show `%s`" % name
     for table in list_tables():
         assert table.name in readme, "README does not mention %s" % table.name
+
+
+def test_a_rows_function_may_return_arrow_and_every_path_still_answers():
+    """A table whose rows function returns a pyarrow.Table (python.torch_trace does): passed through to
+    SQL, cast where its types differ, turned back into rows for /v1/rows, refused when it does not fit."""
+    import datetime
+
+    import pyarrow as pa
+
+    from probe.engine import Engine
+    from probe.tables import register_table, unregister_table
+    from probe.tables.registry import get_table, produce_arrow
+
+    stamp = datetime.datetime(2026, 11, 22, 8, 0, 0)
+    columns = [("step", "BIGINT", ""), ("loss", "DOUBLE", ""), ("at", "TIMESTAMP", "")]
+    data = {"t": pa.table({"step": pa.array([1, 2], pa.int32()), "loss": [0.5, 0.25],
+                           "at": pa.array([stamp, stamp], pa.timestamp("ns"))})}
+    register_table("testarrow.steps", columns, lambda: data["t"], "rows as Arrow")
+    try:
+        spec = get_table("testarrow.steps")
+        table = produce_arrow(spec)
+        assert table.schema.field("step").type == pa.int64() and table.num_rows == 2  # cast to the declared type
+        micros = int((stamp - datetime.datetime(1970, 1, 1)).total_seconds() * 1_000_000)
+        assert produce_rows(spec) == [(1, 0.5, micros), (2, 0.25, micros)]  # /v1/rows: TIMESTAMP as microseconds
+        engine = Engine(lambda name: produce_arrow(get_table(name)) if get_table(name) else None)
+        try:
+            result = engine.query("SELECT sum(step) AS s, max(loss) AS m FROM testarrow.steps")
+            assert result.table.to_pylist() == [{"s": 3, "m": 0.5}]
+        finally:
+            engine.close()
+        data["t"] = pa.table({"step": [1], "other": [2.0]})
+        with pytest.raises(ValueError, match="does not fit the declared columns"):
+            produce_arrow(spec)
+    finally:
+        unregister_table("testarrow.steps")
