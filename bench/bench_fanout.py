@@ -4,10 +4,17 @@ the same with 10 % of the agents not answering (listening sockets that never ans
 come at the deadline, not later. The cost on a rank of being probed (its training loop's longest pause,
 its memory) is measured on a real torchrun job by ``bench_rank_cost.py``.
 
-    python bench/bench_fanout.py [--runs 9] [--per-process 32] [--deadline 1.5]
+    python bench/bench_fanout.py [--runs 9] [--per-process 32] [--deadline 1.5] [--sizes 16,64,256,1024]
+                                 [--before DIR]
 
 Agents: 32 processes hosting 32 agents each (see bench/targets/many_agents.py), so that 1024 fit in
-memory; a size of n uses n agents spread evenly over the processes.
+memory; a size of n uses n agents spread evenly over the processes. "agent CPU ms/query" is the CPU
+(user + system) the hosting processes used during the fan-out, per agent asked; it includes their
+main loops' (bench/targets/many_agents.py), about 15 ms a second per process.
+
+``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) starts as many
+processes again running that tree's probe (the same host script), and times the two trees in turn,
+run by run, so that both see the same machine.
 """
 
 import argparse
@@ -26,11 +33,11 @@ SQL = "SELECT count(*) AS threads FROM python.threads"
 TOKEN = "bench-fanout-token"
 
 
-def start_hosts(processes: int, per_process: int):
+def start_hosts(processes: int, per_process: int, tree: str = REPO):
     import subprocess
 
     env = clean_env(probe=True)
-    env.update(PROBE_LISTEN="127.0.0.1:0", PROBE_TOKEN=TOKEN, PYTHONPATH=REPO)
+    env.update(PROBE_LISTEN="127.0.0.1:0", PROBE_TOKEN=TOKEN, PYTHONPATH=tree)
     hosts = []
     for _ in range(processes):
         hosts.append(subprocess.Popen([sys.executable, os.path.join(REPO, "bench", "targets", "many_agents.py"),
@@ -71,39 +78,65 @@ def timed(cluster, health=False):
     return time.perf_counter() - start, got, len(cluster.failures), time.process_time() - cpu
 
 
+def hosts_cpu(hosts) -> float:
+    """CPU seconds (user + system) the agent hosts have used so far."""
+    total = 0
+    for popen in hosts:
+        with open("/proc/%d/stat" % popen.pid) as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--per-process", type=int, default=32)
     parser.add_argument("--deadline", type=float, default=1.5)
+    parser.add_argument("--sizes", default="16,64,256,1024")
+    parser.add_argument("--before", default="", help="a tree of an earlier commit, timed beside this one")
     args = parser.parse_args()
-    sizes = [16, 64, 256, 1024]
+    sizes = [int(n) for n in args.sizes.split(",")]
     header("fan-out: one query to many agents, time to the merged pyarrow table", [
         "query: %s; agents hosted %d per process; max in flight 256" % (SQL, args.per_process)])
-    hosts, ports = start_hosts(1024 // args.per_process, args.per_process)
+    processes = -(-max(sizes) // args.per_process)
+    trees = [("this tree", REPO)] + ([("before", os.path.abspath(args.before))] if args.before else [])
+    fleets = {}
     silent_socks = []
     try:
-        cluster_of(spread(ports, 1024), 30.0).query(SQL)  # warm: every process loads DuckDB once
+        for name, tree in trees:
+            fleets[name] = start_hosts(processes, args.per_process, tree)
+        for name, _ in trees:  # warm: every process loads DuckDB once
+            cluster_of(spread(fleets[name][1], max(sizes)), 30.0).query(SQL)
+        ports = fleets["this tree"][1]
         rows = []
         full = {}
         for what in ("query", "health"):
             for n in sizes:
-                times, cpus = [], []
+                times: dict = {name: [] for name, _ in trees}
+                cpus: dict = {name: [] for name, _ in trees}
+                agent_cpu: dict = {name: [] for name, _ in trees}
                 for _ in range(args.runs):
-                    seconds, got, failed, cpu = timed(cluster_of(spread(ports, n), 20.0), what == "health")
-                    assert got == n and failed == 0, (n, got, failed)
-                    times.append(seconds)
-                    cpus.append(cpu)
-                s = Summary.of(times)
-                if what == "query":
-                    full[n] = s.median
-                goal = {256: 1.0, 1024: 2.0}.get(n) if what == "query" else None
-                rows.append([what, str(n), "%.3f" % s.median, "%.3f-%.3f" % (s.q1, s.q3),
-                             "%.3f-%.3f" % (s.low, s.high), "%.2f" % (s.median * 1000 / n),
-                             "%.3f" % Summary.of(cpus).median,
-                             "<= %.0f s: %s" % (goal, verdict(s.median <= goal)) if goal else ""])
-        print(table(rows, ["request", "agents", "median s", "IQR s", "min-max s", "ms/agent", "client CPU s",
-                           "target"]))
+                    for name, _ in trees:  # the trees in turn, run by run
+                        hosts_now = fleets[name][0]
+                        before_cpu = hosts_cpu(hosts_now)
+                        seconds, got, failed, cpu = timed(cluster_of(spread(fleets[name][1], n), 20.0),
+                                                          what == "health")
+                        assert got == n and failed == 0, (name, n, got, failed)
+                        times[name].append(seconds)
+                        cpus[name].append(cpu)
+                        agent_cpu[name].append((hosts_cpu(hosts_now) - before_cpu) * 1000 / n)
+                for name, _ in trees:
+                    s = Summary.of(times[name])
+                    if what == "query" and name == "this tree":
+                        full[n] = s.median
+                    goal = {256: 1.0, 1024: 2.0}.get(n) if what == "query" else None
+                    rows.append([what, name, str(n), "%.3f" % s.median, "%.3f-%.3f" % (s.q1, s.q3),
+                                 "%.3f-%.3f" % (s.low, s.high), "%.2f" % (s.median * 1000 / n),
+                                 "%.2f" % Summary.of(agent_cpu[name]).median, "%.3f" % Summary.of(cpus[name]).median,
+                                 "<= %.0f s: %s" % (goal, verdict(s.median <= goal)) if goal else ""])
+        print(table(rows, ["request", "tree", "agents", "median s", "IQR s", "min-max s", "ms/agent",
+                           "agent CPU ms/query", "client CPU s", "target"]))
         print()
         rows = []
         for n in sizes:
@@ -127,9 +160,11 @@ def main() -> None:
     finally:
         for sock in silent_socks:
             sock.close()
-        for popen in hosts:
-            popen.kill()
-            popen.wait(10)
+        for hosts, _ in fleets.values():
+            for popen in hosts:
+                popen.kill()
+            for popen in hosts:
+                popen.wait(10)
 
 
 if __name__ == "__main__":
