@@ -9,7 +9,8 @@ the request is in flight, the client looks at what the kernel and the process's 
    this module on the usual path): a stopped process (state T) cannot answer; an agent whose heartbeat
    (the accept thread touches its socket file every 0.25 s) is stale, while some thread holds the
    GIL, is blocked.
-2. Otherwise read the stacks from outside (py-spy, without stopping the
+2. Otherwise, once the heartbeat is older than ``STALE_TRIGGER_S`` (while it is fresh the agent is
+   only slow, and nothing is read), read the stacks from outside (py-spy, without stopping the
    process). If a thread other than the agent's holds the GIL, watch it for ``CONFIRM_S``: a thread
    running Python hands the GIL over when another asks for it (the agent's accept thread does, every
    0.25 s, to beat) and waits to get it back, a voluntary context switch; one held in a C call never
@@ -39,6 +40,8 @@ GRACE_S = 0.3
 CONFIRM_S = 0.35
 """How long the GIL holder is watched for a hand-over before the GIL is called held: longer than the
 agent's heartbeat (0.25 s), so the agent's accept thread asks for the GIL at least once meanwhile."""
+STALE_TRIGGER_S = 0.45
+"""A heartbeat older than this (one beat missed, with margin) makes the client look from outside."""
 STALE_HEARTBEAT_S = 2.0
 """A heartbeat older than this means the agent's accept thread has not run (it beats every 0.25 s)."""
 
@@ -150,27 +153,34 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
     early = known_at_once(pid, socket_path)  # stopped, or silent for seconds while the GIL is held
     if early is not None:
         return early
+    read_at = 0.0
     while time.monotonic() < deadline:
         letter = proc.state(pid)
         if letter in (None, "Z", "X"):
             return None  # dying or gone: the read says so, and the client explains it
         if letter in ("T", "t"):
             return _stopped(pid, letter, heartbeat_age(socket_path))
-        stacks = _read(pid)
-        holder = _program_holder(stacks)
-        if stacks is not None and holder is not None and holder.native_id is not None:
-            switches_before = proc.voluntary_switches(pid, holder.native_id)
-            beat_before = _mtime(socket_path)
-            if _answered(sock, CONFIRM_S):
-                return None
-            switches_after = proc.voluntary_switches(pid, holder.native_id)
-            # Progress is either signal: the holder handed the GIL over (it waited to get it back), or
-            # the agent's accept thread, which asks for the GIL every 0.25 s, got it and beat.
-            stuck = (switches_before is not None and switches_before == switches_after
-                     and _mtime(socket_path) == beat_before)
-            if stuck and _program_holder(_read(pid)) is not None:
-                return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
-        if _answered(sock, min(1.0, deadline - time.monotonic())):
+        age = heartbeat_age(socket_path)
+        # A fresh heartbeat means the agent's accept thread still gets the GIL: the agent is only slow,
+        # and nothing is read from outside (no py-spy run per second of a long eval). A stale one (or
+        # none to see) is worth a look, at most once a second.
+        if (age is None or age > STALE_TRIGGER_S) and time.monotonic() - read_at >= 1.0:
+            read_at = time.monotonic()
+            stacks = _read(pid)
+            holder = _program_holder(stacks)
+            if stacks is not None and holder is not None and holder.native_id is not None:
+                switches_before = proc.voluntary_switches(pid, holder.native_id)
+                beat_before = _mtime(socket_path)
+                if _answered(sock, CONFIRM_S):
+                    return None
+                switches_after = proc.voluntary_switches(pid, holder.native_id)
+                # Progress is either signal: the holder handed the GIL over (it waited to get it back),
+                # or the agent's accept thread, which asks for the GIL every 0.25 s, got it and beat.
+                stuck = (switches_before is not None and switches_before == switches_after
+                         and _mtime(socket_path) == beat_before)
+                if stuck and _program_holder(_read(pid)) is not None:
+                    return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+        if _answered(sock, min(0.1, max(0.0, deadline - time.monotonic()))):
             return None
     return _no_answer(pid, socket_path, timeout, "--timeout")
 
