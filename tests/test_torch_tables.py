@@ -163,3 +163,20 @@ def test_distributed_and_flight_recorder_on_a_gloo_job():
         detail = json.loads(run_cli(str(ranks[0]), "query", "SELECT input_sizes, input_dtypes FROM "
                                     "torch.flight_recorder WHERE op = 'gloo:all_reduce' LIMIT 1", "-f", "json").out)
         assert detail == [{"input_sizes": "[[4]]", "input_dtypes": "[\"Float\"]"}]
+
+
+def test_querying_the_torch_tables_during_training_never_harms_it():
+    """Autograd writes .grad and tensors from C++ without the GIL: reading them meanwhile crashed the
+    target (SIGABRT "free(): corrupted unsorted chunks", SIGSEGV) within about a hundred reads."""
+    import time as _time
+
+    with running("grad_loop.py", timeout=60) as proc:
+        client = probe.connect(str(proc.pid))
+        deadline = _time.monotonic() + 15
+        queries = 0
+        while _time.monotonic() < deadline:
+            client.query_rows("SELECT has_grad, grad_norm, note FROM torch.parameters")
+            client.query_rows("SELECT kind, count(*) FROM torch.tensors GROUP BY 1")
+            queries += 2
+        assert proc.alive(), "the training process died after %d queries" % queries
+        assert client.eval("1 + 1").value == "2"

@@ -71,6 +71,7 @@ class Agent:
             listener.start()
         atexit.register(self.stop)
         self.crash_record = _arm_crash_record()
+        _offer_step_boundary()
         return self
 
     def _start_tcp(self, dispatcher: Any) -> None:
@@ -204,6 +205,17 @@ class Agent:
                                       memory_limit=self.options.memory_limit,
                                       max_result_bytes=self.options.max_result_bytes)
         return self._engine
+
+
+def _offer_step_boundary() -> None:
+    """Let the torch tables read at a step boundary through the eval placement (no torch imported)."""
+    try:
+        from probe.agent.placement import run_between_steps
+        from probe.tables.torch import _common
+
+        _common.between_steps = run_between_steps
+    except Exception:
+        pass
 
 
 def _arm_crash_record() -> Optional[str]:

@@ -8,12 +8,13 @@ are read only from plain CPU tensors, and a DTensor only through its local shard
 import math
 import sys
 import time
-from typing import Any, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from probe.errors import TorchNotLoaded
 
-__all__ = ["torch_or_raise", "Deadline", "is_dtensor", "local_of", "plain_cpu", "tensor_stats", "shape_text",
-           "dtype_text", "number", "device_text"]
+__all__ = ["torch_or_raise", "grads_outside_backward", "in_backward", "at_step_boundary", "Deadline", "is_dtensor",
+           "local_of", "plain_cpu",
+           "tensor_stats", "shape_text", "dtype_text", "number", "device_text"]
 
 
 def torch_or_raise() -> Any:
@@ -23,6 +24,68 @@ def torch_or_raise() -> Any:
         raise TorchNotLoaded("torch is not loaded in the target (it has not imported torch, and probe never "
                              "imports it)", hint="torch.* tables answer once the program has run `import torch`")
     return torch
+
+
+between_steps: Optional[Callable[..., Tuple[Any, str]]] = None
+"""Set by the agent (its placement's ``run_between_steps``): runs work on the training thread right
+after the next optimizer step; None where no agent set it."""
+
+
+def at_step_boundary(work: Callable[[], Any], timeout: float) -> Tuple[Any, str]:
+    """``work()`` on the training thread right after the next optimizer step, where nothing else
+    touches tensors: (its result, "") or (None, why not: no optimizer, no step within 2 s)."""
+    if between_steps is None:
+        return None, "no agent placement"
+    return between_steps(lambda cancel: work(), timeout)
+
+
+_BACKWARD_FILES = ("torch/autograd/__init__.py", "torch/_tensor.py", "torch/autograd/graph.py")
+
+
+def grads_outside_backward(params: Any) -> Optional[list]:
+    """Every ``param.grad`` (None where unset), read at a moment when no thread is inside a backward
+    pass; None when one is.
+
+    Autograd writes ``.grad`` from C++ without the GIL; reading it from another thread meanwhile races
+    on the tensor's reference count and corrupts the heap (seen here: "free(): corrupted unsorted
+    chunks", SIGABRT, within about a hundred concurrent reads). So the references are taken with the
+    switch interval raised, so that no other Python thread can run (and start a backward) meanwhile,
+    after checking that no thread's stack is inside ``backward`` already. The references keep the
+    gradients alive; their values are read afterwards.
+    """
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)  # attribute reads below never release the GIL: nobody else runs
+    try:
+        if in_backward():
+            return None
+        return [param.grad for param in params]
+    finally:
+        sys.setswitchinterval(previous)
+
+
+def in_backward() -> bool:
+    """Whether some thread's stack is inside torch's ``backward`` (autograd is writing tensors)."""
+    import gc
+
+    enabled = gc.isenabled()
+    gc.disable()  # nothing in the walk may let another thread run (see python_backtrace.snapshot)
+    try:
+        frames = sys._current_frames()
+        frame: Any = None
+        try:
+            for frame in frames.values():
+                while frame is not None:
+                    name = frame.f_code.co_filename.replace("\\", "/")
+                    if frame.f_code.co_name == "backward" and name.endswith(_BACKWARD_FILES):
+                        return True
+                    frame = frame.f_back
+        finally:
+            frames.clear()
+            frame = None
+    finally:
+        if enabled:
+            gc.enable()
+    return False
 
 
 class Deadline:

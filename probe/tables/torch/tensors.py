@@ -6,10 +6,13 @@ a gradient, optimizer state, a buffer) where that can be told.
 """
 
 import gc
+import sys
+import time
 from typing import Any, Dict, List, Tuple
 
 from probe.tables.spec import Column
-from probe.tables.torch._common import Deadline, device_text, dtype_text, is_dtensor, shape_text, torch_or_raise
+from probe.tables.torch._common import (Deadline, at_step_boundary, device_text, dtype_text, grads_outside_backward,
+                                        in_backward, is_dtensor, shape_text, torch_or_raise)
 from probe.tables.torch.discovery import find_models, find_optimizers
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "scan", "BUDGET_S", "MAX_TENSORS"]
@@ -45,20 +48,64 @@ EXAMPLE = "SELECT device, dtype, count(*), sum(bytes) FROM torch.tensors GROUP B
 
 
 def rows() -> Dict[str, List[Any]]:
+    """Read on the training thread right after an optimizer step when the job steps (the loop waits
+    while the tensors are read, at most BUDGET_S): autograd and the ops of a running step change
+    tensors from C++ without the GIL, and describing one meanwhile crashed the target (SIGSEGV,
+    SIGABRT in the tests' stress runs). A job that makes no step within 2 s is read where it stands,
+    outside any backward pass."""
     torch = torch_or_raise()
+    done, _ = at_step_boundary(lambda: _rows_now(torch), BUDGET_S + 5.0)
+    return done if done is not None else _rows_now(torch)
+
+
+def _rows_now(torch: Any) -> Dict[str, List[Any]]:
     tensors, complete = scan(torch)
     roles = _roles(torch)
     out: Dict[str, List[Any]] = {c.name: [] for c in COLUMNS}
+    deadline = Deadline(BUDGET_S)
     with torch._C.DisableTorchFunctionSubclass():  # attribute reads run no subclass's Python code
-        for tensor in tensors:
-            kind, owner = roles.get(id(tensor), ("tensor", None))
-            try:
-                values = _describe(torch, tensor)
-            except Exception:
-                continue  # a tensor that cannot describe itself (freed storage, an odd subclass): skip it
-            for name, value in zip(COLUMNS, (kind, owner) + values + (complete,)):
-                out[name.name].append(value)
+        for start in range(0, len(tensors), _CHUNK):
+            chunk = tensors[start:start + _CHUNK]
+            described = _outside_backward(lambda part=chunk: [_safely(_describe, torch, t) for t in part], deadline)
+            if described is None:  # backward passes kept running until the budget was spent
+                complete = False
+                break
+            for tensor, values in zip(chunk, described):
+                if values is None:
+                    continue  # a tensor that cannot describe itself (freed storage, an odd subclass): skip it
+                kind, owner = roles.get(id(tensor), ("tensor", None))
+                for name, value in zip(COLUMNS, (kind, owner) + values + (complete,)):
+                    out[name.name].append(value)
+    if not complete:
+        out["complete"] = [False] * len(out["complete"])
     return out
+
+
+_CHUNK = 2048  # tensors described per exclusive hold of the GIL (a few milliseconds)
+
+
+def _safely(describe: Any, torch: Any, tensor: Any) -> Any:
+    try:
+        return describe(torch, tensor)
+    except Exception:
+        return None
+
+
+def _outside_backward(work: Any, deadline: Deadline) -> Any:
+    """``work()`` run while no thread is in a backward pass (autograd changes tensors from C++ without
+    the GIL; describing one meanwhile crashed the target with SIGSEGV), with no other Python thread able
+    to start one; waits for a backward pass to end, up to the deadline (then None)."""
+    while True:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(1.0)
+        try:
+            if not in_backward():
+                return work()
+        finally:
+            sys.setswitchinterval(previous)
+        if deadline.spent():
+            return None
+        time.sleep(0.002)
 
 
 def scan(torch: Any) -> Tuple[List[Any], bool]:
@@ -108,11 +155,14 @@ def _roles(torch: Any) -> Dict[int, Tuple[str, str]]:
                 roles.setdefault(id(local), (kind, owner))
 
     for model_name, model in find_models(torch):
-        for name, param in model.named_parameters():
+        named = list(model.named_parameters())
+        grads = grads_outside_backward([param for _, param in named])  # None: a backward pass runs
+        for index, (name, param) in enumerate(named):
             owner = "%s.%s" % (model_name, name)
             names[id(param)] = owner
             mark(param, "parameter", owner)
-            mark(param.grad, "gradient", owner)
+            if grads is not None:
+                mark(grads[index], "gradient", owner)
         for name, buffer in model.named_buffers():
             mark(buffer, "buffer", "%s.%s" % (model_name, name))
     for opt_name, optimizer in find_optimizers(torch):
