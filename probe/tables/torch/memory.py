@@ -4,8 +4,8 @@ and for the CPU what the process holds (RSS) and its live CPU tensors."""
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 from probe.tables.spec import Column
-from probe.tables.torch._common import torch_or_raise
-from probe.tables.torch.tensors import scan
+from probe.tables.torch._common import Deadline, at_step_boundary, torch_or_raise
+from probe.tables.torch.tensors import BUDGET_S, CHUNK, outside_backward, scan
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
 
@@ -51,19 +51,35 @@ def rows() -> Iterator[Tuple[Any, ...]]:
 
 
 def _cpu_row(torch: Any) -> Tuple[Any, ...]:
+    """Read right after an optimizer step when the job steps (see torch.tensors: tensors read while a
+    step runs can crash the target), else where the job stands."""
+    done, _ = at_step_boundary(lambda: _cpu_row_now(torch), BUDGET_S + 5.0)
+    return done if done is not None else _cpu_row_now(torch)
+
+
+def _cpu_row_now(torch: Any) -> Tuple[Any, ...]:
     tensors, complete = scan(torch)
     storages: Dict[int, int] = {}
     count = 0
-    for tensor in tensors:
-        try:
-            if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
+    def measure(part: Any) -> bool:
+        nonlocal count
+        for tensor in part:
+            try:
+                if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.device.type != "cpu":
+                    continue
+                count += 1
+                if tensor.layout == torch.strided:
+                    storage = tensor.untyped_storage()
+                    storages[storage.data_ptr()] = storage.nbytes()
+            except Exception:
                 continue
-            count += 1
-            if tensor.layout == torch.strided:
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-        except Exception:
-            continue
+        return True
+
+    deadline = Deadline(BUDGET_S)
+    for start in range(0, len(tensors), CHUNK):
+        if outside_backward(lambda part=tensors[start:start + CHUNK]: measure(part), deadline) is None:
+            complete = False
+            break
     del tensors
     status = _proc_status()
     return ("cpu", "process", sum(storages.values()), None, None, None, None, None, None, None, None,

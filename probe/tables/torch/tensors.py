@@ -64,9 +64,9 @@ def _rows_now(torch: Any) -> Dict[str, List[Any]]:
     out: Dict[str, List[Any]] = {c.name: [] for c in COLUMNS}
     deadline = Deadline(BUDGET_S)
     with torch._C.DisableTorchFunctionSubclass():  # attribute reads run no subclass's Python code
-        for start in range(0, len(tensors), _CHUNK):
-            chunk = tensors[start:start + _CHUNK]
-            described = _outside_backward(lambda part=chunk: [_safely(_describe, torch, t) for t in part], deadline)
+        for start in range(0, len(tensors), CHUNK):
+            chunk = tensors[start:start + CHUNK]
+            described = outside_backward(lambda part=chunk: [_safely(_describe, torch, t) for t in part], deadline)
             if described is None:  # backward passes kept running until the budget was spent
                 complete = False
                 break
@@ -81,7 +81,7 @@ def _rows_now(torch: Any) -> Dict[str, List[Any]]:
     return out
 
 
-_CHUNK = 2048  # tensors described per exclusive hold of the GIL (a few milliseconds)
+CHUNK = 2048  # tensors described per exclusive hold of the GIL (a few milliseconds)
 
 
 def _safely(describe: Any, torch: Any, tensor: Any) -> Any:
@@ -91,7 +91,7 @@ def _safely(describe: Any, torch: Any, tensor: Any) -> Any:
         return None
 
 
-def _outside_backward(work: Any, deadline: Deadline) -> Any:
+def outside_backward(work: Any, deadline: Deadline) -> Any:
     """``work()`` run while no thread is in a backward pass (autograd changes tensors from C++ without
     the GIL; describing one meanwhile crashed the target with SIGSEGV), with no other Python thread able
     to start one; waits for a backward pass to end, up to the deadline (then None)."""
