@@ -7,7 +7,7 @@ removed by the next checkpoint into that directory.
 
 What it never does: issue a collective (a DTensor is saved as this rank's local shard, its placements
 recorded), run ``state_dict`` hooks (FSDP2's would reshard the model under the training thread), or
-import torch (the target must have). By default the agent has it written right after the next optimizer
+bring torch in (the target must have imported it). By default the agent has it written right after the next optimizer
 step, on the training thread (the loop waits): every tensor is of the same step. A job that makes no
 step within seconds (hung) is saved concurrently, its state not changing; so is one asked with
 ``--concurrent``, where a step that runs during the save may show in some tensors.
