@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 import probe
 from probe import _paths
+from torch_job import stop_launcher
 from procs import TARGETS, Proc, target_env
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -64,14 +64,4 @@ def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
                 pid, rank, local_rank, 2)
         assert not os.path.exists(_paths.socket_path(launcher.pid)), "torchrun's own process got an agent"
     finally:
-        try:
-            os.killpg(launcher.pid, signal.SIGTERM)
-            launcher.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
-        except ProcessLookupError:
-            launcher.wait(10)
-        for stream in (launcher.stdout, launcher.stderr):
-            if stream:
-                stream.close()
+        stop_launcher(launcher)

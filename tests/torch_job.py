@@ -45,14 +45,19 @@ def torchrun_job(script: str, args: Sequence[str] = (), timeout: float = 90.0,
             wait_for_socket(pid, 30)
         yield ranks
     finally:
-        try:
-            os.killpg(launcher.pid, signal.SIGTERM)
-            launcher.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait(10)
-        except ProcessLookupError:
-            launcher.wait(10)
-        for stream in (launcher.stdout, launcher.stderr):
-            if stream:
-                stream.close()
+        stop_launcher(launcher)
+
+
+def stop_launcher(launcher: subprocess.Popen) -> None:
+    """SIGTERM to torchrun's process group (it stops its ranks), SIGKILL after 20 s; always reaped."""
+    try:
+        os.killpg(launcher.pid, signal.SIGTERM)
+        launcher.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+    except ProcessLookupError:
+        launcher.wait(10)
+    for stream in (launcher.stdout, launcher.stderr):
+        if stream:
+            stream.close()
