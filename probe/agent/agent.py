@@ -208,14 +208,20 @@ class Agent:
 
 
 def _offer_step_boundary() -> None:
-    """Let the torch tables read at a step boundary through the eval placement (no torch imported)."""
+    """Let the torch tables read at a step boundary through the eval placement (no torch imported).
+    The placement is imported on first use, not at agent start."""
     try:
-        from probe.agent.placement import run_between_steps
         from probe.tables.torch import _common
 
-        _common.between_steps = run_between_steps
+        _common.between_steps = _run_between_steps
     except Exception:
         pass
+
+
+def _run_between_steps(work: Any, timeout: float) -> Any:
+    from probe.agent.placement import run_between_steps
+
+    return run_between_steps(work, timeout)
 
 
 def _arm_crash_record() -> Optional[str]:
