@@ -62,3 +62,43 @@ def test_sql_runs_in_the_client_when_the_target_cannot(target_factory):
     assert rows.rows == [["worker-1", "waiting_worker"]]
     info = client.query("SELECT pid, start_time FROM process.info")
     assert info.column("pid").to_pylist() == [proc.pid]
+
+
+SLOW_QUERY = "SELECT sum(hash(i)) FROM range(10000000000) t(i)"  # minutes of work; the agent's limit is 10 s
+
+
+@pytest.mark.parametrize("order", ["interrupt-first", "query-first"])
+def test_an_interrupt_stops_its_query_whether_it_comes_before_or_during_it(idle_target, order):
+    """A Ctrl-C can overtake its query on the way to the agent; either way the query ends at once."""
+    import threading
+    import time
+
+    client = probe.connect(str(idle_target.pid))
+    query_id = "stop-%s-%d" % (order, time.monotonic_ns())
+    states = []
+    if order == "interrupt-first":
+        states.append(client.interrupt_query(query_id))
+    outcome = {}
+
+    def run():
+        started = time.monotonic()
+        try:
+            client.query(SLOW_QUERY, query_id=query_id)
+        except probe.ProbeError as exc:
+            outcome["error"] = exc.message
+        outcome["took"] = time.monotonic() - started
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    if order == "query-first":
+        busy = "SELECT count(*) AS n FROM python.threads WHERE thread_name = 'probe-request'"
+        deadline = time.monotonic() + 5
+        while client.query_rows(busy).rows[0][0] < 2:  # the slow query's request thread, and this one's
+            assert time.monotonic() < deadline, "the slow query never reached the agent"
+            time.sleep(0.02)
+        states.append(client.interrupt_query(query_id))
+    worker.join(15)
+    assert not worker.is_alive()
+    assert states == ["cancelled" if order == "interrupt-first" else "interrupted"]
+    assert "interrupted" in outcome.get("error", ""), outcome
+    assert outcome["took"] < 5, outcome  # the agent's own limit (10 s) did not end it

@@ -151,14 +151,21 @@ class Engine:
             fired.append(True)
             cursor.interrupt()
 
+        alarms = [self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)]
+
+        def stop_now() -> None:
+            """A client's interrupt: repeated like the time limit's, since DuckDB forgets one that lands
+            between the query's binding and its execution. Called with ``_active_cond`` held, so never
+            after the ``finally`` below has let go of this query."""
+            fired.append(True)
+            alarms.append(self._watchdog.schedule(0.0, interrupt, repeat=_INTERRUPT_EVERY))
+
         if query_id is not None:
             with self._active_cond:
-                self._by_id[query_id] = interrupt
-                cancelled = self._cancelled.pop(query_id, None) is not None
-            if cancelled:  # its interrupt came first (the client's Ctrl-C while the query was on its way)
-                interrupt()
-
-        alarm = self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)
+                self._by_id[query_id] = stop_now
+                if query_id in self._cancelled:
+                    del self._cancelled[query_id]
+                    stop_now()  # its interrupt came first (the client's Ctrl-C while the query was on its way)
         try:
             if names is None:
                 names = self._parse(cursor, sql)
@@ -177,13 +184,14 @@ class Engine:
                 raise SQLError(_clean(exc)) from None
             raise
         finally:
-            self._watchdog.cancel(alarm)
             if query_id is not None:
                 with self._active_cond:
                     self._by_id.pop(query_id, None)
                     self._finished[query_id] = None
                     while len(self._finished) > _REMEMBERED:
                         self._finished.pop(next(iter(self._finished)))
+            for alarm in alarms:
+                self._watchdog.cancel(alarm)
             self._leave(cursor)
         return QueryResult(table, truncated, (time.perf_counter() - started) * 1000.0)
 
@@ -200,10 +208,7 @@ class Engine:
                 while len(self._cancelled) > _REMEMBERED:
                     self._cancelled.pop(next(iter(self._cancelled)))
                 return "cancelled"
-        try:
-            stop()
-        except Exception:
-            pass
+            stop()  # schedules the interrupts; held under the lock so the query cannot end meanwhile
         return "interrupted"
 
     def close(self) -> None:
