@@ -7,12 +7,13 @@ are read only from plain CPU tensors, and a DTensor only through its local shard
 
 import math
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional, Tuple
 
 from probe.errors import TorchNotLoaded
 
-__all__ = ["torch_or_raise", "grads_outside_backward", "in_backward", "at_step_boundary", "Deadline", "is_dtensor",
+__all__ = ["torch_or_raise", "read_grads", "grads_outside_backward", "in_backward", "at_step_boundary", "Deadline", "is_dtensor",
            "local_of", "plain_cpu",
            "tensor_stats", "shape_text", "dtype_text", "number", "device_text"]
 
@@ -31,27 +32,61 @@ between_steps: Optional[Callable[..., Tuple[Any, str]]] = None
 after the next optimizer step; None where no agent set it."""
 
 
+_boundary = threading.local()  # .inside: this thread runs work at a step boundary (the training thread)
+
+
 def at_step_boundary(work: Callable[[], Any], timeout: float) -> Tuple[Any, str]:
     """``work()`` on the training thread right after the next optimizer step, where nothing else
     touches tensors: (its result, "") or (None, why not: no optimizer, no step within 2 s)."""
+    if getattr(_boundary, "inside", False):
+        return work(), ""  # already there (a table read at the boundary that reads gradients too)
     if between_steps is None:
         return None, "no agent placement"
-    return between_steps(lambda cancel: work(), timeout)
+
+    def marked(cancel: Any) -> Any:
+        _boundary.inside = True
+        try:
+            return work()
+        finally:
+            _boundary.inside = False
+    return between_steps(marked, timeout)
 
 
-_BACKWARD_FILES = ("torch/autograd/__init__.py", "torch/_tensor.py", "torch/autograd/graph.py")
+def read_grads(params: Any) -> Tuple[Optional[list], str]:
+    """Every ``param.grad`` (None where unset), or (None, why they were not read).
+
+    Another thread must not read ``.grad`` while the training thread may be replacing it: releasing the
+    old gradient (``zero_grad``, ``p.grad = None``, autograd's accumulation) frees it while the
+    parameter still points to it, and torch lets go of the GIL in the middle of that; a read landing
+    there takes a reference to freed memory (measured: SIGABRT or SIGSEGV within a few hundred reads of
+    a small CPU loop, with or without a backward-pass check). So the references are taken on the
+    training thread itself, right after an optimizer step. Where no step comes within 2 s (a hung job,
+    no torch optimizer), they are taken from here with the switch interval raised and only when no
+    thread is in a backward pass or a ``zero_grad``: a loop that stands still is not replacing grads.
+    The references keep the gradients alive; their values are read afterwards, off the training thread.
+    """
+    params = list(params)
+    taken, _ = at_step_boundary(lambda: [param.grad for param in params], 5.0)
+    if taken is not None:
+        return taken, ""
+    grads = grads_outside_backward(params)
+    if grads is None:
+        return None, "a backward pass or zero_grad was running: the gradient was not read (torch replaces it " \
+                     "without the GIL)"
+    return grads, ""
+
+
+_GRAD_WRITERS = (("backward", ("torch/autograd/__init__.py", "torch/_tensor.py", "torch/autograd/graph.py")),
+                 ("zero_grad", ("torch/optim/optimizer.py", "torch/nn/modules/module.py")))
 
 
 def grads_outside_backward(params: Any) -> Optional[list]:
-    """Every ``param.grad`` (None where unset), read at a moment when no thread is inside a backward
-    pass; None when one is.
+    """Every ``param.grad`` (None where unset), read from this thread at a moment when no thread is
+    inside a backward pass or a ``zero_grad``; None when one is. Prefer :func:`read_grads`, which
+    reads them on the training thread where it can (see there why).
 
-    Autograd writes ``.grad`` from C++ without the GIL; reading it from another thread meanwhile races
-    on the tensor's reference count and corrupts the heap (seen here: "free(): corrupted unsorted
-    chunks", SIGABRT, within about a hundred concurrent reads). So the references are taken with the
-    switch interval raised, so that no other Python thread can run (and start a backward) meanwhile,
-    after checking that no thread's stack is inside ``backward`` already. The references keep the
-    gradients alive; their values are read afterwards.
+    The references are taken with the switch interval raised, so that no other Python thread can run
+    (and start replacing gradients) meanwhile, after checking every thread's stack.
     """
     previous = sys.getswitchinterval()
     sys.setswitchinterval(1.0)  # attribute reads below never release the GIL: nobody else runs
@@ -64,7 +99,8 @@ def grads_outside_backward(params: Any) -> Optional[list]:
 
 
 def in_backward() -> bool:
-    """Whether some thread's stack is inside torch's ``backward`` (autograd is writing tensors)."""
+    """Whether some thread's stack is inside torch's ``backward`` or a ``zero_grad`` (gradients are
+    being written or released)."""
     import gc
 
     enabled = gc.isenabled()
@@ -75,9 +111,10 @@ def in_backward() -> bool:
         try:
             for frame in frames.values():
                 while frame is not None:
-                    name = frame.f_code.co_filename.replace("\\", "/")
-                    if frame.f_code.co_name == "backward" and name.endswith(_BACKWARD_FILES):
-                        return True
+                    code = frame.f_code
+                    for func, files in _GRAD_WRITERS:
+                        if code.co_name == func and code.co_filename.replace("\\", "/").endswith(files):
+                            return True
                     frame = frame.f_back
         finally:
             frames.clear()

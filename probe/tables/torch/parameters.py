@@ -3,8 +3,8 @@
 from typing import Any, Dict, List
 
 from probe.tables.spec import Column
-from probe.tables.torch._common import (Deadline, device_text, dtype_text, grads_outside_backward, is_dtensor,
-                                        local_of, shape_text, tensor_stats, torch_or_raise)
+from probe.tables.torch._common import (Deadline, device_text, dtype_text, is_dtensor,
+                                        local_of, read_grads, shape_text, tensor_stats, torch_or_raise)
 from probe.tables.torch.discovery import find_models
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "BUDGET_S"]
@@ -31,7 +31,7 @@ COLUMNS = (
     Column("norm", "DOUBLE", "L2 norm of its value (this rank's shard for a DTensor)" + _STATS + "."),
     Column("has_nan", "BOOLEAN", "Whether its value holds a NaN" + _STATS + "."),
     Column("has_inf", "BOOLEAN", "Whether its value holds an infinity" + _STATS + "."),
-    Column("has_grad", "BOOLEAN", "Whether .grad is set; NULL when a backward pass was running (see note)."),
+    Column("has_grad", "BOOLEAN", "Whether .grad is set; NULL when it could not be read safely (see note)."),
     Column("grad_norm", "DOUBLE", "L2 norm of .grad; NULL without a gradient" + _STATS + "."),
     Column("grad_has_nan", "BOOLEAN", "Whether .grad holds a NaN; NULL without a gradient" + _STATS + "."),
     Column("grad_has_inf", "BOOLEAN", "Whether .grad holds an infinity; NULL without a gradient" + _STATS + "."),
@@ -47,21 +47,17 @@ def rows() -> Dict[str, List[Any]]:
     with torch._C.DisableTorchFunctionSubclass():  # attribute reads run no subclass's Python code
         for model_name, model in find_models(torch):
             named = list(model.named_parameters())
-            grads = grads_outside_backward([param for _, param in named])
+            grads, why_not = read_grads(param for _, param in named)
             for index, (name, param) in enumerate(named):
-                _add(torch, out, model_name, name, param, deadline, grads[index] if grads is not None else _IN_BACKWARD)
+                _add(torch, out, model_name, name, param, deadline, grads[index] if grads is not None else None,
+                     why_not)
     return out
 
 
-_IN_BACKWARD = object()  # a backward pass ran when the gradients were to be read: they were not
-
-
 def _add(torch: Any, out: Dict[str, List[Any]], model: str, name: str, param: Any, deadline: Deadline,
-         grad: Any) -> None:
+         grad: Any, grads_not_read: str) -> None:
     dtensor = is_dtensor(param)
-    in_backward = grad is _IN_BACKWARD
-    if in_backward:
-        grad = None
+    in_backward = bool(grads_not_read)
     values = [model, name, shape_text(param), dtype_text(param.dtype), device_text(param), int(param.numel()),
               bool(param.requires_grad), dtensor, str(tuple(param.placements)) if dtensor else None]
     note = _why_no_stats(torch, param, deadline)
@@ -71,7 +67,7 @@ def _add(torch: Any, out: Dict[str, List[Any]], model: str, name: str, param: An
     else:
         value_stats = grad_stats = (None, None, None)
     if in_backward:
-        note = "a backward pass was running: the gradient was not read (autograd writes it without the GIL)"
+        note = grads_not_read
     values += [value_stats[0], value_stats[1], value_stats[2], None if in_backward else grad is not None,
                grad_stats[0], grad_stats[1], grad_stats[2], note]
     for column, value in zip(COLUMNS, values):

@@ -156,7 +156,9 @@ def _roles(torch: Any) -> Dict[int, Tuple[str, str]]:
 
     for model_name, model in find_models(torch):
         named = list(model.named_parameters())
-        grads = grads_outside_backward([param for _, param in named])  # None: a backward pass runs
+        # On the training thread at a step boundary where the job steps (see rows), else from here while
+        # no thread replaces gradients; None when one does (see _common.read_grads for why).
+        grads = grads_outside_backward([param for _, param in named])
         for index, (name, param) in enumerate(named):
             owner = "%s.%s" % (model_name, name)
             names[id(param)] = owner
