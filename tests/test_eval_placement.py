@@ -87,12 +87,12 @@ def test_between_steps_reads_a_whole_step(target_factory):
     proc = target_factory("grad_loop.py", timeout=60)
     client = probe.connect(str(proc.pid))
     count = "sum(p.grad is None for p in model.parameters())"
-    # Concurrently, .grad must not be touched while autograd writes it from C++ (that corrupts the heap:
-    # SIGABRT within about a hundred reads); probe's guarded read takes the references outside backward.
+    # Concurrently, .grad must not be touched while autograd or zero_grad replaces it from C++ (that corrupts
+    # the heap: SIGABRT within a few hundred reads); probe's guarded read takes the references outside both.
     guarded = ("(lambda g: 'in backward' if g is None else sum(x is None for x in g))(__import__("
                "'probe.tables.torch._common', fromlist=['_']).grads_outside_backward(list(model.parameters())))")
     concurrent = [client.eval(guarded, frame="MainThread:main").value for _ in range(40)]
-    assert set(concurrent) - {"0", "'in backward'"}, concurrent  # some reads land between zero_grad and backward
+    assert set(concurrent) != {"0"}, concurrent  # some reads land mid-step (None grads, or a pass writing them)
     steps = [client.eval(count, on="step", frame="MainThread:main").value for _ in range(8)]
     assert steps == ["0"] * 8
     losses = run_cli(str(proc.pid), "eval", "--between-steps", "--frame", "MainThread:main", "len(losses) > 0")
