@@ -251,3 +251,99 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
         env=target_env(probe=False))
     assert loaded.returncode == 0, loaded.stderr
     assert loaded.stdout.splitlines() == ["['optimizer'] [16, 8] ['numpy', 'python', 'torch']"] * 2, loaded.stdout
+
+
+def _loopback_alias_works() -> bool:
+    """127.0.0.2 is this host too (Linux routes all of 127/8 to loopback): a second node's address."""
+    try:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.2", 0))
+        return True
+    except OSError:
+        return False
+
+
+@contextmanager
+def two_node_job(tmp_path, script: str, token: str, timeout: float = 90.0) -> Iterator[Tuple[int, Dict[int, int]]]:
+    """Two torchrun launchers, nodes 0 and 1 of one job with 2 ranks each, as two hosts would run them: each
+    node its own address (PROBE_HOST 127.0.0.1 / 127.0.0.2, the same PROBE_PORT), its own runtime directory
+    (so nothing is shared through files), and the one PROBE_TOKEN given to both. Yields (PROBE_PORT,
+    rank -> pid); every launcher and rank is killed and reaped at the end."""
+    from probe.host.members import _children
+
+    port, master_port = _free_ports(2), _free_ports(1)
+    launchers = []
+    try:
+        for node in (0, 1):
+            runtime = tmp_path / ("node%d" % node)
+            runtime.mkdir(mode=0o700)
+            env = target_env(probe=False, PROBE_PORT=str(port), PROBE_HOST="127.0.0.%d" % (node + 1),
+                             PROBE_RUNTIME_DIR=str(runtime), PROBE_TOKEN=token)
+            popen = subprocess.Popen([TORCHRUN, "--nnodes=2", "--node-rank=%d" % node, "--nproc-per-node=2",
+                                      "--master-addr=127.0.0.1", "--master-port=%d" % master_port, "--monitor-interval=60",
+                                      os.path.join(TARGETS, script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     env=env, start_new_session=True)
+            launchers.append((popen, Proc(popen, "torchrun node %d" % node)))
+        ranks: Dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        for _, output in launchers:
+            while sum(1 for line in output.lines if line.startswith("READY")) < 2:
+                try:
+                    line = output.read_line(max(deadline - time.monotonic(), 0.1))
+                except (TimeoutError, RuntimeError) as exc:
+                    raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
+                output.lines.append(line)
+                if line.startswith("READY"):
+                    ranks[int(line.split()[2])] = int(line.split()[1])
+        yield port, ranks
+    finally:
+        for popen, _ in launchers:
+            for pid in _children(popen.pid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                os.killpg(popen.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            popen.wait(20)
+            for stream in (popen.stdout, popen.stderr):
+                if stream:
+                    stream.close()
+
+
+@needs_torchrun
+@pytest.mark.skipif(not _loopback_alias_works(), reason="127.0.0.2 cannot be bound here")
+def test_two_nodes_report_to_the_master_and_answer_as_one_job(tmp_path):
+    """The other node's helper reports its ranks to the master's over TCP; the client, knowing only the
+    master's address, reaches the ranks of both nodes, and a rank killed on node 1 is named."""
+    token = "two-node-job-token"
+    with two_node_job(tmp_path, "rank.py", token) as (port, pids):
+        master = "127.0.0.1:%d" % port
+        env = target_env(probe=False, PROBE_TOKEN=token)
+
+        def all_listed():
+            out = run_cli(master, "ranks", "-f", "json", env=env)
+            rows = json.loads(out.out) if out.code == 0 else []
+            return rows if len(rows) == 4 else None
+
+        members = _until(all_listed, 20, "node 1's ranks reported to the master")
+        assert [(m["rank"], m["host"], m["port"], m["pid"], m["node"]) for m in members] == [
+            (0, "127.0.0.1", port, pids[0], 0), (1, "127.0.0.1", port + 1, pids[1], 0),
+            (2, "127.0.0.2", port, pids[2], 1), (3, "127.0.0.2", port + 1, pids[3], 1)]
+
+        asked = run_cli(master, "--all-ranks", "query", "SELECT pid FROM process.info", "-f", "json", env=env)
+        assert asked.code == 0, asked.err
+        assert [(r["rank"], r["host"], r["pid"]) for r in json.loads(asked.out)] == [
+            (r, "127.0.0.%d" % (r // 2 + 1), pids[r]) for r in range(4)]
+        stacks = run_cli(master, "--all-ranks", "backtrace", env=env)
+        assert stacks.code == 0 and "ranks 0-3 (4)" in stacks.out, (stacks.out, stacks.err)
+
+        os.kill(pids[3], signal.SIGKILL)  # on node 1: only that node's helper sees it (torchrun looks a minute later)
+        _until(lambda: json.loads(run_cli(master, "ranks", "-f", "json", env=env).out)[3]["state"] == "dead", 15,
+               "rank 3 shown dead through node 1's report")
+        partial = run_cli(master, "--all-ranks", "query", "SELECT pid FROM process.info", "-f", "json", env=env)
+        assert partial.code == 7, (partial.code, partial.err)
+        assert [r["rank"] for r in json.loads(partial.out)] == [0, 1, 2]
+        assert "rank 3 (127.0.0.2)" in partial.err, partial.err
