@@ -5,9 +5,10 @@
 1. Overhead (in this process, CPU, one intra-op thread so the 2 shared cores stay comparable): a
    training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64) and of a
    small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), untraced and under
-   each trace setting, interleaved in rounds (the order alternating), ``--steps`` steps per block; each
-   block gives its mean step time (20 steps for ``--every 10``), and the overhead is the median over rounds of (traced block /
-   the untraced blocks of the same round) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
+   each trace setting, interleaved in rounds (the order alternating), ``--steps`` steps per block, each
+   step timed; a block's typical step is its median step (the mean of 20 steps for ``--every 10``, where
+   one sampled step in ten is the cost), and the overhead is the median over rounds of (traced block /
+   the untraced blocks on either side of it) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
    ``--every 10``.
 2. Worst case per hook call: 200 x Linear(16, 16), forward only (no_grad), batch 4: (traced - untraced)
    / 201 module calls; also torch's own cost of having any global hook (two empty ones).
@@ -74,6 +75,22 @@ def block(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def step_times(step: Callable[[], None], steps: int) -> List[float]:
+    """Each step's seconds: their median shrugs off the bursts of a shared machine that a block mean takes in."""
+    out = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def _typical(every: int, times: List[float]) -> float:
+    """A block's typical step: the median step where every step is traced alike; the mean under
+    ``--every N`` (one sampled step among N - 1 untraced ones is the cost to amortise)."""
+    return statistics.fmean(times) if every > 1 else statistics.median(times)
+
+
 def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
     from probe.tables.torch import trace
     from probe.tables.torch.trace_options import TraceOptions
@@ -93,16 +110,18 @@ def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
         base_times: List[float] = []
         for r in range(rounds):
             names = list(settings) if r % 2 == 0 else list(settings)[::-1]
-            base = [block(step, steps)]
+            base = [step_times(step, steps)]
             for name in names:
+                every = settings[name].every
                 trace.start(settings[name])
                 step()  # the first step after start names the modules
-                took = block(step, max(steps, 20) if settings[name].every > 1 else steps)
+                took = step_times(step, max(steps, 20) if every > 1 else steps)
                 trace.stop()
                 step()  # the optimizer's hooks leave at this forward
-                base.append(block(step, steps))
-                ratios[name].append(took / statistics.median(base[-2:]) - 1.0)
-            base_times.extend(base)
+                base.append(step_times(step, max(steps, 20) if every > 1 else steps))
+                untraced = _typical(every, base[-2]) + _typical(every, base[-1])
+                ratios[name].append(_typical(every, took) / (untraced / 2) - 1.0)
+            base_times.extend(statistics.median(times) for times in base)
         out.append([label, "untraced", "%.2f ms" % (statistics.median(base_times) * 1000), "-", "-"])
         for name, values in ratios.items():
             s = Summary.of(values)
