@@ -6,9 +6,9 @@
    training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64) and of a
    small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), untraced and under
    each trace setting, interleaved in rounds (the order alternating), ``--steps`` steps per block, each
-   step timed; a block's typical step is its median step (the mean of 20 steps for ``--every 10``, where
-   one sampled step in ten is the cost), and the overhead is the median over rounds of (traced block /
-   the untraced blocks on either side of it) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
+   step timed; a block's typical step is its median step (under ``--every N``, 2N steps: (the median
+   sampled step + (N - 1) x the median skipped step) / N), and the overhead is the median over rounds of
+   (traced block / the untraced blocks on either side of it) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
    ``--every 10``.
 2. Worst case per hook call: 200 x Linear(16, 16), forward only (no_grad), batch 4: (traced - untraced)
    / 201 module calls; also torch's own cost of having any global hook (two empty ones).
@@ -85,10 +85,16 @@ def step_times(step: Callable[[], None], steps: int) -> List[float]:
     return out
 
 
-def _typical(every: int, times: List[float]) -> float:
-    """A block's typical step: the median step where every step is traced alike; the mean under
-    ``--every N`` (one sampled step among N - 1 untraced ones is the cost to amortise)."""
-    return statistics.fmean(times) if every > 1 else statistics.median(times)
+def sampled_step_times(step: Callable[[], None], steps: int, tracer: Any) -> "tuple[List[float], List[float]]":
+    """Under ``--every N``: the seconds of the steps the trace sampled, and of those it skipped."""
+    sampled: List[float] = []
+    skipped: List[float] = []
+    for _ in range(steps):
+        into = sampled if tracer.sampled else skipped
+        start = time.perf_counter()
+        step()
+        into.append(time.perf_counter() - start)
+    return sampled, skipped
 
 
 def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
@@ -115,12 +121,16 @@ def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
                 every = settings[name].every
                 trace.start(settings[name])
                 step()  # the first step after start names the modules
-                took = step_times(step, max(steps, 20) if every > 1 else steps)
+                if every > 1:  # one step in `every` pays the hooks; the others only what switching them costs
+                    sampled, skipped = sampled_step_times(step, 2 * every, trace._tracer)
+                    took = (statistics.median(sampled) + (every - 1) * statistics.median(skipped)) / every
+                else:
+                    took = statistics.median(step_times(step, steps))
                 trace.stop()
                 step()  # the optimizer's hooks leave at this forward
-                base.append(step_times(step, max(steps, 20) if every > 1 else steps))
-                untraced = _typical(every, base[-2]) + _typical(every, base[-1])
-                ratios[name].append(_typical(every, took) / (untraced / 2) - 1.0)
+                base.append(step_times(step, steps))
+                untraced = (statistics.median(base[-2]) + statistics.median(base[-1])) / 2
+                ratios[name].append(took / untraced - 1.0)
             base_times.extend(statistics.median(times) for times in base)
         out.append([label, "untraced", "%.2f ms" % (statistics.median(base_times) * 1000), "-", "-"])
         for name, values in ratios.items():
