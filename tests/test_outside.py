@@ -279,6 +279,41 @@ def test_a_core_file_from_gcore_answers_backtrace_and_sql(target_factory, tmp_pa
     assert result.code == 3 and "no core file at" in result.err, result.err
 
 
+def _kernel_writes_core_files_here() -> bool:
+    """The kernel writes a core into the crashing process's directory only with a plain core_pattern
+    (not a pipe to systemd-coredump or apport)."""
+    try:
+        with open("/proc/sys/kernel/core_pattern") as f:
+            pattern = f.read().strip()
+    except OSError:
+        return False
+    return bool(pattern) and not pattern.startswith("|") and "/" not in pattern
+
+
+@pytest.mark.skipif(not _kernel_writes_core_files_here(), reason="core_pattern does not write core files here")
+def test_a_core_file_written_by_the_kernel_at_a_crash_answers_backtrace(tmp_path):
+    """What a user usually has: the core dumped by the kernel when the process died (SIGABRT here)."""
+    import resource
+
+    script = ("import os, threading, time\n"
+              "threading.Thread(target=lambda: time.sleep(600), name='sleeper', daemon=True).start()\n"
+              "def about_to_abort():\n    os.abort()\n"
+              "about_to_abort()\n")
+
+    def core_files_on() -> None:
+        resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+    done = subprocess.run([sys.executable, "-c", script], cwd=str(tmp_path), preexec_fn=core_files_on,
+                          capture_output=True, timeout=60)
+    assert done.returncode == -signal.SIGABRT, done.stderr[-2000:]
+    cores = [name for name in os.listdir(tmp_path) if name.startswith("core")]
+    if not cores:
+        pytest.skip("the kernel wrote no core file (core size limit or core_pattern)")
+    result = _timed("core:" + str(tmp_path / cores[0]), "backtrace")
+    assert result.code == 0, result.err
+    assert "about_to_abort (<string>:4)" in result.out and "core file" in result.err, result.out
+
+
 # -- native frames on a healthy target --------------------------------------------------------------------
 
 
