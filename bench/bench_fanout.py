@@ -4,13 +4,17 @@ the same with 10 % of the agents not answering (listening sockets that never ans
 come at the deadline, not later. The cost on a rank of being probed (its training loop's longest pause,
 its memory) is measured on a real torchrun job by ``bench_rank_cost.py``.
 
-    python bench/bench_fanout.py [--runs 9] [--per-process 32] [--deadline 1.5] [--sizes 16,64,256,1024]
-                                 [--before DIR]
+    python bench/bench_fanout.py [--runs 9] [--per-process 32] [--main loop|idle] [--deadline 1.5]
+                                 [--sizes 16,64,256,1024] [--before DIR]
 
 Agents: 32 processes hosting 32 agents each (see bench/targets/many_agents.py), so that 1024 fit in
 memory; a size of n uses n agents spread evenly over the processes. "agent CPU ms/query" is the CPU
 (user + system) the hosting processes used during the fan-out, per agent asked; it includes their
 main loops' (bench/targets/many_agents.py), about 15 ms a second per process.
+
+``--main idle`` leaves the hosts' main threads waiting (a rank blocked in a collective, the usual case
+when one asks every rank where it is) instead of running the 1 kHz loop; with ``--per-process 8`` that
+is 128 host processes for 1024 agents (~7 GB here).
 
 ``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) starts as many
 processes again running that tree's probe (the same host script), and times the two trees in turn,
@@ -33,11 +37,11 @@ SQL = "SELECT count(*) AS threads FROM python.threads"
 TOKEN = "bench-fanout-token"
 
 
-def start_hosts(processes: int, per_process: int, tree: str = REPO):
+def start_hosts(processes: int, per_process: int, tree: str = REPO, main: str = "loop"):
     import subprocess
 
     env = clean_env(probe=True)
-    env.update(PROBE_LISTEN="127.0.0.1:0", PROBE_TOKEN=TOKEN, PYTHONPATH=tree)
+    env.update(PROBE_LISTEN="127.0.0.1:0", PROBE_TOKEN=TOKEN, PYTHONPATH=tree, BENCH_MAIN=main)
     hosts = []
     for _ in range(processes):
         hosts.append(subprocess.Popen([sys.executable, os.path.join(REPO, "bench", "targets", "many_agents.py"),
@@ -92,6 +96,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=9)
     parser.add_argument("--per-process", type=int, default=32)
+    parser.add_argument("--main", choices=("loop", "idle"), default="loop",
+                        help="the hosts' main threads: a 1 kHz loop (busy) or waiting (idle)")
     parser.add_argument("--deadline", type=float, default=1.5)
     parser.add_argument("--sizes", default="16,64,256,1024")
     parser.add_argument("--before", default="", help="a tree of an earlier commit, timed beside this one")
@@ -105,7 +111,7 @@ def main() -> None:
     silent_socks = []
     try:
         for name, tree in trees:
-            fleets[name] = start_hosts(processes, args.per_process, tree)
+            fleets[name] = start_hosts(processes, args.per_process, tree, args.main)
         for name, _ in trees:  # warm: every process loads DuckDB once
             cluster_of(spread(fleets[name][1], max(sizes)), 30.0).query(SQL)
         ports = fleets["this tree"][1]
