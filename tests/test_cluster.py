@@ -58,35 +58,44 @@ def torchrun_job(script: str, nproc: int, timeout: float = 90.0, extra: Tuple[st
                                 start_new_session=True)
     output = Proc(launcher, "torchrun " + script)
     try:
-        ranks: Dict[int, int] = {}
-        deadline = time.monotonic() + timeout
-        while len(ranks) < nproc:
-            try:
-                line = output.read_line(max(deadline - time.monotonic(), 0.1))
-            except (TimeoutError, RuntimeError) as exc:
-                raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
-            output.lines.append(line)
-            if line.startswith("READY"):
-                ranks[int(line.split()[2])] = int(line.split()[1])
-        yield port, ranks
+        yield port, _ready_ranks(output, nproc, time.monotonic() + timeout)
     finally:
-        # The ranks first: torchrun starts each in its own session, so the launcher's group is not theirs; while
-        # the launcher lives they are its children, and their pids cannot be reused.
-        from probe.host.members import _children
+        _kill_job(launcher)
 
-        for pid in _children(launcher.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+
+def _ready_ranks(output: Proc, count: int, deadline: float) -> Dict[int, int]:
+    """rank -> pid from the launcher's next ``count`` READY lines (its ranks'), read until ``deadline``."""
+    ranks: Dict[int, int] = {}
+    while len(ranks) < count:
         try:
-            os.killpg(launcher.pid, signal.SIGKILL)
+            line = output.read_line(max(deadline - time.monotonic(), 0.1))
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
+        output.lines.append(line)
+        if line.startswith("READY"):
+            ranks[int(line.split()[2])] = int(line.split()[1])
+    return ranks
+
+
+def _kill_job(launcher: subprocess.Popen) -> None:
+    """Kill a torchrun launcher and its ranks, and reap it. The ranks first: torchrun starts each in its own
+    session, so the launcher's group is not theirs; while the launcher lives they are its children, and
+    their pids cannot be reused."""
+    from probe.host.members import _children
+
+    for pid in _children(launcher.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        launcher.wait(20)
-        for stream in (launcher.stdout, launcher.stderr):
-            if stream:
-                stream.close()
+    try:
+        os.killpg(launcher.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    launcher.wait(20)
+    for stream in (launcher.stdout, launcher.stderr):
+        if stream:
+            stream.close()
 
 
 def _until(check, timeout: float, what: str):
@@ -269,8 +278,6 @@ def two_node_job(tmp_path, script: str, token: str, timeout: float = 90.0) -> It
     node its own address (PROBE_HOST 127.0.0.1 / 127.0.0.2, the same PROBE_PORT), its own runtime directory
     (so nothing is shared through files), and the one PROBE_TOKEN given to both. Yields (PROBE_PORT,
     rank -> pid); every launcher and rank is killed and reaped at the end."""
-    from probe.host.members import _children
-
     port, master_port = _free_ports(2), _free_ports(1)
     launchers = []
     try:
@@ -287,30 +294,11 @@ def two_node_job(tmp_path, script: str, token: str, timeout: float = 90.0) -> It
         ranks: Dict[int, int] = {}
         deadline = time.monotonic() + timeout
         for _, output in launchers:
-            while sum(1 for line in output.lines if line.startswith("READY")) < 2:
-                try:
-                    line = output.read_line(max(deadline - time.monotonic(), 0.1))
-                except (TimeoutError, RuntimeError) as exc:
-                    raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
-                output.lines.append(line)
-                if line.startswith("READY"):
-                    ranks[int(line.split()[2])] = int(line.split()[1])
+            ranks.update(_ready_ranks(output, 2, deadline))
         yield port, ranks
     finally:
         for popen, _ in launchers:
-            for pid in _children(popen.pid):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                os.killpg(popen.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            popen.wait(20)
-            for stream in (popen.stdout, popen.stderr):
-                if stream:
-                    stream.close()
+            _kill_job(popen)
 
 
 @needs_torchrun
