@@ -335,3 +335,11 @@ def test_two_nodes_report_to_the_master_and_answer_as_one_job(tmp_path):
         assert partial.code == 7, (partial.code, partial.err)
         assert [r["rank"] for r in json.loads(partial.out)] == [0, 1, 2]
         assert "rank 3 (127.0.0.2)" in partial.err, partial.err
+
+        # The member list is a table too, queried here: no rank is asked.
+        members_sql = "SELECT rank, host, node, state FROM cluster.ranks WHERE state <> 'running' ORDER BY rank"
+        odd = run_cli(master, "query", members_sql, "-f", "json", env=env)
+        assert odd.code == 0, odd.err
+        assert json.loads(odd.out) == [{"rank": 3, "host": "127.0.0.2", "node": 1, "state": "dead"}]
+        mixed = run_cli(master, "query", "SELECT * FROM cluster.ranks JOIN python.threads USING (pid)", env=env)
+        assert mixed.code == 2 and "python.threads is a rank's table" in mixed.err, (mixed.code, mixed.err)

@@ -1,5 +1,6 @@
 """``probe MASTER:PORT --all-ranks query SQL [--merge SQL]``: a row per rank's row, ``rank`` and ``host``
-first; ``--merge`` queries their union here."""
+first; ``--merge`` queries their union here. ``probe MASTER:PORT query "... FROM cluster.ranks"``: the
+member list, queried here."""
 
 from typing import Any, Optional
 
@@ -9,8 +10,9 @@ from probe.cli.context import CliContext, report_failures
 from probe.cli.output import write_arrow, write_rows
 from probe.cli.render import render_rows, terminal_width
 from probe.client.results import Rows
+from probe.errors import UsageError
 
-__all__ = ["query_across_ranks"]
+__all__ = ["query_across_ranks", "query_members"]
 
 
 def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: Optional[str],
@@ -35,6 +37,27 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
         else:
             click.echo(render_rows(rows, fmt, terminal_width(), wide))
     report_failures(cli, cluster.failures, len(cluster.members))
+
+
+def query_members(cli: CliContext, sql: str, fmt: str, wide: bool, output: Optional[str], file_fmt: Optional[str],
+                  max_rows: Optional[int], timeout: Optional[float], merge: Optional[str]) -> None:
+    """SQL over ``cluster.ranks``, the job's member list from the host helpers, run here (no rank is asked)."""
+    from probe.client.local_sql import run_on_members
+
+    if merge:
+        raise UsageError("--merge groups the rows of several ranks; cluster.ranks is one table already",
+                         hint="group in the query itself")
+    cli.all_ranks = True
+    table = run_on_members(sql, cli.cluster().ranks, max_rows, timeout)
+    if file_fmt in ("parquet", "arrow"):
+        write_arrow(output or "", [(None, table)], file_fmt, False)  # type: ignore[list-item]
+        return
+    rows = _rows(table)
+    if output:
+        write_rows(output, rows, file_fmt or "csv")
+        click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
+    else:
+        click.echo(render_rows(rows, fmt, terminal_width(), wide))
 
 
 def _rows(table: Any) -> Rows:

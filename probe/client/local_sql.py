@@ -1,10 +1,10 @@
-"""SQL run by the client, for agents whose process cannot import DuckDB or pyarrow.
-
-The agent still produces its tables' raw rows; the client fetches the tables a query names and runs
-the query in the same locked-down engine the agent would use.
+"""SQL run by the client, in the same locked-down engine the agent would use: for agents whose process
+cannot import DuckDB or pyarrow (the agent still produces its tables' raw rows; the client fetches the
+tables a query names), over stacks read from outside, and over a job's member list (``cluster.ranks``).
 """
 
 import datetime
+import re
 from typing import TYPE_CHECKING, Any, Optional
 
 from probe.client.results import Rows
@@ -12,7 +12,7 @@ from probe.client.results import Rows
 if TYPE_CHECKING:
     from probe.client.client import Client
 
-__all__ = ["run_locally", "run_on_stacks", "rows_of"]
+__all__ = ["run_locally", "run_on_stacks", "run_on_members", "names_members", "rows_of"]
 
 
 def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
@@ -59,6 +59,50 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
         engine.close()
     return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false",
                                                  "probe.source": stacks.source})
+
+
+_MEMBERS = re.compile(r'\b"?cluster"?\s*\.\s*"?ranks"?(?![A-Za-z0-9_])', re.IGNORECASE)
+
+
+def names_members(sql: str) -> bool:
+    """Whether ``sql`` reads ``cluster.ranks``: the job's member list, answered by the client. DuckDB's
+    parser decides (a string that spells the name does not count), once the text mentions it at all."""
+    if not _MEMBERS.search(sql):
+        return False
+    import duckdb
+
+    from probe.engine.sandbox import referenced_tables
+    from probe.errors import SQLError
+
+    connection = duckdb.connect(":memory:", config={"enable_external_access": False})
+    try:
+        return "cluster.ranks" in referenced_tables(sql, connection)
+    except SQLError:
+        return False  # not SQL: the agent says what is wrong with it
+    finally:
+        connection.close()
+
+
+def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
+    """SQL over a job's member list (``cluster.ranks``, as the host helpers report it), run here: the
+    list is the helpers', not any rank's, so a query over it reaches no rank."""
+    from probe.engine import Engine
+    from probe.errors import UsageError
+
+    def fetch(name: str) -> Any:
+        if name == "cluster.ranks":
+            return members
+        raise UsageError("%s is a rank's table, and cluster.ranks is the job's member list, read here from the "
+                         "host helpers: one query cannot read both" % name,
+                         hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
+                              "with --merge 'SELECT ... FROM result'")
+
+    engine = Engine(fetch)
+    try:
+        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
+    finally:
+        engine.close()
+    return result.table
 
 
 def rows_of(table: Any) -> Rows:

@@ -47,6 +47,13 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
     if output:
         check_writable(output)
     fmt = "vertical" if vertical else fmt or "table"
+    from probe.client.local_sql import names_members
+
+    if names_members(sql):
+        from probe.cli.query_ranks import query_members
+
+        query_members(cli, sql, fmt, wide, output, file_fmt, max_rows, query_timeout, merge)
+        return
     if cli.is_cluster:
         from probe.cli.query_ranks import query_across_ranks
 
