@@ -1,6 +1,8 @@
 """``PROBE=1 torchrun ...``: every rank gets an agent (TCP on PROBE_PORT + LOCAL_RANK), the launcher none."""
 
+import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -12,7 +14,7 @@ import pytest
 import probe
 from probe import _paths
 from torch_job import stop_launcher
-from procs import TARGETS, Proc, target_env
+from procs import TARGETS, Proc, run_cli, target_env
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 
@@ -63,5 +65,14 @@ def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
             assert (health["pid"], health["rank"], health["local_rank"], health["world_size"]) == (
                 pid, rank, local_rank, 2)
         assert not os.path.exists(_paths.socket_path(launcher.pid)), "torchrun's own process got an agent"
+
+        # `probe list` shows the launcher as its job's host helper, with a hint that works when followed.
+        listed = {row["pid"]: row for row in json.loads(run_cli("list", "--json").out)}
+        assert listed[launcher.pid]["agent"] == "helper", listed.get(launcher.pid)
+        hint = listed[launcher.pid]["reach"]
+        assert re.match(r"probe \S+:%d ranks  \(its job's host helper\)$" % port, hint), hint
+        followed = run_cli(*hint.split("  (")[0].split()[1:], "-f", "json")
+        assert followed.code == 0, followed.err
+        assert sorted(row["pid"] for row in json.loads(followed.out)) == sorted(pid for pid, _ in ranks.values())
     finally:
         stop_launcher(launcher)

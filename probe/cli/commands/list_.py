@@ -1,7 +1,8 @@
 """``probe list``: local Python processes, which run an agent, and how to reach each."""
 
 import json
-from typing import Any, Dict, List
+import os
+from typing import Any, Dict, List, Optional
 
 import click
 
@@ -29,10 +30,31 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
         pid = getattr(proc, "pid", None)
         if pid is None or pid in exclude or getattr(proc, "has_agent", False):
             continue
-        out.append({"pid": pid, "agent": "no", "rank": None, "python": getattr(proc, "python_version", None),
+        job = _helper_reach(pid)
+        out.append({"pid": pid, "agent": "no" if job is None else "helper",
+                    "rank": None, "python": getattr(proc, "python_version", None),
                     "command": " ".join(getattr(proc, "cmdline", []) or [])[:100],
-                    "reach": "probe %d inject" % pid})
+                    "reach": "probe %d inject" % pid if job is None else job})
     return out
+
+
+def _helper_reach(pid: int) -> Optional[str]:
+    """For a torchrun launcher that runs a host helper (it has no agent, by design): the command that lists
+    its job's ranks through it. None for any other process."""
+    from probe import _paths
+    from probe.agent.options import binds_every_interface, probe_port_binding
+
+    if not os.path.exists(_paths.helper_socket_path(pid)):
+        return None
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            pairs = [item.split(b"=", 1) for item in handle.read().split(b"\0") if b"=" in item]
+        environ = {k.decode("utf-8", "replace"): v.decode("utf-8", "replace") for k, v in pairs}
+        host, port = probe_port_binding(environ)
+    except (OSError, ValueError):
+        return "host helper of a torchrun job: probe MASTER:PROBE_PORT ranks"
+    shown = "127.0.0.1" if binds_every_interface(host) else ("[%s]" % host if ":" in host else host)
+    return "probe %s:%d ranks  (its job's host helper)" % (shown, port)
 
 
 def _remove_unused_package_dirs() -> None:
