@@ -174,6 +174,27 @@ def test_a_result_past_the_byte_bound_is_refused_and_memory_comes_back(target_fa
     assert run_cli(str(proc.pid), "query", "SELECT 42 AS x", "-f", "json").out.count("42") == 1
 
 
+def _os_threads(pid: int) -> List[str]:
+    names = []
+    for tid in os.listdir("/proc/%d/task" % pid):
+        try:
+            with open("/proc/%d/task/%s/comm" % (pid, tid)) as handle:
+                names.append(handle.read().strip())
+        except OSError:
+            pass  # gone meanwhile
+    return sorted(names)
+
+
+def test_the_sql_engine_adds_only_a_few_threads_to_the_target(target_factory):
+    """DuckDB starts 8 async I/O threads per database unless told otherwise; the engine has two
+    databases and reads no file: a rank must not carry 16 idle threads for it."""
+    proc = target_factory("idle.py")
+    before = _os_threads(proc.pid)
+    assert run_cli(str(proc.pid), "query", "SELECT count(*) FROM python.threads").code == 0
+    after = _os_threads(proc.pid)
+    assert len(after) - len(before) <= 5, (before, after)
+
+
 def test_the_byte_bound_can_be_set_where_the_agent_starts(target_factory):
     proc = target_factory("idle.py", env=target_env(PROBE_MAX_RESULT_BYTES="1MB"))
     refused = run_cli(str(proc.pid), "query", "SELECT repeat('x', 1000) AS s FROM range(2000)")
