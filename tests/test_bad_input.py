@@ -183,6 +183,21 @@ def test_query_past_its_time_limit_is_interrupted(unharmed):
     assert elapsed < 5.0, "a 0.5 s limit took %.1f s to answer" % elapsed
 
 
+def test_a_short_time_limit_holds_after_many_queries_with_longer_ones(unharmed):
+    """The agent's watchdog keeps finished queries' deadlines until they come due, without waking for
+    them: a later query with a sooner deadline must still wake it, and many earlier ones must not
+    delay that (they are compacted away)."""
+    for _ in range(150):  # each leaves a cancelled 8 s deadline behind
+        unharmed.query_rows("SELECT 1", timeout=8)
+    started = time.monotonic()
+    with pytest.raises(probe.ProbeError) as caught:
+        unharmed.query_rows("SELECT count(*) FROM range(10000000000)", timeout=0.5)
+    elapsed = time.monotonic() - started
+    assert caught.value.code == "timeout"
+    assert elapsed < 4.0, "a 0.5 s limit behind 8 s ones took %.1f s" % elapsed
+    assert unharmed.query_rows("SELECT 42").rows == [[42]]
+
+
 def test_query_timeout_through_the_cli(busy, unharmed):
     started = time.monotonic()
     result = run_cli(str(busy.pid), "query", "--query-timeout", "0.5", "SELECT count(*) FROM range(10000000000)",
