@@ -360,9 +360,9 @@ class Engine:
 
 
 def _connect(duckdb: Any, config: Dict[str, Any]) -> Any:
-    """A new in-memory database, with none of DuckDB's async I/O threads where it has them (1.4 and
-    later start 8 per database by default: 16 idle threads in the target for nothing, since the engine
-    reads no file and no network)."""
+    """A new in-memory database without DuckDB's async I/O threads where it has them (2.0 starts 8 per
+    database by default, 1.5 has none: 16 idle threads in the target for nothing, since the engine reads
+    no file and no network)."""
     try:
         return duckdb.connect(":memory:", config=dict(config, async_threads=0))
     except duckdb.Error as exc:
