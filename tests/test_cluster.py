@@ -164,6 +164,33 @@ def test_several_targets_run_at_once_and_a_partial_answer_exits_7(target_factory
     assert "probe: %s: error:" % nobody in partial.err, partial.err
 
 
+def test_targets_that_never_answer_do_not_keep_the_others_waiting(target_factory):
+    """Only young requests count against --max-in-flight: three listeners that accept and never answer,
+    asked first with one place in flight, must not leave the two live targets unasked at the deadline."""
+    live = [target_factory("idle.py"), target_factory("idle.py")]
+    silent = []
+    try:
+        for _ in range(3):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)  # the kernel accepts; nobody ever reads or answers
+            silent.append(sock)
+        names = ["127.0.0.1:%d" % s.getsockname()[1] for s in silent]
+        args = [word for name in names + [str(p.pid) for p in live] for word in ("-t", name)]
+        started = time.monotonic()
+        result = run_cli(*args, "--max-in-flight", "1", "--deadline", "4", "query", "SELECT pid FROM process.info",
+                         "-f", "json", env=target_env(probe=False, PROBE_TOKEN="t"), timeout=30)
+        elapsed = time.monotonic() - started
+    finally:
+        for sock in silent:
+            sock.close()
+    assert result.code == 7, (result.code, result.err)
+    assert json.loads(result.out) == [{"target": str(p.pid), "pid": p.pid} for p in live], result.err
+    for name in names:
+        assert "probe: %s: error: no answer within the deadline" % name in result.err, result.err
+    assert elapsed < 12, elapsed  # the 4 s deadline, the CLI's start and the suite's load
+
+
 # -- real jobs -----------------------------------------------------------------------------------------
 
 

@@ -104,8 +104,9 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--deadline", type=click.FloatRange(min=0.01), metavar="SECONDS",
               help="Across ranks: answer with what arrived after this long (default 10, at most --timeout); "
                    "several -t: none unless given.")
-@click.option("--max-in-flight", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Across ranks: requests in flight at once.")
+@click.option("--max-in-flight", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Across ranks: requests in flight at once; one unanswered after 0.25 s stops counting "
+                   "(up to 512 open).")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],

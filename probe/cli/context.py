@@ -29,7 +29,7 @@ class CliContext:
     ranks: Optional[str] = None  # --ranks LIST
     hosts: Optional[str] = None  # --hosts FILE
     deadline: Optional[float] = None
-    max_in_flight: int = 128
+    max_in_flight: int = 32
     _cluster: Optional[Any] = None
     _labels: Dict[int, str] = field(default_factory=dict)  # id(client) -> "rank N (HOST:PORT)", across ranks
 

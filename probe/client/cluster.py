@@ -26,7 +26,7 @@ from probe.errors import ConnectError, ProbeError, UsageError
 __all__ = ["Member", "RankFailure", "RankAnswer", "Cluster", "connect_all", "parse_rank_list", "compact_ranks"]
 
 DEFAULT_DEADLINE = 10.0
-DEFAULT_IN_FLIGHT = 128
+DEFAULT_IN_FLIGHT = 32  # young requests at once; see probe.client.fanout
 MEMBER_COLUMNS = ("rank", "host", "port", "pid", "state", "local_rank", "node", "world_size", "restarts",
                   "heartbeat_age")
 

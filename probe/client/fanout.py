@@ -1,19 +1,32 @@
 """One call against many agents at once: a bound on requests in flight, a per-call timeout (each
 client's own) and an overall deadline, after which the answers in hand are returned and the rest are
 named as unanswered. Worker threads are daemons: one stuck on a rank never holds up the answer nor
-the exit of the command."""
+the exit of the command.
+
+The bound counts only requests that are still young. Few requests at a time is fastest when the agents
+answer quickly: on a 2-core host running 1024 agents, 16 in flight answered in 1.8 s where 256 took
+2.5 s (the agents' CPU went from 4.4 to 3.1 core-seconds: fewer of them woke at once, with their caches
+cold). But a rank that does not answer (hung, its GIL held, its host gone) would then hold a place until
+its timeout, and the ranks queued behind it would wait for nothing. So a request unanswered after
+``slow_after`` seconds stops counting: another starts in its place, up to ``max_open`` requests open
+in all.
+"""
 
 import threading
 import time
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, TypeVar
 
 from probe.errors import ProbeError, Timeout
 
-__all__ = ["Outcome", "fan_out", "Progress"]
+__all__ = ["Outcome", "fan_out", "Progress", "SLOW_AFTER_S", "MAX_OPEN"]
 
 Item = TypeVar("Item")
 Progress = Callable[[int, int, List[int]], None]
 """Called about every 0.1 s while waiting: (answered, total, indices still waited for)."""
+
+SLOW_AFTER_S = 0.25  # a request unanswered this long no longer holds one of the max_in_flight places
+MAX_OPEN = 512  # requests open at once, slow ones included (each a thread and a socket here)
+_TICK_S = 0.1
 
 
 class Outcome(NamedTuple):
@@ -22,28 +35,32 @@ class Outcome(NamedTuple):
     seconds: float
 
 
-def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: int = 128, deadline: float = 10.0,
-            progress: Optional[Progress] = None) -> List[Outcome]:
-    """``work(item)`` for every item, at most ``max_in_flight`` at a time; an outcome per item, in order.
+def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: int = 32, deadline: float = 10.0,
+            progress: Optional[Progress] = None, slow_after: float = SLOW_AFTER_S,
+            max_open: int = MAX_OPEN) -> List[Outcome]:
+    """``work(item)`` for every item, at most ``max_in_flight`` young requests at a time (see the module's
+    docstring); an outcome per item, in order.
 
     An item still running (or never started) at the deadline gets a ``Timeout``; its thread is left to
     finish on its own (its socket has its own timeout)."""
     total = len(items)
     outcomes: List[Optional[Outcome]] = [None] * total
-    done = threading.Condition()
-    next_index = [0]
     started: List[Optional[float]] = [None] * total
-    begin = time.monotonic()
-    end = begin + deadline
+    running: Dict[int, float] = {}  # index -> when its request started, while it runs
+    done = threading.Condition()
+    state = {"next": 0, "answered": 0, "workers": 0, "allowance": max(1, max_in_flight)}
+    max_open = max(max_open, max_in_flight)
+    end = time.monotonic() + deadline
 
     def worker() -> None:
         while True:
             with done:
-                i = next_index[0]
-                if i >= total or time.monotonic() >= end:
+                i = state["next"]
+                if i >= total or time.monotonic() >= end or state["workers"] > state["allowance"]:
+                    state["workers"] -= 1  # nothing left, too late, or a slow request came back: one too many
                     return
-                next_index[0] += 1
-                started[i] = time.monotonic()
+                state["next"] += 1
+                started[i] = running[i] = time.monotonic()
             t0 = time.monotonic()
             try:
                 outcome: Outcome = Outcome(work(items[i]), None, time.monotonic() - t0)
@@ -53,19 +70,34 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
                 outcome = Outcome(None, ProbeError("%s: %s" % (type(exc).__name__, exc)), time.monotonic() - t0)
             with done:
                 outcomes[i] = outcome
-                done.notify_all()
+                running.pop(i, None)
+                state["answered"] += 1
+                if state["answered"] == total:
+                    done.notify_all()
 
-    for _ in range(max(1, min(max_in_flight, total))):
-        threading.Thread(target=worker, name="probe-fanout", daemon=True).start()
+    def add_workers(count: int) -> None:
+        """Start up to ``count`` workers; called with ``done`` held."""
+        for _ in range(count):
+            state["workers"] += 1
+            try:
+                threading.Thread(target=worker, name="probe-fanout", daemon=True).start()
+            except RuntimeError:  # no more threads here: make do with those running
+                state["workers"] -= 1
+                return
+
     with done:
+        add_workers(min(state["allowance"], total))
         while True:
-            answered = sum(o is not None for o in outcomes)
             now = time.monotonic()
-            if answered == total or now >= end:
+            if state["answered"] == total or now >= end:
                 break
+            slow = sum(1 for t in running.values() if now - t > slow_after)
+            state["allowance"] = min(max(1, max_in_flight) + slow, max_open)
+            unstarted = total - state["next"]
+            add_workers(max(0, min(state["allowance"] - state["workers"], unstarted)))
             if progress is not None:
-                progress(answered, total, [i for i, o in enumerate(outcomes) if o is None])
-            done.wait(min(0.1, end - now))
+                progress(state["answered"], total, [i for i, o in enumerate(outcomes) if o is None])
+            done.wait(min(_TICK_S, end - now))
         result = list(outcomes)
     for i, outcome in enumerate(result):
         if outcome is None:
