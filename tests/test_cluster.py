@@ -191,6 +191,24 @@ def test_targets_that_never_answer_do_not_keep_the_others_waiting(target_factory
     assert elapsed < 12, elapsed  # the 4 s deadline, the CLI's start and the suite's load
 
 
+def test_a_command_left_waiting_on_a_silent_target_prints_only_its_own_lines(target_factory):
+    """The CLI exits while a fan-out thread still waits on a target that never answers; the client ran
+    DuckDB itself for the other target (no agent there). Tearing the interpreter down under that thread
+    made DuckDB's bindings print a page of leak reports after probe's own lines."""
+    plain = target_factory("idle.py", probe=False)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        name = "127.0.0.1:%d" % silent.getsockname()[1]
+        result = run_cli("-t", name, "-t", str(plain.pid), "--deadline", "2", "query", "SELECT pid FROM process.info",
+                         env=target_env(probe=False, PROBE_TOKEN="t"), timeout=30)
+    assert result.code == 5, (result.code, result.err)
+    lines = result.err.splitlines()
+    assert len(lines) == 2 and all(line.startswith("probe: ") for line in lines), result.err
+    assert lines[0].startswith("probe: %s: error: no answer within the deadline" % name), result.err
+    assert lines[1].startswith("probe: %d: error: process.info needs the agent" % plain.pid), result.err
+
+
 # -- real jobs -----------------------------------------------------------------------------------------
 
 

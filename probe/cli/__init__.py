@@ -1,5 +1,6 @@
 """The ``probe`` command. ``main()`` is the console script; it turns probe errors into one-line messages."""
 
+import os
 import sys
 from typing import List, Optional
 
@@ -37,5 +38,25 @@ def main(argv: Optional[List[str]] = None) -> int:
     except BrokenPipeError:
         code = 0
     if argv is None:
-        sys.exit(code)
+        _exit(code)
     return code
+
+
+def _exit(code: int) -> None:
+    """Exit with ``code``. Where fan-out threads still wait on targets that never answered (they are
+    daemons, left to their socket timeouts), skip the interpreter's teardown: it would destroy what
+    they still hold, such as a DuckDB connection of the client's, and DuckDB's bindings print a page of
+    "leaked instance" lines on the user's terminal. Exit handlers still run, and output is flushed."""
+    import threading
+
+    if not any(t.name == "probe-fanout" and t.is_alive() for t in threading.enumerate()):
+        sys.exit(code)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BaseException:
+        pass
+    os._exit(code)
