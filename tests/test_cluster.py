@@ -209,6 +209,25 @@ def test_a_command_left_waiting_on_a_silent_target_prints_only_its_own_lines(tar
     assert lines[1].startswith("probe: %d: error: process.info needs the agent" % plain.pid), result.err
 
 
+def test_when_no_rank_answers_no_empty_table_is_printed():
+    socks = [socket.socket(), socket.socket()]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(8)
+        names = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks]
+        args = ["-t", names[0], "-t", names[1], "--all-ranks", "--deadline", "1", "query"]
+        env = target_env(probe=False, PROBE_TOKEN="t")
+        table = run_cli(*args, "SELECT 1 AS x", env=env, timeout=30)
+        as_json = run_cli(*args, "-f", "json", "SELECT 1 AS x", env=env, timeout=30)
+    finally:
+        for sock in socks:
+            sock.close()
+    assert table.code == 5 and table.out == "", (table.code, table.out, table.err)  # 5: no answer in time
+    assert "rank 1 (%s): no answer within the deadline" % names[1] in table.err, table.err
+    assert as_json.code == 5 and json.loads(as_json.out) == [], as_json.out
+
+
 # -- real jobs -----------------------------------------------------------------------------------------
 
 

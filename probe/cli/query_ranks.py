@@ -34,7 +34,7 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
         if output:
             write_rows(output, rows, file_fmt or "csv")
             click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
-        else:
+        elif rows.columns or fmt != "table":  # no rank answered: nothing to tabulate, the failures say why
             click.echo(render_rows(rows, fmt, terminal_width(), wide))
     report_failures(cli, cluster.failures, len(cluster.members))
 
