@@ -209,7 +209,7 @@ def test_a_command_left_waiting_on_a_silent_target_prints_only_its_own_lines(tar
     assert lines[1].startswith("probe: %d: error: process.info needs the agent" % plain.pid), result.err
 
 
-def test_when_no_rank_answers_no_empty_table_is_printed():
+def test_when_no_rank_answers_no_empty_table_or_stack_is_printed():
     socks = [socket.socket(), socket.socket()]
     try:
         for sock in socks:
@@ -220,12 +220,14 @@ def test_when_no_rank_answers_no_empty_table_is_printed():
         env = target_env(probe=False, PROBE_TOKEN="t")
         table = run_cli(*args, "SELECT 1 AS x", env=env, timeout=30)
         as_json = run_cli(*args, "-f", "json", "SELECT 1 AS x", env=env, timeout=30)
+        stacks = run_cli(*args[:-1], "backtrace", env=env, timeout=30)
     finally:
         for sock in socks:
             sock.close()
     assert table.code == 5 and table.out == "", (table.code, table.out, table.err)  # 5: no answer in time
     assert "rank 1 (%s): no answer within the deadline" % names[1] in table.err, table.err
     assert as_json.code == 5 and json.loads(as_json.out) == [], as_json.out
+    assert stacks.code == 5 and stacks.out == "", (stacks.code, stacks.out, stacks.err)
 
 
 # -- real jobs -----------------------------------------------------------------------------------------

@@ -53,7 +53,8 @@ def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
         click.echo(json.dumps(backtrace_records(answers)))
     else:
         stacks = [RankStacks(a.member.rank, a.value, a.note) for a in answers]
-        click.echo("\n".join(render_grouped_backtrace(stacks, len(cluster.members))))
+        if stacks:  # none when no rank answered: the failures below say why
+            click.echo("\n".join(render_grouped_backtrace(stacks, len(cluster.members))))
         for answer in answers:
             if answer.note:
                 click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
