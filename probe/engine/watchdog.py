@@ -7,8 +7,9 @@ the cursor its action names, are freed at once, never by a later garbage collect
 
 Scheduling and cancelling wake the thread only when they must (a deadline earlier than the one it
 sleeps towards): a cancelled deadline stays in the heap, without its action, until it comes due or the
-heap is compacted. Two needless wake-ups a query were a tenth of an agent's CPU when many queries
-arrive at once (a fan-out to every rank).
+heap is compacted. Two needless wake-ups a query showed when many queries arrive at once (a fan-out to
+every rank): 256 agents hosted 8 to a process used 0.9-1.0 s of CPU for one query each without them,
+1.1-1.3 s with them.
 """
 
 import heapq
