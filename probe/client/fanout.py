@@ -7,10 +7,9 @@ The bound counts only requests that are still young. Few requests at a time is f
 answer quickly: with 1024 agents on one 2-core machine (bench/bench_fanout.py --in-flight-sweep), 8 to
 32 in flight answered in 2.2 s where 256 took 2.44 s, the agents spending 3.7-3.9 ms of CPU a query
 instead of 4.2 (fewer of them woke at once, with their caches cold). But a rank that does not answer
-(hung, its GIL held, its host gone) would then hold a place until
-its timeout, and the ranks queued behind it would wait for nothing. So a request unanswered after
-``slow_after`` seconds stops counting: another starts in its place, up to ``max_open`` requests open
-in all.
+(hung, its GIL held, its host gone) would then hold a place until its timeout, and the ranks queued
+behind it would wait for nothing. So a request unanswered after ``slow_after`` seconds stops counting:
+another starts in its place, up to ``max_open`` requests open in all.
 """
 
 import threading
