@@ -18,6 +18,7 @@ from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, rende
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
 from procs import TARGETS, Proc, run_cli, target_env
+from torch_job import ready_lines
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 needs_torchrun = pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun (torch) is not installed")
@@ -65,16 +66,7 @@ def torchrun_job(script: str, nproc: int, timeout: float = 90.0, extra: Tuple[st
 
 def _ready_ranks(output: Proc, count: int, deadline: float) -> Dict[int, int]:
     """rank -> pid from the launcher's next ``count`` READY lines (its ranks'), read until ``deadline``."""
-    ranks: Dict[int, int] = {}
-    while len(ranks) < count:
-        try:
-            line = output.read_line(max(deadline - time.monotonic(), 0.1))
-        except (TimeoutError, RuntimeError) as exc:
-            raise AssertionError("the ranks did not start: %s; lines: %r" % (exc, output.lines)) from None
-        output.lines.append(line)
-        if line.startswith("READY"):
-            ranks[int(line.split()[2])] = int(line.split()[1])
-    return ranks
+    return {int(words[2]): int(words[1]) for words in ready_lines(output, count, deadline)}
 
 
 def _kill_job(launcher: subprocess.Popen) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 import probe
 from probe import _paths
-from torch_job import stop_launcher
+from torch_job import ready_lines, stop_launcher
 from procs import TARGETS, Proc, run_cli, target_env
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -42,18 +42,9 @@ def test_every_rank_gets_an_agent_and_the_launcher_none(tmp_path):
                                  os.path.join(TARGETS, "rank.py")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 env=env, start_new_session=True)
     try:
-        ranks = {}
-        deadline = time.monotonic() + 90
         output = Proc(launcher, "torchrun")  # reads the pipe itself, with a bounded wait for each line
-        while len(ranks) < 2:
-            try:
-                line = output.read_line(max(deadline - time.monotonic(), 0.1))
-            except (TimeoutError, RuntimeError) as exc:
-                raise AssertionError("the ranks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
-            output.lines.append(line)
-            if line.startswith("READY"):
-                _, pid, rank, local_rank = line.split()
-                ranks[int(local_rank)] = (int(pid), int(rank))
+        ranks = {int(local_rank): (int(pid), int(rank))
+                 for _, pid, rank, local_rank in ready_lines(output, 2, time.monotonic() + 90)}
         token_file = _paths.job_token_path(port)  # one token per job: every rank shares it
         for local_rank, (pid, rank) in sorted(ranks.items()):
             deadline = time.monotonic() + 20

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Dict, Iterator, Sequence
+from typing import Dict, Iterator, List, Sequence
 
 from procs import TARGETS, Proc, target_env, wait_for_socket
 
@@ -21,6 +21,21 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def ready_lines(output: Proc, count: int, deadline: float) -> List[List[str]]:
+    """The launcher's next ``count`` READY lines (one per rank: ``READY pid rank local_rank``), split,
+    read until ``deadline``; every other line is kept in ``output.lines`` for the failure message."""
+    found: List[List[str]] = []
+    while len(found) < count:
+        try:
+            line = output.read_line(max(deadline - time.monotonic(), 0.1))
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError("the ranks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
+        output.lines.append(line)
+        if line.startswith("READY"):
+            found.append(line.split())
+    return found
+
+
 @contextmanager
 def torchrun_job(script: str, args: Sequence[str] = (), timeout: float = 90.0,
                  **env: str) -> Iterator[Dict[int, int]]:
@@ -30,17 +45,8 @@ def torchrun_job(script: str, args: Sequence[str] = (), timeout: float = 90.0,
                                 stderr=subprocess.PIPE, env=target_env(**env), start_new_session=True)
     try:
         output = Proc(launcher, "torchrun")
-        ranks: Dict[int, int] = {}
-        deadline = time.monotonic() + timeout
-        while len(ranks) < 2:
-            try:
-                line = output.read_line(max(deadline - time.monotonic(), 0.1))
-            except (TimeoutError, RuntimeError) as exc:
-                raise AssertionError("the ranks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
-            output.lines.append(line)
-            if line.startswith("READY"):
-                _, pid, rank, _ = line.split()
-                ranks[int(rank)] = int(pid)
+        ranks: Dict[int, int] = {int(words[2]): int(words[1])
+                                 for words in ready_lines(output, 2, time.monotonic() + timeout)}
         for pid in ranks.values():
             wait_for_socket(pid, 30)
         yield ranks
