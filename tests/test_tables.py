@@ -111,3 +111,39 @@ def test_a_rows_function_may_return_arrow_and_every_path_still_answers():
             produce_arrow(spec)
     finally:
         unregister_table("testarrow.steps")
+
+
+@pytest.mark.parametrize("path", ["direct", "public"])
+def test_both_ways_the_engine_runs_a_query_give_the_same_answers_and_limits(path):
+    """The engine runs a query through DuckDB's private ``_submit`` where it exists and passes its check
+    (one bind instead of two), else through the public ``sql().to_arrow_reader()``: both give the same
+    rows, row cap, errors, time limit, and no reading of the process's Python variables."""
+    import duckdb
+
+    from probe.engine import Engine, sandbox
+    from probe.errors import SQLError, Timeout
+    from probe.tables.registry import get_table, produce_arrow
+
+    engine = Engine(lambda name: produce_arrow(get_table(name)) if get_table(name) else None, timeout=0.5)
+    try:
+        if path == "direct":
+            if not hasattr(duckdb.connect(":memory:").cursor(), "_submit"):
+                pytest.skip("this DuckDB has no _submit: the engine uses the public path only")
+            assert engine._reader is sandbox._direct_reader, "DuckDB has _submit, but the engine's check refused it"
+        else:
+            engine._reader = sandbox._public_reader
+        result = engine.query("SELECT count(*) AS n FROM python.threads WHERE is_main")
+        assert result.table.to_pylist() == [{"n": 1}]
+        result = engine.query("SELECT range AS r FROM range(5000)", max_rows=2100)
+        assert result.table.num_rows == 2100 and result.truncated
+        plan = engine.query("EXPLAIN SELECT thread_name FROM python.threads")
+        assert plan.table.num_rows >= 1
+        with pytest.raises(SQLError, match="nothere"):
+            engine.query("SELECT * FROM nothere")
+        hidden_python_value = [1, 2, 3]  # noqa: F841  a replacement scan would read it
+        with pytest.raises(SQLError, match="hidden_python_value"):
+            engine.query("SELECT * FROM hidden_python_value")
+        with pytest.raises(Timeout):
+            engine.query("SELECT sum(a.range * b.range) FROM range(100000) a, range(100000) b")
+    finally:
+        engine.close()
