@@ -328,3 +328,25 @@ def test_clients_that_never_read_neither_bloat_nor_starve_the_target(target_fact
         assert time.monotonic() < deadline, (baseline, _status(proc.pid))
         time.sleep(0.2)
     assert proc.alive()
+
+
+def test_listing_modules_calls_no_module_level_getattr(idle_target):
+    """``python.modules`` reads each module's own namespace: a module-level ``__getattr__`` (lazy
+    imports, deprecation warnings) is never run in the target by a query, and plain values still read."""
+    client = probe.connect(str(idle_target.pid), timeout=30)
+    client.eval("import sys, types\n"
+                "lazy = types.ModuleType('lazy_zoo')\n"
+                "lazy.calls = []\n"
+                "def _hook(name):\n"
+                "    lazy.calls.append(name)\n"
+                "    raise AttributeError(name)\n"
+                "lazy.__getattr__ = _hook\n"
+                "plain = types.ModuleType('plain_zoo')\n"
+                "plain.__version__ = '1.2.3'\n"
+                "plain.__file__ = '/x/plain_zoo.py'\n"
+                "sys.modules['lazy_zoo'] = lazy\n"
+                "sys.modules['plain_zoo'] = plain\n")
+    rows = client.query_rows("SELECT name, file, version, is_package FROM python.modules "
+                             "WHERE name IN ('lazy_zoo', 'plain_zoo') ORDER BY name")
+    assert [tuple(r) for r in rows.rows] == [("lazy_zoo", None, None, False), ("plain_zoo", "/x/plain_zoo.py", "1.2.3", False)]
+    assert client.eval("print(sys.modules['lazy_zoo'].calls)").stdout.strip() == "[]"
