@@ -298,6 +298,15 @@ def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
         subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
         assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err
 
+        # A rank's port or the helper's given as the job's address: named, with a command that works.
+        for wrong, what in ((port + 1, "rank 1's port"), (port - 1, "the host helper's port")):
+            mistaken = run_cli("127.0.0.1:%d" % wrong, "--all-ranks", "backtrace")
+            assert mistaken.code == 2 and "%s of the job with PROBE_PORT=%d" % (what, port) in mistaken.err, mistaken.err
+            hint = mistaken.err.strip().rsplit(" -- ", 1)[1].split()
+            assert hint == ["probe", master, "ranks"], mistaken.err
+            followed = run_cli(*hint[1:])
+            assert followed.code == 0 and "(4 rows)" in followed.out, (followed.out, followed.err)
+
 
 @needs_torchrun
 def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_only(tmp_path):

@@ -223,11 +223,22 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
         raise UsageError("discovery needs the master's HOST:PORT (PROBE_PORT), not %s" % target,
                          hint="or list the targets: -t HOST:PORT several times, or --hosts FILE")
     host, port = parsed.address.host, parsed.address.port
-    helper = transport.TcpAddress(host, int(os.environ.get("PROBE_HELPER_PORT") or port - 1))
+    given_helper = os.environ.get("PROBE_HELPER_PORT")
+    helper = transport.TcpAddress(host, int(given_helper or port - 1))
     headers = {"Authorization": "Bearer %s" % token} if token else {}
+
+    def wrong_port() -> None:
+        """Raise a usage error naming the job, where PORT is known here to be a rank's or a helper's port."""
+        found = None if given_helper else _port_of_a_local_job(host, port)
+        if found is not None:
+            what, job = found
+            raise UsageError("%s is %s of the job with PROBE_PORT=%d on this host, not the job's address"
+                             % (target, what, job), hint="probe %s ranks" % _with_port(host, job))
+
     try:
         answer = transport.request(helper, "GET", "/v1/ranks", None, headers, timeout)
     except ConnectError as exc:
+        wrong_port()
         raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
                            hint="start the job as PROBE_PORT=%d torchrun ...; or list the targets with -t or --hosts"
                            % port) from None
@@ -238,6 +249,11 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
     if answer.status >= 400:
         from probe.errors import error_from_code
 
+        wrong_port()
+        if answer.status == 404:  # an agent answers there (a rank's port), not a host helper
+            raise UsageError("%s is a rank's agent, not a job's host helper: %s is not the job's PROBE_PORT"
+                             % (helper, target), hint="give the job's PROBE_PORT: rank 0's port (the helper listens "
+                                                      "one below it); or ask this rank alone: probe %s ..." % target)
         error = raw.get("error", {}) if isinstance(raw, dict) else {}
         raise error_from_code(str(error.get("code", "internal")), "host helper at %s: %s" % (
             helper, str(error.get("message", ""))[:300]), error.get("hint"))
@@ -246,6 +262,47 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
     own = str(raw.get("host"))
     members = [_member(m, host, own, helper) for m in raw["members"][:100000] if isinstance(m, dict)]
     return [m for m in members if m is not None], raw
+
+
+def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
+    """``("rank 1's port", 9700)`` or ``("the host helper's port", 9700)`` where ``host:port`` is on this
+    host and belongs to a job of this host without being its PROBE_PORT; else None. Known from the job
+    token files this host's helpers keep, and the member list of the helper beside each (asked with that
+    token): only for a mistyped address, never on the way to an answer."""
+    import json
+    import re
+    import socket
+
+    try:
+        address = socket.gethostbyname(host)
+        if not address.startswith("127.") and address != socket.gethostbyname(socket.gethostname()):
+            return None
+        names = os.listdir(_paths.runtime_dir())
+    except OSError:
+        return None
+    for job in sorted(int(m.group(1)) for m in (re.fullmatch(r"job-(\d+)\.token", n) for n in names) if m):
+        if job == port or not job - 1 <= port < job + 4096:
+            continue
+        token = _job_token(job)
+        try:
+            answer = transport.request(transport.TcpAddress("127.0.0.1", job - 1), "GET", "/v1/ranks", None,
+                                       {"Authorization": "Bearer %s" % token} if token else {}, 2.0)
+            raw = json.loads(answer.body.decode("utf-8"))
+        except (ProbeError, ValueError, UnicodeDecodeError):
+            continue
+        if answer.status != 200 or not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
+            continue
+        if port == job - 1:
+            return "the host helper's port", job
+        own = raw.get("host")
+        for member in raw["members"]:
+            if isinstance(member, dict) and member.get("port") == port and member.get("host") == own:
+                return "rank %s's port" % member.get("rank"), job
+    return None
+
+
+def _with_port(host: str, port: int) -> str:
+    return "%s:%d" % ("[%s]" % host if ":" in host else host, port)
 
 
 def _int(value: Any) -> Optional[int]:
