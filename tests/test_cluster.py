@@ -217,6 +217,7 @@ def test_when_no_rank_answers_no_empty_table_or_stack_is_printed():
         for sock in socks:
             sock.close()
     assert table.code == 5 and table.out == "", (table.code, table.out, table.err)  # 5: no answer in time
+    assert "probe: 2 of 2 ranks gave no result (ranks 0-1):" in table.err, table.err
     assert "rank 1 (%s): no answer within the deadline" % names[1] in table.err, table.err
     assert as_json.code == 5 and json.loads(as_json.out) == [], as_json.out
     assert stacks.code == 5 and stacks.out == "", (stacks.code, stacks.out, stacks.err)

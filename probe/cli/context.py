@@ -150,12 +150,12 @@ def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[C
 
 
 def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
-    """Name each rank that did not answer, with why; exit 7 for a partial answer, else the error's code."""
+    """Name each rank that gave no result (silent, refused, failed), with why; exit 7 for a partial answer, else the error's code."""
     if not failures:
         return
     from probe.client.cluster import compact_ranks
 
-    click.echo("probe: %d of %d ranks did not answer (ranks %s):" % (
+    click.echo("probe: %d of %d ranks gave no result (ranks %s):" % (
         len(failures), total, compact_ranks([f.rank for f in failures])), err=True)
     for failure in failures:
         click.echo("  rank %d (%s): %s" % (failure.rank, failure.host, failure.reason), err=True)
