@@ -3,6 +3,8 @@ ranks that cannot answer (GIL held in C, killed) named or read from outside."""
 
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -315,6 +317,18 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
     with torchrun_job("dist_train.py", 2) as (port, pids):
         done = run_cli("127.0.0.1:%d" % port, "--all-ranks", "checkpoint", str(tmp_path / "ck-{rank}.pt"))
         assert done.code == 0, (done.out, done.err)
+        # debugpy in every rank: ranks of one host cannot share a port, so each takes a free one; the stop
+        # command each prints works as printed (through the job's address, which finds the token).
+        master = "127.0.0.1:%d" % port
+        debugged = run_cli(master, "--all-ranks", "debug", timeout=60)
+        assert debugged.code == 0, (debugged.out, debugged.err)
+        ports = re.findall(r"debugpy listens in process \d+ on 127\.0\.0\.1:(\d+)", debugged.out)
+        assert len(set(ports)) == 2, debugged.out
+        stops = [line.split(": ", 1)[1] for line in debugged.out.splitlines() if line.startswith("Stop it with: ")]
+        assert stops == ["probe %s --ranks %d debug --stop" % (master, rank) for rank in (0, 1)], debugged.out
+        for command in stops:
+            stopped = run_cli(*shlex.split(command)[1:])
+            assert stopped.code == 0 and "debugpy stopped" in stopped.out, (stopped.out, stopped.err)
     assert "== rank 0 (127.0.0.1:%d) ==" % port in done.out and "== rank 1 (127.0.0.1:%d) ==" % (port + 1) in done.out
     assert done.out.count("saved %s" % tmp_path) == 2 and "model       model: 4 tensors, 212 parameters" in done.out
     assert sorted(os.listdir(tmp_path)) == ["ck-0.pt", "ck-1.pt"]

@@ -123,3 +123,58 @@ def test_debug_is_refused_without_eval_and_off_loopback(target_factory):
     assert refused.code == 4 and "eval is switched off" in refused.err, refused.err
     open_ = run_cli(str(proc.pid), "debug", "--host", "0.0.0.0")
     assert open_.code == 2 and "no authentication" in open_.err and "--insecure" in open_.err
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+_PYDEVD_THREADS = "sorted(type(t).__name__ for t in threading._active.values() if 'PyDB' in type(t).__qualname__)"
+
+
+def test_debugpy_stops_whole_and_starts_again_on_the_same_port_or_another(target_factory):
+    """After --stop nothing of debugpy listens or waits in the target, and a new start listens where asked
+    (pydevd kept the first session's port, and its accept thread listened again on the stopped socket)."""
+    proc = target_factory("idle.py")
+    client = probe.connect(str(proc.pid))
+    first = run_cli(str(proc.pid), "debug", "--port", "0")
+    assert first.code == 0, first.err
+    port = int(first.out.split("127.0.0.1:")[1].split()[0])
+    for attempt in ("the same port", "any port"):
+        stopped = run_cli(str(proc.pid), "debug", "--stop")
+        assert stopped.code == 0 and "debugpy stopped" in stopped.out, stopped.err
+        assert _port_is_free(port), "the port is still taken after --stop"
+        assert client.eval("import threading; " + _PYDEVD_THREADS).value == "[]"
+        again = run_cli(str(proc.pid), "debug", "--port", str(port) if attempt == "the same port" else "0",
+                        timeout=30)
+        assert again.code == 0 and "debugpy listens" in again.out, (attempt, again.err)
+        port = int(again.out.split("127.0.0.1:")[1].split()[0])
+        dap = Dap(port)
+        try:
+            assert dap.response(dap.send("initialize", adapterID="probe-test", clientID="probe-test"))["success"]
+        finally:
+            dap.sock.close()
+    assert run_cli(str(proc.pid), "debug", "--stop").code == 0
+
+
+def test_a_port_in_use_is_refused_at_once_and_the_agent_serves_on(target_factory):
+    """debugpy, asked for a taken port, waits for ever with the agent's request thread inside: refused
+    before it is asked, with a hint that works."""
+    proc = target_factory("idle.py")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        refused = run_cli(str(proc.pid), "debug", "--port", str(port), timeout=30)
+        assert refused.code == 2 and "port %d on 127.0.0.1 is in use" % port in refused.err, refused.err
+        assert "--port 0 for any free one" in refused.err
+        followed = run_cli(str(proc.pid), "debug", "--port", "0", timeout=30)
+        assert followed.code == 0 and "debugpy listens" in followed.out, followed.err
+    assert run_cli(str(proc.pid), "debug", "--stop").code == 0
+    assert probe.connect(str(proc.pid)).eval("1 + 1").value == "2"

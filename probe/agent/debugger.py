@@ -7,9 +7,10 @@ holds only a ``debugpy`` link to its own copy, as the injector does for probe; i
 only for the import. debugpy has no authentication, so a listener on anything but a loopback address
 needs the caller's explicit ``insecure`` consent.
 
-debugpy has no call to stop listening: stopping shuts its listening socket down (a plain close would
-leave a thread blocked in ``accept`` serving on) and ends its tracing and threads; a later start
-listens afresh. Runs in the target; stdlib only (debugpy is imported on the first start), 3.9+.
+debugpy has no call to stop listening: stopping tells its accepting thread to end, shuts its listening
+socket down to wake it (a plain close would leave it blocked in ``accept`` serving on), closes the
+socket, and ends debugpy's tracing and threads; a later start listens afresh, on the same port or
+another. Runs in the target; stdlib only (debugpy is imported on the first start), 3.9+.
 """
 
 import importlib
@@ -55,6 +56,8 @@ def start(host: str, port: int, insecure: bool = False, import_dir: Optional[str
         if _address is not None:
             return dict(status(), already=True)
         debugpy = _import_debugpy(import_dir)
+        if port:
+            _check_port_free(host, port)
         try:
             _allow_restart()
             bound = debugpy.listen((host, port), in_process_debug_adapter=True)
@@ -72,27 +75,68 @@ def stop() -> Dict[str, Any]:
         if _address is None:
             return dict(status(), stopped=False)
         pydevd = sys.modules.get("pydevd")
+        servers = []
         for thread in list(threading._active.values()):  # type: ignore[attr-defined]  # pydevd hides its own from enumerate()
             server = getattr(thread, "_server_socket", None) if type(thread).__name__ == "_WaitForConnectionThread" else None
             if server is not None:
+                servers.append((thread, server))
+                # Told to end first: woken from accept() while still meant to run, the thread listens again
+                # on the same socket and blocks for ever, and the port stays taken after the close below.
+                thread._kill_received = True
                 try:
                     server.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept()
                 except OSError:
                     pass
+                thread.join(1.0)
         try:
             if pydevd is not None:
                 pydevd.stoptrace()
         except Exception as exc:
             raise InternalError("debugpy did not stop cleanly: %s: %s" % (type(exc).__name__, exc)) from None
+        finally:
+            for _, server in servers:  # shut down, the socket still held the port: a later start there failed
+                try:
+                    server.close()
+                except OSError:
+                    pass
         _address = None
         return dict(status(), stopped=True)
 
 
+def _check_port_free(host: str, port: int) -> None:
+    """Refuse a port something already listens on. debugpy, started in the process, does not fail there:
+    its server thread fails to bind and ``listen`` waits for it for ever, with a request thread of the
+    agent inside and debugpy's tracing threads half started (seen with two ranks of a job on one host,
+    both asked for 5678). A check, not a guarantee: a port taken between it and debugpy's bind still
+    hangs, which the check makes a race instead of the rule."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        probe_socket = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise BadRequest("cannot listen on %s:%d: %s" % (host, port, exc)) from None
+    try:
+        probe_socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as debugpy's own: TIME_WAIT is no obstacle
+        probe_socket.bind((host, port))
+    except OSError as exc:
+        raise BadRequest("port %d on %s is in use (%s): another process listens there, perhaps another rank's "
+                         "debugpy" % (port, host, exc.strerror or exc),
+                         hint="choose another port with --port, or --port 0 for any free one") from None
+    finally:
+        probe_socket.close()
+
+
 def _allow_restart() -> None:
-    """debugpy refuses a second ``listen`` in one process even after it was stopped; we stop it fully."""
+    """debugpy refuses a second ``listen`` in one process even after it was stopped; we stop it fully.
+    pydevd also keeps the first session's address (``SetupHolder.setup``) and would listen there again,
+    whatever the new port: forgotten once the stopped session's debugger is gone."""
     api = sys.modules.get("debugpy.server.api")
     if api is not None and getattr(getattr(api, "listen", None), "called", False):
         api.listen.called = False
+    pydevd = sys.modules.get("pydevd")
+    holder = getattr(pydevd, "SetupHolder", None)
+    current = getattr(pydevd, "get_global_debugger", None)
+    if holder is not None and callable(current) and current() is None:
+        holder.setup = None
 
 
 def _import_debugpy(import_dir: Optional[str]) -> Any:

@@ -32,10 +32,15 @@ class CliContext:
     max_in_flight: int = 32
     _cluster: Optional[Any] = None
     _labels: Dict[int, str] = field(default_factory=dict)  # id(client) -> "rank N (HOST:PORT)", across ranks
+    _members: Dict[int, Any] = field(default_factory=dict)  # id(client) -> its rank's Member, across ranks
 
     def label(self, client: Client) -> str:
         """How output names a target: ``rank N (HOST:PORT)`` across ranks, else the target as written."""
         return self._labels.get(id(client), client.target.label)
+
+    def cluster_member(self, client: Client) -> Optional[Any]:
+        """The rank (``Member``) a client of a command across ranks speaks to; None for others."""
+        return self._members.get(id(client))
 
     @property
     def is_cluster(self) -> bool:
@@ -143,6 +148,7 @@ def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[C
         cluster.progress(-1, 0, [])  # clear the line
     for answer in answers:
         cli._labels[id(answer.client)] = answer.member.label
+        cli._members[id(answer.client)] = answer.member
         if answer.note:
             click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
         yield answer.client, answer.value
@@ -150,7 +156,8 @@ def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[C
 
 
 def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
-    """Name each rank that gave no result (silent, refused, failed), with why; exit 7 for a partial answer, else the error's code."""
+    """Name each rank that gave no result (silent, refused, failed), with why; exit 7 for a partial
+    answer, else the error's code."""
     if not failures:
         return
     from probe.client.cluster import compact_ranks

@@ -1,6 +1,7 @@
 """``probe TARGET debug``: start debugpy in the target and say how to attach an IDE; ``--stop`` ends it."""
 
 import json
+import shlex
 from typing import Any, Dict, Iterator, Optional
 
 import click
@@ -12,8 +13,10 @@ from probe.errors import UsageError
 __all__ = ["debug", "render_attach"]
 
 
-def render_attach(label: str, answer: Dict[str, Any], remote_host: Optional[str]) -> Iterator[str]:
-    """What to tell the user: where debugpy listens, the launch.json entry, and the tunnel for a remote target."""
+def render_attach(label: str, answer: Dict[str, Any], remote_host: Optional[str],
+                  stop_command: Optional[str] = None) -> Iterator[str]:
+    """What to tell the user: where debugpy listens, the launch.json entry, the tunnel for a remote target,
+    and how to stop it (``stop_command``; default ``probe LABEL debug --stop``)."""
     host, port = answer["host"], answer["port"]
     yield "debugpy %s in process %s on %s:%s (it has no authentication: whoever reaches that port can run code "\
           "there)" % ("already listens" if answer.get("already") else "listens", answer.get("pid"), host, port)
@@ -31,18 +34,35 @@ def render_attach(label: str, answer: Dict[str, Any], remote_host: Optional[str]
     for line in json.dumps(entry, indent=2).splitlines():
         yield "  " + line
     yield ""
-    yield "Stop it with: probe %s debug --stop" % label
+    yield "Stop it with: %s" % (stop_command or "probe %s debug --stop" % label)
 
 
 def _remote_host(client: Client) -> Optional[str]:
+    """The host to tunnel through, for a target on another host (not a unix socket, not loopback)."""
+    from probe.agent.debugger import is_loopback
+
     if not client.target.is_tcp:
         return None
-    return str(getattr(client.target.address, "host", None) or client.target.label.rsplit(":", 1)[0])
+    host = str(getattr(client.target.address, "host", None) or client.target.label.rsplit(":", 1)[0])
+    return None if is_loopback(host) else host
+
+
+def _stop_command(cli: CliContext, client: Client) -> Optional[str]:
+    """How to stop debugpy in this target, as a command that works when followed: across a discovered job,
+    through the master's address with ``--ranks`` (discovery finds the job's token); a TCP target listed
+    by hand, with the token file given."""
+    rank = getattr(cli.cluster_member(client), "rank", None) if cli.is_cluster else None
+    if rank is not None and len(cli.targets) == 1 and not cli.hosts:
+        return "probe %s --ranks %d debug --stop" % (shlex.quote(cli.targets[0]), rank)
+    if client.target.is_tcp and cli.token_file:
+        return "probe %s --token-file %s debug --stop" % (shlex.quote(client.target.label), shlex.quote(cli.token_file))
+    return None
 
 
 @click.command("debug")
-@click.option("--port", type=click.IntRange(0, 65535), default=5678, show_default=True,
-              help="Port debugpy listens on in the target (0: any free one).")
+@click.option("--port", type=click.IntRange(0, 65535), default=None,
+              help="Port debugpy listens on in the target (0: any free one). Default: 5678; across ranks or "
+                   "several targets 0, since ranks on one host cannot share a port.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Interface debugpy listens on in the target.")
 @click.option("--insecure", is_flag=True,
@@ -50,7 +70,7 @@ def _remote_host(client: Client) -> Optional[str]:
                    "it can run code in the target.")
 @click.option("--stop", is_flag=True, help="Stop debugpy in the target.")
 @pass_cli
-def debug(cli: CliContext, port: int, host: str, insecure: bool, stop: bool) -> None:
+def debug(cli: CliContext, port: Optional[int], host: str, insecure: bool, stop: bool) -> None:
     """Start debugpy in the target, for VS Code (or any DAP client) to attach to.
 
     It listens on 127.0.0.1 unless --host and --insecure say otherwise. Refused where eval is off.
@@ -65,6 +85,10 @@ def debug(cli: CliContext, port: int, host: str, insecure: bool, stop: bool) -> 
             click.echo("%s: debugpy %s" % (client.target.label, "stopped" if answer.get("stopped")
                                             else "was not running"))
         return
-    for client, answer in each_target(cli, lambda c: c.debug_start(host, port, insecure)):
-        for line in render_attach(client.target.label, answer, _remote_host(client)):
+    several = cli.is_cluster or len(cli.targets) > 1
+    chosen = port if port is not None else 0 if several else 5678
+    for client, answer in each_target(cli, lambda c: c.debug_start(host, chosen, insecure)):
+        if several:
+            click.echo("== %s ==" % cli.label(client))
+        for line in render_attach(client.target.label, answer, _remote_host(client), _stop_command(cli, client)):
             click.echo(line)
