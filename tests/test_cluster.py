@@ -329,6 +329,14 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
         for command in stops:
             stopped = run_cli(*shlex.split(command)[1:])
             assert stopped.code == 0 and "debugpy stopped" in stopped.out, (stopped.out, stopped.err)
+        # trace across ranks: each rank's status headed by its rank; --json rows carry rank and host.
+        started = run_cli(master, "--all-ranks", "trace", "start")
+        assert started.code == 0 and all("rank %d (127.0.0.1:%d): trace: on" % (r, port + r) in started.out
+                                         for r in (0, 1)), started.out
+        status = run_cli(master, "--all-ranks", "trace", "stop", "--json")
+        assert status.code == 0, status.err
+        assert [(row["rank"], row["state"]) for row in map(json.loads, status.out.splitlines())] == \
+            [(0, "stopped"), (1, "stopped")], status.out
     assert "== rank 0 (127.0.0.1:%d) ==" % port in done.out and "== rank 1 (127.0.0.1:%d) ==" % (port + 1) in done.out
     assert done.out.count("saved %s" % tmp_path) == 2 and "model       model: 4 tensors, 212 parameters" in done.out
     assert sorted(os.listdir(tmp_path)) == ["ck-0.pt", "ck-1.pt"]

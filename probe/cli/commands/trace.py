@@ -72,13 +72,15 @@ def export(cli: CliContext, output: str) -> None:
 
 
 def _show(cli: CliContext, work: Any, as_json: bool) -> None:
-    several = len(cli.clients()) > 1
+    several = cli.is_cluster or len(cli.targets) > 1
     for client, answer in each_target(cli, work):
         if as_json:
-            click.echo(json.dumps(dict(answer, target=client.target.label) if several else answer))
+            member = cli.cluster_member(client)
+            where = dict(rank=member.rank, host=member.host) if member is not None else dict(target=client.target.label)
+            click.echo(json.dumps(dict(answer, **where) if several else answer))
             continue
         for line in status_lines(answer):
-            click.echo(("%s: " % client.target.label if several else "") + line)
+            click.echo(("%s: " % cli.label(client) if several else "") + line)
 
 
 def status_lines(status: Dict[str, Any]) -> Iterator[str]:
