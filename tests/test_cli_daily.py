@@ -2,27 +2,20 @@
 output that fits a terminal. Each test drives the real ``probe`` command against a real agent; where the
 terminal matters it runs under a pseudo-terminal (Ctrl-C, width) or with ``COLUMNS``."""
 
-import fcntl
 import http.server
 import json
 import os
-import pty
 import re
-import select
-import signal
 import socket
-import struct
 import subprocess
-import sys
-import termios
 import threading
 import time
 import unicodedata
-from typing import Callable, Dict, List, Optional, Tuple
 
 import pytest
 
 from procs import REPO, run_cli, spawn, target_env
+from terminal import has_socket, run_in_pty
 
 SECRETS = {"MY_API_KEY": "k-123", "DB_PASSWORD": "hunter2", "HF_TOKEN": "hf_abc", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
 CERTS = {"SSL_CERT_FILE": "/etc/ssl/certs/ca.pem", "SSL_CERT_DIR": "/etc/ssl/certs", "PIP_CERT": "/etc/pip/ca.pem",
@@ -53,57 +46,6 @@ def _width(text: str) -> int:
 # -- a pseudo-terminal ---------------------------------------------------------------------------
 
 
-def run_in_pty(args: List[str], columns: int = 80, when: Optional[Callable[[int], bool]] = None,
-               timeout: float = 30.0, env: Optional[Dict[str, str]] = None) -> Tuple[int, str, int]:
-    """Run ``probe ARGS`` on a pseudo-terminal ``columns`` wide; once ``when(its pid)`` is true, type Ctrl-C.
-
-    Returns (exit status, everything written to the terminal, the CLI's pid)."""
-    environ = dict(env if env is not None else target_env(probe=False))
-    environ.pop("COLUMNS", None)
-    pid, fd = pty.fork()
-    if pid == 0:  # the child: the CLI, with the terminal as its controlling terminal
-        try:
-            fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
-            os.chdir(REPO)
-            os.execve(sys.executable, [sys.executable, "-m", "probe", *args], environ)
-        finally:
-            os._exit(127)
-    out = b""
-    sent = False
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if when is not None and not sent and when(pid):
-                os.write(fd, b"\x03")
-                sent = True
-            ready, _, _ = select.select([fd], [], [], 0.05)
-            if ready:
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:  # EIO: the child closed the terminal
-                    break
-                if not chunk:
-                    break
-                out += chunk
-        else:
-            raise AssertionError("probe %s did not end within %.0f s: %r" % (args, timeout, out[-500:]))
-    finally:
-        if time.monotonic() >= deadline:
-            os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
-        os.close(fd)
-    return os.waitstatus_to_exitcode(status), out.decode("utf-8", "replace").replace("\r\n", "\n"), pid
-
-
-def _has_socket(pid: int) -> bool:
-    """True once process ``pid`` holds a socket: the CLI has sent its request (the handshake for Ctrl-C)."""
-    try:
-        return any(os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:")
-                   for fd in os.listdir("/proc/%d/fd" % pid))
-    except OSError:
-        return False
-
-
 def test_ctrl_c_during_an_eval_interrupts_the_snippet_and_exits_130(target, tmp_path):
     started, stopped = tmp_path / "started", tmp_path / "stopped"
     code = ("import time\nopen(%r, 'w').close()\ntry:\n    while True: time.sleep(0.02)\n"
@@ -121,7 +63,7 @@ def test_ctrl_c_during_an_eval_interrupts_the_snippet_and_exits_130(target, tmp_
 
 def test_ctrl_c_during_a_query_stops_it_in_the_agent_and_exits_130_with_one_line(target):
     status, out, _ = run_in_pty([str(target.pid), "query", "SELECT sum(hash(i)) FROM range(10000000000) t(i)"],
-                                when=_has_socket)
+                                when=has_socket)
     assert status == 130, out
     assert "Traceback" not in out, out
     assert [line for line in out.splitlines() if line.strip() and line.strip() != "^C"] == \

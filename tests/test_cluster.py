@@ -20,6 +20,7 @@ from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, rende
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
 from procs import TARGETS, Proc, run_cli, target_env
+from terminal import run_in_pty, sockets
 from torch_job import ready_lines
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -300,6 +301,16 @@ def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
 
         subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
         assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err
+
+        # Ctrl-C, typed on a terminal, stops the query on every rank (each would run it to its 10 s limit).
+        status, out, _ = run_in_pty([master, "--all-ranks", "query", "SELECT sum(hash(i)) AS s FROM range(10000000000) t(i)"],
+                                    when=lambda pid: sockets(pid) >= 4)
+        shown = [line.rsplit("\r", 1)[-1].replace("\x1b[K", "").replace("^C", "").strip() for line in out.splitlines()]
+        said = [line for line in shown if line and "answered, waiting for" not in line]  # the progress line goes
+        assert status == 130 and said == ["probe: interrupted (Ctrl-C); the query was stopped on ranks 0-3"], out
+        busy = "SELECT count(*) AS n FROM python.threads WHERE thread_name = 'probe-request'"
+        _until(lambda: all(r["n"] <= 1 for r in json.loads(run_cli(master, "--all-ranks", "query", busy, "-f", "json").out)),
+               5, "every rank's query ended after Ctrl-C")
 
         # A rank's port or the helper's given as the job's address: named, with a command that works.
         for wrong, what in ((port + 1, "rank 1's port"), (port - 1, "the host helper's port")):

@@ -170,6 +170,28 @@ def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
     cli.exit_code = cli.exit_code or (PARTIAL if len(failures) < total else failures[0].exit_code)
 
 
+def stopped_on_ranks(cluster: Any, kind: str, run_id: str) -> str:
+    """After a Ctrl-C: ask every rank to stop the query or snippet ``run_id``; what became of it, in words,
+    ranks grouped by outcome ("the query was stopped on ranks 0-6; it may run on until its time limit on
+    rank 7 (why)")."""
+    from probe.client.cluster import compact_ranks
+
+    what = "query" if kind == "query" else "snippet"
+    groups: Dict[str, List[int]] = {}
+    for rank, state in sorted(cluster.interrupt(kind, run_id).items()):
+        if state in ("interrupted", "cancelled"):
+            said = "the %s was stopped" % what
+        elif state == "finished":
+            said = "the %s had ended" % what
+        elif state.startswith("unreachable: "):
+            said = "it may run on until its time limit (%s)" % state[len("unreachable: "):]
+        else:
+            said = "the agent knows no such %s" % what
+        groups.setdefault(said, []).append(rank)
+    return "; ".join("%s on rank%s %s" % (said, "s" if len(ranks) > 1 else "", compact_ranks(ranks))
+                     for said, ranks in groups.items())
+
+
 PARTIAL = 7
 """Exit code of a command across ranks or several targets that some answered and others did not."""
 

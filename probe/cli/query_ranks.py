@@ -2,11 +2,12 @@
 first; ``--merge`` queries their union here. ``probe MASTER:PORT query "... FROM cluster.ranks"``: the
 member list, queried here."""
 
+import secrets
 from typing import Any, Optional
 
 import click
 
-from probe.cli.context import CliContext, report_failures
+from probe.cli.context import CliContext, report_failures, stopped_on_ranks
 from probe.cli.output import write_arrow, write_rows
 from probe.cli.render import render_rows, terminal_width
 from probe.client.results import Rows
@@ -20,7 +21,14 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
                        merge: Optional[str]) -> None:
     cluster = cli.cluster()
     arrow = bool(merge) or file_fmt in ("parquet", "arrow")
-    combined: Any = (cluster.query if arrow else cluster.query_rows)(sql, max_rows=max_rows, timeout=timeout)
+    query_id = secrets.token_hex(8)  # names the query on every rank, so that Ctrl-C stops it there
+    try:
+        combined: Any = (cluster.query if arrow else cluster.query_rows)(sql, max_rows=max_rows, timeout=timeout,
+                                                                         query_id=query_id)
+    except KeyboardInterrupt:
+        if cluster.progress is not None:
+            cluster.progress(-1, 0, [])
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % stopped_on_ranks(cluster, "query", query_id)) from None
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])
     if merge:

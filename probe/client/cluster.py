@@ -139,19 +139,31 @@ class Cluster:
         self.failures = failures
         return answers
 
-    def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Rows:
-        """Every rank's rows of ``sql``, with ``rank`` and ``host`` first (no pyarrow needed)."""
-        answers = self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout))
+    def interrupt(self, kind: str, run_id: str, deadline: float = 3.0) -> Dict[int, str]:
+        """Ask every rank to stop the query (``kind="query"``) or snippet (``"eval"``) sent with ``run_id``,
+        as a Ctrl-C does: rank -> the agent's word (``interrupted``, ``cancelled``: it stops as it starts,
+        ``finished``) or why it could not be asked. Leaves ``failures`` as the call being stopped left it."""
+        stop = (lambda c: c.interrupt_query(run_id)) if kind == "query" else (lambda c: c.interrupt_eval(run_id))
+        outcomes = fan_out(self._clients, stop, len(self._clients), deadline)
+        return {m.rank: (str(o.value) if o.error is None else "unreachable: %s" % o.error.message)
+                for m, o in zip(self.members, outcomes)}
+
+    def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
+                   query_id: Optional[str] = None) -> Rows:
+        """Every rank's rows of ``sql``, with ``rank`` and ``host`` first (no pyarrow needed). ``query_id``
+        names the query on every rank, for :meth:`interrupt`."""
+        answers = self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout, query_id=query_id))
         parts = [a.value.with_column("host", a.member.host).with_column("rank", a.member.rank) for a in answers]
         if parts:
             parts = [Rows((("rank", "BIGINT"),) + p.columns[1:], p.rows, p.truncated) for p in parts]
         return Rows.concat(parts)
 
-    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None) -> Any:
+    def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
+              query_id: Optional[str] = None) -> Any:
         """One ``pyarrow.Table``: every rank's rows with ``rank`` and ``host`` columns first."""
         import pyarrow as pa
 
-        answers = self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout))
+        answers = self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout, query_id=query_id))
         tables = []
         for answer in answers:
             table = answer.value.replace_schema_metadata(None)

@@ -154,8 +154,16 @@ def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], whe
     from probe.cli.context import report_failures
     from probe.cli.render_cluster import render_grouped_eval
 
+    from probe.cli.context import stopped_on_ranks
+
     cluster = cli.cluster()
-    answers = cluster.map(lambda c: c.eval(code, timeout=eval_timeout, **where))
+    eval_id = uuid.uuid4().hex  # the same on every rank: Ctrl-C interrupts it there
+    try:
+        answers = cluster.map(lambda c: c.eval(code, timeout=eval_timeout, eval_id=eval_id, **where))
+    except KeyboardInterrupt:
+        if cluster.progress is not None:
+            cluster.progress(-1, 0, [])
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % stopped_on_ranks(cluster, "eval", eval_id)) from None
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])
     for line, to_stderr in render_grouped_eval([(a.member.rank, a.value) for a in answers]):
