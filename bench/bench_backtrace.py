@@ -8,7 +8,7 @@ subprocesses, wall time from spawn to exit. The target (bench/targets/threads.py
 interleaved (probe, py-spy, py-spy, probe, ...) after a warm-up round. Python's own start-up
 (``python -c pass``, ``python -c "import click"``), the CLI's imports (``python -c "import probe.cli.app"``)
 and the request the command makes (timed from this process) are measured in the same rounds, for context.
-DESIGN targets: probe <= 1.5x py-spy at 65 threads, <= 0.5x at 257.
+DESIGN targets: probe <= 1.0x py-spy at 65 threads, <= 0.35x at 257.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from typing import Any, Dict, List
 
 from _common import Summary, Target, header, interleave, summary_table, time_command, tool, verdict
 
-TARGET_RATIO = {65: 1.5, 257: 0.5}
+TARGET_RATIO = {65: 1.0, 257: 0.35}
 
 
 def measure(threads: int, depth: int, runs: int) -> Dict[str, List[float]]:
@@ -81,7 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     header("probe PID backtrace vs py-spy dump --pid PID (whole commands, wall time)",
            ["%d interleaved runs per tool and thread count, after 1 warm-up round" % args.runs,
-            "DESIGN: <= 1.5x py-spy at 65 threads, <= 0.5x at 257"])
+            "DESIGN: <= 1.0x py-spy at 65 threads, <= 0.35x at 257"])
     for threads in (int(t) for t in args.threads.split(",")):
         report(threads, measure(threads, args.depth, args.runs))
 
