@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from procs import REPO, target_env
 
-__all__ = ["run_in_pty", "has_socket", "sockets"]
+__all__ = ["run_in_pty", "has_socket", "sockets", "Terminal"]
 
 
 def run_in_pty(args: List[str], columns: int = 80, when: Optional[Callable[[int], bool]] = None,
@@ -73,3 +73,56 @@ def sockets(pid: int) -> int:
         return sum(os.readlink("/proc/%d/fd/%s" % (pid, fd)).startswith("socket:") for fd in os.listdir("/proc/%d/fd" % pid))
     except OSError:
         return 0
+
+
+class Terminal:
+    """``probe ... repl`` on the child side of a pty; everything it prints is collected here."""
+
+    def __init__(self, args, home: str, env: Optional[Dict[str, str]] = None) -> None:
+        env = dict(env if env is not None else target_env(probe=False), HOME=str(home), TERM="dumb")
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:  # the child: becomes the REPL
+            os.chdir(REPO)
+            os.execve(sys.executable, [sys.executable, "-m", "probe", *args, "repl"], env)
+        self.seen = ""
+
+    def expect(self, text: str, timeout: float = 20.0) -> str:
+        deadline = time.monotonic() + timeout
+        while text not in self.seen:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError("%r not printed within %.0f s; the terminal shows:\n%s" % (text, timeout, self.seen))
+            ready, _, _ = select.select([self.fd], [], [], remaining)
+            if ready:
+                try:
+                    chunk = os.read(self.fd, 65536)
+                except OSError:  # the child is gone
+                    chunk = b""
+                if not chunk:
+                    raise AssertionError("the REPL exited before printing %r:\n%s" % (text, self.seen))
+                self.seen += chunk.decode("utf-8", "replace")
+        index = self.seen.index(text) + len(text)
+        taken, self.seen = self.seen[:index], self.seen[index:]
+        return taken
+
+    def send(self, text: str) -> None:
+        os.write(self.fd, text.encode())
+
+    def wait_exit(self, timeout: float = 10.0) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.pid = 0
+                return os.waitstatus_to_exitcode(status)
+            try:
+                os.read(self.fd, 65536) if select.select([self.fd], [], [], 0.05)[0] else None
+            except OSError:
+                pass
+        raise AssertionError("the REPL did not exit within %.0f s" % timeout)
+
+    def close(self) -> None:
+        if self.pid:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        os.close(self.fd)

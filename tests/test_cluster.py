@@ -20,7 +20,7 @@ from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, rende
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
 from procs import TARGETS, Proc, run_cli, target_env
-from terminal import run_in_pty, sockets
+from terminal import Terminal, run_in_pty, sockets
 from torch_job import ready_lines
 
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -340,6 +340,21 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
         for command in stops:
             stopped = run_cli(*shlex.split(command)[1:])
             assert stopped.code == 0 and "debugpy stopped" in stopped.out, (stopped.out, stopped.err)
+        # repl across ranks: input runs on every rank, identical outputs once, headed by their ranks.
+        (tmp_path / "home").mkdir()
+        term = Terminal([master, "--all-ranks"], tmp_path / "home")
+        try:
+            term.expect("probe repl: ranks 0-1 (2), Python %d.%d." % sys.version_info[:2])
+            term.expect(">>> ")
+            term.send("import os; os.environ['RANK']\r")
+            shown = term.expect(">>> ")
+            assert "== rank 0 ==" in shown and "== rank 1 ==" in shown, shown
+            term.send("1 + 1\r")
+            assert "== ranks 0-1 ==\r\n2" in term.expect(">>> ")
+            term.send("\x04")
+            assert term.wait_exit() == 0
+        finally:
+            term.close()
         # trace across ranks: each rank's status headed by its rank; --json rows carry rank and host.
         started = run_cli(master, "--all-ranks", "trace", "start")
         assert started.code == 0 and all("rank %d (127.0.0.1:%d): trace: on" % (r, port + r) in started.out
@@ -350,7 +365,7 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
             [(0, "stopped"), (1, "stopped")], status.out
     assert "== rank 0 (127.0.0.1:%d) ==" % port in done.out and "== rank 1 (127.0.0.1:%d) ==" % (port + 1) in done.out
     assert done.out.count("saved %s" % tmp_path) == 2 and "model       model: 4 tensors, 212 parameters" in done.out
-    assert sorted(os.listdir(tmp_path)) == ["ck-0.pt", "ck-1.pt"]
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ck")) == ["ck-0.pt", "ck-1.pt"]
     loaded = subprocess.run([sys.executable, "-c", (
         "import sys, torch\n"
         "for path in sys.argv[1:]:\n"

@@ -1,74 +1,16 @@
 """probe T repl driven through a real pseudo-terminal: editing, blocks, completion, Ctrl-C, Ctrl-D, history."""
 
-import os
-import pty
-import select
-import signal
-import sys
 import time
 
 import pytest
 
-from procs import REPO, target_env
+from terminal import Terminal
 
 import probe
 from probe.cli.commands.repl import group_outputs
 
 SPINNING = ("import sys, threading; me = threading.get_ident(); sum(1 for i, f in sys._current_frames().items() "
             "if i != me and f.f_code.co_filename == '<probe-eval>')")
-
-
-class Terminal:
-    """``probe ... repl`` on the child side of a pty; everything it prints is collected here."""
-
-    def __init__(self, args, home: str) -> None:
-        env = dict(target_env(probe=False), HOME=str(home), TERM="dumb")
-        self.pid, self.fd = pty.fork()
-        if self.pid == 0:  # the child: becomes the REPL
-            os.chdir(REPO)
-            os.execve(sys.executable, [sys.executable, "-m", "probe", *args, "repl"], env)
-        self.seen = ""
-
-    def expect(self, text: str, timeout: float = 20.0) -> str:
-        deadline = time.monotonic() + timeout
-        while text not in self.seen:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise AssertionError("%r not printed within %.0f s; the terminal shows:\n%s" % (text, timeout, self.seen))
-            ready, _, _ = select.select([self.fd], [], [], remaining)
-            if ready:
-                try:
-                    chunk = os.read(self.fd, 65536)
-                except OSError:  # the child is gone
-                    chunk = b""
-                if not chunk:
-                    raise AssertionError("the REPL exited before printing %r:\n%s" % (text, self.seen))
-                self.seen += chunk.decode("utf-8", "replace")
-        index = self.seen.index(text) + len(text)
-        taken, self.seen = self.seen[:index], self.seen[index:]
-        return taken
-
-    def send(self, text: str) -> None:
-        os.write(self.fd, text.encode())
-
-    def wait_exit(self, timeout: float = 10.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.pid = 0
-                return os.waitstatus_to_exitcode(status)
-            try:
-                os.read(self.fd, 65536) if select.select([self.fd], [], [], 0.05)[0] else None
-            except OSError:
-                pass
-        raise AssertionError("the REPL did not exit within %.0f s" % timeout)
-
-    def close(self) -> None:
-        if self.pid:
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
-        os.close(self.fd)
 
 
 @pytest.fixture

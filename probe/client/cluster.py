@@ -97,6 +97,11 @@ class Cluster:
             client.remote_pid = member.pid
         return client
 
+    @property
+    def clients(self) -> List[Client]:
+        """A client per rank, in the order of ``members``."""
+        return list(self._clients)
+
     def select(self, ranks: Sequence[int]) -> "Cluster":
         """The same job, only these ranks (``--ranks 0-3,8``); an unknown rank is a usage error."""
         wanted = set(ranks)

@@ -38,9 +38,11 @@ def group_outputs(outputs: List[Tuple[str, str]]) -> List[Tuple[List[str], str]]
 class RemoteConsole(code.InteractiveConsole):
     """A console whose ``runsource`` sends complete input to the targets instead of running it here."""
 
-    def __init__(self, clients: List[Client], where: Dict[str, Any], timeout: Optional[float]) -> None:
+    def __init__(self, clients: List[Client], where: Dict[str, Any], timeout: Optional[float],
+                 ranks: Optional[List[int]] = None) -> None:
         super().__init__(filename="<probe-repl>")
         self.clients = clients
+        self.ranks = ranks  # across ranks: outputs are headed by their ranks (0-6,8), not the targets
         self.where = where
         self.timeout = timeout
         self.failed = False
@@ -72,10 +74,11 @@ class RemoteConsole(code.InteractiveConsole):
         for i, client in enumerate(self.clients):
             threading.Thread(target=send, args=(i, client), daemon=True).start()
         self._wait(done, eval_id)
-        outputs = [(c.target.label, _text(results.get(i))) for i, c in enumerate(self.clients)]
-        for labels, text in group_outputs(outputs):
+        labels = [c.target.label for c in self.clients] if self.ranks is None else [str(r) for r in self.ranks]
+        outputs = [(label, _text(results.get(i))) for i, label in enumerate(labels)]
+        for group, text in group_outputs(outputs):
             if len(self.clients) > 1:
-                self.write("== %s ==\n" % ", ".join(labels))
+                self.write("== %s ==\n" % (", ".join(group) if self.ranks is None else _ranks_heading(group)))
             self.write(text)
 
     def _wait(self, done: List[threading.Event], eval_id: str) -> None:
@@ -102,6 +105,12 @@ class RemoteConsole(code.InteractiveConsole):
 
     def write(self, data: str) -> None:
         click.echo(data, nl=False)
+
+
+def _ranks_heading(ranks: List[str]) -> str:
+    from probe.client.cluster import compact_ranks
+
+    return "rank%s %s" % ("s" if len(ranks) > 1 else "", compact_ranks([int(r) for r in ranks]))
 
 
 def _text(result: Any) -> str:
@@ -152,21 +161,35 @@ def _setup_readline(client: Client, frame: Optional[str]) -> Any:
 @pass_cli
 def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps: bool, frame: Optional[str],
          wait: Optional[float]) -> None:
-    """An interactive Python console whose input runs in the target (every -t target at once).
+    """An interactive Python console whose input runs in the target (every -t target, or every rank
+    with --all-ranks / --ranks, at once; identical outputs shown once).
 
     Names and attributes complete with Tab; history is kept in ~/.probe_history. Ctrl-C interrupts the
     running input in the target, Ctrl-D leaves. --on, --between-steps and --frame work as for eval.
     """
     where = placement(on, between_steps, frame, wait)
-    clients = cli.clients()
-    health = clients[0].health()
-    readline = _setup_readline(clients[0], frame)
-    console = RemoteConsole(clients, where, eval_timeout)
     place = {"agent": "on the agent's thread, concurrently", "main": "on the main thread",
              "step": "right after each optimizer step"}[where["on"]]
-    banner = "probe repl: %s (pid %s, Python %s); input runs %s in %s. Ctrl-D leaves." % (
-        ", ".join(c.target.label for c in clients), health.get("pid"), health.get("python_version", "?"),
-        place, frame or "__main__")
+    if cli.is_cluster:  # every rank of the job: found through its master, as the other commands do
+        from probe.client.cluster import compact_ranks
+
+        cluster = cli.cluster()
+        clients, ranks = cluster.clients, [m.rank for m in cluster.members]
+        try:
+            python = clients[0].health().get("python", "?")
+        except ProbeError:
+            python = "?"
+        who = "ranks %s (%d)" % (compact_ranks(ranks), len(ranks))
+        banner = "probe repl: %s, Python %s; input runs %s in %s on every rank. Ctrl-D leaves." % (
+            who, python, place, frame or "__main__")
+    else:
+        clients, ranks = cli.clients(), None
+        health = clients[0].health()
+        banner = "probe repl: %s (pid %s, Python %s); input runs %s in %s. Ctrl-D leaves." % (
+            ", ".join(c.target.label for c in clients), health.get("pid"), health.get("python", "?"),
+            place, frame or "__main__")
+    readline = _setup_readline(clients[0], frame)
+    console = RemoteConsole(clients, where, eval_timeout, ranks)
     try:
         console.interact(banner=banner, exitmsg="")
     finally:
