@@ -16,7 +16,7 @@ from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
-from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, render_grouped_eval
+from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, render_grouped_eval, render_grouped_text
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
 from procs import TARGETS, Proc, run_cli, target_env
@@ -127,6 +127,11 @@ def test_grouped_backtrace_puts_the_majority_first_and_marks_where_the_odd_rank_
     assert lines[1].startswith("  ranks 0-1,3-4 (4)")
     assert lines[5] == "  rank 2 (1)  [stacks read from outside: 2]"
     assert [line[4] for line in lines[6:9]] == [">", ">", " "]  # main is shared; the rest departs
+
+
+def test_grouped_text_prints_each_distinct_listing_once_largest_group_first():
+    assert list(render_grouped_text([(0, "a\n\nb"), (1, "c"), (2, "a\n\nb")])) == \
+        ["ranks 0,2:", "  a", "", "  b", "rank 1:", "  c"]
 
 
 def test_grouped_eval_prints_each_distinct_output_once():
@@ -340,6 +345,9 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
         for command in stops:
             stopped = run_cli(*shlex.split(command)[1:])
             assert stopped.code == 0 and "debugpy stopped" in stopped.out, (stopped.out, stopped.err)
+        listing = run_cli(master, "--all-ranks", "tables")
+        assert listing.code == 0 and listing.out.startswith("ranks 0-1:\n"), listing.out
+        assert listing.out.count("python.threads ") == 1, listing.out  # once for both ranks, not once a rank
         # repl across ranks: input runs on every rank, identical outputs once, headed by their ranks.
         (tmp_path / "home").mkdir()
         term = Terminal([master, "--all-ranks"], tmp_path / "home")

@@ -111,3 +111,15 @@ def render_grouped_eval(results: Sequence[Tuple[int, EvalResult]]) -> Iterator[T
             yield "  " + line, False
         for line in err.rstrip("\n").split("\n") if err else []:
             yield "  " + line, True
+
+
+def render_grouped_text(results: Sequence[Tuple[int, str]]) -> Iterator[str]:
+    """Lines: ranks that printed the same text share one block headed by their ranks, largest group first
+    (``tables`` and ``schema`` across ranks: one listing, not one a rank)."""
+    groups: Dict[str, List[int]] = {}
+    for rank, text in results:
+        groups.setdefault(text, []).append(rank)
+    for text, members in sorted(groups.items(), key=lambda kv: (-len(kv[1]), min(kv[1]))):
+        yield "%s:" % ranks_word(members)
+        for line in text.rstrip("\n").split("\n"):
+            yield ("  " + line).rstrip()

@@ -1,6 +1,7 @@
 """``probe TARGET tables`` and ``probe TARGET schema NAME``: what can be queried."""
 
 import json
+from typing import Any, Callable
 
 import click
 
@@ -12,12 +13,9 @@ from probe.cli.render import render_schema, render_tables
 @click.option("--json", "as_json", is_flag=True, help="Print the table specs as JSON.")
 @pass_cli
 def tables(cli: CliContext, as_json: bool) -> None:
-    """List every table with its description."""
-    for _, specs in each_target(cli, lambda c: c.tables()):
-        if as_json:
-            click.echo(json.dumps([s.to_json() for s in specs]))
-        else:
-            click.echo("\n".join(render_tables(specs)))
+    """List every table with its description (across ranks: once for the ranks that agree)."""
+    _show(cli, lambda c: c.tables(), lambda specs: [s.to_json() for s in specs],
+          lambda specs: "\n".join(render_tables(specs)), as_json)
 
 
 @click.command("schema")
@@ -25,6 +23,27 @@ def tables(cli: CliContext, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON.")
 @pass_cli
 def schema(cli: CliContext, name: str, as_json: bool) -> None:
-    """Show a table's columns, their types and descriptions."""
-    for _, spec in each_target(cli, lambda c: c.schema(name)):
-        click.echo(json.dumps(spec.to_json()) if as_json else "\n".join(render_schema(spec)))
+    """Show a table's columns, their types and descriptions (across ranks: once for the ranks that agree)."""
+    _show(cli, lambda c: c.schema(name), lambda spec: spec.to_json(), lambda spec: "\n".join(render_schema(spec)),
+          as_json)
+
+
+def _show(cli: CliContext, work: Callable[[Any], Any], as_data: Callable[[Any], Any], as_text: Callable[[Any], str],
+          as_json: bool) -> None:
+    """One target's answer as it is; across ranks, one JSON line per rank (with ``rank`` and ``host``) or
+    the text once per group of ranks that gave the same."""
+    if not cli.is_cluster:
+        for _, answer in each_target(cli, work):
+            click.echo(json.dumps(as_data(answer)) if as_json else as_text(answer))
+        return
+    from probe.cli.render_cluster import render_grouped_text
+
+    texts = []
+    for client, answer in each_target(cli, work):
+        member: Any = cli.cluster_member(client)  # always known across ranks
+        if as_json:
+            click.echo(json.dumps({"rank": member.rank, "host": member.host, "answer": as_data(answer)}))
+        else:
+            texts.append((member.rank, as_text(answer)))
+    for line in render_grouped_text(texts):
+        click.echo(line)
