@@ -27,6 +27,9 @@ TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executab
 needs_torchrun = pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun (torch) is not installed")
 
 
+_HOST = socket.gethostname()  # how the host helper names this node
+
+
 def _free_ports(count: int) -> int:
     """A port p such that p - 1 .. p + count - 1 were free a moment ago (the helper takes p - 1)."""
     for _ in range(100):
@@ -303,6 +306,9 @@ def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
 
         grouped_eval = run_cli(master, "--all-ranks", "eval", "import os; int(os.environ['RANK']) == 2")
         assert grouped_eval.out.splitlines() == ["ranks 0-1,3: False", "rank 2: True"], grouped_eval.out
+        rows = run_cli(master, "--all-ranks", "eval", "--json", "import os; int(os.environ['RANK']) == 2")
+        assert [(r["rank"], r["host"], r["value"]) for r in map(json.loads, rows.out.splitlines())] == \
+            [(0, _HOST, "False"), (1, _HOST, "False"), (2, _HOST, "True"), (3, _HOST, "False")], rows.out
 
         subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
         assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err

@@ -47,7 +47,9 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
                                                                   list(optimizers) or None, checkpoint_timeout,
                                                                   concurrent)):
         if as_json:
-            click.echo(json.dumps(dict(saved, target=client.target.label)))
+            member = cli.cluster_member(client)
+            click.echo(json.dumps(dict(saved, rank=member.rank, host=member.host) if member is not None
+                                  else dict(saved, target=client.target.label)))
             continue
         if several:
             click.echo("== %s ==" % cli.label(client))

@@ -99,9 +99,10 @@ def _show(cli: CliContext, client: Client, result: EvalResult, as_json: bool, se
     if as_json:
         import json
 
-        click.echo(json.dumps({"target": client.target.label, "stdout": result.stdout, "stderr": result.stderr,
-                               "value": result.value, "error": result.error, "ok": result.ok,
-                               "timed_out": result.timed_out}))
+        member = cli.cluster_member(client)
+        where = {"rank": member.rank, "host": member.host} if member is not None else {"target": client.target.label}
+        click.echo(json.dumps(dict(where, stdout=result.stdout, stderr=result.stderr, value=result.value,
+                                   error=result.error, ok=result.ok, timed_out=result.timed_out)))
     else:
         shown = render_eval(result)
         if several:
