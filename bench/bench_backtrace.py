@@ -68,7 +68,7 @@ def report(threads: int, results: Dict[str, List[float]]) -> bool:
     ok = True
     if target is not None:
         ok = ratio <= target
-        print("DESIGN target <= %.1fx py-spy: %s" % (target, verdict(ok)))
+        print("DESIGN target <= %gx py-spy: %s" % (target, verdict(ok)))
     print()
     return ok
 
