@@ -313,6 +313,16 @@ def test_a_real_hang_the_rank_that_skipped_the_collective_stands_out():
         subset = run_cli(master, "--ranks", "2-3", "query", "SELECT count(*) AS n FROM python.threads", "-f", "json")
         assert [r["rank"] for r in json.loads(subset.out)] == [2, 3], subset.err
 
+        # A rank that does not answer by the deadline is asked to stop (its snippet would run 30 s).
+        slow = run_cli(master, "--all-ranks", "--deadline", "2", "eval", "import os, time\n"
+                       "end = time.time() + (30 if os.environ['RANK'] == '1' else 0)\nwhile time.time() < end: pass")
+        assert slow.code == 7 and "rank 1 (%s): no answer within the deadline of 2.0 s; the snippet was stopped there" \
+            % _HOST in slow.err, slow.err
+        spinning = ("import sys, threading; me = threading.get_ident(); sum(1 for i, f in sys._current_frames().items() "
+                    "if i != me and f.f_code.co_filename == '<probe-eval>')")
+        _until(lambda: run_cli(master, "--ranks", "1", "eval", spinning).out.strip() == "rank 1: 0", 5,
+               "rank 1's snippet ended once asked to stop")
+
         # Ctrl-C, typed on a terminal, stops the query on every rank (each would run it to its 10 s limit).
         status, out, _ = run_in_pty([master, "--all-ranks", "query", "SELECT sum(hash(i)) AS s FROM range(10000000000) t(i)"],
                                     when=lambda pid: sockets(pid) >= 4)

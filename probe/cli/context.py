@@ -192,6 +192,25 @@ def stopped_on_ranks(cluster: Any, kind: str, run_id: str) -> str:
                      for said, ranks in groups.items())
 
 
+def stop_where_unanswered(cluster: Any, kind: str, run_id: str) -> None:
+    """The ranks that did not answer in time may still run the query or snippet: ask them to stop it
+    (within a second: a rank that cannot answer cannot be stopped either), and add to each one's reason
+    what became of it. The single-target commands do the same when they give up waiting."""
+    waited = [f.rank for f in cluster.failures if f.code == "timeout" and "not asked" not in f.reason]
+    if not waited:
+        return
+    what = "query" if kind == "query" else "snippet"
+    states = cluster.interrupt(kind, run_id, deadline=1.0, ranks=waited)
+    said = {"interrupted": "the %s was stopped there" % what, "cancelled": "the %s was stopped there" % what,
+            "finished": "the %s had ended there" % what}
+
+    def told(reason: str, rank: int) -> str:
+        message, dash, hint = reason.partition(" -- ")  # what became of it goes with the message, before the hint
+        return message + "; " + said.get(states[rank], "it may run on there until its time limit") + dash + hint
+
+    cluster.failures = [f._replace(reason=told(f.reason, f.rank)) if f.rank in states else f for f in cluster.failures]
+
+
 PARTIAL = 7
 """Exit code of a command across ranks or several targets that some answered and others did not."""
 

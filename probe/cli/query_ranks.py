@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import click
 
-from probe.cli.context import CliContext, report_failures, stopped_on_ranks
+from probe.cli.context import CliContext, report_failures, stop_where_unanswered, stopped_on_ranks
 from probe.cli.output import write_arrow, write_rows
 from probe.cli.render import render_rows, terminal_width
 from probe.client.results import Rows
@@ -44,6 +44,7 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
             click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
         elif rows.columns or fmt != "table":  # no rank answered: nothing to tabulate, the failures say why
             click.echo(render_rows(rows, fmt, terminal_width(), wide))
+    stop_where_unanswered(cluster, "query", query_id)  # after the output: the answers first
     report_failures(cli, cluster.failures, len(cluster.members))
 
 

@@ -144,14 +144,17 @@ class Cluster:
         self.failures = failures
         return answers
 
-    def interrupt(self, kind: str, run_id: str, deadline: float = 3.0) -> Dict[int, str]:
-        """Ask every rank to stop the query (``kind="query"``) or snippet (``"eval"``) sent with ``run_id``,
-        as a Ctrl-C does: rank -> the agent's word (``interrupted``, ``cancelled``: it stops as it starts,
-        ``finished``) or why it could not be asked. Leaves ``failures`` as the call being stopped left it."""
+    def interrupt(self, kind: str, run_id: str, deadline: float = 3.0,
+                  ranks: Optional[Sequence[int]] = None) -> Dict[int, str]:
+        """Ask every rank (or ``ranks``) to stop the query (``kind="query"``) or snippet (``"eval"``) sent
+        with ``run_id``, as a Ctrl-C does: rank -> the agent's word (``interrupted``, ``cancelled``: it
+        stops as it starts, ``finished``) or why it could not be asked. Leaves ``failures`` as they were."""
+        wanted = None if ranks is None else set(ranks)
+        chosen = [(m, c) for m, c in zip(self.members, self._clients) if wanted is None or m.rank in wanted]
         stop = (lambda c: c.interrupt_query(run_id)) if kind == "query" else (lambda c: c.interrupt_eval(run_id))
-        outcomes = fan_out(self._clients, stop, len(self._clients), deadline)
+        outcomes = fan_out([c for _, c in chosen], stop, max(1, len(chosen)), deadline)
         return {m.rank: (str(o.value) if o.error is None else "unreachable: %s" % o.error.message)
-                for m, o in zip(self.members, outcomes)}
+                for (m, _), o in zip(chosen, outcomes)}
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
                    query_id: Optional[str] = None) -> Rows:

@@ -155,7 +155,7 @@ def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], whe
     from probe.cli.context import report_failures
     from probe.cli.render_cluster import render_grouped_eval
 
-    from probe.cli.context import stopped_on_ranks
+    from probe.cli.context import stop_where_unanswered, stopped_on_ranks
 
     cluster = cli.cluster()
     eval_id = uuid.uuid4().hex  # the same on every rank: Ctrl-C interrupts it there
@@ -171,4 +171,5 @@ def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], whe
         click.echo(line, err=to_stderr)
     if any(not a.value.ok for a in answers):
         cli.exit_code = 1
+    stop_where_unanswered(cluster, "eval", eval_id)  # after the output: the answers first
     report_failures(cli, cluster.failures, len(cluster.members))
