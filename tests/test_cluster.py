@@ -19,6 +19,7 @@ import pytest
 from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, render_grouped_eval, render_grouped_text
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
+from probe.errors import UsageError
 from procs import TARGETS, Proc, run_cli, target_env
 from terminal import Terminal, run_in_pty, sockets
 from torch_job import ready_lines
@@ -115,6 +116,9 @@ def test_rank_lists_read_and_write_compactly():
     assert parse_rank_list("0-3,8") == [0, 1, 2, 3, 8]
     assert compact_ranks([0, 1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12, 13, 14, 15]) == "0-6,8-15"
     assert compact_ranks([3]) == "3"
+    for wrong, said in (("3-1", "ends before it starts"), ("0-99999999999", "names more than"), ("x", "cannot read")):
+        with pytest.raises(UsageError, match=said):
+            parse_rank_list(wrong)
 
 
 def _frames(*funcs: str) -> List[Frame]:

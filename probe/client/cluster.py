@@ -27,6 +27,7 @@ __all__ = ["Member", "RankFailure", "RankAnswer", "Cluster", "connect_all", "par
 
 DEFAULT_DEADLINE = 10.0
 DEFAULT_IN_FLIGHT = 32  # young requests at once; see probe.client.fanout
+MAX_RANKS = 1 << 20  # in a --ranks list: more is a typo, and would fill the client's memory
 MEMBER_COLUMNS = ("rank", "host", "port", "pid", "state", "local_rank", "node", "world_size", "restarts",
                   "heartbeat_age")
 
@@ -374,7 +375,14 @@ def parse_rank_list(text: str) -> List[int]:
         part = part.strip()
         low, dash, high = part.partition("-")
         if low.isdigit() and (not dash or high.isdigit()):
-            out.extend(range(int(low), int(high if dash else low) + 1))
+            first, last = int(low), int(high if dash else low)
+            if last < first:
+                raise UsageError("the rank range %s is empty: it ends before it starts" % part,
+                                 hint="write the lower rank first, e.g. --ranks %d-%d" % (last, first))
+            if last - first > MAX_RANKS or len(out) > MAX_RANKS:
+                raise UsageError("the rank list %r names more than %d ranks" % (text, MAX_RANKS),
+                                 hint="e.g. --ranks 0-3,8, or --all-ranks")
+            out.extend(range(first, last + 1))
             continue
         raise UsageError("cannot read the rank list %r" % text, hint="e.g. --ranks 0-3,8")
     return sorted(set(out))
