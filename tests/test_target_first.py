@@ -210,7 +210,12 @@ def test_eval_in_a_target_whose_stdout_and_stderr_are_closed():
     try:
         wait_for_socket(popen.pid, 20)
         client = probe.connect(str(popen.pid), timeout=30)
-        before = int(client.eval("state['prints']").value)
+        # The agent starts with the interpreter, before the script has run: its state is the handshake.
+        deadline = time.monotonic() + 20
+        while (seen := client.eval("state['prints'] if 'state' in globals() else None").value) in (None, "None"):
+            assert time.monotonic() < deadline, "the target never defined its state"
+            time.sleep(0.05)
+        before = int(seen)
         result = client.eval("import time; print('from the snippet'); time.sleep(1.5); 7")
         assert result.stdout == "from the snippet\n" and result.value == "7"
         after = int(client.eval("state['prints']").value)
