@@ -153,7 +153,7 @@ class Cluster:
         wanted = None if ranks is None else set(ranks)
         chosen = [(m, c) for m, c in zip(self.members, self._clients) if wanted is None or m.rank in wanted]
         stop = (lambda c: c.interrupt_query(run_id)) if kind == "query" else (lambda c: c.interrupt_eval(run_id))
-        outcomes = fan_out([c for _, c in chosen], stop, max(1, len(chosen)), deadline)
+        outcomes = fan_out([c for _, c in chosen], stop, max(1, min(len(chosen), 256)), deadline)  # not 1024 threads
         return {m.rank: (str(o.value) if o.error is None else "unreachable: %s" % o.error.message)
                 for (m, _), o in zip(chosen, outcomes)}
 
