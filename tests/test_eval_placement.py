@@ -98,3 +98,15 @@ def test_between_steps_reads_a_whole_step(target_factory):
     losses = run_cli(str(proc.pid), "eval", "--between-steps", "--frame", "MainThread:main", "len(losses) > 0")
     assert (losses.code, losses.out.strip()) == (0, "True"), losses.err
     assert proc.alive()
+
+
+def test_an_interrupt_that_overtakes_its_snippet_stops_it_as_it_arrives(idle_target):
+    """A client's Ctrl-C can reach the agent before the snippet it stops (several ranks, a slow link):
+    the agent remembers the id, and the snippet never runs. Before, it ran on to its time limit."""
+    client = probe.connect(str(idle_target.pid))
+    assert client.interrupt_eval("early-1") == "cancelled"
+    late = client.eval("overtaken = True\nwhile True: pass", eval_id="early-1", timeout=20)
+    assert "cancelled before it started" in (late.error or ""), late
+    assert client.eval("'overtaken' in globals()").value == "False"
+    assert client.eval("1 + 1", eval_id="done-1").value == "2"
+    assert client.interrupt_eval("done-1") == "finished"

@@ -31,6 +31,11 @@ _MAX_JOBS = 64  # jobs waiting or running at once, all places together
 
 _lock = threading.Lock()
 _jobs: Dict[str, "Job"] = {}  # by client-given id, while waiting or running
+# Ids that ended, and ids interrupted before their snippet arrived (a client's Ctrl-C can overtake its
+# eval): the last _REMEMBERED of each, oldest first, so that such a snippet is dropped as it arrives.
+_REMEMBERED = 256
+_ended_ids: Dict[str, None] = {}
+_cancelled_ids: Dict[str, None] = {}
 _main_queue: List["Job"] = []
 _step_queue: List["Job"] = []
 _pending_queued = False  # one pending call of ours at most sits in the interpreter's small queue
@@ -79,6 +84,7 @@ class Job:
                     _set_async_exc(self.ident, None)  # not delivered yet: take it back
                 if self.id is not None:
                     _jobs.pop(self.id, None)
+                    _remember(_ended_ids, self.id)
         self.finished.set()
 
     # -- from other threads -----------------------------------------------------------------------
@@ -115,6 +121,13 @@ class Job:
         self.finished.set()
 
 
+def _remember(ids: Dict[str, None], job_id: str) -> None:
+    """Called with ``_lock`` held."""
+    ids[job_id] = None
+    while len(ids) > _REMEMBERED:
+        ids.pop(next(iter(ids)))
+
+
 def _set_async_exc(ident: int, exc: Any) -> None:
     try:
         import ctypes
@@ -133,6 +146,12 @@ def submit(job: Job, place: str) -> None:
         if job.id is not None:
             if job.id in _jobs:
                 raise BadRequest("a snippet with id %r is already waiting or running" % job.id)
+            if job.id in _cancelled_ids:  # its interrupt came first: it never runs
+                del _cancelled_ids[job.id]
+                job.state = "abandoned"
+                job.started.set()
+                job.finished.set()
+                return
             _jobs[job.id] = job
     try:
         if place == "agent":
@@ -185,11 +204,16 @@ def run_between_steps(work: Callable[[threading.Event], Any], timeout: float,
 
 
 def interrupt(job_id: str) -> str:
-    """Interrupt the snippet sent with ``job_id``: ``cancelled``, ``interrupted``, ``finished`` or ``unknown``."""
+    """Interrupt the snippet sent with ``job_id``: ``interrupted``, ``finished``, or ``cancelled``: not
+    started (or not arrived yet: the interrupt can overtake its snippet, which is then dropped as it
+    arrives)."""
     with _lock:
         job = _jobs.get(job_id)
-    if job is None:
-        return "unknown"
+        if job is None:
+            if job_id in _ended_ids:
+                return "finished"
+            _remember(_cancelled_ids, job_id)
+            return "cancelled"
     return job.interrupt("it was interrupted at the client's request (Ctrl-C)")
 
 

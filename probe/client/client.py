@@ -400,7 +400,8 @@ class Client:
         return max(self.timeout, (limit or agent_default) + 5.0)
 
     def interrupt_eval(self, eval_id: str) -> str:
-        """Interrupt the snippet sent with ``eval_id``: ``interrupted``, ``cancelled``, ``finished`` or ``unknown``."""
+        """Interrupt the snippet sent with ``eval_id``: ``interrupted``, ``finished``, or ``cancelled`` (it had not
+        started, or not arrived: it will not run)."""
         return str(self._json("POST", "/v1/eval/interrupt", {"id": eval_id}).get("state"))
 
     def complete(self, text: str, frame: Optional[str] = None) -> List[str]:
