@@ -2,6 +2,7 @@
 
 import json
 import socket
+import threading
 import time
 from typing import Any, Dict, List
 
@@ -178,3 +179,28 @@ def test_a_port_in_use_is_refused_at_once_and_the_agent_serves_on(target_factory
         assert followed.code == 0 and "debugpy listens" in followed.out, followed.err
     assert run_cli(str(proc.pid), "debug", "--stop").code == 0
     assert probe.connect(str(proc.pid)).eval("1 + 1").value == "2"
+
+
+def test_after_debug_stops_the_agent_still_answers_once_a_snippet_is_interrupted(target_factory):
+    """debugpy traced every thread that existed when it started, and its stop untraced only its own: the
+    agent's threads kept calling a debugger that was gone, and after an interrupted snippet the agent
+    answered nothing more (its accept thread spun)."""
+    proc = target_factory("idle.py")
+    assert run_cli(str(proc.pid), "debug", "--port", "0").code == 0
+    assert run_cli(str(proc.pid), "debug", "--stop").code == 0
+    client = probe.connect(str(proc.pid), timeout=10)
+    box: Dict[str, Any] = {}
+    spinner = threading.Thread(target=lambda: box.setdefault("r", client.eval("while True: pass", eval_id="spin-9",
+                                                                             timeout=20)))
+    spinner.start()
+    running = ("import sys, threading; me = threading.get_ident(); sum(1 for i, f in sys._current_frames().items() "
+               "if i != me and f.f_code.co_filename == '<probe-eval>')")
+    deadline = time.monotonic() + 10
+    while client.eval(running).value != "1":  # interrupted once it runs
+        assert time.monotonic() < deadline, "the snippet never started"
+        time.sleep(0.05)
+    assert client.interrupt_eval("spin-9") == "interrupted"
+    spinner.join(15)
+    assert "EvalInterrupted" in (box["r"].error or "")
+    answered = run_cli(str(proc.pid), "health", timeout=15)
+    assert answered.code == 0 and str(proc.pid) in answered.out, answered.err

@@ -91,6 +91,7 @@ def stop() -> Dict[str, Any]:
         try:
             if pydevd is not None:
                 pydevd.stoptrace()
+                _untrace_other_threads()
         except Exception as exc:
             raise InternalError("debugpy did not stop cleanly: %s: %s" % (type(exc).__name__, exc)) from None
         finally:
@@ -101,6 +102,29 @@ def stop() -> Dict[str, Any]:
                     pass
         _address = None
         return dict(status(), stopped=True)
+
+
+def _untrace_other_threads() -> None:
+    """Take debugpy's trace function off every thread, not only this one.
+
+    On Pythons without ``sys.monitoring`` (3.11 and older) pydevd traces every thread that existed when
+    it started, and its ``stoptrace`` unsets only the calling thread's: the others kept calling into a
+    debugger that was gone (seen: after ``debug --stop`` and an interrupted snippet, the agent's accept
+    thread spun and answered nothing more). pydevd's own way into other threads sets each one a trace
+    function that removes itself the first time it runs there."""
+    tracing = sys.modules.get("pydevd_tracing")
+    if tracing is None or getattr(sys.modules.get("_pydevd_bundle.pydevd_constants"), "PYDEVD_USE_SYS_MONITORING", False):
+        return
+
+    def remove_itself(frame: Any, event: str, arg: Any) -> None:
+        sys.settrace(None)
+        return None
+
+    try:
+        tracing.set_trace_to_threads(remove_itself, create_dummy_thread=False)
+    except Exception:
+        pass
+    sys.settrace(None)
 
 
 def _check_port_free(host: str, port: int) -> None:
