@@ -379,6 +379,10 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
             assert "== rank 0 ==" in shown and "== rank 1 ==" in shown, shown
             term.send("1 + 1\r")
             assert "== ranks 0-1 ==\r\n2" in term.expect(">>> ")
+            term.send("while True: pass\r\r")
+            term.expect("answered, waiting for 0-1")  # the progress line: the snippet went out to both ranks
+            term.send("\x03")
+            assert "KeyboardInterrupt: the snippet was stopped on ranks 0-1" in term.expect(">>> ")
             term.send("\x04")
             assert term.wait_exit() == 0
         finally:

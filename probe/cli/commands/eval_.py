@@ -152,10 +152,8 @@ def _stop_in_target(client: Client, eval_id: str) -> str:
 
 def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], where: Dict[str, Any]) -> None:
     """Every rank runs the snippet; identical outputs are printed once, headed by their ranks."""
-    from probe.cli.context import report_failures
+    from probe.cli.context import report_failures, stop_where_unanswered, stopped_on_ranks
     from probe.cli.render_cluster import render_grouped_eval
-
-    from probe.cli.context import stop_where_unanswered, stopped_on_ranks
 
     cluster = cli.cluster()
     eval_id = uuid.uuid4().hex  # the same on every rank: Ctrl-C interrupts it there

@@ -39,10 +39,13 @@ class RemoteConsole(code.InteractiveConsole):
     """A console whose ``runsource`` sends complete input to the targets instead of running it here."""
 
     def __init__(self, clients: List[Client], where: Dict[str, Any], timeout: Optional[float],
-                 ranks: Optional[List[int]] = None) -> None:
+                 cluster: Optional[Any] = None) -> None:
         super().__init__(filename="<probe-repl>")
         self.clients = clients
-        self.ranks = ranks  # across ranks: outputs are headed by their ranks (0-6,8), not the targets
+        # Across ranks: each input fans out as the other commands do (bounded, within the deadline), and
+        # outputs are headed by their ranks (0-6,8), not the targets.
+        self.cluster = cluster
+        self.ranks = [m.rank for m in cluster.members] if cluster is not None else None
         self.where = where
         self.timeout = timeout
         self.failed = False
@@ -59,6 +62,11 @@ class RemoteConsole(code.InteractiveConsole):
     def run_remote(self, source: str) -> None:
         eval_id = uuid.uuid4().hex
         results: Dict[int, Any] = {}
+        if self.cluster is not None:
+            if not self._run_on_ranks(source, eval_id, results):
+                return
+            self._show(results)
+            return
 
         def send(index: int, client: Client) -> None:
             try:
@@ -74,6 +82,31 @@ class RemoteConsole(code.InteractiveConsole):
         for i, client in enumerate(self.clients):
             threading.Thread(target=send, args=(i, client), daemon=True).start()
         self._wait(done, eval_id)
+        self._show(results)
+
+    def _run_on_ranks(self, source: str, eval_id: str, results: Dict[int, Any]) -> bool:
+        """The input on every rank through the cluster's fan-out; False when Ctrl-C ended the wait (the
+        snippet is then stopped on every rank, and the console says where)."""
+        from probe.cli.context import stopped_on_ranks
+        from probe.errors import error_from_code
+
+        cluster: Any = self.cluster
+        try:
+            answers = cluster.map(lambda c: c.eval(source, timeout=self.timeout, eval_id=eval_id, **self.where))
+        except KeyboardInterrupt:
+            self.write("\nKeyboardInterrupt: %s\n" % stopped_on_ranks(cluster, "eval", eval_id))
+            return False
+        finally:
+            if cluster.progress is not None:
+                cluster.progress(-1, 0, [])
+        index = {m.rank: i for i, m in enumerate(cluster.members)}
+        for answer in answers:
+            results[index[answer.member.rank]] = answer.value
+        for failure in cluster.failures:
+            results[index[failure.rank]] = error_from_code(failure.code, failure.reason)
+        return True
+
+    def _show(self, results: Dict[int, Any]) -> None:
         labels = [c.target.label for c in self.clients] if self.ranks is None else [str(r) for r in self.ranks]
         outputs = [(label, _text(results.get(i))) for i, label in enumerate(labels)]
         for group, text in group_outputs(outputs):
@@ -175,6 +208,7 @@ def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps:
 
         cluster = cli.cluster()
         clients, ranks = cluster.clients, [m.rank for m in cluster.members]
+        console = RemoteConsole(clients, where, eval_timeout, cluster)
         try:
             python = clients[0].health().get("python", "?")
         except ProbeError:
@@ -183,13 +217,13 @@ def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps:
         banner = "probe repl: %s, Python %s; input runs %s in %s on every rank. Ctrl-D leaves." % (
             who, python, place, frame or "__main__")
     else:
-        clients, ranks = cli.clients(), None
+        clients = cli.clients()
+        console = RemoteConsole(clients, where, eval_timeout)
         health = clients[0].health()
         banner = "probe repl: %s (pid %s, Python %s); input runs %s in %s. Ctrl-D leaves." % (
             ", ".join(c.target.label for c in clients), health.get("pid"), health.get("python", "?"),
             place, frame or "__main__")
     readline = _setup_readline(clients[0], frame)
-    console = RemoteConsole(clients, where, eval_timeout, ranks)
     try:
         console.interact(banner=banner, exitmsg="")
     finally:
