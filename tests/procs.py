@@ -20,6 +20,29 @@ REPO = os.path.dirname(HERE)
 PYENV = "/root/.pyenv/versions"
 
 
+def _base_scale() -> float:
+    """How much slower than a quiet developer machine this one is taken to be: ``PROBE_TEST_SCALE`` when
+    set, else 2 on a machine of two cores or fewer (CI's), else 1."""
+    try:
+        return max(0.1, float(os.environ["PROBE_TEST_SCALE"]))
+    except (KeyError, ValueError):
+        return 2.0 if (os.cpu_count() or 1) <= 2 else 1.0
+
+
+BASE_SCALE = _base_scale()
+
+
+def scaled(seconds: float) -> float:
+    """``seconds`` stretched to this machine and its load now: a start-up wait is a bound, not a figure,
+    and a torch import takes 20 s and more on a loaded 2-core box. Failing late costs only time; a wait
+    ends at once when the process it waits for exits."""
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        load = 1.0
+    return seconds * BASE_SCALE * min(3.0, max(1.0, load))
+
+
 def pyenv_python(version: str) -> str:
     """The interpreter of CPython ``version`` ("3.12") installed by pyenv, or "" when there is none."""
     if os.path.isdir(PYENV):
@@ -46,11 +69,12 @@ class Proc:
         return self.popen.poll() is None
 
     def read_line(self, timeout: float = 10.0) -> str:
-        """The next stdout line of the target (bounded wait).
+        """The next stdout line of the target (bounded wait, ``timeout`` scaled to the machine).
 
         Reads the pipe's file descriptor directly into our own buffer: select() on a buffered stream
         misses lines already sitting in the stream's buffer.
         """
+        timeout = scaled(timeout)
         deadline = time.monotonic() + timeout
         assert self.popen.stdout is not None
         fd = self.popen.stdout.fileno()
@@ -77,7 +101,8 @@ class Proc:
 
 
 def target_env(probe: bool = True, **extra: str) -> Dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE")}
+    # The suite's own runtime directory (set in conftest) is kept; every other PROBE variable is the test's.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE") or k == "PROBE_RUNTIME_DIR"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONUNBUFFERED"] = "1"
     if probe:
@@ -87,7 +112,7 @@ def target_env(probe: bool = True, **extra: str) -> Dict[str, str]:
 
 
 def spawn(script: str, args: Sequence[str] = (), env: Optional[Dict[str, str]] = None, probe: bool = True,
-          python: str = sys.executable, timeout: float = 20.0, wait_socket: bool = True) -> Proc:
+          python: str = sys.executable, timeout: float = 30.0, wait_socket: bool = True) -> Proc:
     """Start ``tests/targets/<script>`` and wait for its ``READY`` line (and its agent socket)."""
     path = os.path.join(TARGETS, script)
     popen = subprocess.Popen([python, path, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -120,6 +145,7 @@ def wait_for_socket(pid: int, timeout: float = 10.0) -> str:
     from probe import _paths
 
     path = _paths.socket_path(pid)
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:

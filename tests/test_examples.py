@@ -21,7 +21,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from procs import REPO, CliResult, Proc, run_cli, target_env, wait_for_socket
+from procs import REPO, CliResult, Proc, run_cli, scaled, target_env, wait_for_socket
 
 pytest.importorskip("torch", reason="the training examples need torch (CPU build, torch==2.13.0)")
 
@@ -154,7 +154,9 @@ def example(tmp_path) -> Iterator[Callable[..., Example]]:
 
 
 def wait_for(what: str, check: Callable[[], object], timeout: float = 30.0) -> object:
-    """Poll ``check`` until it returns something true; fail after ``timeout`` seconds, naming ``what``."""
+    """Poll ``check`` until it returns something true; fail after ``timeout`` seconds (scaled to the
+    machine), naming ``what``."""
+    timeout = scaled(timeout)
     deadline = time.monotonic() + timeout
     while True:
         value = check()
