@@ -146,6 +146,8 @@ def socket_state(path: str, timeout: float = 1.0) -> str:
         return "unknown"
     if not stat.S_ISSOCK(info.st_mode):
         return "not_socket"
+    if _listed_as_listening(path):
+        return "listening"  # told without connecting: an agent that cannot run would keep that connection queued
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -159,6 +161,35 @@ def socket_state(path: str, timeout: float = 1.0) -> str:
         return "unknown"
     finally:
         sock.close()
+
+
+_LISTENING_FLAG = 0x10000  # __SO_ACCEPTCON in /proc/net/unix's Flags column: the socket listens
+
+
+def _listed_as_listening(path: str) -> bool:
+    """Whether this network namespace's /proc/net/unix shows a listening socket bound at ``path``.
+
+    A connect is the other way to tell, but the connection it makes waits in the listener's backlog until
+    the listener accepts it, and an agent whose GIL a C call holds accepts nothing: each look would leave
+    one more there, until the backlog is full and every connect blocks. False where the table cannot be
+    read or does not list it (a listener in another network namespace): the caller then connects."""
+    try:
+        with open("/proc/net/unix", "rb") as table:
+            data = table.read(64 * 1024 * 1024)
+    except OSError:
+        return False
+    wanted = os.fsencode(path)
+    at = data.find(b" " + wanted + b"\n")
+    while at >= 0:
+        line_start = data.rfind(b"\n", 0, at) + 1
+        fields = data[line_start:at].split()
+        try:
+            if len(fields) >= 6 and int(fields[3], 16) & _LISTENING_FLAG:
+                return True
+        except ValueError:
+            pass
+        at = data.find(b" " + wanted + b"\n", at + 1)
+    return False
 
 
 def is_stale_socket(path: str) -> bool:

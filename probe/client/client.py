@@ -22,6 +22,7 @@ __all__ = ["Client", "connect", "ARROW_STREAM"]
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_TIMEOUT = 30.0
 _GRACE_S = 0.3  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
+_STALE_S = 0.45  # a heartbeat older than this is worth a look before connecting (= outside.STALE_TRIGGER_S)
 
 
 class Client:
@@ -80,12 +81,26 @@ class Client:
                  timeout: float) -> transport.HttpResponse:
         """A request to a local agent, watched from outside: when the agent cannot answer (a C call holds
         the GIL, the process is stopped) this says so within about a second (``AgentBlocked``, with the
-        stacks read from outside) instead of waiting out the timeout."""
+        stacks read from outside) instead of waiting out the timeout.
+
+        A connection the agent cannot accept stays in its listen backlog until it runs again, whether or
+        not the client still waits; a hung job probed again and again would fill the backlog (128), and
+        then every connect would wait. So an agent already known to be unable to answer (its heartbeat
+        stale while a C call holds the GIL, or its process stopped) is not connected to at all, and a
+        full backlog is diagnosed at once instead of waited on."""
         import select
 
         pid, socket_path = self.target.pid, self.target.address.path  # type: ignore[union-attr]
         assert pid is not None
-        sock = transport.send_request(self.target.address, method, path, payload, headers, timeout)
+        age = _heartbeat_age(socket_path)
+        if self.wait is None and age > _STALE_S:  # its accept thread missed a beat: look before connecting
+            from probe.client import outside
+
+            early = (outside.known_at_once(pid, socket_path) if age > outside.STALE_HEARTBEAT_S
+                     else outside.diagnose_now(pid, socket_path))
+            if early is not None and early.state in ("gil_held", "stopped"):
+                raise _blocked(early)  # nothing sent, so nothing left queued in the agent
+        sock = self._connect_watched(method, path, payload, headers, timeout)
         try:
             readable, _, _ = select.select([sock], [], [], _GRACE_S if self.wait is None else 0)
             if readable:  # the usual case: nothing more to import or look at
@@ -100,6 +115,32 @@ class Client:
             sock.close()  # the agent sees nobody waits, and runs nothing for this request
             raise _blocked(diagnosis)
         return transport.read_response(sock, self.target.address, timeout)
+
+    def _connect_watched(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
+                         timeout: float) -> Any:
+        """Connect and send; while the agent's backlog is full, decide from outside (as for a request that
+        gets no answer) rather than wait: blocked agents are named at once, slow ones waited for up to
+        ``--wait`` or the timeout."""
+        pid, socket_path = self.target.pid, self.target.address.path  # type: ignore[union-attr]
+        assert pid is not None
+        start = time.monotonic()
+        limit = timeout if self.wait is None else min(self.wait, timeout)
+        while True:
+            try:
+                return transport.send_request(self.target.address, method, path, payload, headers, timeout,
+                                              queue_wait=_GRACE_S)
+            except transport.QueueFull:
+                pass
+            from probe.client import outside
+
+            if self.wait is None:
+                diagnosis = outside.diagnose_now(pid, socket_path)
+                if diagnosis.state in ("gil_held", "stopped"):
+                    raise _blocked(diagnosis) from None
+            if time.monotonic() - start >= limit:
+                raise _blocked(outside.queue_full(pid, socket_path, time.monotonic() - start,
+                                                  "--timeout" if self.wait is None or self.wait >= timeout
+                                                  else "--wait")) from None
 
     def _helped(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
                 timeout: float) -> transport.HttpResponse:
@@ -544,6 +585,14 @@ def _dead_with_record(pid: int, answering: bool = False) -> Optional[ProcessDead
     exc = ProcessDead("process %d %s: %s%s" % (pid, what, record.cause, when), hint=hint)
     exc.record = record  # type: ignore[attr-defined]
     return exc
+
+
+def _heartbeat_age(socket_path: str) -> float:
+    """Seconds since the agent's accept thread last touched its socket (0 where that cannot be told)."""
+    try:
+        return max(0.0, time.time() - os.stat(socket_path).st_mtime)
+    except OSError:
+        return 0.0
 
 
 def _blocked(diagnosis: Any) -> AgentBlocked:

@@ -95,8 +95,20 @@ def _program_holder(stacks: "Optional[Stacks]") -> "Optional[ThreadStack]":
     return holder if holder is not None and not holder.is_agent else None
 
 
+def _importing(holder: "ThreadStack") -> bool:
+    """The GIL holder is inside an import (compiling or executing a module): a long step that returns, not a
+    call that keeps the GIL for good. Start-up of a large program (torch) spends seconds there."""
+    return any(f.frame_type == "python" and "importlib._bootstrap" in f.file for f in holder.frames)
+
+
 def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Optional[float]) -> Diagnosis:
     since = " for %.1f s" % silent_for if silent_for is not None and silent_for > 1.5 else ""
+    if _importing(holder):
+        message = ("process %d cannot answer now: thread %s holds the GIL while importing a module, in %s, so the "
+                   "agent has not run%s; it runs again once that step of the import returns"
+                   % (pid, holder.label().strip(), holder.where(), since))
+        hint = "its stacks are read from outside; retry in a moment (`probe %d backtrace`)" % pid
+        return Diagnosis("gil_held", message, hint, stacks, holder, silent_for)
     message = ('process %d cannot answer: thread %s holds the GIL in %s and does not let go (a call into C '
                'that keeps it), so the agent has not run%s' % (pid, holder.label().strip(), holder.where(), since))
     hint = ("its stacks are read from outside; eval can run only once that call returns "
@@ -194,6 +206,21 @@ def _no_answer(pid: int, socket_path: str, waited: float, option: str) -> Diagno
             "give it longer with %s SECONDS; reading it from outside failed: %s" % (option, _last_problem))
     return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
                      hint, stacks, holder, heartbeat_age(socket_path))
+
+
+def queue_full(pid: int, socket_path: str, waited: float, option: str) -> Diagnosis:
+    """The agent took no connection for ``waited`` seconds: its backlog stayed full, and what it is doing
+    was not found to stop it (or was not looked at, with ``--wait``)."""
+    stacks = _read(pid)
+    holder = _program_holder(stacks)
+    age = heartbeat_age(socket_path)
+    extra = " (thread %s holds the GIL in %s)" % (holder.label().strip(), holder.where()) if holder else ""
+    last = "; it last ran %.0f s ago" % age if age is not None and age >= 1 else ""
+    hint = ("its stacks are read from outside; retry later, or give it longer with %s SECONDS" % option
+            if stacks is not None else "retry later, or give it longer with %s SECONDS; reading it from outside "
+            "failed: %s" % (option, _last_problem))
+    return Diagnosis("no_answer", "the agent in process %d accepted no connection within %.1f s: its queue of "
+                     "waiting connections is full%s%s" % (pid, waited, extra, last), hint, stacks, holder, age)
 
 
 def diagnose_now(pid: int, socket_path: str) -> Diagnosis:

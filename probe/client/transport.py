@@ -14,7 +14,7 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 from probe.errors import ConnectError, Timeout
 
-__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "request", "send_request", "read_response"]
+__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response"]
 
 MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
 
@@ -43,21 +43,28 @@ class HttpResponse(NamedTuple):
     body: bytes
 
 
-def _connect(address: Address, timeout: float) -> socket.socket:
+class QueueFull(socket.timeout):
+    """The agent's listen backlog is full: it has not accepted connections for a while (it cannot run, or
+    every slot is taken). A unix socket refuses such a connect at once (EAGAIN) instead of queueing it."""
+
+
+def _connect(address: Address, timeout: float, queue_wait: Optional[float] = None) -> socket.socket:
+    """A connected socket. ``queue_wait``: how long to keep trying while a unix agent's backlog is full
+    (default: the whole ``timeout``); past it, :class:`QueueFull`. A unix connect never blocks: one that
+    would wait on a full backlog is refused at once and retried here, so the wait stays ours to bound."""
     if isinstance(address, UnixAddress):
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (timeout if queue_wait is None else min(queue_wait, timeout))
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
             try:
-                sock.connect(address.path)
+                sock.setblocking(False)
+                sock.connect(address.path)  # unix: completes at once, or EAGAIN when the backlog is full
+                sock.settimeout(timeout)
                 return sock
             except BlockingIOError:
-                # EAGAIN: the agent's listen backlog is full, so it is busy rather than absent (a unix
-                # socket does not queue the connect as TCP does); try again until the timeout.
                 sock.close()
                 if time.monotonic() >= deadline:
-                    raise socket.timeout("the agent's connection queue stayed full") from None
+                    raise QueueFull("the agent's connection queue stayed full") from None
                 time.sleep(0.01)
             except BaseException:
                 sock.close()
@@ -75,9 +82,11 @@ def request(address: Address, method: str, path: str, body: Optional[bytes] = No
 
 
 def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
-                 headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> socket.socket:
+                 headers: Optional[Dict[str, str]] = None, timeout: float = 30.0,
+                 queue_wait: Optional[float] = None) -> socket.socket:
     """Connect and send one request; the caller waits for the answer (``read_response``), or closes
-    the socket to give up on it (the agent then runs nothing for it)."""
+    the socket to give up on it (the agent then runs nothing for it). ``queue_wait``: see ``_connect``;
+    :class:`QueueFull` passes through to a caller that set it."""
     host = address.host if isinstance(address, TcpAddress) else "localhost"
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
              "Content-Length: %d" % len(body or b"")]
@@ -86,7 +95,12 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     lines.extend("%s: %s" % item for item in (headers or {}).items())
     payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
     try:
-        sock = _connect(address, timeout)
+        sock = _connect(address, timeout, queue_wait)
+    except QueueFull:
+        if queue_wait is not None:
+            raise
+        raise Timeout("%s accepted no connection within %.1f s: its queue of connections is full" % (address, timeout),
+                      hint="the agent cannot run (see `probe list`), or is overwhelmed; retry later") from None
     except FileNotFoundError:
         raise ConnectError("no agent at %s (no such socket)" % (address,)) from None
     except ConnectionRefusedError:
