@@ -143,3 +143,11 @@ def test_an_agent_that_runs_again_drains_the_abandoned_connections_and_runs_none
         assert run_cli(str(proc.pid), "eval", "40 + 2", timeout=60).out.strip() == "42"
     finally:
         proc.kill()
+
+
+def test_an_import_that_holds_the_gil_is_named_as_one_not_as_a_call_that_never_lets_go(target_factory):
+    proc = target_factory("hung.py", "gil_import")
+    _holding_gil(proc)
+    result = _timed(str(proc.pid), "backtrace")
+    assert result.code == 0 and "holds_gil_on_import" in result.out
+    assert "while importing a module" in result.err and "does not let go" not in result.err, result.err

@@ -2,6 +2,7 @@
 
     gil         the main thread calls libc sleep() through ctypes.PyDLL, which keeps the GIL   (hold_gil)
     gil_thread  a thread named "holder" does the same; the main thread waits on an Event
+    gil_import  the main thread imports a module whose import keeps the GIL in the same call
     gil_for     the main thread keeps the GIL for the seconds given as the second argument, then
                 sleeps in Python (time.sleep), where the agent can answer again
     segv        dies of SIGSEGV (reads address 0)                                   (die)
@@ -47,6 +48,9 @@ def main() -> None:
     print("READY", os.getpid(), flush=True)
     if mode == "gil":
         hold_gil(3600)
+    elif mode == "gil_import":
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import holds_gil_on_import  # noqa: F401
     elif mode == "gil_for":
         hold_gil(int(sys.argv[2]))
         while True:
