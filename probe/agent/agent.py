@@ -19,7 +19,7 @@ from typing import Any, List, Optional
 
 from probe import _paths
 from probe.agent.http import Request
-from probe.agent.listener import Listener
+from probe.agent.listener import Listener, keep_stdio_open
 from probe.agent.options import AgentOptions, binds_every_interface, parse_hostport
 from probe.errors import ProbeError, SQLUnavailable, Unauthorized, UsageError
 
@@ -54,6 +54,7 @@ class Agent:
 
         process_env.show_secrets = self.options.show_secrets
         dispatcher = Dispatcher(self)
+        keep_stdio_open()  # before anything is opened: a process started with 0-2 closed would get them
         _paths.ensure_runtime_dir()
         path = _paths.socket_path(self.pid)
         _refuse_if_served(path)
@@ -71,6 +72,10 @@ class Agent:
             listener.start()
         atexit.register(self.stop)
         self.crash_record = _arm_crash_record()
+        if self.crash_record:  # the accept thread looks after the record's descriptor too (see crash.check)
+            from probe.agent import crash
+
+            unix.add_check(crash.check)
         _offer_step_boundary()
         return self
 

@@ -18,6 +18,12 @@ the same exit status as without probe. A program that sets its own SIGTERM handl
 When the program has already enabled faulthandler for itself (``-X faulthandler``,
 ``PYTHONFAULTHANDLER``), it keeps it: its stacks go where it sent them, and the header says so.
 
+The record's descriptor is the program's to close: a program that closes every descriptor it does not
+know, and opens its own, may get the record's number. faulthandler would then write the stacks into the
+program's file. So the record is known by its inode: :func:`check` (the agent's accept thread calls it
+every beat) finds the number taken, lets it go (never closes it: it is the program's now), and opens the
+record again on a number of its own; the exception hook and the exit hook look first too.
+
 The file starts with ``key value`` lines, then a line ``---``, then what faulthandler or the exception
 hook wrote. ``probe.reader.crash`` reads it. Runs inside the target: stdlib only, Python 3.9+.
 """
@@ -28,16 +34,18 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, Any, Optional
+from typing import IO, Any, Optional, Tuple
 
 from probe import _paths
 
-__all__ = ["install", "MAGIC", "SEPARATOR"]
+__all__ = ["install", "check", "MAGIC", "SEPARATOR"]
 
 MAGIC = "probe-crash-record 1"
 SEPARATOR = "---"
 
-_file: Optional[IO[str]] = None
+_file: Optional[IO[str]] = None  # over ``_fd``, which it never closes (closefd=False): we close it ourselves
+_fd = -1
+_ident: Optional[Tuple[int, int]] = None  # (st_dev, st_ino) of the record: whether ``_fd`` still refers to it
 _path: Optional[str] = None
 _pid = 0
 _keep = False
@@ -47,7 +55,7 @@ _sigterm = False
 
 def install() -> Optional[str]:
     """Open this process's record and arm the handlers; returns its path (None where it cannot be)."""
-    global _file, _path, _pid, _ours, _sigterm
+    global _file, _fd, _ident, _path, _pid, _ours
     if _file is not None and _pid == os.getpid():
         return _path
     try:
@@ -56,7 +64,12 @@ def install() -> Optional[str]:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except (OSError, ValueError, IndexError):
         return None
-    handle = os.fdopen(fd, "w", encoding="utf-8", errors="replace")
+    try:
+        info = os.fstat(fd)
+        handle = open(fd, "w", encoding="utf-8", errors="replace", closefd=False)
+    except (OSError, ValueError):
+        os.close(fd)
+        return None
     preexisting = faulthandler.is_enabled()
     sigterm = not preexisting and _sigterm_is_default()
     main = threading.main_thread().ident or 0
@@ -71,16 +84,12 @@ def install() -> Optional[str]:
               "command %s" % command.strip().replace("\n", " ")[:2000], SEPARATOR]
     handle.write("\n".join(header) + "\n")
     handle.flush()
-    _file, _path, _pid = handle, path, os.getpid()
+    _file, _fd, _ident, _path, _pid = handle, fd, (info.st_dev, info.st_ino), path, os.getpid()
     if not preexisting:
         faulthandler.enable(file=handle, all_threads=True)
         _ours = True
     if sigterm:
-        try:
-            faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
-            _sigterm = True
-        except (AttributeError, OSError, RuntimeError, ValueError):
-            pass
+        _register_sigterm(handle)
     previous = sys.excepthook
     sys.excepthook = _ExceptHook(previous)
     import atexit
@@ -100,6 +109,7 @@ class _ExceptHook:
     def __call__(self, kind: Any, value: Any, tb: Any) -> None:
         global _keep
         try:
+            check()
             if _file is not None and _pid == os.getpid():
                 import traceback
 
@@ -121,9 +131,50 @@ class _ExceptHook:
         self.previous(kind, value, tb)
 
 
+def check() -> None:
+    """Whether the record's descriptor still refers to the record; if the program took its number, let the
+    number go and open the record again (appending: the header stays) with the same handlers. Never raises."""
+    global _file, _fd, _ours
+    if _file is None or _pid != os.getpid() or _same_file(_fd):
+        return
+    had_sigterm = _sigterm
+    try:
+        if _ours:
+            faulthandler.disable()  # first of all: no fatal signal may write into the program's file now
+        _unregister_sigterm()
+    except Exception:
+        pass
+    _file, _fd = None, -1  # never closed: the number is the program's
+    try:
+        fd = os.open(_path or "", os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return  # removed meanwhile: no record any more
+    if not _same_file(fd, _ident):
+        os.close(fd)  # not our record (replaced): write nothing there
+        return
+    try:
+        handle = open(fd, "w", encoding="utf-8", errors="replace", closefd=False)
+        _file, _fd = handle, fd
+        if _ours:
+            faulthandler.enable(file=handle, all_threads=True)
+        if had_sigterm and _sigterm_is_default():  # unless the program has set its own SIGTERM handler since
+            _register_sigterm(handle)
+    except Exception:
+        _ours = False
+
+
+def _same_file(fd: int, ident: Optional[Tuple[int, int]] = None) -> bool:
+    try:
+        info = os.fstat(fd)
+    except (OSError, ValueError, OverflowError):
+        return False
+    return (info.st_dev, info.st_ino) == (ident or _ident)
+
+
 def _remove_at_exit() -> None:
     """A clean exit leaves nothing behind; an exit after an uncaught exception keeps the record."""
     global _file
+    check()
     if _pid != os.getpid() or _file is None:
         return
     if _keep:
@@ -132,8 +183,10 @@ def _remove_at_exit() -> None:
         if _ours:
             faulthandler.disable()
         _unregister_sigterm()
-        _file.close()
+        _file.close()  # the handle only (closefd=False); the number is checked, then closed
         _file = None
+        if _same_file(_fd):
+            os.close(_fd)
         if _path:
             os.unlink(_path)
     except Exception:
@@ -171,6 +224,15 @@ def _sigterm_is_default() -> bool:
         if key in ("SigCgt", "SigIgn"):
             masks[key] = int(value.strip(), 16)
     return len(masks) == 2 and not any(mask & bit for mask in masks.values())
+
+
+def _register_sigterm(handle: IO[str]) -> None:
+    global _sigterm
+    try:
+        faulthandler.register(signal.SIGTERM, file=handle, all_threads=True, chain=True)
+        _sigterm = True
+    except (AttributeError, OSError, RuntimeError, ValueError):
+        pass
 
 
 def _unregister_sigterm() -> None:

@@ -6,6 +6,13 @@ waits (and those behind it wait in the kernel's listen backlog) until a slot fre
 connection that has not sent its whole request within ``GRACE_S`` of being accepted gives up its slot,
 so that idle or slow clients (perhaps without a token) cannot lock out those with a request; one that
 sent its request in time is never evicted. Unix peers must run as our uid. Stdlib only; Python 3.9+.
+
+A descriptor number is ours only as long as the program leaves it: a program that closes every
+descriptor it does not know (``os.closerange(3, ...)``, as daemons do) and then opens its own gets our
+old numbers. So each socket is known by its inode (``fstat``), not its number: the accept thread looks
+before every ``accept()`` (after its ``poll()``: a poll in progress keeps our old socket alive), a
+worker before it answers, and ``close()`` before it closes. A number that is no longer ours is let go
+(``detach``), never closed, and the listener listens again on a fresh socket at the same address.
 """
 
 import os
@@ -15,13 +22,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Dict, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
 from probe.errors import Busy, Forbidden, ProbeError
 
-__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread"]
+__all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread",
+           "fd_identity", "keep_stdio_open"]
 
 READ_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 32
@@ -31,13 +39,20 @@ BUSY_WAIT_S = 5.0  # how long a new connection waits for a slot before it is ans
 LINGER_S = 2.0  # after answering a request not read whole, how long (and how much) of the rest
 LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
 _POLL_S = 0.1  # while every slot is taken: how often to look for a connection to evict
+_TCP_WAKE_S = 1.0  # how often a TCP accept thread (which has no heartbeat) looks that its socket is still ours
+
+Identity = Tuple[int, int]  # (st_dev, st_ino) of an open file: what a descriptor number refers to
 
 
 class Listener:
     """One listening socket, its accept thread, and worker threads (one per open connection, reused)."""
 
-    def __init__(self, sock: socket.socket, transport: str, handler: Handler, name: str) -> None:
+    def __init__(self, sock: socket.socket, transport: str, handler: Handler, name: str,
+                 remake: Optional[Callable[[], socket.socket]] = None) -> None:
         self._sock = sock
+        self._ident = fd_identity(sock.fileno())
+        self._remake = remake  # a fresh listening socket at the same address, should the program close ours
+        self._checks: List[Callable[[], None]] = []  # called every wake of the accept thread
         self.transport = transport
         self._handler = handler
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -55,34 +70,15 @@ class Listener:
 
     @classmethod
     def unix(cls, path: str, handler: Handler) -> "Listener":
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            if os.path.lexists(path):
-                os.unlink(path)  # a stale socket of a dead process with our pid
-            # No umask change: it is process-wide, and the target's threads may be creating files. The
-            # directory is the owner's alone (0700), so nobody can reach the socket before the chmod.
-            sock.bind(path)
-            os.chmod(path, 0o600)
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        listener = cls(sock, "unix", handler, "probe-accept-unix")
+        listener = cls(_listen_unix(path), "unix", handler, "probe-accept-unix", lambda: _listen_unix(path))
         listener._heartbeat_path = path
         return listener
 
     @classmethod
     def tcp(cls, host: str, port: int, handler: Handler) -> "Listener":
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-            sock.listen(128)
-        except BaseException:
-            sock.close()
-            raise
-        return cls(sock, "tcp", handler, "probe-accept-tcp")
+        sock = _listen_tcp(host, port)
+        bound = int(sock.getsockname()[1])  # asked for port 0: listen again on the port we were given
+        return cls(sock, "tcp", handler, "probe-accept-tcp", lambda: _listen_tcp(host, bound))
 
     @property
     def address(self) -> object:
@@ -97,35 +93,66 @@ class Listener:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop accepting; wakes the accept thread. Safe to call twice."""
+        """Stop accepting; wakes the accept thread. Safe to call twice. A socket whose number the program
+        has taken over is let go, not closed (nor shut down)."""
         if self._closed:
             return
         self._closed = True
+        if not self._let_go_unless_ours():
+            return
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
-        self._sock.close()
+        _close(self._sock)
 
     def forget(self) -> None:
         """In a forked child: drop our copy of the listening socket without disturbing the parent's."""
         self._closed = True
+        if self._let_go_unless_ours():
+            _close(self._sock)
+
+    def add_check(self, check: Callable[[], None]) -> None:
+        """Call ``check`` on the accept thread every time it wakes (every ``HEARTBEAT_S`` on a unix socket):
+        how the agent's other descriptors (the crash record) are looked after. It must not raise."""
+        self._checks.append(check)
+
+    def _ours(self) -> bool:
+        return self._ident is not None and fd_identity(self._sock.fileno()) == self._ident
+
+    def _let_go_unless_ours(self) -> bool:
+        """True while our socket is still at its number; else forget the number (never close it)."""
+        if self._ours():
+            return True
         try:
-            self._sock.close()
+            self._sock.detach()
         except OSError:
             pass
+        return False
 
     # -- the accept thread ---------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
         name_os_thread("probe-accept")
-        if self._heartbeat_path:
-            self._sock.settimeout(HEARTBEAT_S)
+        wake_ms = int(1000 * (HEARTBEAT_S if self._heartbeat_path else _TCP_WAKE_S))
+        poller = self._poller()
         while not self._closed:
             self._beat()
             try:
-                conn, _ = self._sock.accept()
-            except socket.timeout:
+                # poll, then look, then accept: while poll() waits it holds our old socket open even if the
+                # program closed its number; only once it returned does fstat tell whose the number is.
+                ready = poller.poll(wake_ms) if poller is not None else []
+                for check in self._checks:
+                    check()
+                if self._closed:
+                    return
+                if not self._ours():
+                    poller = self._listen_again()
+                    continue
+                if not ready:
+                    continue
+                conn, _ = self._sock.accept()  # non-blocking: another thread may have taken it
+            except (BlockingIOError, InterruptedError, socket.timeout):
                 continue
             except OSError:
                 if not self._closed:
@@ -140,6 +167,31 @@ class Listener:
                 self._admit(conn)
             except Exception:
                 pass  # _admit answered or closed the connection; keep accepting
+
+    def _poller(self) -> "Optional[select.poll]":
+        try:
+            self._sock.setblocking(False)
+            poller = select.poll()
+            poller.register(self._sock.fileno(), select.POLLIN)
+            return poller
+        except (OSError, ValueError):
+            return None
+
+    def _listen_again(self) -> "Optional[select.poll]":
+        """The program closed our socket (and may have put its own at the number): let the number go, and
+        listen on a fresh socket at the same address. Where that cannot be, say so once and stop."""
+        self._let_go_unless_ours()
+        try:
+            if self._remake is None:
+                raise OSError("no address to listen on again")
+            sock = self._remake()
+        except BaseException as exc:
+            self._closed = True
+            _say("probe: the program closed the agent's %s socket in process %d, and the agent cannot listen "
+                 "again (%s); it serves no more %s" % (self.transport, os.getpid(), exc, self.transport))
+            return None
+        self._sock, self._ident = sock, fd_identity(sock.fileno())
+        return self._poller()
 
     def _beat(self) -> None:
         """Touch the socket file at most every ``HEARTBEAT_S``: its mtime tells a client, without asking,
@@ -255,6 +307,7 @@ class Listener:
                     self._idle += 1
 
     def _serve(self, conn: socket.socket) -> None:
+        ident = fd_identity(conn.fileno())
         try:
             conn.settimeout(READ_TIMEOUT_S)
             if self.transport == "tcp":
@@ -280,14 +333,15 @@ class Listener:
             response = self._handler(request)
             on_sent, response.on_sent = response.on_sent, None
             try:
-                send(conn, response)
+                if fd_identity(conn.fileno()) == ident:  # a snippet that closed descriptors may have taken it
+                    send(conn, response)
             finally:
                 del response  # the body goes before the budget hears it is free
                 if on_sent is not None:
                     on_sent()
         finally:
             self._untrack(conn)
-            _close(conn)
+            _close(conn, ident)
             self._release()
 
     def _untrack(self, conn: socket.socket) -> bool:
@@ -376,8 +430,76 @@ def _reject_busy(conn: socket.socket) -> None:
         _close(conn)
 
 
-def _close(conn: socket.socket) -> None:
+def _close(conn: socket.socket, ident: Optional[Identity] = None) -> None:
+    """Close ``conn``; given its identity, only if its number still refers to it (else let the number go)."""
     try:
-        conn.close()
+        if ident is not None and fd_identity(conn.fileno()) != ident:
+            conn.detach()
+        else:
+            conn.close()
     except OSError:
+        pass
+
+
+def fd_identity(fd: int) -> Optional[Identity]:
+    """What descriptor ``fd`` refers to now, as (st_dev, st_ino); None when it is not open."""
+    try:
+        info = os.fstat(fd)
+    except (OSError, ValueError, OverflowError):
+        return None
+    return info.st_dev, info.st_ino
+
+
+def keep_stdio_open() -> None:
+    """Where the process started with descriptor 0, 1 or 2 closed, put /dev/null there before the agent
+    opens anything: else its socket or crash record would become the program's stdin, stdout or stderr
+    (what the program prints would fill the record; a print would go to a client). Each open takes the
+    lowest free number, so opening until the number is above 2 fills exactly the holes, without ever
+    replacing a descriptor that another thread opened meanwhile. Close-on-exec, as the holes were."""
+    for _ in range(3):
+        try:
+            fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            return
+        if fd > 2:
+            os.close(fd)
+            return
+
+
+def _listen_unix(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if os.path.lexists(path):
+            os.unlink(path)  # a stale socket of a dead process with our pid, or ours that the program closed
+        # No umask change: it is process-wide, and the target's threads may be creating files. The
+        # directory is the owner's alone (0700), so nobody can reach the socket before the chmod.
+        sock.bind(path)
+        os.chmod(path, 0o600)
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _listen_tcp(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _say(line: str) -> None:
+    try:
+        import sys
+
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except BaseException:
         pass

@@ -56,8 +56,9 @@ class Helper:
     # -- serving ----------------------------------------------------------------------------------
 
     def serve(self, host: str) -> None:
-        from probe.agent.listener import Listener
+        from probe.agent.listener import Listener, keep_stdio_open
 
+        keep_stdio_open()  # a launcher started with 0-2 closed must not get our sockets as its stdio
         _paths.ensure_runtime_dir()
         unix_path = _paths.helper_socket_path(os.getpid())
         self._listeners.append(Listener.unix(unix_path, self))
