@@ -196,7 +196,7 @@ class Client:
             return self._not_an_agent("HTTP %d without probe's error envelope" % response.status)
         if exc.code == "unauthorized" and not self._token and not exc.hint:
             exc.hint = "pass --token-file FILE (or set PROBE_TOKEN_FILE)"
-        return exc
+        return _with_target(exc, self.target.label)
 
     def _explain(self, exc: ProbeError) -> ProbeError:
         """Turn 'no agent at unix:/tmp/...' into what happened to process PID, and what to do about it."""
@@ -238,18 +238,22 @@ class Client:
                                        if dead is not None else ""), hint="`probe list` removes such leftovers")
             return ConnectError("no process with pid %d (it exited, was killed, or never was)" % pid,
                                 hint="check the pid with `probe list` or ps")
+        from probe.injector.advice import another_users
+
+        foreign = another_users(pid)  # its /proc files and its agent's directory are closed to us
+        if foreign is not None:
+            return foreign
         if refused:
-            return _agentless(ConnectError("no agent listens in process %d: its socket %s refuses connections (its "
-                                           "agent stopped, or an earlier process with this pid died and left it)"
-                                           % (pid, path), hint="start an agent in it with `probe %d inject`" % pid), pid)
+            return _agentless_advice(pid, path, "no agent listens in process %d: its socket %s refuses connections "
+                                     "(its agent stopped, or an earlier process with this pid died and left it)"
+                                     % (pid, path))
         if answering or socket_state != "missing":
             return exc  # what transport said is all there is to say (permission denied, a dropped answer)
         not_python = _not_python(pid)
         if not_python:
             return ConnectError("process %d (%s) is not a Python interpreter, so no agent can run in it" % (pid, not_python),
                                 hint="give the pid of the Python process itself (`probe list` shows them)")
-        return _agentless(ConnectError("no agent in process %d" % pid, hint="start it with PROBE=1 in the process's "
-                                       "environment, or `probe %d inject`" % pid), pid)
+        return _agentless_advice(pid, path, "no agent in process %d" % pid)
 
     # -- operations -------------------------------------------------------------------------------
 
@@ -326,6 +330,12 @@ class Client:
             dead = _dead_with_record(pid)
             if dead is not None:
                 raise dead
+        else:
+            from probe.injector.advice import another_users
+
+            foreign = another_users(pid)
+            if foreign is not None:
+                raise foreign
         stacks = live.read_live(pid, native=native)
         self.note = "stacks %s" % stacks.source
         return stacks
@@ -515,10 +525,77 @@ def _agentless(exc: ProbeError, pid: int) -> ProbeError:
     return exc
 
 
+def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
+    """The error for a live local Python process of ours with no agent at ``path``: ``message``, with the
+    next step that works for this process (see ``probe.injector.advice``): an old Python gets none (its
+    stacks are read from outside), torchrun's launcher its job's ``ranks`` command, an agent in another
+    runtime directory its socket, a C call that keeps the GIL the news that no agent can start before
+    it returns, ``PROBE=1`` under an interpreter without probe that fact; else PROBE=1 or inject."""
+    from probe.errors import ConnectError, ReaderError
+    from probe.injector import advice
+
+    inject = "`probe %d inject`" % pid
+    outside = "its stacks are read from outside: `probe %d backtrace` (SQL over python.backtrace works too)" % pid
+    version = advice.old_python(pid)
+    if version is not None:
+        return _agentless(ConnectError("%s, and none can run there: it runs Python %d.%d, and probe's agent needs "
+                                       "%d.%d or newer" % ((message,) + version + advice.MIN_VERSION), hint=outside), pid)
+    launcher = advice.launcher_advice(pid)
+    if launcher is not None:
+        return _agentless(ConnectError(launcher[0], hint=launcher[1]), pid)
+    elsewhere = advice.agent_elsewhere(pid, path)
+    if elsewhere is not None:
+        return _agentless(ConnectError("%s at %s: its own environment (another PROBE_RUNTIME_DIR or XDG_RUNTIME_DIR) "
+                                       "puts its agent's socket at %s" % ("no agent in process %d" % pid, path, elsewhere),
+                                       hint="`%s`" % advice.command_line(pid, target="unix:" + elsewhere)), pid)
+    from probe.reader import live
+
+    try:
+        stacks = live.read_live(pid) if live.available() else None
+    except ReaderError:
+        stacks = None
+    holder = advice.gil_kept_in_c(pid, stacks)
+    requested = advice.probe_requested(pid)
+    if holder is not None:
+        exc = ConnectError("%s, and none can start now: thread %s holds the GIL in %s inside a call into C that does "
+                           "not let go; an agent needs the GIL to start, so injecting one cannot work until that call "
+                           "returns" % (message, holder.label().strip(), holder.where()),
+                           hint="%s; `probe %d backtrace --native` shows the C frames" % (outside, pid))
+    elif requested is not None:
+        installed, exe = advice.autostart_installed(pid)
+        if installed is False:
+            exc = ConnectError("%s: %s is set in its environment, but probe is not installed for its interpreter "
+                               "%s, so nothing started an agent" % (message, requested, exe),
+                               hint="%s starts one now; for %s to work, install probe for that interpreter "
+                                    "(`%s -m pip install probe`)" % (inject, requested, exe))
+        else:
+            exc = ConnectError("%s, although %s is set in its environment (started with python -S or -I, or the "
+                               "agent failed: its stderr says why in a line that starts with 'probe:')"
+                               % (message, requested), hint="%s starts one now" % inject)
+    else:
+        exc = ConnectError(message, hint="%s starts one now (or start the program with PROBE=1 in its environment)"
+                                         % inject)
+    exc = _agentless(exc, pid)
+    exc.outside = stacks  # type: ignore[attr-defined]  # read once: backtrace and SQL use them
+    return exc
+
+
+def _with_target(exc: ProbeError, label: str) -> ProbeError:
+    """An agent's texts name its target ``TARGET`` (it cannot know how it was reached): put the target
+    the user gave there, so that a command in a hint works as printed."""
+    exc.message = exc.message.replace("probe TARGET ", "probe %s " % label)
+    if exc.hint:
+        exc.hint = exc.hint.replace("probe TARGET ", "probe %s " % label)
+    exc.args = (exc.message,)
+    return exc
+
+
 def _outside_stacks(exc: ProbeError, agentless: bool = False) -> Any:
     """The stacks that came with an error: read from outside (agent blocked), a crash record (dead), or
     with ``agentless``, read now from a live process that runs no agent (None where that fails)."""
     pid = getattr(exc, "agentless_pid", None)
+    if agentless and getattr(exc, "outside", None) is not None:
+        return exc.outside  # type: ignore[attr-defined]
     if agentless and pid is not None:
         from probe.errors import ReaderError
         from probe.reader import live

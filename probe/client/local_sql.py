@@ -49,8 +49,9 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
             return to_arrow(tuple((c.name, c.type) for c in COLUMNS), stacks.rows())
         reason = why.message if why is not None else "%s is read from outside" % label
         cls = type(why) if isinstance(why, (AgentBlocked, ProcessDead)) else ProcessDead
+        how = getattr(why, "hint", None)  # how to get an agent, where one can be had
         raise cls("%s needs the agent, and %s" % (name, reason[0].lower() + reason[1:]),
-                  hint="only python.backtrace is read from outside the process")
+                  hint="only python.backtrace is read from outside the process" + ("; %s" % how if how else ""))
 
     engine = Engine(fetch)
     try:

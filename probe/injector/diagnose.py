@@ -51,6 +51,11 @@ def diagnose(pid: int, need_gdb: bool = True) -> List[Problem]:
     except PermissionError:
         return [Problem("hidden_process", "cannot read /proc/%d (hidepid, or another user's process)" % pid,
                         "run probe as the user who owns the process, or as root")]
+    from probe.injector.advice import another_users
+
+    foreign = another_users(pid, "inject")  # its exe and maps are closed to us: it would look like no Python
+    if foreign is not None:
+        return [Problem("other_user", foreign.message, foreign.hint or "")]
     if not info.is_python:
         name = os.path.basename(info.exe) or _comm(pid)
         return [Problem("not_python", "process %d (%s) is not a Python interpreter" % (pid, name),
@@ -76,7 +81,8 @@ def _version_problems(info: TargetInfo) -> List[Problem]:
     if info.version[0] != 3 or info.version < MIN_VERSION:
         return [Problem("old_python", "process %d runs Python %d.%d; probe needs 3.9 or newer" %
                         (info.pid, info.version[0], info.version[1]),
-                        "run the program on Python 3.9+ to inspect it with probe")]
+                        "no agent can run in it; its stacks can still be read from outside: `probe %d backtrace` "
+                        "(run the program on Python 3.9+ for the rest)" % info.pid)]
     return []
 
 

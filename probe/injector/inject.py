@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from probe.agent.options import AgentOptions
-from probe.errors import InjectError, ProbeError, UsageError
+from probe.errors import Forbidden, InjectError, ProbeError, UsageError
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.diagnose import Problem, diagnose, ptrace_problems
 from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout
@@ -41,7 +41,8 @@ class InjectResult:
 def inject(pid: int, options: Optional[AgentOptions] = None, timeout: float = 5.0) -> InjectResult:
     """Start the probe agent in process ``pid`` (or find the one running there) within ``timeout`` seconds.
 
-    Raises ``InjectError`` with a ``hint`` when it cannot: the target is then running and untraced.
+    Raises ``InjectError`` with a ``hint`` when it cannot (``Forbidden`` for another user's process): the
+    target is then running and untraced.
     """
     if timeout <= 0:
         raise UsageError("timeout must be positive, got %r" % timeout)
@@ -155,6 +156,12 @@ def _not_started(info: TargetInfo, chosen: Plan, timeout: float) -> InjectError:
     if not os.path.exists("/proc/%d" % info.pid):
         return InjectError("process %d exited during the injection" % info.pid,
                            hint="check its output; probe's bootstrap never raises into the target")
+    if chosen.method == PENDING and chosen.delay and chosen.gil_kept:
+        return InjectError("the agent did not start within %.1f s: %s; an agent needs the GIL to start, so none "
+                           "can until that call returns" % (timeout, chosen.delay),
+                           hint="its start is queued and runs when the call returns (`probe %d health` tells); "
+                                "meanwhile `probe %d backtrace` reads its stacks from outside (--native: with the C "
+                                "frames)" % (info.pid, info.pid))
     if chosen.method == PENDING and chosen.delay:
         return InjectError("the agent did not start within %.1f s: %s" % (timeout, chosen.delay),
                            hint="the start is queued and runs as soon as the main thread executes Python code "
@@ -177,11 +184,13 @@ def _token_file(opts: AgentOptions, socket: str) -> Optional[str]:
     return opts.token_file or os.path.join(os.path.dirname(socket), os.path.basename(socket)[:-5] + ".token")
 
 
-def _error(problems: List[Problem]) -> InjectError:
+def _error(problems: List[Problem]) -> ProbeError:
+    """The first problem, with the others in its hint; another user's process is refused (exit 4, as
+    every command refuses it), the rest are failed injections (exit 6)."""
     first = problems[0]
     hint = first.hint
     if len(problems) > 1:
         hint += "; also: " + "; ".join("%s (%s)" % (p.message, p.hint) for p in problems[1:])
-    error = InjectError(first.message, hint=hint)
+    error: ProbeError = (Forbidden if first.code == "other_user" else InjectError)(first.message, hint=hint)
     error.problems = problems  # type: ignore[attr-defined]
     return error

@@ -60,6 +60,8 @@ class Plan:
     then_direct: bool = False
     """The main thread sleeps in ``time.sleep``: try the pending call, and if the sleep is long, look again
     and run ``gil_ensure`` on it."""
+    gil_kept: bool = False
+    """The delay is a C call that keeps the GIL: no agent can start, by any method, before it returns."""
 
 
 def plan(threads: Sequence[ThreadState], main_lwp: int) -> Plan:
@@ -71,13 +73,13 @@ def plan(threads: Sequence[ThreadState], main_lwp: int) -> Plan:
     holder = next((t for t in threads if t.holds_gil), None)
     if main.holds_gil:
         delay = None if is_in_bytecode(main) else "the main thread is in a C call that holds the GIL: " + describe(main)
-        return Plan(PENDING, caller, delay)
+        return Plan(PENDING, caller, delay, gil_kept=delay is not None)
     if is_waiting_for_gil(main):
         return Plan(PENDING, caller, None)
     blocker = holder if holder is not None and not is_in_bytecode(holder) else None
     if blocker is not None:
         return Plan(PENDING, caller, "the main thread is blocked (%s) and %s holds the GIL inside a C call"
-                    % (describe(main), describe(blocker)))
+                    % (describe(main), describe(blocker)), gil_kept=True)
     parked = [t for t in threads if is_parked_safely(t)]
     if is_parked_safely(main):
         if wait_site(main) == "pysleep":  # usually a short nap in a loop: the pending call runs after it

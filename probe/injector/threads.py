@@ -43,6 +43,9 @@ _LIBC_PREFIXES = ("__", "do_futex_wait", "futex_", "sem_", "pthread_cond_", "clo
 _GIL_WAITS = ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread", "_PyThreadState_Attach")
 _GLUE = ("vectorcall", "Vectorcall", "_PyObject_Call", "PyObject_Call", "call_function", "_PyFunction_")
 _C_CALLS = ("vectorcall", "_Call", "call_function", "builtin_", "do_call_core")
+# Data that gdb names when an unwind through a library without symbols (libffi under ctypes) goes astray:
+# such a "frame" is no function, and a message that named it (``_PyRuntime``) would mislead.
+_DATA_SYMBOL = re.compile(r"^(_PyRuntime|_Py_\w*Struct|_?PyExc_\w+|\w+_Type|_Py_\w*Singletons?|_PyOS_\w+Tstate)$")
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,7 @@ def describe(thread: ThreadState) -> str:
     for func in funcs:
         if func.startswith("_PyEval_EvalFrame"):
             break
-        if func != "??" and not any(glue in func for glue in _GLUE):
+        if func != "??" and not any(glue in func for glue in _GLUE) and not _DATA_SYMBOL.match(func):
             entry = func
     innermost = funcs[0] if funcs else "?"
     where = "%s (innermost: %s)" % (entry, innermost) if entry and entry != innermost else innermost

@@ -81,4 +81,8 @@ def _explain(pid: int, stderr: str) -> ReaderError:
     if "permission" in lowered or "operation not permitted" in lowered:
         why, hint = proc.ptrace_denied_reason(pid)
         return ReaderError("not allowed to read process %d from outside: %s" % (pid, why), hint=hint)
-    return ReaderError("reading process %d from outside failed: %s" % (pid, text[:300]))
+    if proc.state(pid) in ("T", "t"):
+        return ReaderError("py-spy could not read process %d, which is %s: %s" % (pid, proc.STATE_WORDS[proc.state(pid) or "T"],
+                                                                              text[:300].strip()),
+                           hint="`kill -CONT %d` resumes it; pystack (pip install pystack) reads it as it is" % pid)
+    return ReaderError("py-spy could not read process %d from outside: %s" % (pid, text[:300].strip()))

@@ -42,14 +42,18 @@ def read_live(pid: int, native: bool = False) -> Stacks:
     milliseconds), which unwinding native stacks needs."""
     engine = _engine()
     mode = engine.NativeReportingMode.PYTHON if native else engine.NativeReportingMode.OFF
+    stopped = proc.state(pid) == "T"  # SIGSTOP or Ctrl-Z: it stays stopped after the read
     try:
         threads = engine.get_process_threads(pid, stop_process=native, native_mode=mode)
     except Exception as exc:
         raise _explain(exc, pid) from None
     names = proc.thread_names(pid)
     comm = proc.comm(pid)
-    source = "read from outside the live process by pystack%s" % (", which stopped it for the native frames"
-                                                                  if native else ", without stopping it")
+    if stopped:
+        source = "read from outside the stopped process by pystack (it stays stopped; `kill -CONT %d` resumes it)" % pid
+    else:
+        source = "read from outside the live process by pystack%s" % (", which stopped it for the native frames"
+                                                                      if native else ", without stopping it")
     return Stacks(pid, source, tuple(_convert(t, pid, names, comm, native) for t in threads),
                   _version(threads), {"native": native})
 

@@ -1,0 +1,13 @@
+"""A target whose main thread sleeps inside a C call that keeps the GIL (``sleep`` from libc through
+``ctypes.PyDLL``, which does not release it): no Python code runs until the call returns.
+
+``gil_sleep.py [SECONDS]`` (default 600); prints ``READY <pid>`` just before the call.
+"""
+
+import ctypes
+import os
+import sys
+
+seconds = int(sys.argv[1]) if len(sys.argv) > 1 else 600
+print("READY", os.getpid(), flush=True)
+ctypes.PyDLL(None).sleep(seconds)
