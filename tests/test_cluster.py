@@ -132,7 +132,7 @@ def test_grouped_backtrace_puts_the_majority_first_and_marks_where_the_odd_rank_
     lines = list(render_grouped_backtrace(ranks, 5))
     assert lines[0] == 'Thread "MainThread": 2 distinct stacks across 5 of 5 ranks'
     assert lines[1].startswith("  ranks 0-1,3-4 (4)")
-    assert lines[5] == "  rank 2 (1)  [stacks read from outside: 2]"
+    assert lines[5] == "  rank 2 (1)  [stack of rank 2 read from outside]"
     assert [line[4] for line in lines[6:9]] == [">", ">", " "]  # main is shared; the rest departs
 
 
@@ -270,7 +270,7 @@ def test_a_rank_holding_the_gil_is_read_from_outside_and_a_killed_rank_is_named(
         elapsed = time.monotonic() - start
         assert result.code == 7, (result.code, result.out, result.err)  # a partial answer
         assert "ranks 0,2 (2)" in result.out and "wait_for_work" in result.out
-        assert "rank 1 (1)  [stacks read from outside: 1]" in result.out
+        assert "rank 1 (1)  [stack of rank 1 read from outside]" in result.out
         assert "> hold_the_gil" in result.out  # where the odd rank departs
         assert "rank 3 (vm)" in result.err.replace(socket.gethostname(), "vm")
         assert "killed by signal 9" in result.err
@@ -387,10 +387,9 @@ def test_checkpoint_across_ranks_writes_a_file_per_rank_that_loads_with_weights_
             assert term.wait_exit() == 0
         finally:
             term.close()
-        # trace across ranks: each rank's status headed by its rank; --json rows carry rank and host.
+        # trace across ranks: ranks whose status reads the same share one block; --json rows carry rank and host.
         started = run_cli(master, "--all-ranks", "trace", "start")
-        assert started.code == 0 and all("rank %d (127.0.0.1:%d): trace: on" % (r, port + r) in started.out
-                                         for r in (0, 1)), started.out
+        assert started.code == 0 and started.out.startswith("ranks 0-1:\n  trace: on"), started.out
         status = run_cli(master, "--all-ranks", "trace", "stop", "--json")
         assert status.code == 0, status.err
         assert [(row["rank"], row["state"]) for row in map(json.loads, status.out.splitlines())] == \

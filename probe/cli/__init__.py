@@ -14,6 +14,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from probe.cli.app import cli, normalise_argv
     from probe.cli.context import CliContext
+    from probe.cli.output import say
     from probe.errors import ProbeError
 
     args = normalise_argv(list(sys.argv[1:] if argv is None else argv))
@@ -23,7 +24,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         code = ctx.obj.exit_code if isinstance(ctx.obj, CliContext) else 0
     except ProbeError as exc:
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
-        click.echo("probe: error: " + message, err=True)
+        say("probe: error: " + message, err=True)  # the message may quote a target: no escape reaches the terminal
         code = exc.exit_code
     except click.exceptions.Exit as exc:
         code = exc.exit_code
@@ -33,7 +34,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         # Ctrl-C: one line, not a traceback; the command already told the agent to stop what it could.
         start = "\n" if sys.stderr.isatty() else ""  # after the terminal's "^C", on a line of its own
-        click.echo("%sprobe: %s" % (start, str(exc) or "interrupted (Ctrl-C)"), err=True)
+        say("%sprobe: %s" % (start, str(exc) or "interrupted (Ctrl-C)"), err=True)
         code = INTERRUPTED
     except BrokenPipeError:
         code = 0

@@ -14,6 +14,7 @@ import click
 
 import probe
 from probe.cli.context import CliContext
+from probe.cli.options import Seconds
 
 __all__ = ["cli", "COMMANDS", "normalise_argv"]
 
@@ -82,16 +83,17 @@ def _usage_shows_target(command: click.Command) -> None:
         _usage_shows_target(sub)
 
 
-@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True,
+             no_args_is_help=True)
 @click.option("-t", "--target", "targets", multiple=True, metavar="TARGET",
               help="A pid, HOST:PORT, unix:PATH or core:PATH (repeatable). Default: $PROBE_TARGET.")
 @click.option("--token", envvar="PROBE_TOKEN", help="Token for TCP targets (or $PROBE_TOKEN).")
 @click.option("--token-file", envvar="PROBE_TOKEN_FILE", type=click.Path(dir_okay=False),
               help="File holding the token for TCP targets (or $PROBE_TOKEN_FILE).")
-@click.option("--timeout", type=click.FloatRange(min=0.01), default=None, metavar="SECONDS",
+@click.option("--timeout", type=Seconds(0.01), default=None,
               help="Seconds to wait for each target's answer, a long query's or snippet's too; inject's time "
                    "limit. Default: 30, or a query's or snippet's own time limit and 5 s more.")
-@click.option("--wait", type=click.FloatRange(min=0.0), default=None, metavar="SECONDS",
+@click.option("--wait", type=Seconds(0.0), default=None,
               help="Wait this long for a local agent before reading the process from outside. "
                    "Default: decide in about a second whether it can answer (GIL held, stopped).")
 @click.option("--executable", type=click.Path(dir_okay=False), metavar="PATH",
@@ -101,7 +103,7 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--ranks", metavar="LIST", help="Only these ranks, e.g. 0-3,8 (implies --all-ranks).")
 @click.option("--hosts", type=click.Path(dir_okay=False), metavar="FILE",
               help="Every target listed in FILE (one per line), at once, as ranks 0, 1, ...")
-@click.option("--deadline", type=click.FloatRange(min=0.01), metavar="SECONDS",
+@click.option("--deadline", type=Seconds(0.01),
               help="Across ranks: answer with what arrived after this long (default 10, at most --timeout); "
                    "several -t: none unless given.")
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=32, show_default=True,
@@ -129,6 +131,24 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
     ctx.obj.timeout_given = timeout is not None
     if timeout is None:
         ctx.obj.timeout = 30.0
+    if ctx.invoked_subcommand is None:  # `probe 4242` alone: say what could follow
+        raise click.UsageError(_missing_command(ctx, targets), ctx)
+
+
+def _missing_command(ctx: click.Context, targets: Tuple[str, ...]) -> str:
+    """The message for a command line with no command: how to write one, and every command with its summary."""
+    group = ctx.command
+    assert isinstance(group, _Commands)
+    formatter = ctx.make_formatter()
+    rows = []
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if command is not None and not command.hidden and not (targets and name in _NO_TARGET):
+            rows.append((name, command.get_short_help_str(limit=formatter.width - 16)))  # one line each
+    with formatter.indentation():
+        formatter.write_dl(rows)
+    example = "probe %s COMMAND" % " ".join(targets) if targets else "probe TARGET COMMAND"
+    return "Missing command: write `%s`, where COMMAND is one of:\n%s" % (example, formatter.getvalue().rstrip())
 
 
 def normalise_argv(argv: List[str]) -> List[str]:

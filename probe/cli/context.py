@@ -6,6 +6,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 import click
 
+from probe.cli.output import say
+from probe.cli.render import visible
 from probe.client import Client, connect
 from probe.errors import ProbeError, UsageError
 
@@ -90,7 +92,7 @@ class CliContext:
         """Report one target's error and remember the exit code; the other targets still run."""
         prefix = "probe: %s: " % label if label else "probe: "
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
-        click.echo(prefix + "error: " + message, err=True)
+        say(prefix + "error: " + message, err=True)
         self.failures += 1
         self.exit_code = self.exit_code or exc.exit_code
 
@@ -116,7 +118,7 @@ def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[
         cli.record(exc)
         return
     if getattr(clients[0], "note", None):  # the answer did not come from the agent: say where from
-        click.echo("probe: " + str(clients[0].note), err=True)
+        say("probe: " + str(clients[0].note), err=True)
     yield clients[0], result
 
 
@@ -135,7 +137,7 @@ def _each_of_several(cli: CliContext, clients: List[Client], work: Callable[[Cli
             failed += 1
             continue
         if getattr(client, "note", None):
-            click.echo("probe: %s: %s" % (client.target.label, client.note), err=True)
+            say("probe: %s: %s" % (client.target.label, client.note), err=True)
         yield client, outcome.value
     if 0 < failed < len(clients):
         cli.exit_code = PARTIAL
@@ -150,7 +152,7 @@ def _each_rank(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[C
         cli._labels[id(answer.client)] = answer.member.label
         cli._members[id(answer.client)] = answer.member
         if answer.note:
-            click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
+            say("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
         yield answer.client, answer.value
     report_failures(cli, cluster.failures, len(cluster.members))
 
@@ -160,12 +162,12 @@ def report_failures(cli: CliContext, failures: List[Any], total: int) -> None:
     answer, else the error's code."""
     if not failures:
         return
-    from probe.client.cluster import compact_ranks
+    from probe.cli.render_cluster import ranks_word
 
-    click.echo("probe: %d of %d ranks gave no result (ranks %s):" % (
-        len(failures), total, compact_ranks([f.rank for f in failures])), err=True)
+    say("probe: %d of %d rank%s gave no result (%s):" % (
+        len(failures), total, "" if total == 1 else "s", ranks_word([f.rank for f in failures])), err=True)
     for failure in failures:
-        click.echo("  rank %d (%s): %s" % (failure.rank, failure.host, failure.reason), err=True)
+        say("  rank %d (%s): %s" % (failure.rank, visible(str(failure.host)), failure.reason), err=True)
     cli.failures += len(failures)
     cli.exit_code = cli.exit_code or (PARTIAL if len(failures) < total else failures[0].exit_code)
 

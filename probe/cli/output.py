@@ -1,18 +1,49 @@
-"""Writing a query result to a file; the format follows the file's extension."""
+"""Writing what a command prints (for a person, or exact for a script) and a query result to a file (its
+format follows the file's extension).
+
+Every string a target sends (a thread's name, a snippet's output, an agent's error) may hold terminal
+escape sequences. What is printed for a person goes through :func:`say`, which shows control characters
+as escapes (ESC as ``\\x1b``), on a terminal or not; what is printed for a script (JSON, CSV, a snippet's
+own output) goes through :func:`emit`, exact when piped and made visible only on a terminal. JSON is
+exact either way: ``json.dumps`` writes every control character as ``\\u001b``.
+"""
 
 import os
+import sys
 from typing import Any, List, Tuple
 
 import click
 
-from probe.cli.render import render_csv, render_json
+from probe.cli.render import render_csv, render_json, visible
 from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import UsageError
 
-__all__ = ["FILE_FORMATS", "file_format", "check_writable", "write_rows", "write_arrow", "wrote"]
+__all__ = ["say", "emit", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows", "write_arrow", "wrote"]
 
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
+
+
+def say(text: str = "", err: bool = False, nl: bool = True) -> None:
+    """Print text for a person: control characters made visible (newlines and tabs kept)."""
+    click.echo(visible(text, lines=True), err=err, nl=nl)
+
+
+def emit(text: str, err: bool = False, nl: bool = True) -> None:
+    """Print text for a script (JSON, CSV, a snippet's own output) exactly as it is, escape sequences
+    included; on a terminal, where a person reads it, control characters are made visible as by :func:`say`."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        terminal = stream.isatty()
+    except (AttributeError, ValueError):
+        terminal = False
+    # color=True: click would otherwise strip what looks like a colour code from text that is not for a terminal
+    click.echo(visible(text, lines=True) if terminal else text, err=err, nl=nl, color=True)
+
+
+def print_rows(text: str, fmt: str) -> None:
+    """Rendered rows: JSON and CSV are for scripts (exact), a table or records for a person."""
+    (emit if fmt in ("json", "csv") else say)(text)
 
 
 def file_format(path: str) -> str:
@@ -40,9 +71,9 @@ def _open_error(path: str, exc: OSError) -> UsageError:
 
 def wrote(count: int, path: str, truncated: bool) -> None:
     """The one line that says what went into the file, and whether the result was cut."""
-    click.echo("wrote %d row%s to %s" % (count, "" if count == 1 else "s", path), err=True)
+    say("wrote %d row%s to %s" % (count, "" if count == 1 else "s", path), err=True)
     if truncated:
-        click.echo("probe: the result was truncated at the row cap: the file does not hold every row", err=True)
+        say("probe: the result was truncated at the row cap: the file does not hold every row", err=True)
 
 
 def write_rows(path: str, rows: Rows, fmt: str) -> None:

@@ -5,10 +5,8 @@ member list, queried here."""
 import secrets
 from typing import Any, Optional
 
-import click
-
 from probe.cli.context import CliContext, report_failures, stop_where_unanswered, stopped_on_ranks
-from probe.cli.output import write_arrow, write_rows
+from probe.cli.output import print_rows, write_arrow, write_rows, wrote
 from probe.cli.render import render_rows, terminal_width
 from probe.client.results import Rows
 from probe.errors import UsageError
@@ -24,7 +22,7 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
     query_id = secrets.token_hex(8)  # names the query on every rank, so that Ctrl-C stops it there
     try:
         combined: Any = (cluster.query if arrow else cluster.query_rows)(sql, max_rows=max_rows, timeout=timeout,
-                                                                         query_id=query_id)
+                                                                         query_id=query_id, empty_if_none=True)
     except KeyboardInterrupt:
         if cluster.progress is not None:
             cluster.progress(-1, 0, [])
@@ -41,9 +39,9 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
         rows = combined if isinstance(combined, Rows) else _rows(combined)
         if output:
             write_rows(output, rows, file_fmt or "csv")
-            click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
+            wrote(len(rows.rows), output, rows.truncated)
         elif rows.columns or fmt != "table":  # no rank answered: nothing to tabulate, the failures say why
-            click.echo(render_rows(rows, fmt, terminal_width(), wide))
+            print_rows(render_rows(rows, fmt, terminal_width(), wide), fmt)
     stop_where_unanswered(cluster, "query", query_id)  # after the output: the answers first
     report_failures(cli, cluster.failures, len(cluster.members))
 
@@ -64,9 +62,9 @@ def query_members(cli: CliContext, sql: str, fmt: str, wide: bool, output: Optio
     rows = _rows(table)
     if output:
         write_rows(output, rows, file_fmt or "csv")
-        click.echo("wrote %d rows to %s" % (len(rows.rows), output), err=True)
+        wrote(len(rows.rows), output, rows.truncated)
     else:
-        click.echo(render_rows(rows, fmt, terminal_width(), wide))
+        print_rows(render_rows(rows, fmt, terminal_width(), wide), fmt)
 
 
 def _rows(table: Any) -> Rows:

@@ -4,17 +4,42 @@ import csv
 import io
 import json
 import math
+import re
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
 
 from probe.client.results import EvalResult, Frame, Rows, TableInfo
 
-__all__ = ["render_rows", "render_table", "render_vertical", "fit_widths", "text_width", "terminal_width", "plain",
+__all__ = ["visible", "render_rows", "render_table", "render_vertical", "fit_widths", "text_width", "terminal_width", "plain",
            "render_json", "render_csv", "render_backtrace", "render_tables",
            "render_schema", "render_eval", "render_unavailable", "FORMATS"]
 
 FORMATS = ("table", "json", "csv")
 _MAX_CELL = 80  # a cell's width when the table is not fitted to a terminal (output piped)
 _MIN_COLUMN = 6  # a column is never fitted narrower than this (or its header, if shorter)
+
+
+# Characters a terminal acts on rather than shows: C0 controls (ESC starts CSI and OSC sequences: OSC 52
+# writes the clipboard, CSI moves the cursor and erases lines), DEL, C1 controls (0x9b is a one-byte CSI on
+# some terminals), the line and paragraph separators, the bidirectional overrides and isolates that make a
+# line read in another order than it is, and lone surrogates (undecodable bytes, which no terminal can show).
+_CONTROLS = "\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
+_CONTROL = re.compile("[%s\t\n]" % _CONTROLS)
+_CONTROL_IN_LINES = re.compile("[%s]" % _CONTROLS)  # newlines and tabs kept: text laid out in lines
+_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def _escape(match: "re.Match[str]") -> str:
+    char = match.group()
+    code = ord(char)
+    return _NAMED.get(char) or ("\\x%02x" % code if code < 0x100 else "\\u%04x" % code)
+
+
+def visible(text: str, lines: bool = False) -> str:
+    """``text`` from a target, safe to show on a terminal: every control character written out as an
+    escape (ESC as ``\\x1b``, a carriage return as ``\\r``), so that no sequence in a thread name, a
+    file name or a snippet's output can reach the terminal and act there. ``lines``: newlines and tabs
+    are kept (text laid out in lines); else they are escaped too (one field, one line)."""
+    return (_CONTROL_IN_LINES if lines else _CONTROL).sub(_escape, text)
 
 
 def text_width(text: str) -> int:
@@ -86,10 +111,7 @@ def _cell(value: Any, sql_type: str = "", whole: bool = False) -> str:
         return "NULL"
     if isinstance(value, float):
         return "%.6g" % value
-    text = str(value)
-    if whole:
-        return text
-    return text.replace("\n", "\\n").replace("\t", "\\t")
+    return visible(str(value), lines=whole)
 
 
 def fit_widths(natural: List[int], headers: List[int], width: int) -> List[int]:
@@ -116,7 +138,7 @@ def _floors(natural: List[int], headers: List[int]) -> List[int]:
 
 def fits(rows: Rows, width: int) -> bool:
     """Whether the table can be fitted into ``width`` columns without cutting columns below their floor."""
-    names = rows.column_names
+    names = [visible(n) for n in rows.column_names]
     types = [t for _, t in rows.columns]
     natural = [text_width(n) for n in names]
     for row in rows.rows:
@@ -133,7 +155,7 @@ def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
     it (output piped) cells are cut at 80 characters. ``wide``: nothing is cut. A cut cell ends in an
     ellipsis, and the count line says how to see it whole.
     """
-    names = rows.column_names
+    names = [visible(n) for n in rows.column_names]
     types = [t for _, t in rows.columns]
     cells = [[_cell(v, types[i] if i < len(types) else "") for i, v in enumerate(row)] for row in rows.rows]
     natural = [text_width(n) for n in names]
@@ -162,7 +184,7 @@ def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
 def render_vertical(rows: Rows, footer: Optional[str] = None, width: Optional[int] = None) -> Iterator[str]:
     """One record per block, one column per line, values whole (psql's \\x, DuckDB's .mode line); with a
     terminal ``width``, a long value wraps onto lines of its own rather than past the edge."""
-    names = rows.column_names
+    names = [visible(n) for n in rows.column_names]
     types = [t for _, t in rows.columns]
     name_w = max((text_width(n) for n in names), default=0)
     for number, row in enumerate(rows.rows, 1):
@@ -268,15 +290,16 @@ def render_backtrace(frames: Sequence[Frame]) -> Iterator[str]:
         tags = ["native %s" % first.native_id] if first.native_id is not None else []
         if first.is_main:
             tags.append("main")
-        yield 'Thread %d "%s"%s' % (first.thread_id, first.thread_name or "?", " (%s)" % ", ".join(tags) if tags else "")
+        yield 'Thread %d "%s"%s' % (first.thread_id, visible(first.thread_name or "?"),
+                                    " (%s)" % ", ".join(tags) if tags else "")
         for frame in sorted(stack, key=lambda f: f.depth):
+            func, file = visible(str(frame.func)), visible(str(frame.file))
             if frame.frame_type == "native":
-                where = "%s:%d" % (frame.file, frame.lineno) if frame.lineno else frame.file
-                yield "    [C] %s (%s)" % (frame.func, where)
+                yield "    [C] %s (%s)" % (func, "%s:%d" % (file, frame.lineno) if frame.lineno else file)
                 continue
-            yield "    %s (%s:%d)" % (frame.func, frame.file, frame.lineno)
+            yield "    %s (%s:%d)" % (func, file, frame.lineno)
             if frame.code:
-                yield "        %s" % frame.code
+                yield "        %s" % visible(frame.code)
 
 
 _STATE_WORDS = {"gil_held": "alive", "no_answer": "alive", "stopped": "stopped", "dead": "dead",
@@ -299,26 +322,29 @@ def render_unavailable(label: str, info: Dict[str, Any]) -> str:
         parts.append("cause: %s" % info["cause"])
     if info.get("signal"):
         parts.append("signal: %s" % info["signal"])
-    return "; ".join(parts) + "\n  " + str(info.get("why")) + (" -- %s" % info["hint"] if info.get("hint") else "")
+    why = str(info.get("why")) + (" -- %s" % info["hint"] if info.get("hint") else "")
+    return visible("; ".join(parts)) + "\n  " + visible(why)
 
 
 def render_tables(tables: Iterable[TableInfo]) -> Iterator[str]:
-    items = list(tables)
-    width = max((len(t.name) for t in items), default=0)
-    for table in items:
-        yield "%s  %s" % (table.name.ljust(width), table.description)
+    items = [(visible(t.name), visible(t.description)) for t in tables]
+    width = max((text_width(name) for name, _ in items), default=0)
+    for name, description in items:
+        yield "%s  %s" % (_pad(name, width), description)
 
 
 def render_schema(table: TableInfo) -> Iterator[str]:
-    yield "%s: %s" % (table.name, table.description)
+    """A table's spec for a person (a user's own table may name itself and its columns as it likes)."""
+    yield "%s: %s" % (visible(table.name), visible(table.description))
     yield ""
-    name_w = max(len(c.name) for c in table.columns)
-    type_w = max(len(c.type) for c in table.columns)
-    for column in table.columns:
-        yield "  %s  %s  %s" % (column.name.ljust(name_w), column.type.ljust(type_w), column.description)
+    columns = [(visible(c.name), visible(c.type), visible(c.description)) for c in table.columns]
+    name_w = max((text_width(c[0]) for c in columns), default=0)
+    type_w = max((text_width(c[1]) for c in columns), default=0)
+    for name, sql_type, description in columns:
+        yield "  %s  %s  %s" % (_pad(name, name_w), _pad(sql_type, type_w), description)
     if table.example:
         yield ""
-        yield "Example: %s" % table.example
+        yield "Example: %s" % visible(table.example)
 
 
 def render_eval(result: EvalResult) -> Dict[str, str]:

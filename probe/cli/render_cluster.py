@@ -8,6 +8,7 @@ a smaller group's stack departs from the largest group's are marked ``>``.
 
 from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+from probe.cli.render import visible
 from probe.client.cluster import compact_ranks
 from probe.client.results import EvalResult, Frame
 
@@ -77,16 +78,16 @@ def render_grouped_backtrace(ranks: Sequence[RankStacks], total: int) -> Iterato
         if t:
             yield ""
         count = sum(len(g[1]) for g in groups)
-        yield 'Thread "%s": %d distinct stack%s across %d of %d ranks' % (
-            name, len(groups), "" if len(groups) == 1 else "s", count, total)
+        yield 'Thread "%s": %d distinct stack%s across %d of %d rank%s' % (
+            visible(name), len(groups), "" if len(groups) == 1 else "s", count, total, "" if total == 1 else "s")
         majority = groups[0][0]
         for g, (key, members) in enumerate(groups):
             read = [r for r in members if r in outside]
-            tag = "  [stacks read from outside: %s]" % compact_ranks(read) if read else ""
+            tag = "  [stack%s of %s read from outside]" % ("s" if len(read) > 1 else "", ranks_word(read)) if read else ""
             yield "  %s (%d)%s" % (ranks_word(members), len(members), tag)
             marks = _differs(key, majority) if g else [False] * len(key)
             for (func, file, lineno), mark in zip(key, marks):
-                yield "    %s %s (%s:%d)" % (">" if mark else " ", func, _short(file), lineno)
+                yield "    %s %s (%s:%d)" % (">" if mark else " ", visible(str(func)), visible(_short(str(file))), lineno)
 
 
 def _eval_text(result: EvalResult) -> Tuple[str, str]:

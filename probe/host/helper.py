@@ -10,15 +10,25 @@ crash the launcher: every failure is written to stderr once and the launcher goe
     GET  /v1/ranks             every rank of the job (on the master node; elsewhere this node's)
     GET  /v1/outside/PID       a rank's state read from outside, with its stacks when it cannot answer
     POST /v1/nodes             (master) another node's helper reports its ranks
+
+A node report comes from a token holder, who may be buggy or hostile: every field is checked (types,
+ranges, ``helper`` a HOST:PORT), what is kept is bounded as a whole (``MAX_NODES`` nodes, at most
+``MAX_MEMBERS`` ranks each and ``MAX_RANKS`` in all, or the job's world size where this node knows it,
+packed at 8 bytes a field), reports are taken one at a time, and a node that stops reporting is
+forgotten ``PROBE_HELPER_FORGET_S`` seconds (default 300) after its last report; until then it is listed
+as ``unreported`` once its report is older than ``NODE_STALE_S``.
 """
 
 import hmac
 import json
+import math
 import os
+import re
 import sys
 import threading
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from array import array
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from probe import _paths
 from probe.agent.http import Request, Response
@@ -29,8 +39,41 @@ __all__ = ["Helper", "helper_port", "start_in_launcher", "REPORT_EVERY_S"]
 
 REPORT_EVERY_S = 1.0
 NODE_STALE_S = 5.0
+FORGET_AFTER_S = 300.0  # a node that has not reported for this long is dropped ($PROBE_HELPER_FORGET_S)
 MAX_NODES = 4096
-MAX_MEMBERS = 1024
+MAX_MEMBERS = 1024  # ranks of one node
+MAX_RANKS = 1 << 17  # ranks of all the other nodes together, where the world size is not known here
+MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+RANKS_CACHE_S = 0.5  # a member list made this recently serves the next request too, while one is being sent
+
+_STATES = ("running", "silent", "stopped", "starting", "dead")  # what a node says of its ranks
+_HOST = re.compile(r"^[A-Za-z0-9._:%\[\]-]{1,253}$")  # a host name or address (IPv6 with or without [])
+_FIELDS = ("rank", "local_rank", "port", "pid", "restarts", "state", "age_ms")  # one packed member
+_POSITIONS = 4096  # ranks of one source (node) that a sort key can tell apart: 12 bits; the sources (this
+# node and MAX_NODES others) take 13 bits above them, the rank the rest (see _write_members)
+
+
+class _SharedBody:
+    """A member list being sent to ``users`` requests at once."""
+
+    def __init__(self, made: float, body: bytearray) -> None:
+        self.made = made
+        self.body = body
+        self.users = 0
+
+
+class _Report(NamedTuple):
+    """What is kept of one node's report: checked, and packed (``_FIELDS`` per member, 8 bytes each)."""
+
+    heard: float  # time.monotonic() when it came
+    host: str
+    helper: str
+    world_size: int
+    packed: "array[int]"
+
+    @property
+    def count(self) -> int:
+        return len(self.packed) // len(_FIELDS)
 
 
 def helper_port(probe_port: int) -> int:
@@ -49,8 +92,12 @@ class Helper:
         self.members = Members(base_port)
         self.tcp_address: Optional[str] = None
         self._token = token.encode("utf-8")
-        self._nodes: Dict[int, Tuple[float, Dict[str, Any]]] = {}  # node -> (when heard, its report)
+        self._nodes: Dict[int, _Report] = {}  # the other nodes' last reports
         self._nodes_lock = threading.Lock()
+        self._report_lock = threading.Lock()  # one report parsed at a time: its JSON costs far more than its bytes
+        self._ranks_lock = threading.Lock()
+        self._ranks_shared: Optional[_SharedBody] = None  # the member list being sent now, to share
+        self._forget_after = _seconds(os.environ.get("PROBE_HELPER_FORGET_S"), FORGET_AFTER_S)
         self._listeners: List[Any] = []
 
     # -- serving ----------------------------------------------------------------------------------
@@ -106,12 +153,12 @@ class Helper:
         if request.method == "GET" and path == "/v1/health":
             return Response.json(self._identity())
         if request.method == "GET" and path == "/v1/ranks":
-            return Response.json(dict(self._identity(), members=self.all_members(),
-                                      nodes=self._node_list()))
+            return self._ranks_response()
         if request.method == "GET" and path.startswith("/v1/outside/"):
             return Response.json(self.outside(path[len("/v1/outside/"):]))
         if request.method == "POST" and path == "/v1/nodes":
-            self._take_report(request.json())
+            with self._report_lock:
+                self._take_report(request.json())
             return Response.json({"ok": True})
         raise NotFound("no such endpoint on the host helper: %s %s" % (request.method, path[:200]))
 
@@ -126,37 +173,143 @@ class Helper:
         return [dict(m.to_json(), helper=helper) for m in self.members.scan()]
 
     def all_members(self) -> List[Dict[str, Any]]:
-        """This node's ranks, then those the other nodes reported (marked when their report is old)."""
-        out = self.local_members()
+        """This node's ranks and those the other nodes reported, in rank order (``GET /v1/ranks``'s)."""
+        body = bytearray()
+        self._write_members(body)
+        return json.loads(body)
+
+    def _write_members(self, out: bytearray) -> None:
+        """Append the JSON list of every rank, in rank order: this node's, then for each other rank the
+        newest report that names it (marked ``unreported`` when that report is old).
+
+        Written straight from the packed reports, with no dict, list or set per rank: at ``MAX_RANKS``
+        ranks those would cost the launcher a hundred megabytes for a moment. The order comes from one
+        sorted list of integers: rank, then where it came from (this node first, then the newest report).
+        """
+        mine = self.local_members()[:_POSITIONS]
+        local = [json.dumps(m) for m in mine]
         now = time.monotonic()
         with self._nodes_lock:
-            reports = sorted(self._nodes.items())
-        mine = {m["rank"] for m in out}
-        for _node, (heard, report) in reports:
-            for member in report.get("members", []):
-                if member.get("rank") in mine:
-                    continue
-                if now - heard > NODE_STALE_S:
-                    member = dict(member, state="unreported")
-                out.append(member)
-        return sorted(out, key=lambda m: m.get("rank", -1))
+            self._forget_old(now)
+            reports = sorted(self._nodes.items(), key=lambda item: -item[1].heard)
+        width = len(_FIELDS)
+        keys = [(m["rank"] << 25) | i for i, m in enumerate(mine)]  # source 0: this node; position i
+        for source, (_, report) in enumerate(reports, 1):
+            packed = report.packed
+            keys.extend((packed[at] << 25) | (source << 12) | (at // width) for at in range(0, len(packed), width))
+        keys.sort()
+        heads = [(json.dumps(r.host), json.dumps(r.helper), now - r.heard > NODE_STALE_S) for _, r in reports]
+        out += b"["
+        last = -1
+        for key in keys:
+            rank, source, at = key >> 25, (key >> 12) & 0x1FFF, (key & 0xFFF) * width
+            if rank == last:
+                continue  # named by a newer source already
+            if last >= 0:
+                out += b", "
+            last = rank
+            if source == 0:
+                out += local[at // width].encode("utf-8")
+                continue
+            node, report = reports[source - 1]
+            host, helper, stale = heads[source - 1]
+            _, local_rank, port, pid, restarts, state, age_ms = report.packed[at:at + width]
+            out += ('{"rank": %d, "local_rank": %d, "world_size": %d, "node": %d, "host": %s, "port": %d, '
+                    '"pid": %d, "state": "%s", "restarts": %d, "heartbeat_age": %s, "helper": %s}' % (
+                        rank, local_rank, report.world_size, node, host, port, pid,
+                        "unreported" if stale else _STATES[state], restarts,
+                        "null" if age_ms < 0 else "%.2f" % (age_ms / 1000.0), helper)).encode("utf-8")
+        out += b"]"
+
+    def _ranks_response(self) -> Response:
+        """``GET /v1/ranks``: made one at a time, and shared by the requests that come while it is being
+        sent (within ``RANKS_CACHE_S`` of its making): many clients at once hold one body, not one each.
+        Once the last of them is sent it is dropped: an idle launcher keeps no member list."""
+        with self._ranks_lock:
+            shared = self._ranks_shared
+            if shared is None or time.monotonic() - shared.made >= RANKS_CACHE_S:
+                self._ranks_shared = shared = None  # the old one goes with its last request
+                body = bytearray(json.dumps(dict(self._identity(), nodes=self._node_list())).encode("utf-8"))
+                body[-1:] = b', "members": '
+                self._write_members(body)
+                body += b"}"
+                shared = _SharedBody(time.monotonic(), body)
+                self._ranks_shared = shared
+            shared.users += 1
+
+        def sent() -> None:
+            with self._ranks_lock:
+                shared.users -= 1
+                if shared.users <= 0 and self._ranks_shared is shared:
+                    self._ranks_shared = None
+
+        return Response(200, shared.body, on_sent=sent)
 
     def _node_list(self) -> List[Dict[str, Any]]:
         now = time.monotonic()
         with self._nodes_lock:
-            return [{"node": n, "host": r.get("host"), "helper": r.get("helper"), "report_age": round(now - t, 2)}
-                    for n, (t, r) in sorted(self._nodes.items())]
+            return [{"node": n, "host": r.host, "helper": r.helper, "ranks": r.count,
+                     "report_age": round(now - r.heard, 2)} for n, r in sorted(self._nodes.items())]
+
+    def _forget_old(self, now: float) -> None:
+        """Drop the reports of nodes that stopped reporting (called with ``_nodes_lock`` held)."""
+        for node in [n for n, r in self._nodes.items() if now - r.heard > self._forget_after]:
+            del self._nodes[node]
 
     def _take_report(self, body: Dict[str, Any]) -> None:
-        node, members = body.get("node"), body.get("members")
-        if not isinstance(node, int) or not isinstance(members, list) or len(members) > MAX_MEMBERS:
-            raise BadRequest("a node report is {\"node\": N, \"host\": H, \"helper\": H:P, \"members\": [...]}")
-        clean = [_clean_member(m) for m in members]
+        """Check a node's report field by field, and keep it packed within the bounds; refuse it whole
+        (400: malformed, 403: over a bound) with what is wrong."""
+        world = self.members.world_size()
+        bound = min(world, MAX_RANKS) if world else MAX_RANKS
+        node = _int_in(body, "node", 1, min(MAX_NODES, bound) - 1, "a node report")
+        host = _host(body.get("host"), "the report's host")
+        helper = _host_port(body.get("helper"), "the report's helper")
+        members = body.get("members")
+        if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+            raise BadRequest("a node report's members are a list of at most %d ranks" % MAX_MEMBERS,
+                             hint=_REPORT_SHAPE)
+        world_size = world or 0
+        packed = array("q")
+        for i, member in enumerate(members):
+            what = "member %d of node %d's report" % (i, node)
+            if not isinstance(member, dict):
+                raise BadRequest("%s is not an object" % what, hint=_REPORT_SHAPE)
+            size = _int_in(member, "world_size", 1, (1 << 31) - 1, what)
+            if world_size and size != world_size:
+                raise BadRequest("%s has world size %d; the job's is %d" % (what, size, world_size))
+            world_size = size
+            for key, expected in (("node", node), ("host", host), ("helper", helper)):
+                if key in member and member[key] != expected:
+                    raise BadRequest("%s has %s %s, not its report's %s" % (what, key, _shown(member[key]),
+                                                                             _shown(expected)))
+            state = member.get("state")
+            if state not in _STATES:
+                raise BadRequest("%s has state %s, not one of %s" % (what, _shown(state), ", ".join(_STATES)))
+            age = member.get("heartbeat_age")
+            if age is not None and not (isinstance(age, (int, float)) and not isinstance(age, bool)
+                                        and math.isfinite(age) and 0 <= age < 1e9):
+                raise BadRequest("%s has heartbeat_age %s, not null or seconds" % (what, _shown(age)))
+            packed.extend((_int_in(member, "rank", 0, size - 1, what),
+                           _int_in(member, "local_rank", 0, MAX_MEMBERS - 1, what),
+                           _int_in(member, "port", 1, 65535, what), _int_in(member, "pid", 1, MAX_PID, what),
+                           _int_in(member, "restarts", 0, (1 << 31) - 1, what), _STATES.index(state),
+                           -1 if age is None else int(age * 1000)))
+        if len(packed) // len(_FIELDS) != len({packed[i] for i in range(0, len(packed), len(_FIELDS))}):
+            raise BadRequest("node %d's report names a rank twice" % node)
+        report = _Report(time.monotonic(), host, helper, world_size, packed)
         with self._nodes_lock:
-            if node not in self._nodes and len(self._nodes) >= MAX_NODES:
-                raise Forbidden("too many nodes reported to this helper")
-            self._nodes[node] = (time.monotonic(), {"host": str(body.get("host"))[:256],
-                                                    "helper": str(body.get("helper"))[:300], "members": clean})
+            self._forget_old(report.heard)
+            others = [r for n, r in self._nodes.items() if n != node]
+            if len(others) >= MAX_NODES:
+                raise Forbidden("this host helper keeps the reports of at most %d nodes" % MAX_NODES)
+            held = sum(r.count for r in others)
+            if held + report.count > bound:
+                raise Forbidden("this host helper already keeps %d ranks of other nodes; node %d's %d more would "
+                                "pass the bound of %d (%s)" % (held, node, report.count, bound,
+                                                               "the job's world size" if bound == world else
+                                                               "MAX_RANKS of probe.host.helper"))
+            self._nodes[node] = report
+        self._ranks_shared = None  # the next member list has this report
 
     # -- reading a rank from outside --------------------------------------------------------------
 
@@ -200,27 +353,61 @@ class Helper:
                                            {"Authorization": "Bearer %s" % self._token.decode("utf-8")}, 2.0)
                 if answer.status >= 400 and not complained:
                     complained = True
-                    _say("probe: the master's host helper at %s refused this node's report (HTTP %d): give every "
-                         "node the same PROBE_TOKEN" % (address, answer.status))
+                    if answer.status == 401:
+                        why = "give every node the same PROBE_TOKEN"
+                    else:
+                        try:
+                            why = str(json.loads(bytes(answer.body))["error"]["message"])[:300]
+                        except (ValueError, KeyError, TypeError):
+                            why = "no reason given"
+                    _say("probe: the master's host helper at %s refused this node's report (HTTP %d): %s"
+                         % (address, answer.status, why))
             except Exception as exc:
                 if not complained:
                     complained = True
                     _say("probe: cannot report this node's ranks to the master's host helper: %s" % exc)
 
 
-def _clean_member(raw: Any) -> Dict[str, Any]:
-    """A member another node reported, with only known fields of the right types."""
-    if not isinstance(raw, dict):
-        raise BadRequest("a member is an object")
-    out: Dict[str, Any] = {}
-    for key in ("rank", "local_rank", "world_size", "node", "port", "pid", "restarts"):
-        value = raw.get(key)
-        out[key] = value if isinstance(value, int) and not isinstance(value, bool) else -1
-    for key in ("host", "state", "helper"):
-        out[key] = str(raw.get(key))[:300]
-    age = raw.get("heartbeat_age")
-    out["heartbeat_age"] = age if isinstance(age, (int, float)) and not isinstance(age, bool) else None
-    return out
+_REPORT_SHAPE = ('{"node": N, "host": H, "helper": "H:PORT", "members": [{"rank", "local_rank", "world_size", '
+                 '"port", "pid", "state", "restarts", "heartbeat_age"}, ...]}')
+
+
+def _shown(value: Any) -> str:
+    """A value a client sent, short enough to quote in an error."""
+    text = repr(value) if not isinstance(value, int) or value.bit_length() < 64 else "an integer of %d bits" % (
+        value.bit_length())
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int_in(raw: Dict[str, Any], key: str, low: int, high: int, what: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest("%s: %s must be an integer from %d to %d, not %s" % (what, key, low, high, _shown(value)),
+                         hint=_REPORT_SHAPE)
+    return value
+
+
+def _host(value: Any, what: str) -> str:
+    if not isinstance(value, str) or not _HOST.match(value):
+        raise BadRequest("%s must be a host name or address, not %s" % (what, _shown(value)), hint=_REPORT_SHAPE)
+    return value
+
+
+def _host_port(value: Any, what: str) -> str:
+    """``HOST:PORT`` (the host may be an IPv6 address, bracketed or not), port 1-65535."""
+    if isinstance(value, str):
+        host, sep, port = value.rpartition(":")
+        if sep and _HOST.match(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536:
+            return value
+    raise BadRequest("%s must be HOST:PORT, not %s" % (what, _shown(value)), hint=_REPORT_SHAPE)
+
+
+def _seconds(raw: Optional[str], default: float) -> float:
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value > 0 else default
 
 
 def _dead(pid: int) -> Dict[str, Any]:

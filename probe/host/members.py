@@ -113,6 +113,15 @@ class Members:
             known = sorted(self._known.items())
         return [self._member(rank, info, host) for rank, info in known]
 
+    def world_size(self) -> Optional[int]:
+        """The world size this node's ranks were started with; None before any is seen, or when they
+        disagree (an elastic restart with another size)."""
+        if not self._known:
+            self.scan()
+        with self._lock:
+            sizes = {k["world_size"] for k in self._known.values() if k["world_size"] > 0}
+        return sizes.pop() if len(sizes) == 1 else None
+
     def pid_of(self, pid: int) -> bool:
         """Whether ``pid`` is (or was) one of our ranks: the only processes the helper reads."""
         with self._lock:

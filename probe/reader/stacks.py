@@ -87,7 +87,10 @@ def _source_line(frame: OutsideFrame) -> Optional[str]:
         return None
     import linecache
 
-    line = linecache.getline(frame.file, frame.lineno).strip()
+    try:
+        line = linecache.getline(frame.file, frame.lineno).strip()
+    except (OSError, ValueError):  # a file name that no file can have (a NUL in it, read from a core)
+        return None
     return line or None
 
 

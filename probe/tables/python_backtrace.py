@@ -22,7 +22,8 @@ COLUMNS = (
     Column("func", "VARCHAR", "Function name (qualified name on Python 3.11+)."),
     Column("file", "VARCHAR", "Source file of the frame's code."),
     Column("lineno", "INTEGER", "Line being executed in that file."),
-    Column("frame_type", "VARCHAR", "Kind of frame: 'python' (native frames may come later)."),
+    Column("frame_type", "VARCHAR", "Kind of frame: 'python', or 'native' for a C/C++ frame (only in stacks read "
+                                    "from outside with --native: backtrace --native, query --native)."),
     Column("code", "VARCHAR", "The source line being executed, stripped; NULL when the source is unavailable."),
 )
 EXAMPLE = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"

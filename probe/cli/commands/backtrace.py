@@ -1,20 +1,23 @@
 """``probe TARGET backtrace``: every thread's stack, innermost frame first."""
 
 import json
+from typing import Optional
 
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.options import TEXT, output_format
+from probe.cli.output import emit, say
 from probe.cli.render import render_backtrace
 
 
 @click.command("backtrace")
-@click.option("--json", "as_json", is_flag=True, help="Print the frames as JSON rows (those of python.backtrace).")
 @click.option("--native", is_flag=True,
               help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for "
                    "tens of milliseconds).")
+@output_format(*TEXT, json_help="the frames as JSON rows, those of python.backtrace")
 @pass_cli
-def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
+def backtrace(cli: CliContext, native: bool, fmt: Optional[str]) -> None:
     """Print the Python stack of every thread, like py-spy dump.
 
     \b
@@ -22,6 +25,7 @@ def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
     stacks are read from outside the process within about a second, and a line on stderr says why; a
     dead process shows the last stacks its agent recorded; TARGET may be core:PATH (a core file).
     """
+    as_json = fmt == "json"
     if cli.is_cluster:
         _across_ranks(cli, as_json, native)
         return
@@ -32,11 +36,11 @@ def backtrace(cli: CliContext, as_json: bool, native: bool) -> None:
             if several:
                 for record in records:
                     record["target"] = client.target.label
-            click.echo(json.dumps(records))
+            emit(json.dumps(records))
             continue
         if several:
-            click.echo("== %s ==" % client.target.label)
-        click.echo("\n".join(render_backtrace(frames)))
+            say("== %s ==" % client.target.label)
+        say("\n".join(render_backtrace(frames)))
 
 
 def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
@@ -50,12 +54,12 @@ def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])
     if as_json:
-        click.echo(json.dumps(backtrace_records(answers)))
+        emit(json.dumps(backtrace_records(answers)))
     else:
         stacks = [RankStacks(a.member.rank, a.value, a.note) for a in answers]
         if stacks:  # none when no rank answered: the failures below say why
-            click.echo("\n".join(render_grouped_backtrace(stacks, len(cluster.members))))
+            say("\n".join(render_grouped_backtrace(stacks, len(cluster.members))))
         for answer in answers:
             if answer.note:
-                click.echo("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
+                say("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
     report_failures(cli, cluster.failures, len(cluster.members))

@@ -2,11 +2,14 @@
 
 import json
 import os
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.options import TEXT, Seconds, output_format
+from probe.cli.output import emit, say
+from probe.cli.render import visible
 
 STEP_WAIT_S = 2.0
 """How long the agent waits for an optimizer step before it saves alongside the loop."""
@@ -19,15 +22,15 @@ STEP_WAIT_S = 2.0
                    "Default: the models probe finds (probe.watch, __main__, the garbage collector).")
 @click.option("--optimizer", "optimizers", multiple=True, metavar="EXPR",
               help="The optimizer to save, likewise (repeatable). Default: those probe finds.")
-@click.option("--checkpoint-timeout", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
+@click.option("--checkpoint-timeout", type=Seconds(0.1), default=300.0, show_default=True,
               help="Seconds the save may take; past them it stops and leaves the old file in place.")
 @click.option("--concurrent", is_flag=True,
               help="Write alongside the training loop instead of between two optimizer steps (no pause; a step "
                    "that runs meanwhile may show in some tensors).")
-@click.option("--json", "as_json", is_flag=True, help="Print what was saved as JSON.")
+@output_format(*TEXT, json_help="what was saved")
 @pass_cli
 def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: Tuple[str, ...],
-               checkpoint_timeout: float, concurrent: bool, as_json: bool) -> None:
+               checkpoint_timeout: float, concurrent: bool, fmt: Optional[str]) -> None:
     """Save models, optimizers, step and RNG states to PATH with torch.save, atomically.
 
     PATH is in the target's file system ({rank} becomes its rank); a relative PATH is taken from this
@@ -46,15 +49,15 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
                                                                   list(optimizers) or None, checkpoint_timeout,
                                                                   concurrent)):
-        if as_json:
+        if fmt == "json":
             member = cli.cluster_member(client)
-            click.echo(json.dumps(dict(saved, rank=member.rank, host=member.host) if member is not None
+            emit(json.dumps(dict(saved, rank=member.rank, host=member.host) if member is not None
                                   else dict(saved, target=client.target.label)))
             continue
         if several:
-            click.echo("== %s ==" % cli.label(client))
+            say("== %s ==" % cli.label(client))
         for line in render_checkpoint(saved):
-            click.echo(line)
+            say(visible(line))
 
 
 def _where(client: Any, path: str) -> str:

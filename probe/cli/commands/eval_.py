@@ -1,5 +1,6 @@
 """``probe TARGET eval CODE``: run Python in the target's ``__main__`` (or in one of its frames)."""
 
+import os
 import sys
 import uuid
 from typing import Any, Callable, Dict, List, Optional
@@ -7,6 +8,8 @@ from typing import Any, Callable, Dict, List, Optional
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.options import TEXT, Seconds, output_format
+from probe.cli.output import emit, say
 from probe.cli.render import render_eval
 from probe.client import Client
 from probe.client.results import EvalResult
@@ -29,7 +32,7 @@ def placement_options(command: Callable[..., Any]) -> Callable[..., Any]:
                      help="Evaluate in that frame's namespace (THREAD: a name such as MainThread, or an ident; "
                           "DEPTH as python.backtrace counts it, or a function's name). Before Python 3.13 the "
                           "frame's local variables are read-only."),
-        click.option("--start-within", "wait", type=click.FloatRange(min=0.01, max=600), metavar="SECONDS",
+        click.option("--start-within", "wait", type=Seconds(0.01, 600),
                      help="With --on main / --between-steps: how long to wait for that moment "
                           "(default 10 / 60); after it nothing runs."),
     ]
@@ -47,25 +50,29 @@ def placement(on: str, between_steps: bool, frame: Optional[str], wait: Optional
 
 @click.command("eval")
 @click.argument("code", required=False)
-@click.option("-f", "--file", "path", type=click.Path(exists=True, dir_okay=False), help="Read the snippet from a file.")
-@click.option("--eval-timeout", type=click.FloatRange(min=0.001), help="Seconds the snippet may run.")
-@click.option("--json", "as_json", is_flag=True, help="Print stdout, stderr, value and error as JSON.")
+@click.option("-f", "--file", "path", type=click.Path(dir_okay=False), help="Read the snippet from a file.")
+@click.option("--eval-timeout", type=Seconds(0.001), help="Seconds the snippet may run.")
+@output_format(*TEXT, json_help="stdout, stderr, value and error, exact")
 @placement_options
 @pass_cli
-def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeout: Optional[float], as_json: bool,
+def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeout: Optional[float], fmt: Optional[str],
           on: str, between_steps: bool, frame: Optional[str], wait: Optional[float]) -> None:
     """Run CODE (or `-` for stdin, or -f FILE) in the target; a final expression's value is printed.
 
     By default the snippet runs on the agent's thread, concurrently with the program: a value it reads
     twice may differ. --on main or --between-steps run it where the program's state holds still.
     Exits non-zero when the snippet raises; its traceback goes to stderr.
+
+    What the snippet prints is passed on exactly when stdout (stderr) is a pipe or a file; on a terminal
+    its control characters are shown as escapes (ESC as \\x1b), so that its output cannot act on the
+    terminal.
     """
+    as_json = fmt == "json"
     where = placement(on, between_steps, frame, wait)
     if path and code is not None:
         raise UsageError("both CODE and -f %s were given" % path, hint="give the snippet one way: CODE, - or -f FILE")
     if path:
-        with open(path) as handle:
-            code = handle.read()
+        code = _read_snippet(path)
     elif code == "-":
         code = sys.stdin.read()
     if code is None:
@@ -94,6 +101,19 @@ def eval_(cli: CliContext, code: Optional[str], path: Optional[str], eval_timeou
         raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % state) from None
 
 
+def _read_snippet(path: str) -> str:
+    """The snippet in the file ``path``; ``-f json`` with no file of that name is taken for the output
+    format it looks like."""
+    try:
+        with open(path) as handle:
+            return handle.read()
+    except OSError as exc:
+        hint = "-f reads the snippet from a file"
+        if not os.path.exists(path) and path in ("json", "text"):
+            hint += "; for %s output write -F %s%s" % (path, path, " or --json" if path == "json" else "")
+        raise UsageError("cannot read the snippet from %s: %s" % (path, exc.strerror or exc), hint=hint) from None
+
+
 def _show(cli: CliContext, client: Client, result: EvalResult, as_json: bool, several: bool) -> None:
     """Print one target's outcome; a snippet that raised exits 1, one that ran out of time 5."""
     if as_json:
@@ -101,18 +121,18 @@ def _show(cli: CliContext, client: Client, result: EvalResult, as_json: bool, se
 
         member = cli.cluster_member(client)
         where = {"rank": member.rank, "host": member.host} if member is not None else {"target": client.target.label}
-        click.echo(json.dumps(dict(where, stdout=result.stdout, stderr=result.stderr, value=result.value,
-                                   error=result.error, ok=result.ok, timed_out=result.timed_out)))
+        emit(json.dumps(dict(where, stdout=result.stdout, stderr=result.stderr, value=result.value,
+                             error=result.error, ok=result.ok, timed_out=result.timed_out)))
     else:
         shown = render_eval(result)
         if several:
-            click.echo("== %s ==" % client.target.label)
+            say("== %s ==" % client.target.label)
         if shown["stdout"]:
-            click.echo(shown["stdout"], nl=False)
+            emit(shown["stdout"], nl=False)  # the snippet's own output: exact for a pipe, made visible on a terminal
         if shown["stderr"]:
-            click.echo(shown["stderr"], nl=False, err=True)
+            emit(shown["stderr"], nl=False, err=True)
     for note in eval_notes(result):
-        click.echo("probe: %s%s" % ("%s: " % client.target.label if several else "", note), err=True)
+        say("probe: %s%s" % ("%s: " % client.target.label if several else "", note), err=True)
     if not result.ok:
         cli.exit_code = cli.exit_code or (5 if result.timed_out else 1)
 
@@ -166,7 +186,7 @@ def _across_ranks(cli: CliContext, code: str, eval_timeout: Optional[float], whe
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])
     for line, to_stderr in render_grouped_eval([(a.member.rank, a.value) for a in answers]):
-        click.echo(line, err=to_stderr)
+        emit(line, err=to_stderr)  # the ranks' outputs: exact for a pipe, as eval's own
     if any(not a.value.ok for a in answers):
         cli.exit_code = 1
     stop_where_unanswered(cluster, "eval", eval_id)  # after the output: the answers first

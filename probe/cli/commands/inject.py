@@ -7,6 +7,8 @@ import click
 
 from probe.agent.options import AgentOptions
 from probe.cli.context import CliContext, pass_cli
+from probe.cli.options import TEXT, Seconds, output_format
+from probe.cli.output import emit, say
 from probe.errors import ProbeError, UsageError
 
 
@@ -14,13 +16,13 @@ from probe.errors import ProbeError, UsageError
 @click.option("--listen", metavar="HOST:PORT", help="Also serve on TCP (a token is required and written to a file).")
 @click.option("--token-file", "agent_token_file", metavar="FILE", help="Where the agent reads or writes its TCP token.")
 @click.option("--no-eval", is_flag=True, help="Start a read-only agent: eval requests are refused.")
-@click.option("--timeout", "--wait", "wait", type=click.FloatRange(min=0.1), default=None, metavar="SECONDS",
+@click.option("--timeout", "--wait", "wait", type=Seconds(0.1), default=None,
               help="Give up after this long, leaving the process running and untraced (default: the global "
                    "--timeout when given, else 5).")
-@click.option("--json", "as_json", is_flag=True, help="Print what was done as JSON.")
+@output_format(*TEXT, json_help="what was done")
 @pass_cli
 def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[str], no_eval: bool,
-           wait: Optional[float], as_json: bool) -> None:
+           wait: Optional[float], fmt: Optional[str]) -> None:
     """Start the probe agent in the process PID (or report the one already there)."""
     import os
 
@@ -40,14 +42,14 @@ def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[st
         except ProbeError as exc:
             cli.record(exc, target if len(targets) > 1 else None)
             continue
-        if as_json:
-            click.echo(json.dumps({"pid": result.pid, "socket": result.socket_path, "method": result.method,
+        if fmt == "json":
+            emit(json.dumps({"pid": result.pid, "socket": result.socket_path, "method": result.method,
                                    "elapsed_s": round(result.elapsed, 3), "already_attached": result.already_attached,
                                    "token_file": result.token_file}))
         elif result.already_attached:
-            click.echo("%d: an agent already runs there (%s); nothing changed" % (result.pid, result.socket_path))
+            say("%d: an agent already runs there (%s); nothing changed" % (result.pid, result.socket_path))
         else:
             tcp = "; TCP on %s, token in %s" % (listen, result.token_file) if listen else ""
-            click.echo("%d: agent started in %.2f s (%s) at %s%s" % (result.pid, result.elapsed, result.method,
+            say("%d: agent started in %.2f s (%s) at %s%s" % (result.pid, result.elapsed, result.method,
                                                                   result.socket_path, tcp))
-            click.echo("next: probe %d backtrace | query SQL | eval CODE" % result.pid)
+            say("next: probe %d backtrace | query SQL | eval CODE" % result.pid)

@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import click
 
+from probe.cli.options import output_format
 from probe.cli.render import render_rows, terminal_width
 from probe.client.discovery import local_agents, remove_stale_files
 from probe.client.results import Rows
@@ -86,11 +87,11 @@ def _dead() -> List[Dict[str, Any]]:
 
 
 @click.command("list")
-@click.option("--json", "as_json", is_flag=True, help="Print the processes as JSON rows.")
+@output_format("table", "json", json_help="the processes as JSON rows")
 @click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
 @click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
 @click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
-def list_(as_json: bool, agents_only: bool, vertical: bool, wide: bool) -> None:
+def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool) -> None:
     """Local Python processes: those running an agent, those that could be attached, and those that
     died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
     records: List[Dict[str, Any]] = []
@@ -114,7 +115,7 @@ def list_(as_json: bool, agents_only: bool, vertical: bool, wide: bool) -> None:
     if not agents_only:
         records.extend(dict(r, state="running") for r in _attachable({r["pid"] for r in records}))
     records.extend(_dead())
-    if as_json:
+    if fmt == "json":
         click.echo(json.dumps(records))
         return
     if not records:

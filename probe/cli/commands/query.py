@@ -6,8 +6,9 @@ from typing import Any, Callable, List, Optional
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
-from probe.cli.output import check_writable, file_format, write_arrow, write_rows, wrote
-from probe.cli.render import FORMATS, render_rows, terminal_width
+from probe.cli.options import TABLE, Seconds, output_format
+from probe.cli.output import check_writable, file_format, print_rows, say, write_arrow, write_rows, wrote
+from probe.cli.render import render_rows, terminal_width
 from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import ProbeError, UsageError
@@ -15,8 +16,7 @@ from probe.errors import ProbeError, UsageError
 
 @click.command("query")
 @click.argument("sql")
-@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default=None,
-              help="How to print the result (default: table). NaN and infinities are null in JSON.")
+@output_format(*TABLE, json_help="NaN and infinities are null in JSON", older_f=True)
 @click.option("-x", "--vertical", is_flag=True,
               help="One column per line, each record in its block, values whole (psql's \\x).")
 @click.option("--wide", is_flag=True,
@@ -24,7 +24,7 @@ from probe.errors import ProbeError, UsageError
 @click.option("-o", "--output", type=click.Path(dir_okay=False),
               help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
 @click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
-@click.option("--query-timeout", type=click.FloatRange(min=0.001), help="Seconds the query may run in the agent.")
+@click.option("--query-timeout", type=Seconds(0.001), help="Seconds the query may run in the agent.")
 @click.option("--native", is_flag=True,
               help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
 @click.option("--merge", metavar="SQL",
@@ -93,9 +93,9 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
         wrote(len(combined.rows), output, combined.truncated)
         return
     footer = truncation_note(combined, max_rows) if combined.truncated else None
-    click.echo(render_rows(combined, fmt, terminal_width(), wide, footer))
+    print_rows(render_rows(combined, fmt, terminal_width(), wide, footer), fmt)
     if footer and fmt in ("json", "csv"):
-        click.echo("probe: " + footer, err=True)
+        say("probe: " + footer, err=True)
 
 
 def _stop_in_target(running: List[Client], query_id: str) -> str:
@@ -127,11 +127,11 @@ def _refuse_conflicts(fmt: Optional[str], file_fmt: Optional[str], output: Optio
                       wide: bool) -> None:
     """Options that contradict each other are refused, never silently resolved."""
     if output and fmt and fmt != file_fmt:
-        raise UsageError("-f %s contradicts -o %s, whose extension says %s" % (fmt, output, file_fmt),
-                         hint="drop -f: a file's format follows its extension")
+        raise UsageError("-F %s contradicts -o %s, whose extension says %s" % (fmt, output, file_fmt),
+                         hint="drop -F: a file's format follows its extension")
     if output and (vertical or wide):
         raise UsageError("%s shapes what is printed, and -o writes a file" % ("-x" if vertical else "--wide"),
                          hint="drop one of them")
     if vertical and fmt and fmt != "table":
-        raise UsageError("-x prints records one column per line; it cannot be combined with -f %s" % fmt,
-                         hint="drop -x or -f")
+        raise UsageError("-x prints records one column per line; it cannot be combined with -F %s" % fmt,
+                         hint="drop -x or -F")

@@ -1,16 +1,19 @@
 """``probe MASTER:PORT ranks``: every rank of the job, as the host helpers see them."""
 
+from typing import Optional
+
 import click
 
 from probe.cli.context import CliContext, pass_cli
-from probe.cli.render import FORMATS, render_rows
+from probe.cli.options import TABLE, output_format
+from probe.cli.output import print_rows, say
+from probe.cli.render import render_rows
 
 
 @click.command("ranks")
-@click.option("-f", "--format", "fmt", type=click.Choice(FORMATS), default="table", show_default=True,
-              help="How to print the member list.")
+@output_format(*TABLE, json_help="the member list as JSON rows", older_f=True)
 @pass_cli
-def ranks(cli: CliContext, fmt: str) -> None:
+def ranks(cli: CliContext, fmt: Optional[str]) -> None:
     """List the job's ranks: rank, host, port, pid, state (running, silent, stopped, starting, dead).
 
     \b
@@ -19,6 +22,7 @@ def ranks(cli: CliContext, fmt: str) -> None:
     """
     cli.all_ranks = True
     cluster = cli.cluster()
-    click.echo(render_rows(cluster.ranks_rows(), fmt))
+    fmt = fmt or "table"
+    print_rows(render_rows(cluster.ranks_rows(), fmt), fmt)
     if cluster.token_file:
-        click.echo("probe: the job's token: %s (on the master's host)" % cluster.token_file, err=True)
+        say("probe: the job's token: %s (on the master's host)" % cluster.token_file, err=True)

@@ -17,7 +17,9 @@ import click
 
 from probe.cli.commands.eval_ import placement, placement_options
 from probe.cli.context import CliContext, pass_cli
-from probe.cli.render import render_eval
+from probe.cli.options import Seconds
+from probe.cli.output import emit
+from probe.cli.render import render_eval, visible
 from probe.client import Client
 from probe.client.results import EvalResult
 from probe.errors import ProbeError
@@ -107,11 +109,17 @@ class RemoteConsole(code.InteractiveConsole):
         return True
 
     def _show(self, results: Dict[int, Any]) -> None:
+        """Each distinct output once, headed by the targets (ranks) that printed it; an input that printed
+        nothing anywhere shows nothing, and where only some printed, the others are named as silent."""
         labels = [c.target.label for c in self.clients] if self.ranks is None else [str(r) for r in self.ranks]
         outputs = [(label, _text(results.get(i))) for i, label in enumerate(labels)]
-        for group, text in group_outputs(outputs):
+        groups = group_outputs(outputs)
+        if all(not text for _, text in groups):
+            return
+        for group, text in groups:
             if len(self.clients) > 1:
-                self.write("== %s ==\n" % (", ".join(group) if self.ranks is None else _ranks_heading(group)))
+                who = ", ".join(group) if self.ranks is None else _ranks_heading(group)
+                self.write("== %s ==\n" % who if text else "== %s: no output ==\n" % who)
             self.write(text)
 
     def _wait(self, done: List[threading.Event], eval_id: str) -> None:
@@ -137,13 +145,13 @@ class RemoteConsole(code.InteractiveConsole):
                         self.write("probe: %s: %s\n" % (client.target.label, exc.message))
 
     def write(self, data: str) -> None:
-        click.echo(data, nl=False)
+        emit(data, nl=False)  # the targets' output, as eval prints it: made visible on a terminal
 
 
 def _ranks_heading(ranks: List[str]) -> str:
-    from probe.client.cluster import compact_ranks
+    from probe.cli.render_cluster import ranks_word
 
-    return "rank%s %s" % ("s" if len(ranks) > 1 else "", compact_ranks([int(r) for r in ranks]))
+    return ranks_word([int(r) for r in ranks])
 
 
 def _text(result: Any) -> str:
@@ -189,7 +197,7 @@ def _setup_readline(client: Client, frame: Optional[str]) -> Any:
 
 
 @click.command("repl")
-@click.option("--eval-timeout", type=click.FloatRange(min=0.001), help="Seconds each input may run.")
+@click.option("--eval-timeout", type=Seconds(0.001), help="Seconds each input may run.")
 @placement_options
 @pass_cli
 def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps: bool, frame: Optional[str],
@@ -204,7 +212,7 @@ def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps:
     place = {"agent": "on the agent's thread, concurrently", "main": "on the main thread",
              "step": "right after each optimizer step"}[where["on"]]
     if cli.is_cluster:  # every rank of the job: found through its master, as the other commands do
-        from probe.client.cluster import compact_ranks
+        from probe.cli.render_cluster import ranks_word
 
         cluster = cli.cluster()
         clients, ranks = cluster.clients, [m.rank for m in cluster.members]
@@ -213,16 +221,16 @@ def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps:
             python = clients[0].health().get("python", "?")
         except ProbeError:
             python = "?"
-        who = "ranks %s (%d)" % (compact_ranks(ranks), len(ranks))
+        who = ranks_word(ranks) + (" (%d)" % len(ranks) if len(ranks) > 1 else "")
         banner = "probe repl: %s, Python %s; input runs %s in %s on every rank. Ctrl-D leaves." % (
-            who, python, place, frame or "__main__")
+            who, visible(str(python)), place, visible(frame or "__main__"))
     else:
         clients = cli.clients()
         console = RemoteConsole(clients, where, eval_timeout)
         health = clients[0].health()
         banner = "probe repl: %s (pid %s, Python %s); input runs %s in %s. Ctrl-D leaves." % (
-            ", ".join(c.target.label for c in clients), health.get("pid"), health.get("python", "?"),
-            place, frame or "__main__")
+            ", ".join(c.target.label for c in clients), health.get("pid"), visible(str(health.get("python", "?"))),
+            place, visible(frame or "__main__"))
     readline = _setup_readline(clients[0], frame)
     try:
         console.interact(banner=banner, exitmsg="")

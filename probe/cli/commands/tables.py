@@ -1,31 +1,33 @@
 """``probe TARGET tables`` and ``probe TARGET schema NAME``: what can be queried."""
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.options import TEXT, output_format
+from probe.cli.output import emit, say
 from probe.cli.render import render_schema, render_tables
 
 
 @click.command("tables")
-@click.option("--json", "as_json", is_flag=True, help="Print the table specs as JSON.")
+@output_format(*TEXT, json_help="the table specs")
 @pass_cli
-def tables(cli: CliContext, as_json: bool) -> None:
+def tables(cli: CliContext, fmt: Optional[str]) -> None:
     """List every table with its description (across ranks: once for the ranks that agree)."""
     _show(cli, lambda c: c.tables(), lambda specs: [s.to_json() for s in specs],
-          lambda specs: "\n".join(render_tables(specs)), as_json)
+          lambda specs: "\n".join(render_tables(specs)), fmt == "json")
 
 
 @click.command("schema")
 @click.argument("name")
-@click.option("--json", "as_json", is_flag=True, help="Print the spec as JSON.")
+@output_format(*TEXT, json_help="the spec")
 @pass_cli
-def schema(cli: CliContext, name: str, as_json: bool) -> None:
+def schema(cli: CliContext, name: str, fmt: Optional[str]) -> None:
     """Show a table's columns, their types and descriptions (across ranks: once for the ranks that agree)."""
     _show(cli, lambda c: c.schema(name), lambda spec: spec.to_json(), lambda spec: "\n".join(render_schema(spec)),
-          as_json)
+          fmt == "json")
 
 
 def _show(cli: CliContext, work: Callable[[Any], Any], as_data: Callable[[Any], Any], as_text: Callable[[Any], str],
@@ -34,7 +36,7 @@ def _show(cli: CliContext, work: Callable[[Any], Any], as_data: Callable[[Any], 
     the text once per group of ranks that gave the same."""
     if not cli.is_cluster:
         for _, answer in each_target(cli, work):
-            click.echo(json.dumps(as_data(answer)) if as_json else as_text(answer))
+            emit(json.dumps(as_data(answer))) if as_json else say(as_text(answer))
         return
     from probe.cli.render_cluster import render_grouped_text
 
@@ -42,8 +44,8 @@ def _show(cli: CliContext, work: Callable[[Any], Any], as_data: Callable[[Any], 
     for client, answer in each_target(cli, work):
         member: Any = cli.cluster_member(client)  # always known across ranks
         if as_json:
-            click.echo(json.dumps({"rank": member.rank, "host": member.host, "answer": as_data(answer)}))
+            emit(json.dumps({"rank": member.rank, "host": member.host, "answer": as_data(answer)}))
         else:
             texts.append((member.rank, as_text(answer)))
     for line in render_grouped_text(texts):
-        click.echo(line)
+        say(line)

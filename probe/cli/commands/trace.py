@@ -6,6 +6,10 @@ from typing import Any, Dict, Iterator, List, Optional
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.options import TEXT, output_format
+from probe.cli.output import emit, say
+from probe.cli.render import visible
+from probe.cli.render_cluster import render_grouped_text
 
 __all__ = ["trace", "status_lines"]
 
@@ -29,29 +33,29 @@ def trace() -> None:
 @click.option("--anomalies", is_flag=True, default=None,
               help="Check traced outputs (and input gradients) for NaN/Inf: see torch.anomalies.")
 @click.option("--size", type=click.IntRange(min=100), help="Spans the ring buffer holds (default 10000).")
-@click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
+@output_format(*TEXT, json_help="the agent's answer")
 @pass_cli
 def start(cli: CliContext, every: Optional[int], modules: Optional[str], backward: Optional[bool],
-          anomalies: Optional[bool], size: Optional[int], as_json: bool) -> None:
+          anomalies: Optional[bool], size: Optional[int], fmt: Optional[str]) -> None:
     """Start tracing (a running trace is replaced, its rows dropped). Refused by a read-only (--no-eval) agent."""
     _show(cli, lambda c: c.trace_start(every=every, modules=modules, backward=backward, anomalies=anomalies,
-                                       size=size), as_json)
+                                       size=size), fmt)
 
 
 @trace.command("stop")
-@click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
+@output_format(*TEXT, json_help="the agent's answer")
 @pass_cli
-def stop(cli: CliContext, as_json: bool) -> None:
+def stop(cli: CliContext, fmt: Optional[str]) -> None:
     """Stop tracing and take the hooks out; the rows stay queryable until the next start."""
-    _show(cli, lambda c: c.trace_stop(), as_json)
+    _show(cli, lambda c: c.trace_stop(), fmt)
 
 
 @trace.command("status")
-@click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
+@output_format(*TEXT, json_help="the agent's answer")
 @pass_cli
-def status(cli: CliContext, as_json: bool) -> None:
+def status(cli: CliContext, fmt: Optional[str]) -> None:
     """On or off, options, rows held, steps seen, time spent in the hooks, and why a trace failed."""
-    _show(cli, lambda c: c.trace_status(), as_json)
+    _show(cli, lambda c: c.trace_status(), fmt)
 
 
 @trace.command("export")
@@ -68,19 +72,25 @@ def export(cli: CliContext, output: str) -> None:
     with open(output, "w") as handle:
         json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, handle)
     spans = sum(1 for e in events if e.get("ph") == "X" and e.get("cat") != "step")
-    click.echo("wrote %d spans to %s" % (spans, output), err=True)
+    say("wrote %d spans to %s" % (spans, output), err=True)
 
 
-def _show(cli: CliContext, work: Any, as_json: bool) -> None:
+def _show(cli: CliContext, work: Any, fmt: Optional[str]) -> None:
+    """Each target's answer; across ranks, the ranks whose status reads the same share one block."""
     several = cli.is_cluster or len(cli.targets) > 1
+    grouped = []
     for client, answer in each_target(cli, work):
-        if as_json:
-            member = cli.cluster_member(client)
+        member = cli.cluster_member(client)
+        if fmt == "json":
             where = dict(rank=member.rank, host=member.host) if member is not None else dict(target=client.target.label)
-            click.echo(json.dumps(dict(answer, **where) if several else answer))
-            continue
-        for line in status_lines(answer):
-            click.echo(("%s: " % cli.label(client) if several else "") + line)
+            emit(json.dumps(dict(answer, **where) if several else answer))
+        elif member is not None:
+            grouped.append((member.rank, "\n".join(status_lines(answer))))
+        else:
+            for line in status_lines(answer):
+                say(("%s: " % client.target.label if several else "") + line)
+    for line in render_grouped_text(grouped):
+        say(line)
 
 
 def status_lines(status: Dict[str, Any]) -> Iterator[str]:
@@ -90,11 +100,11 @@ def status_lines(status: Dict[str, Any]) -> Iterator[str]:
         yield "trace: off (never started in this process); anomalies recorded: %s" % status.get("anomalies", 0)
         return
     options = status.get("options") or {}
-    parts = ["every %s" % options.get("every", 1), "modules %s" % options.get("modules", "*")]
+    parts = ["every %s" % options.get("every", 1), "modules %s" % visible(str(options.get("modules", "*")))]
     parts += [name for name in ("backward", "anomalies") if options.get(name)]
     yield "trace: %s (%s), memory from %s" % (state, ", ".join(parts), status.get("device", "?"))
     if status.get("failure"):
-        yield "  switched off by an error in a hook: %s" % status["failure"]
+        yield "  switched off by an error in a hook: %s" % visible(str(status["failure"]))
     yield "  rows held: %s of %s (%s spans recorded)" % (status.get("rows"), status.get("size"),
                                                        status.get("spans_recorded"))
     yield "  step: %s (%s steps seen)" % (status.get("step"), status.get("steps_seen"))
