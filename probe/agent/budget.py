@@ -96,21 +96,10 @@ class Hold:
 
 
 _TRIM_AFTER = 8 << 20
-_trim: "list" = []
 
 
 def _return_memory() -> None:
-    """glibc keeps freed memory in its arenas (a killed client's 400 MB stayed for good); trim them.
+    """glibc keeps freed memory in its arenas (a killed client's 400 MB stayed for good); trim them."""
+    from probe.engine.memory import return_memory
 
-    Never raises: this runs after the answer was sent, at the edge of the target.
-    """
-    try:
-        if not _trim:
-            import ctypes
-
-            # The process's own symbols (libc among them); find_library would start a subprocess.
-            _trim.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
-        if _trim[0] is not None:
-            _trim[0](0)
-    except Exception:
-        _trim[:] = [None]
+    return_memory()

@@ -9,6 +9,9 @@
   arrives before execution starts), and a row cap reported as ``truncated``;
 - a bound in bytes on each result, checked batch by batch as DuckDB hands it over, so a result past it
   is refused before it is materialised whole; no spilling to disk (``temp_directory`` is empty);
+- a bound on the memory a query takes from the process, values included (DuckDB's ``memory_limit``
+  leaves them out): every SELECT's rows pass through a materialised CTE that the buffer manager owns,
+  and the process's RSS is watched while queries run (see ``probe.engine.memory``);
 - at most ``MAX_SELECTS`` SELECTs in one query: DuckDB cannot interrupt binding and planning, whose
   time grows faster than the number of terms (a 20,000-term UNION ALL bound for minutes);
 - ``close()`` interrupts every query in flight and waits for it to leave DuckDB: a thread still inside
@@ -25,6 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 
+from probe.engine.memory import MemoryGuard, parse_size, return_memory, rss_bytes
 from probe.engine.result import QueryResult
 from probe.engine.watchdog import Watchdog
 from probe.errors import Busy, SQLError, Timeout, TooLarge
@@ -40,6 +44,10 @@ _CLOSE_WAIT = 3.0
 _SELECT = re.compile(r"\bSELECT\b", re.IGNORECASE)
 _CHECKED = 128  # accepted query texts whose parse is remembered (see Engine._parsed)
 _CHECKED_CHARS = 4096  # longer texts are parsed every time: the cache stays under ~0.5 MB
+
+_RESULT = "__probe_result"  # the CTE every SELECT's rows pass through (see _wrapped)
+_SUFFIXED = re.compile(r"_\d+$")  # how DuckDB renames a repeated column name in a subquery
+_TRIM_AFTER = 64 << 20  # RSS growth during a query after which freed memory is handed back to the system
 
 #: Called with the bytes a result has reached; raises (``Busy``) to stop it.
 Reserve = Callable[[int], None]
@@ -98,7 +106,10 @@ class Engine:
     """One locked-down DuckDB database. Thread-safe: each :meth:`query` uses its own cursor."""
 
     def __init__(self, source: TableSource, max_rows: int = 100_000, timeout: float = 10.0,
-                 memory_limit: str = "512MB", threads: int = 1, max_result_bytes: int = 64 << 20) -> None:
+                 memory_limit: str = "512MB", threads: int = 1, max_result_bytes: int = 64 << 20,
+                 memory_budget: Optional[int] = None) -> None:
+        """``memory_budget``: bytes the process's RSS may grow while queries run before they are all
+        interrupted (default: twice ``memory_limit``, which DuckDB applies to its buffer manager only)."""
         import duckdb
 
         self._duckdb = duckdb
@@ -113,9 +124,13 @@ class Engine:
         self._active_cond = threading.Condition()
         self._closing = False
         self._views: Set[str] = set()
-        self._checked: "OrderedDict[str, FrozenSet[str]]" = OrderedDict()  # sql -> tables it names
+        self._checked: "OrderedDict[str, _Parsed]" = OrderedDict()  # sql -> what the parser said of it
         self._checked_lock = threading.Lock()  # held for dict operations only (str keys: no foreign code)
         self._watchdog = Watchdog()
+        self._memory_limit_text = memory_limit
+        limit_bytes = parse_size(memory_limit) or (512 << 20)
+        self.memory_budget = int(memory_budget) if memory_budget else 2 * limit_bytes
+        self._guard = MemoryGuard(self.memory_budget, self._watchdog.schedule, self._watchdog.cancel)
         self._lock = threading.Lock()
         self._con = _connect(duckdb, {
             "enable_external_access": False,
@@ -142,24 +157,33 @@ class Engine:
         cap = self.max_rows if max_rows is None else max(0, min(int(max_rows), self.max_rows))
         limit = self.timeout if timeout is None else min(float(timeout), self.timeout)
         byte_cap = self.max_result_bytes if max_bytes is None else min(int(max_bytes), self.max_result_bytes)
-        names = self._remembered(sql)
-        if names is None:
+        parsed = self._remembered(sql)
+        if parsed is None:
             _check_size(sql)
         cursor = self._enter()
-        fired: List[bool] = []
+        fired: List[str] = []  # why it was stopped: "time", "memory"
 
         def interrupt() -> None:
-            fired.append(True)
             cursor.interrupt()
 
-        alarms = [self._watchdog.schedule(limit, interrupt, repeat=_INTERRUPT_EVERY)]
+        def on_time() -> None:
+            fired.append("time")
+            cursor.interrupt()
+
+        alarms = [self._watchdog.schedule(limit, on_time, repeat=_INTERRUPT_EVERY)]
 
         def stop_now() -> None:
             """A client's interrupt: repeated like the time limit's, since DuckDB forgets one that lands
             between the query's binding and its execution. Called with ``_active_cond`` held, so never
             after the ``finally`` below has let go of this query."""
-            fired.append(True)
+            fired.append("time")
             alarms.append(self._watchdog.schedule(0.0, interrupt, repeat=_INTERRUPT_EVERY))
+
+        def out_of_memory() -> None:
+            """The memory guard's verdict (on the watchdog's thread): stop now and at every chunk after."""
+            if "memory" not in fired:
+                fired.append("memory")
+            cursor.interrupt()
 
         if query_id is not None:
             with self._active_cond:
@@ -167,17 +191,21 @@ class Engine:
                 if query_id in self._cancelled:
                     del self._cancelled[query_id]
                     stop_now()  # its interrupt came first (the client's Ctrl-C while the query was on its way)
+        watched = self._guard.enter(out_of_memory)
+        start_rss = rss_bytes()
         try:
-            if names is None:
-                names = self._parse(cursor, sql)
-            tables = self._produce(names)
+            if parsed is None:
+                parsed = self._parse(cursor, sql)
+            tables = self._produce(parsed.names)
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
             del tables
             if fired:
                 raise self._duckdb.InterruptException("deadline passed before the query started")
-            table, truncated = self._run(cursor, sql, cap, byte_cap, reserve)
+            table, truncated = self._run(cursor, parsed, cap, byte_cap, reserve)
         except (self._duckdb.InterruptException, Exception) as exc:
+            if "memory" in fired or isinstance(exc, getattr(self._duckdb, "OutOfMemoryException", ())):
+                raise self._too_much_memory() from None
             if fired or isinstance(exc, self._duckdb.InterruptException):
                 raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
                               hint="narrow the query, or raise the limit with PROBE_QUERY_TIMEOUT") from None
@@ -185,6 +213,7 @@ class Engine:
                 raise SQLError(_clean(exc)) from None
             raise
         finally:
+            self._guard.leave(watched)
             if query_id is not None:
                 with self._active_cond:
                     self._by_id.pop(query_id, None)
@@ -194,7 +223,15 @@ class Engine:
             for alarm in alarms:
                 self._watchdog.cancel(alarm)
             self._leave(cursor)
+            _give_back(start_rss)
         return QueryResult(table, truncated, (time.perf_counter() - started) * 1000.0)
+
+    def _too_much_memory(self) -> TooLarge:
+        return TooLarge("the query needed more memory than the agent lets SQL take from this process "
+                        "(DuckDB's limit %s; the process may grow at most %s while queries run); it was stopped"
+                        % (self._memory_limit_text, _megabytes(self.memory_budget)),
+                        hint="select fewer or smaller values (LIMIT, WHERE, an aggregate, left(s, n)); the "
+                             "target's owner sets the limit with PROBE_MEMORY_LIMIT")
 
     def interrupt(self, query_id: str) -> str:
         """Stop the query named ``query_id``: ``interrupted`` (it was running), ``finished`` (it had
@@ -254,30 +291,31 @@ class Engine:
             self._active.discard(cursor)
             self._active_cond.notify_all()
 
-    def _remembered(self, sql: str) -> Optional[FrozenSet[str]]:
-        """The tables an accepted query of this very text names, if it was parsed lately."""
+    def _remembered(self, sql: str) -> "Optional[_Parsed]":
+        """What the parser said of an accepted query of this very text, if it was parsed lately."""
         with self._checked_lock:
-            names = self._checked.get(sql)
-            if names is not None:
+            parsed = self._checked.get(sql)
+            if parsed is not None:
                 self._checked.move_to_end(sql)
-            return names
+            return parsed
 
-    def _parse(self, cursor: Any, sql: str) -> FrozenSet[str]:
+    def _parse(self, cursor: Any, sql: str) -> "_Parsed":
         """Refuse anything but one SELECT; the tables it names. Remembered for short texts it accepts."""
-        self._check_statement(cursor, sql)
+        kind = self._check_statement(cursor, sql)
         parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
         try:
             names = frozenset(referenced_tables(sql, parser))
         finally:
             parser.close()
+        parsed = _Parsed(names, _statement_text(sql) if kind == "SELECT" else None, sql)
         if len(sql) <= _CHECKED_CHARS:
             with self._checked_lock:
-                self._checked[sql] = names
+                self._checked[sql] = parsed
                 while len(self._checked) > _CHECKED:
                     self._checked.popitem(last=False)
-        return names
+        return parsed
 
-    def _check_statement(self, cursor: Any, sql: str) -> None:
+    def _check_statement(self, cursor: Any, sql: str) -> str:
         try:
             statements = cursor.extract_statements(sql)
         except self._duckdb.Error as exc:
@@ -298,6 +336,7 @@ class Engine:
                 explained = []
             if len(explained) != 1 or _kind(explained[0]) != "SELECT":
                 raise SQLError("EXPLAIN is allowed only of a single SELECT statement")
+        return kind
 
     def _produce(self, names: FrozenSet[str]) -> Dict[str, Any]:
         """Produce the tables the query names (and only those); create their views on first sight."""
@@ -328,11 +367,12 @@ class Engine:
             self._con.fetchall()
             self._views.add(name)
 
-    def _run(self, cursor: Any, sql: str, cap: int, byte_cap: int,
+    def _run(self, cursor: Any, parsed: "_Parsed", cap: int, byte_cap: int,
              reserve: Optional[Reserve]) -> "tuple[Any, bool]":
         """The result, read batch by batch so that neither the row cap nor the byte bound is passed."""
         import pyarrow as pa
 
+        sql = parsed.sql if parsed.select is None else _wrapped(parsed.select, cap)
         reader = self._reader(cursor, sql, min(max(cap, 1) + 1, _BATCH_ROWS))
         try:
             schema = reader.schema
@@ -355,9 +395,71 @@ class Engine:
                 count += batch.num_rows
                 if truncated:
                     break
-            return pa.Table.from_batches(batches, schema=schema), truncated
+            table = pa.Table.from_batches(batches, schema=schema)
         finally:
             reader = None  # freed here, on this thread, not by a later collection
+        if parsed.select is not None and any(_SUFFIXED.search(name) for name in table.column_names):
+            table = table.rename_columns(self._own_names(cursor, parsed.select, table.column_names))
+        return table, truncated
+
+    def _own_names(self, cursor: Any, select: str, names: List[str]) -> List[str]:
+        """The query's own column names where the CTE renamed repeated ones (``a, a`` -> ``a, a_1``)."""
+        try:
+            own = list(cursor.sql(select).columns)
+        except Exception:
+            return names
+        return own if len(own) == len(names) else names
+
+
+class _Parsed:
+    """What the parser said of an accepted query: the tables it names, and for a SELECT the text to wrap."""
+
+    __slots__ = ("names", "select", "sql")
+
+    def __init__(self, names: FrozenSet[str], select: Optional[str], sql: str = "") -> None:
+        self.names = names
+        self.select = select
+        self.sql = sql
+
+
+def _statement_text(sql: str) -> str:
+    """``sql`` without its trailing semicolons and the comments after them (``SELECT 1; -- x``), so that
+    it can stand inside parentheses."""
+    import duckdb
+
+    try:
+        tokens = duckdb.tokenize(sql)
+    except Exception:
+        return sql
+    end = len(sql)
+    for position, kind in reversed(tokens):
+        name = str(kind).rsplit(".", 1)[-1]
+        if name == "comment":
+            end = position
+            continue
+        if name == "operator" and sql[position:end].strip() == ";":
+            end = position
+            continue
+        break
+    return sql[:end].rstrip()
+
+
+def _wrapped(select: str, cap: int) -> str:
+    """The query whose rows pass through a collection that DuckDB's buffer manager owns (so its
+    ``memory_limit`` covers them) before they are copied into the result and its Arrow buffers, which it
+    does not cover; at most ``cap + 1`` of them (the row cap, and the one that says it was reached).
+    The line break ends a comment the query may end with."""
+    return "WITH %s AS MATERIALIZED (SELECT * FROM (%s\n) LIMIT %d) SELECT * FROM %s" % (
+        _RESULT, select, max(cap, 0) + 1, _RESULT)
+
+
+def _give_back(start_rss: Optional[int]) -> None:
+    """After a query that grew the process a lot, hand the memory glibc keeps back to the system."""
+    if start_rss is None:
+        return
+    now = rss_bytes()
+    if now is not None and now - start_rss >= _TRIM_AFTER:
+        return_memory()
 
 
 def _connect(duckdb: Any, config: Dict[str, Any]) -> Any:
