@@ -199,14 +199,23 @@ def test_tcp_with_the_right_token_answers(tcp_target):
     assert answer["tcp"] == tcp_target.address
 
 
+def _elsewhere(tmp_path) -> str:
+    """A runtime directory of no agent: a client that uses it is as one on another host, which cannot read
+    the agent's token file (on this host the client reads it: test_client_api)."""
+    path = tmp_path / "elsewhere"
+    path.mkdir(mode=0o700, exist_ok=True)
+    return str(path)
+
+
 def test_cli_over_tcp_needs_the_token_file(tcp_target, tmp_path):
     sql = "SELECT pid FROM process.info"
-    missing = run_cli("-t", tcp_target.address, "query", sql)
+    elsewhere = target_env(probe=False, PROBE_RUNTIME_DIR=_elsewhere(tmp_path))
+    missing = run_cli("-t", tcp_target.address, "query", sql, env=elsewhere)
     assert missing.code == 4
     assert "--token-file" in missing.err
     assert missing.out == ""
 
-    health = run_cli("-t", tcp_target.address, "health")
+    health = run_cli("-t", tcp_target.address, "health", env=elsewhere)
     assert health.code == 4 and "--token-file" in health.err
 
     wrong = tmp_path / "wrong.token"
@@ -223,13 +232,14 @@ def test_cli_over_tcp_needs_the_token_file(tcp_target, tmp_path):
     assert shorthand.out.strip() == "42"
 
 
-def test_client_over_tcp_with_the_token_file(tcp_target):
+def test_client_over_tcp_with_the_token_file(tcp_target, tmp_path, monkeypatch):
     client = probe.connect(tcp_target.address, token_file=tcp_target.token_file)
     assert client.health()["pid"] == tcp_target.proc.pid
     assert client.query_rows("SELECT pid FROM process.info").rows == [[tcp_target.proc.pid]]
     assert client.eval("6 * 7").value == "42"
     assert any(f.func == "main_sleep" for f in client.backtrace())
 
+    monkeypatch.setenv("PROBE_RUNTIME_DIR", _elsewhere(tmp_path))
     anonymous = probe.connect(tcp_target.address)
     with pytest.raises(probe.ProbeError) as caught:
         anonymous.health()

@@ -126,6 +126,9 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
       probe HOST:PORT --token-file tok tables        a remote agent over TCP
       probe MASTER:PORT --all-ranks backtrace        every rank of a job, grouped
     """
+    from probe.client.wording import use_cli_words
+
+    use_cli_words()  # the library's errors name this command's flags, not its API's parameters
     ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable,
                          all_ranks=all_ranks, ranks=ranks, hosts=hosts, deadline=deadline, max_in_flight=max_in_flight)
     ctx.obj.timeout_given = timeout is not None

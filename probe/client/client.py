@@ -42,6 +42,7 @@ class Client:
         self.note: Optional[str] = None
         """Set when the last answer did not come from the agent: where it came from, and why."""
         self._token = token
+        self._token_sought = token is not None or not target.is_tcp  # see _call
         self._local_sql = False  # set once the agent said it cannot run SQL itself
         self.helper: Optional[Any] = None
         """A rank's host helper (``probe.client.helped.HostHelper``), asked why the rank is slow to answer."""
@@ -54,6 +55,11 @@ class Client:
 
     def _call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
               accept: Optional[str] = None, timeout: Optional[float] = None) -> transport.HttpResponse:
+        if not self._token_sought:  # HOST:PORT without a token: an agent of ours on this host has it in a file
+            from probe.client.discovery import local_token
+
+            self._token_sought = True
+            self._token = local_token(self.target.address)  # type: ignore[arg-type]
         headers = {}
         if self._token:
             headers["Authorization"] = "Bearer %s" % self._token
@@ -74,7 +80,10 @@ class Client:
         except ProbeError as exc:
             raise self._explain(exc) from None
         if response.status >= 400:
-            raise self._error_from(response)
+            error = self._error_from(response)
+            transport.release(response)
+            del response  # the error's traceback holds this frame, not the answer's body
+            raise error
         return response
 
     def _watched(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
@@ -151,6 +160,7 @@ class Client:
 
         helper, pid = self.helper, self.remote_pid
         assert helper is not None and pid is not None
+        deadline = time.monotonic() + timeout  # for the whole answer, however it trickles in
         try:
             sock = transport.send_request(self.target.address, method, path, payload, headers, timeout)
         except ConnectError:
@@ -167,17 +177,15 @@ class Client:
         if error is not None:
             sock.close()  # the agent sees nobody waits, and runs nothing for this request
             raise error
-        return transport.read_response(sock, self.target.address, timeout)
+        return transport.read_response(sock, self.target.address, timeout, deadline)
 
     def _json(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
               timeout: Optional[float] = None) -> Dict[str, Any]:
         response = self._call(method, path, body, timeout=timeout)
-        try:
-            answer = json.loads(response.body.decode("utf-8"))
-        except ValueError:
-            answer = None
+        status, answer = response.status, _json_body(response)
+        del response  # parsed: the error's traceback below must not hold the body
         if not isinstance(answer, dict):
-            raise self._not_an_agent("HTTP %d with a body that is not a JSON object" % response.status)
+            raise self._not_an_agent("HTTP %d with a body that is not a JSON object" % status)
         return answer
 
     def _not_an_agent(self, what: str) -> ProbeError:
@@ -195,7 +203,9 @@ class Client:
         except (ValueError, KeyError, TypeError, AttributeError):
             return self._not_an_agent("HTTP %d without probe's error envelope" % response.status)
         if exc.code == "unauthorized" and not self._token and not exc.hint:
-            exc.hint = "pass --token-file FILE (or set PROBE_TOKEN_FILE)"
+            from probe.client.wording import option
+
+            exc.hint = "pass %s (or set PROBE_TOKEN_FILE)" % option("--token-file FILE", "token_file=")
         return _with_target(exc, self.target.label)
 
     def _explain(self, exc: ProbeError) -> ProbeError:
@@ -415,13 +425,17 @@ class Client:
 
         response = self._call("POST", "/v1/query", _query_body(sql, max_rows, timeout, query_id), accept=ARROW_STREAM,
                               timeout=self._answer_wait(timeout, 10.0))
-        if not response.headers.get("content-type", "").startswith(ARROW_STREAM):
-            raise ProbeError("%s did not answer in Arrow" % self.target.label)
-        return pa.ipc.open_stream(response.body).read_all()
+        try:
+            if not response.headers.get("content-type", "").startswith(ARROW_STREAM):
+                raise ProbeError("%s did not answer in Arrow" % self.target.label)
+            return pa.ipc.open_stream(response.body).read_all()
+        finally:
+            transport.release(response)  # read: no longer an answer in flight
 
     def eval(self, code: str, timeout: Optional[float] = None, on: str = "agent", frame: Optional[str] = None,
              wait: Optional[float] = None, eval_id: Optional[str] = None) -> EvalResult:
-        """Run ``code`` in the target's ``__main__``; printed output, final value and any traceback.
+        """Run ``code`` in the target's ``__main__``; printed output, final value (``value``: its ``repr()``, a
+        string, see :class:`EvalResult`) and any traceback.
 
         ``on``: ``"agent"`` (the agent's own thread, concurrent with the program), ``"main"`` (the main
         thread, which waits while it runs) or ``"step"`` (right after the next optimizer step); ``wait``
@@ -517,6 +531,16 @@ class Client:
         """The trace as Chrome trace-event JSON (``{"traceEvents": [...]}``; pid = rank, tid = thread)."""
         return self.trace("export")
 
+
+
+def _json_body(response: transport.HttpResponse) -> Any:
+    """An answer's JSON (None where it is not JSON); its bytes then stop counting as an answer in flight."""
+    try:
+        return json.loads(response.body.decode("utf-8"))
+    except ValueError:
+        return None
+    finally:
+        transport.release(response)
 
 
 def _agentless(exc: ProbeError, pid: int) -> ProbeError:

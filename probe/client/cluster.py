@@ -5,6 +5,10 @@
     table = cluster.query("SELECT max(step) AS step FROM python.torch_trace")   # a row per rank
     cluster.failures                                  # the ranks that did not answer, and why
 
+Where some ranks answer, a call returns their answers and ``failures`` names the others; where none
+does, it raises :class:`NoRankAnswered` (``failures`` on the error too), rather than return an empty
+table that would read as "no rows".
+
 Under torchrun with ``PROBE_PORT=P`` each node's launcher runs a host helper on ``P - 1`` that knows the
 node's ranks (the master's knows every node's); the client asks it once, then speaks to each rank's
 agent directly, and asks the rank's helper about a rank that does not answer (``probe.client.helped``).
@@ -21,12 +25,15 @@ from probe.client.fanout import Outcome, Progress, fan_out
 from probe.client.helped import HostHelper
 from probe.client.results import EvalResult, Frame, Rows
 from probe.client.targets import parse_target
+from probe.client.wording import option
 from probe.errors import ConnectError, ProbeError, UsageError
 
-__all__ = ["Member", "RankFailure", "RankAnswer", "Cluster", "connect_all", "parse_rank_list", "compact_ranks"]
+__all__ = ["Member", "RankFailure", "RankAnswer", "Cluster", "NoRankAnswered", "connect_all", "parse_rank_list",
+           "compact_ranks"]
 
 DEFAULT_DEADLINE = 10.0
 DEFAULT_IN_FLIGHT = 32  # young requests at once; see probe.client.fanout
+_MARGIN_S = 0.5
 MAX_RANKS = 1 << 20  # in a --ranks list: more is a typo, and would fill the client's memory
 MEMBER_COLUMNS = ("rank", "host", "port", "pid", "state", "local_rank", "node", "world_size", "restarts",
                   "heartbeat_age")
@@ -70,6 +77,26 @@ class RankAnswer(NamedTuple):
     client: Client
 
 
+class NoRankAnswered(ProbeError):
+    """No rank answered a call: each one's reason is in ``failures`` (and in the message). The exit code is
+    the first rank's, as the CLI's is when no rank answers."""
+
+    code = "no_rank_answered"
+    exit_code = 3
+
+    def __init__(self, failures: Sequence[RankFailure], deadline: float) -> None:
+        shown = ["rank %d (%s): %s" % (f.rank, f.host, f.reason) for f in failures[:3]]
+        if len(failures) > 3:
+            shown.append("and %d more" % (len(failures) - 3))
+        timed_out = all(f.code == "timeout" for f in failures)
+        super().__init__("none of the %d ranks answered: %s" % (len(failures), "; ".join(shown)),
+                         hint=("none answered within the deadline of %.1f s: raise %s" % (deadline, option("--deadline",
+                               "deadline=")) if timed_out else "`failures` names every rank and why"))
+        self.failures = list(failures)
+        if failures:
+            self.exit_code = failures[0].exit_code
+
+
 class Cluster:
     """A client of many agents. Each call fans out concurrently; ``failures`` names the ranks of the last
     call that did not answer, and why."""
@@ -91,7 +118,9 @@ class Cluster:
         return "<probe.Cluster %d ranks>" % len(self.members)
 
     def _client(self, member: Member) -> Client:
-        client = Client(parse_target(member.address), self._token, min(self.timeout, self.deadline))
+        # A little past the deadline, so that a rank still silent at the deadline is named by it (the
+        # client's own limit bounds the whole answer from the start: it would race the deadline).
+        client = Client(parse_target(member.address), self._token, min(self.timeout, self.deadline + _MARGIN_S))
         if member.helper and member.pid is not None:
             host, _, port = member.helper.rpartition(":")
             client.helper = HostHelper(transport.TcpAddress(host, int(port)), self._token)
@@ -129,7 +158,8 @@ class Cluster:
 
     def map(self, work: Callable[[Client], Any]) -> List[RankAnswer]:
         """``work(client)`` on every rank concurrently; the answers in rank order. Ranks that failed are in
-        ``failures`` (and not in the answers)."""
+        ``failures`` (and not in the answers); where none answered, the list is empty (the other calls
+        raise :class:`NoRankAnswered` instead)."""
         progress, ranks = self.progress, [m.rank for m in self.members]
         shown = None if progress is None else (lambda n, total, waiting: progress(n, total, [ranks[i] for i in waiting]))
         outcomes: List[Outcome] = fan_out(self._clients, lambda c: (work(c), c.note), self.max_in_flight,
@@ -145,6 +175,12 @@ class Cluster:
         self.failures = failures
         return answers
 
+    def _answered(self, answers: List[RankAnswer], empty_if_none: bool = False) -> List[RankAnswer]:
+        """``answers``, or :class:`NoRankAnswered` where there are none (and ranks to answer)."""
+        if answers or empty_if_none or not self.failures:
+            return answers
+        raise NoRankAnswered(self.failures, self.deadline)
+
     def interrupt(self, kind: str, run_id: str, deadline: float = 3.0,
                   ranks: Optional[Sequence[int]] = None) -> Dict[int, str]:
         """Ask every rank (or ``ranks``) to stop the query (``kind="query"``) or snippet (``"eval"``) sent
@@ -158,21 +194,25 @@ class Cluster:
                 for (m, _), o in zip(chosen, outcomes)}
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
-                   query_id: Optional[str] = None) -> Rows:
+                   query_id: Optional[str] = None, empty_if_none: bool = False) -> Rows:
         """Every rank's rows of ``sql``, with ``rank`` and ``host`` first (no pyarrow needed). ``query_id``
-        names the query on every rank, for :meth:`interrupt`."""
-        answers = self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout, query_id=query_id))
+        names the query on every rank, for :meth:`interrupt`. Where no rank answered: :class:`NoRankAnswered`,
+        or with ``empty_if_none`` no rows (``failures`` says why)."""
+        answers = self._answered(self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout,
+                                                                 query_id=query_id)), empty_if_none)
         parts = [a.value.with_column("host", a.member.host).with_column("rank", a.member.rank) for a in answers]
         if parts:
             parts = [Rows((("rank", "BIGINT"),) + p.columns[1:], p.rows, p.truncated) for p in parts]
         return Rows.concat(parts)
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
-              query_id: Optional[str] = None) -> Any:
-        """One ``pyarrow.Table``: every rank's rows with ``rank`` and ``host`` columns first."""
+              query_id: Optional[str] = None, empty_if_none: bool = False) -> Any:
+        """One ``pyarrow.Table``: every rank's rows with ``rank`` and ``host`` columns first. Where no rank
+        answered: :class:`NoRankAnswered`, or with ``empty_if_none`` a table of no rows (``failures`` says why)."""
         import pyarrow as pa
 
-        answers = self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout, query_id=query_id))
+        answers = self._answered(self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout,
+                                                            query_id=query_id)), empty_if_none)
         tables = []
         for answer in answers:
             table = answer.value.replace_schema_metadata(None)
@@ -185,7 +225,7 @@ class Cluster:
 
     def backtraces(self) -> List[RankAnswer]:
         """Every rank's frames (a list of :class:`Frame`); a rank read from outside has a ``note``."""
-        return self.map(lambda c: c.backtrace())
+        return self._answered(self.map(lambda c: c.backtrace()))
 
     def backtrace(self) -> Any:
         """One ``pyarrow.Table`` of every rank's python.backtrace rows, with ``rank``, ``host`` and
@@ -195,10 +235,12 @@ class Cluster:
         return pa.Table.from_pylist(backtrace_records(self.backtraces()))
 
     def evals(self, code: str, **options: Any) -> List[RankAnswer]:
-        return self.map(lambda c: c.eval(code, **options))
+        """``code`` run on every rank (see :meth:`Client.eval`): an :class:`EvalResult` per rank that answered."""
+        return self._answered(self.map(lambda c: c.eval(code, **options)))
 
     def eval(self, code: str, **options: Any) -> Any:
-        """One ``pyarrow.Table``: ``rank``, ``host``, ``stdout``, ``stderr``, ``value``, ``error`` per rank."""
+        """One ``pyarrow.Table``: ``rank``, ``host``, ``stdout``, ``stderr``, ``value``, ``error`` per rank;
+        ``value`` is a string, the ``repr()`` of the snippet's last expression (see :class:`EvalResult`)."""
         import pyarrow as pa
 
         return pa.Table.from_pylist(eval_records(self.evals(code, **options)))
@@ -227,12 +269,10 @@ def eval_records(answers: Sequence[RankAnswer]) -> List[Dict[str, Any]]:
 
 
 def _job_token(port: int) -> Optional[str]:
-    """The job's token file on this host (the master, when the client runs there), if we can read it."""
-    try:
-        with open(_paths.job_token_path(port)) as handle:
-            return handle.read().strip() or None
-    except OSError:
-        return None
+    """The job's token file on this host (the master, when the client runs there), when it is ours alone."""
+    from probe.client.discovery import read_own_secret
+
+    return read_own_secret(_paths.job_token_path(port))
 
 
 def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[List[Member], Dict[str, Any]]:
@@ -242,7 +282,8 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
     parsed = parse_target(target)
     if not isinstance(parsed.address, transport.TcpAddress):
         raise UsageError("discovery needs the master's HOST:PORT (PROBE_PORT), not %s" % target,
-                         hint="or list the targets: -t HOST:PORT several times, or --hosts FILE")
+                         hint="or list the targets: %s" % option("-t HOST:PORT several times, or --hosts FILE",
+                                                                  "connect_all([\"HOST:PORT\", ...])"))
     host, port = parsed.address.host, parsed.address.port
     given_helper = os.environ.get("PROBE_HELPER_PORT")
     helper = transport.TcpAddress(host, int(given_helper or port - 1))
@@ -254,15 +295,16 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
         if found is not None:
             what, job = found
             raise UsageError("%s is %s of the job with PROBE_PORT=%d on this host, not the job's address"
-                             % (target, what, job), hint="probe %s ranks" % _with_port(host, job))
+                             % (target, what, job), hint=option("probe %s ranks", "connect_all(\"%s\")")
+                             % _with_port(host, job))
 
     try:
         answer = transport.request(helper, "GET", "/v1/ranks", None, headers, timeout)
     except ConnectError as exc:
         wrong_port()
         raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
-                           hint="start the job as PROBE_PORT=%d torchrun ...; or list the targets with -t or --hosts"
-                           % port) from None
+                           hint="start the job as PROBE_PORT=%d torchrun ...; or list the targets (%s)"
+                           % (port, option("-t several times, or --hosts", "connect_all([\"HOST:PORT\", ...])"))) from None
     try:
         raw = json.loads(answer.body.decode("utf-8"))
     except (ValueError, UnicodeDecodeError):
@@ -274,7 +316,8 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
         if answer.status == 404:  # an agent answers there (a rank's port), not a host helper
             raise UsageError("%s is a rank's agent, not a job's host helper: %s is not the job's PROBE_PORT"
                              % (helper, target), hint="give the job's PROBE_PORT: rank 0's port (the helper listens "
-                                                      "one below it); or ask this rank alone: probe %s ..." % target)
+                                                      "one below it); or ask this rank alone: %s"
+                                                      % (option("probe %s ...", "connect(\"%s\")") % target))
         error = raw.get("error", {}) if isinstance(raw, dict) else {}
         raise error_from_code(str(error.get("code", "internal")), "host helper at %s: %s" % (
             helper, str(error.get("message", ""))[:300]), error.get("hint"))

@@ -14,8 +14,9 @@ another starts in its place, up to ``max_open`` requests open in all.
 
 import threading
 import time
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, TypeVar
 
+from probe.client.wording import option
 from probe.errors import ProbeError, Timeout
 
 __all__ = ["Outcome", "fan_out", "Progress", "SLOW_AFTER_S", "MAX_OPEN"]
@@ -65,7 +66,7 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
             try:
                 outcome: Outcome = Outcome(work(items[i]), None, time.monotonic() - t0)
             except ProbeError as exc:
-                outcome = Outcome(None, exc, time.monotonic() - t0)
+                outcome = Outcome(None, _without_frames(exc), time.monotonic() - t0)
             except Exception as exc:  # a bug, or something we did not translate: that rank's failure only
                 outcome = Outcome(None, ProbeError("%s: %s" % (type(exc).__name__, exc)), time.monotonic() - t0)
             with done:
@@ -102,6 +103,20 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
     for i, outcome in enumerate(result):
         if outcome is None:
             why = ("no answer within the deadline of %.1f s" % deadline if started[i] is not None
-                   else "not asked: the deadline of %.1f s passed first (raise --max-in-flight)" % deadline)
-            result[i] = Outcome(None, Timeout(why, hint="raise --deadline, or look at it alone"), deadline)
+                   else "not asked: the deadline of %.1f s passed first (raise %s)"
+                   % (deadline, option("--max-in-flight", "max_in_flight=")))
+            result[i] = Outcome(None, Timeout(why, hint="raise %s, or look at it alone" % option("--deadline", "deadline=")),
+                                deadline)
     return [o for o in result if o is not None]
+
+
+def _without_frames(exc: ProbeError) -> ProbeError:
+    """``exc`` kept for the answer without the frames of its traceback (nor of the errors it came from):
+    they would keep alive, until the whole fan-out ends, whatever the failed request held (a large answer)."""
+    seen: Set[int] = set()
+    current: Optional[BaseException] = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        current.__traceback__ = None
+        current = current.__cause__ or current.__context__
+    return exc

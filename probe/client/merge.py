@@ -5,6 +5,7 @@ configuration locked, so a merge query reads only the rows the ranks sent."""
 
 from typing import Any
 
+from probe.client.wording import option
 from probe.errors import SQLError
 
 __all__ = ["merge_rows"]
@@ -22,7 +23,7 @@ def merge_rows(table: Any, sql: str) -> Any:
         try:
             return con.sql(sql).to_arrow_table()
         except duckdb.Error as exc:
-            raise SQLError("--merge: %s" % str(exc).strip().splitlines()[0][:500],
+            raise SQLError("%s: %s" % (option("--merge", "the merge query"), str(exc).strip().splitlines()[0][:500]),
                            hint="the union of the ranks' rows is the table `result`") from None
     finally:
         con.close()

@@ -41,10 +41,17 @@ class Rows(NamedTuple):
 
 
 class EvalResult(NamedTuple):
+    """What a snippet printed, its value and its error, as text: the objects stay in the target."""
+
     stdout: str
     stderr: str
     value: Optional[str]
+    """The ``repr()`` of the snippet's last expression, as a string (cut past 64 KiB, ending
+    ``...[truncated]``), not the object; None when the last statement is no expression or its value is
+    None. The object stays in the target (in ``__main__`` as ``_``). For data, print it as JSON and parse ``stdout``, or
+    read it with SQL (``query``)."""
     error: Optional[str]
+    """What went wrong, as text (the traceback, when the snippet raised); None when nothing did."""
     timed_out: bool = False
     limits: Optional[Dict[str, Any]] = None
     """What the agent applied: ``timeout_s``, ``timeout_ceiling_s``, ``max_output``, and ``stdout_dropped``/

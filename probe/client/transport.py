@@ -6,17 +6,34 @@ imports; the agent speaks a small, strict subset of HTTP (one request per connec
 dataclasses for the same reason (defining a frozen dataclass costs ~0.8 ms at import, a NamedTuple
 ~0.1 ms). Socket errors become :class:`ConnectError` or
 :class:`Timeout` that name the target and what was waited for.
+
+What comes back is bounded, since the other end may be no honest agent: an answer must arrive whole
+within the time given (a server that sends a byte now and then is cut off as one that sends nothing),
+one answer may hold at most ``MAX_RESPONSE_BYTES``, and the answers being received or parsed at once,
+across every target this process talks to, at most ``MAX_IN_FLIGHT_BYTES``.
 """
 
 import socket
+import threading
 import time
 from typing import Dict, NamedTuple, Optional, Tuple, Union
 
-from probe.errors import ConnectError, Timeout
+from probe.client.wording import option
+from probe.errors import ConnectError, Timeout, TooLarge
 
-__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response"]
+__all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response",
+           "release", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
 
-MAX_RESPONSE_BYTES = 1024 * 1024 * 1024
+MAX_RESPONSE_BYTES = 256 << 20
+"""The largest answer taken from one target; a larger one is refused before its body is read. An agent
+bounds its own answers well below it: a query's result at ``PROBE_MAX_RESULT_BYTES`` (64 MiB of Arrow
+data by default, twice that as JSON), a snippet's output at ``PROBE_EVAL_OUTPUT`` characters."""
+MAX_IN_FLIGHT_BYTES = 512 << 20
+"""Bytes of answers held at once between their first byte and their caller's ``release`` (parsed), across
+every target of this process (a fan-out over many ranks, several ``-t``): an answer that does not fit
+waits, within its own time limit, for others to be done. The client's peak is about twice this: a JSON
+body and its text while it is decoded."""
+_FREE_BYTES = 64 << 10  # an answer this small is read without waiting for room (512 open requests: 32 MiB)
 
 
 class UnixAddress(NamedTuple):
@@ -40,7 +57,15 @@ Address = Union[UnixAddress, TcpAddress]
 class HttpResponse(NamedTuple):
     status: int
     headers: Dict[str, str]
-    body: bytes
+    body: Union[bytes, bytearray]  # received into one growing buffer: a copy would double a large answer
+
+
+def release(response: HttpResponse) -> None:
+    """Say that ``response``'s body has been parsed: its bytes no longer count in ``MAX_IN_FLIGHT_BYTES``
+    (freeing the body says so too)."""
+    ticket = getattr(response.body, "ticket", None)
+    if ticket is not None:
+        ticket.give()
 
 
 class QueueFull(socket.timeout):
@@ -76,9 +101,10 @@ def _connect(address: Address, timeout: float, queue_wait: Optional[float] = Non
 
 def request(address: Address, method: str, path: str, body: Optional[bytes] = None,
             headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> HttpResponse:
-    """Send one request and read the whole response; ``timeout`` bounds every socket operation."""
+    """Send one request and read the whole response, all within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     sock = send_request(address, method, path, body, headers, timeout)
-    return read_response(sock, address, timeout)
+    return read_response(sock, address, timeout, deadline)
 
 
 def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
@@ -125,30 +151,109 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     return sock
 
 
-def read_response(sock: socket.socket, address: Address, timeout: float) -> HttpResponse:
-    """The whole answer to the request sent on ``sock``; closes ``sock``."""
+def read_response(sock: socket.socket, address: Address, timeout: float,
+                  deadline: Optional[float] = None) -> HttpResponse:
+    """The whole answer to the request sent on ``sock``, within ``timeout`` seconds from now (or by
+    ``deadline``, a ``time.monotonic()`` value, where the wait began earlier); closes ``sock``."""
+    progress = _Progress(time.monotonic() + timeout if deadline is None else deadline)
     try:
-        sock.settimeout(timeout)
-        return _read_response(sock, address, timeout)
+        return _read_response(sock, address, progress)
     except socket.timeout:
+        wait = option("--timeout", "timeout=")
+        if progress.received:
+            raise Timeout("the answer from %s did not arrive whole within %.1f s (%d bytes came)"
+                          % (address, timeout, progress.received),
+                          hint="%s bounds the whole answer: raise it for a large answer over a slow link"
+                               % wait) from None
         raise Timeout("no answer from %s within %.1f s" % (address, timeout),
-                      hint="the agent may be busy; retry with a larger --timeout") from None
+                      hint="the agent may be busy; retry with a larger %s" % wait) from None
     except OSError as exc:
         raise ConnectError("connection to %s failed: %s" % (address, exc.strerror or exc)) from None
     finally:
         sock.close()
 
 
-def _read_response(sock: socket.socket, address: Address, timeout: float) -> HttpResponse:
+class _Progress:
+    """When the answer must be in by, and how much of it came."""
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.received = 0
+
+    def recv(self, sock: socket.socket, size: int) -> bytes:
+        """Up to ``size`` bytes; ``socket.timeout`` once the deadline has passed, however the bytes trickle."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("past the deadline")
+        sock.settimeout(left)
+        chunk = sock.recv(size)
+        self.received += len(chunk)
+        return chunk
+
+
+class _Room:
+    """The bytes of answers held between their first byte and their release, in this process
+    (``MAX_IN_FLIGHT_BYTES``)."""
+
+    def __init__(self) -> None:
+        self.used = 0
+        self._changed = threading.Condition(threading.RLock())  # a body freed by the GC inside take() gives back
+
+    def take(self, size: int, deadline: float) -> bool:
+        """Reserve ``size`` bytes, waiting until others give theirs back or ``deadline`` passes (False).
+        An answer larger than the whole room still goes alone."""
+        with self._changed:
+            while self.used and self.used + size > MAX_IN_FLIGHT_BYTES:  # read now: a script may change it
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(left)
+            self.used += size
+            return True
+
+    def give(self, size: int) -> None:
+        with self._changed:
+            self.used -= size
+            self._changed.notify_all()
+
+
+_room = _Room()
+
+
+class _Ticket:
+    """An answer's place in the room, given back once: by ``release``, or when its body is freed."""
+
+    __slots__ = ("size",)
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def give(self) -> None:
+        size, self.size = self.size, 0
+        if size:
+            _room.give(size)
+
+    __del__ = give
+
+
+class _Body(bytearray):
+    """An answer's body, with its place in the room while it is large."""
+
+    ticket: Optional[_Ticket] = None
+
+
+def _read_response(sock: socket.socket, address: Address, progress: _Progress) -> HttpResponse:
     buf = b""
-    while b"\r\n\r\n" not in buf:
-        chunk = sock.recv(65536)
+    end = -1
+    while end < 0:
+        chunk = progress.recv(sock, 65536)
         if not chunk:
             raise ConnectError("%s closed the connection without an answer" % (address,))
         buf += chunk
-        if len(buf) > 65536 and b"\r\n\r\n" not in buf:
+        end = buf.find(b"\r\n\r\n", max(0, len(buf) - len(chunk) - 3))  # only where it can newly be
+        if end < 0 and len(buf) > 65536:
             raise ConnectError("%s sent an oversized response header" % (address,))
-    head, _, rest = buf.partition(b"\r\n\r\n")
+    head, rest = buf[:end], buf[end + 4:]
     status, headers = _parse_head(head, address)
     # The agent always sends Content-Length: without it an answer cut short could pass for a whole one.
     raw_length = headers.get("content-length", "")
@@ -156,18 +261,37 @@ def _read_response(sock: socket.socket, address: Address, timeout: float) -> Htt
         raise ConnectError("%s sent an answer without a valid Content-Length (%r)" % (address, raw_length[:40]))
     length = int(raw_length)
     if length > MAX_RESPONSE_BYTES:
-        raise ConnectError("%s sent a response of %d bytes, more than the client accepts" % (address, length))
-    chunks = [rest]
-    got = len(rest)
-    while got < length:
-        chunk = sock.recv(min(1 << 20, length - got))
-        if not chunk:
-            raise ConnectError("%s closed the connection after %d of the %d bytes of its answer" % (address, got, length),
-                               hint="the answer was cut short (an agent gives up on a client that takes no byte "
-                                    "for 10 s); retry")
-        chunks.append(chunk)
-        got += len(chunk)
-    return HttpResponse(status, headers, b"".join(chunks)[:length])
+        raise _too_large(address, length)
+    body = _Body(rest[:length])
+    room = length if length - len(body) > _FREE_BYTES else 0
+    if room and not _room.take(room, progress.deadline):
+        raise Timeout("the answer from %s (%.0f MB) found no room in time: the answers of other targets being "
+                      "received filled the client's bound of %d MB" % (address, length / 1e6, MAX_IN_FLIGHT_BYTES // 10**6),
+                      hint="ask fewer targets at once (%s), or each for less" % option("--max-in-flight", "max_in_flight="))
+    if room:
+        body.ticket = _Ticket(room)
+    try:
+        while len(body) < length:
+            chunk = progress.recv(sock, min(1 << 20, length - len(body)))
+            if not chunk:
+                raise ConnectError("%s closed the connection after %d of the %d bytes of its answer"
+                                   % (address, len(body), length),
+                                   hint="the answer was cut short (an agent gives up on a client that takes no "
+                                        "byte for 10 s); retry")
+            body += chunk
+    except BaseException:
+        body.clear()  # the error's traceback holds this frame: it must not hold the part that came
+        release(HttpResponse(status, headers, body))
+        raise
+    return HttpResponse(status, headers, body)
+
+
+def _too_large(address: Address, length: int) -> TooLarge:
+    return TooLarge("%s sent an answer of %.0f MB, more than the %d MB the client takes from one target"
+                    % (address, length / 1e6, MAX_RESPONSE_BYTES // 10**6),
+                    hint="ask for less: for a query, a LIMIT, fewer columns or a lower %s; an agent bounds its "
+                         "own answers below this (PROBE_MAX_RESULT_BYTES), so this may be no probe agent"
+                         % option("--max-rows", "max_rows="))
 
 
 def _parse_head(head: bytes, address: Address) -> Tuple[int, Dict[str, str]]:
