@@ -1,15 +1,29 @@
-"""``probe list``: local Python processes, which run an agent, and how to reach each."""
+"""``probe list``: local Python processes, which run an agent, and how to reach each.
+
+Dead processes come from their crash records. One that was stopped on purpose (SIGTERM, Ctrl-C: the
+demo's target, a test's, a job cancelled) is listed for ``STOPPED_LISTED_S`` after it died, a crash for
+as long as its record is kept (7 days); ``--all`` lists every record, and ``probe PID backtrace`` reads
+any. On a narrow terminal the command gives way first, then the state; the column that says how to
+reach a process is cut last.
+"""
 
 import json
 import os
-from typing import Any, Dict, List, Optional
+import time
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
 from probe.cli.options import output_format
-from probe.cli.render import render_rows, terminal_width
+from probe.cli.render import render_rows, terminal_width, text_width
 from probe.client.discovery import local_agents, remove_stale_files
 from probe.client.results import Rows
+
+
+STOPPED_LISTED_S = 3600
+# On a narrow terminal, in this order until the table fits: a column cut down to a width, left out (None),
+# or (``reach`` 0) the notes in parentheses after each command to reach a process left out.
+_GIVE_WAY = (("command", 12), ("state", 16), ("reach", 0), ("python", None), ("command", 7), ("state", 8))
 
 
 def _command_of(pid: int) -> str:
@@ -67,23 +81,89 @@ def _remove_unused_package_dirs() -> None:
     remove_unused()
 
 
-def _dead() -> List[Dict[str, Any]]:
-    """Processes that died with an agent, from the crash records their agents left (old ones cleaned up)."""
-    import time
+def _stopped_on_purpose(cause: str) -> bool:
+    """SIGTERM or Ctrl-C: how a person or a scheduler ends a process, not a crash."""
+    return cause.startswith("SIGTERM") or cause.startswith("uncaught exception: KeyboardInterrupt")
 
+
+def _dead(show_all: bool) -> Tuple[List[Dict[str, Any]], int]:
+    """Processes that died with an agent, from the crash records their agents left (old ones cleaned up),
+    and how many stopped on purpose so long ago that they are not listed (``show_all``: all are)."""
     from probe.reader import crash
 
     crash.clean_up()
     out = []
+    hidden = 0
+    now = time.time()
     for record in crash.records():
         if record.alive:
             continue
+        cause = record.cause
+        if (not show_all and record.died_at is not None and now - record.died_at > STOPPED_LISTED_S
+                and _stopped_on_purpose(cause)):
+            hidden += 1
+            continue
         when = " " + time.strftime("%m-%d %H:%M:%S", time.localtime(record.died_at)) if record.died_at else ""
-        out.append({"pid": record.pid, "agent": "dead", "state": "died%s: %s" % (when, record.cause),
+        out.append({"pid": record.pid, "agent": "dead", "state": "died%s: %s" % (when, cause),
                     "rank": None, "python": record.header.get("python"),
                     "command": record.header.get("command", "")[:100],
                     "reach": "probe %d backtrace  (its last stacks)" % record.pid if record.has_stacks else "-"})
-    return out
+    return out, hidden
+
+
+def _short_command(command: str) -> str:
+    """In the table: the interpreter by its name, not its whole path (JSON keeps the whole command)."""
+    first, sep, rest = command.partition(" ")
+    return os.path.basename(first) + sep + rest if "/" in first else command
+
+
+def _cut_to(text: str, width: int) -> str:
+    if text_width(text) <= width:
+        return text
+    out, used = [], 0
+    for char in text:
+        if used + text_width(char) > width - 1:
+            break
+        out.append(char)
+        used += text_width(char)
+    return "".join(out) + "…"
+
+
+def _give_way(names: List[str], rows: List[List[str]], width: int) -> bool:
+    """Narrow the table as ``_GIVE_WAY`` says until it fits ``width``, so that the renderer, which cuts the
+    widest column first, has no need to cut ``reach``. Changes ``names`` and ``rows``; True if it did."""
+    natural = [max([text_width(n)] + [text_width(r[i]) for r in rows]) for i, n in enumerate(names)]
+    over = sum(natural) + 2 * (len(names) - 1) - width
+    changed = False
+    for name, floor in _GIVE_WAY:
+        if over <= 0:
+            break
+        if name not in names:
+            continue
+        i = names.index(name)
+        if floor == 0:
+            for row in rows:
+                row[i] = row[i].split("  (", 1)[0]
+            shorter = max([text_width(name)] + [text_width(r[i]) for r in rows])
+            over -= natural[i] - shorter
+            changed = changed or shorter < natural[i]
+            natural[i] = shorter
+            continue
+        if floor is None:
+            over -= natural[i] + 2
+            del names[i], natural[i]
+            for row in rows:
+                del row[i]
+            changed = True
+            continue
+        narrower = max(floor, natural[i] - over)
+        if narrower < natural[i]:
+            for row in rows:
+                row[i] = _cut_to(row[i], narrower)
+            over -= natural[i] - narrower
+            natural[i] = narrower
+            changed = True
+    return changed
 
 
 @click.command("list")
@@ -91,9 +171,12 @@ def _dead() -> List[Dict[str, Any]]:
 @click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
 @click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
 @click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
-def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool) -> None:
+@click.option("--all", "show_all", is_flag=True,
+              help="Also the processes stopped on purpose (SIGTERM, Ctrl-C) more than an hour ago.")
+def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, show_all: bool) -> None:
     """Local Python processes: those running an agent, those that could be attached, and those that
-    died with an agent (how, and when: their crash records are kept 7 days, the newest 20)."""
+    died with an agent (how, and when: their crash records are kept 7 days, the newest 20; one stopped
+    on purpose, by SIGTERM or Ctrl-C, is listed for an hour)."""
     records: List[Dict[str, Any]] = []
     remove_stale_files()  # sockets and tokens of agents and host helpers that died without their exit hooks
     _remove_unused_package_dirs()
@@ -114,13 +197,31 @@ def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool) -> 
                         "python": info.get("python"), "command": _command_of(agent.pid)[:100], "reach": reach})
     if not agents_only:
         records.extend(dict(r, state="running") for r in _attachable({r["pid"] for r in records}))
-    records.extend(_dead())
+    dead, hidden = _dead(show_all)
+    records.extend(dead)
+    note = ("%d process%s stopped on purpose (SIGTERM, Ctrl-C) over an hour ago %s not shown: probe list --all"
+            % (hidden, "" if hidden == 1 else "es", "is" if hidden == 1 else "are")) if hidden else None
     if fmt == "json":
         click.echo(json.dumps(records))
+        if note:
+            click.echo(note, err=True)
         return
     if not records:
         click.echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
+        if note:
+            click.echo(note)
         return
-    columns = tuple((c, "") for c in ("pid", "agent", "state", "rank", "python", "command", "reach"))
-    table = Rows(columns, [["-" if r[c] is None else r[c] for c, _ in columns] for r in records])
-    click.echo(render_rows(table, "vertical" if vertical else "table", terminal_width(), wide))
+    names = ["pid", "agent", "state", "rank", "python", "command", "reach"]
+    if all(r["rank"] is None for r in records):
+        names.remove("rank")  # no process is a rank: the column would only hold dashes
+    shorten = not (vertical or wide)
+    cells = [[str("-" if r[c] is None else _short_command(r[c]) if c == "command" and shorten else r[c])
+              for c in names] for r in records]
+    width = terminal_width()
+    footer = None
+    if width and shorten and _give_way(names, cells, width):
+        footer = "narrowed to fit; -x or --wide shows all"
+    table = Rows(tuple((c, "") for c in names), cells)
+    click.echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
+    if note:
+        click.echo(note)

@@ -1,0 +1,85 @@
+"""`probe list` without clutter: a process stopped on purpose (SIGTERM, Ctrl-C: a demo, a test) is listed
+for an hour after it died, not a week like a crash; and on a narrow terminal the column that says how
+to reach a process is the last to be cut."""
+
+import json
+import os
+import signal
+import time
+
+from procs import run_cli, scaled, spawn, target_env
+
+
+def _die(tmp_path, script: str, args, how=None):
+    """Run ``script`` with an agent in the test's own runtime directory and end it (``how``: a signal, or
+    None when it ends by itself); its pid."""
+    env = target_env(PROBE_RUNTIME_DIR=str(tmp_path))
+    proc = spawn(script, args, env=env, wait_socket=False)
+    try:
+        deadline = time.monotonic() + scaled(10)
+        while not any(n.endswith(".crash") and n.startswith("%d-" % proc.pid) for n in os.listdir(tmp_path)):
+            assert time.monotonic() < deadline, "no crash record armed"
+            time.sleep(0.05)
+        if how is not None:
+            os.kill(proc.pid, how)
+        proc.popen.wait(scaled(20))
+    finally:
+        proc.kill()
+    return proc.pid
+
+
+def _age(tmp_path, pid: int, seconds: float) -> None:
+    """Make ``pid``'s crash record read as written ``seconds`` ago (when its process died)."""
+    name = [n for n in os.listdir(tmp_path) if n.startswith("%d-" % pid) and n.endswith(".crash")][0]
+    when = time.time() - seconds
+    os.utime(os.path.join(tmp_path, name), (when, when))
+
+
+def test_processes_stopped_on_purpose_leave_the_list_after_an_hour_crashes_stay(tmp_path):
+    tmp_path.chmod(0o700)
+    terminated = _die(tmp_path, "idle.py", [], signal.SIGTERM)
+    interrupted = _die(tmp_path, "idle.py", [], signal.SIGINT)  # Ctrl-C: an uncaught KeyboardInterrupt
+    crashed = _die(tmp_path, "hung.py", ["segv"])
+    fresh = _die(tmp_path, "idle.py", [], signal.SIGTERM)
+    for pid in (terminated, interrupted, crashed):
+        _age(tmp_path, pid, 2 * 3600)
+    env = dict(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path)), COLUMNS="200")
+
+    rows = json.loads(run_cli("list", "--agents-only", "--json", env=env).out)
+    dead = {r["pid"]: r["state"] for r in rows if r["agent"] == "dead"}
+    assert set(dead) == {crashed, fresh}, dead
+    assert "SIGSEGV" in dead[crashed] and "SIGTERM" in dead[fresh]
+
+    table = run_cli("list", "--agents-only", env=env)
+    assert table.code == 0, table.err
+    assert str(terminated) not in table.out and str(crashed) in table.out
+    assert "2 processes stopped on purpose (SIGTERM, Ctrl-C) over an hour ago are not shown: probe list --all" \
+        in table.out + table.err, (table.out, table.err)
+
+    every = json.loads(run_cli("list", "--agents-only", "--all", "--json", env=env).out)
+    causes = {r["pid"]: r["state"] for r in every if r["agent"] == "dead"}
+    assert set(causes) == {terminated, interrupted, crashed, fresh}, causes
+    assert "KeyboardInterrupt" in causes[interrupted]
+    # Still on disk: its last stacks are there for `probe PID backtrace`.
+    assert run_cli(str(terminated), "backtrace", env=env).code == 0
+
+
+def test_on_a_narrow_terminal_the_command_gives_way_before_how_to_reach(tmp_path):
+    tmp_path.chmod(0o700)
+    env = target_env(PROBE_RUNTIME_DIR=str(tmp_path))
+    proc = spawn("idle.py", [], env=env, wait_socket=False)
+    try:
+        deadline = time.monotonic() + scaled(10)
+        while not (tmp_path / ("%d.sock" % proc.pid)).exists():
+            assert time.monotonic() < deadline, "no agent socket"
+            time.sleep(0.05)
+        for columns in ("60", "80"):
+            listed = run_cli("list", "--agents-only", env=dict(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path)),
+                                                               COLUMNS=columns))
+            assert listed.code == 0, listed.err
+            line = next(ln for ln in listed.out.splitlines() if ln.startswith(str(proc.pid)))
+            assert line.rstrip().endswith("probe %d ..." % proc.pid), listed.out  # whole
+            assert "idle.py" in line or "…" in line, listed.out  # the command, shortened or cut
+            assert all(len(ln) <= int(columns) for ln in listed.out.splitlines()), listed.out
+    finally:
+        proc.kill()
