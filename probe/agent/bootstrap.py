@@ -10,6 +10,8 @@ import os
 import sys
 from typing import List, Optional, Tuple
 
+from probe._threads import daemon_thread
+
 __all__ = ["start_from_injector", "start_from_environment"]
 
 
@@ -21,9 +23,8 @@ def start_from_injector(options_json: str = "") -> None:
     there, and the main thread goes back to its own work at once.
     """
     try:
-        import threading
 
-        threading.Thread(target=_start_injected, args=(options_json,), name="probe-start", daemon=True).start()
+        daemon_thread(_start_injected, "probe-start", (options_json,)).start()
     except BaseException as exc:  # the target must survive whatever happens here
         _report(exc)
 

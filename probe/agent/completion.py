@@ -8,10 +8,10 @@ Runs in the target; stdlib only, 3.9+.
 
 import builtins
 import keyword
-import threading
 from typing import Any, Dict, List, Optional
 
 from probe.agent.frames import Scope
+from probe._threads import daemon_thread
 
 __all__ = ["complete", "complete_bounded"]
 
@@ -59,7 +59,7 @@ def complete_bounded(text: str, scope_fn: Any, limit: float = 2.0) -> Optional[L
         except BaseException:
             out["matches"] = []
 
-    worker = threading.Thread(target=work, name="probe-complete", daemon=True)
+    worker = daemon_thread(work, "probe-complete")
     worker.start()
     worker.join(limit)
     return out.get("matches")

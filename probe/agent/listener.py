@@ -27,6 +27,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
 from probe.errors import Busy, Forbidden, ProbeError
+from probe._threads import daemon_thread
 
 __all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread",
            "fd_identity", "keep_stdio_open"]
@@ -66,7 +67,7 @@ class Listener:
         self._closed = False
         self._heartbeat_path: Optional[str] = None  # set for a unix socket: touched every HEARTBEAT_S
         self._last_beat = 0.0
-        self._thread = threading.Thread(target=self._accept_loop, name=name, daemon=True)
+        self._thread = daemon_thread(self._accept_loop, name)
 
     @classmethod
     def unix(cls, path: str, handler: Handler) -> "Listener":
@@ -278,7 +279,7 @@ class Listener:
                 self._idle += 1  # counted idle until it takes its first connection
         if start:
             try:
-                threading.Thread(target=self._work, name="probe-request", daemon=True).start()
+                daemon_thread(self._work, "probe-request").start()
             except BaseException:
                 with self._workers_lock:
                     self._waiting -= 1

@@ -23,6 +23,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 from probe.errors import BadRequest, Busy, Timeout
+from probe._threads import daemon_thread
 
 __all__ = ["Job", "PLACES", "submit", "interrupt", "EvalInterrupted"]
 
@@ -77,14 +78,16 @@ class Job:
             self._finish()
 
     def _finish(self) -> None:
+        consume = False
         with _lock:
             if self.state == "running":
                 self.state = "done"
-                if self.why_interrupted is not None:
-                    _set_async_exc(self.ident, None)  # not delivered yet: take it back
+                consume = self.why_interrupted is not None
                 if self.id is not None:
                     _jobs.pop(self.id, None)
                     _remember(_ended_ids, self.id)
+        if consume:
+            _consume_pending_interrupt()
         self.finished.set()
 
     # -- from other threads -----------------------------------------------------------------------
@@ -128,6 +131,30 @@ def _remember(ids: Dict[str, None], job_id: str) -> None:
         ids.pop(next(iter(ids)))
 
 
+class _Consumed(BaseException):
+    """Sent by a thread to itself to take its own pending interrupt (see ``_consume_pending_interrupt``)."""
+
+
+def _consume_pending_interrupt() -> None:
+    """Called on the snippet's thread after an interrupted snippet ended: make sure no interrupt is left
+    pending, here or in the interpreter.
+
+    An interrupt may not have landed yet (the snippet ended first). Taking it back with
+    ``SetAsyncExc(ident, NULL)`` is not enough before Python 3.12: that call raises the interpreter-wide
+    "asynchronous exception pending" flag even for NULL, and only a thread that then receives an exception
+    lowers it. Left raised, every thread of the target checks for pending work at every loop and call from
+    then on; with a trace function on (a debugger, coverage), a thread then loops for ever at a function's
+    first line holding the GIL (seen after ``probe T debug`` and one snippet that ran past its limit: SQL,
+    backtraces and the program's own threads stuck). So the thread replaces whatever is pending with an
+    exception of its own and receives it at once, here, which lowers the flag."""
+    try:
+        _set_async_exc(threading.get_ident(), _Consumed)
+        for _ in range(100000):  # the exception lands at the first check, long before the end
+            pass
+    except (_Consumed, EvalInterrupted):
+        pass
+
+
 def _set_async_exc(ident: int, exc: Any) -> None:
     try:
         import ctypes
@@ -155,7 +182,7 @@ def submit(job: Job, place: str) -> None:
             _jobs[job.id] = job
     try:
         if place == "agent":
-            threading.Thread(target=job.run_here, name="probe-eval", daemon=True).start()
+            daemon_thread(job.run_here, "probe-eval").start()
         elif place == "main":
             _to_main(job)
         elif place == "step":

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
+from probe._threads import daemon_thread
+
 __all__ = ["Watchdog"]
 
 Action = Callable[[], None]
@@ -46,7 +48,7 @@ class Watchdog:
             sooner = not self._heap or due < self._heap[0][0]
             heapq.heappush(self._heap, (due, ident))
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread = daemon_thread(self._run, self._name)
                 self._thread.start()
             elif sooner:
                 self._cond.notify()  # it sleeps towards a later deadline, or without one

@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from probe.tables.python_backtrace import is_agent_thread
 from probe.tables.spec import Column
+from probe._threads import daemon_thread
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "brief_repr"]
 
@@ -114,7 +115,7 @@ def _describe_all(values: List[Tuple[int, str, Any]]) -> List[Optional[str]]:
             texts[i] = brief_repr(value)
         _stuck.clear()
 
-    helper = threading.Thread(target=work, name="probe-repr", daemon=True)
+    helper = daemon_thread(work, "probe-repr")
     helper.start()
     helper.join(REPR_BUDGET_S + 0.5)
     return list(texts)  # a copy: a helper still running writes into the old list only

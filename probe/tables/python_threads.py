@@ -2,7 +2,7 @@
 
 import os
 import threading
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe.tables.python_backtrace import is_agent_thread
 from probe.tables.spec import Column
@@ -29,10 +29,17 @@ EXAMPLE = ("SELECT t.thread_name, t.cpu_user, count(*) AS frames FROM python.bac
 def rows() -> Iterator[Tuple[Any, ...]]:
     cpu = _cpu_times_by_native_id()
     main = threading.main_thread()
-    for thread in threading.enumerate():
+    for thread in _all_threads():
         user, system = cpu.get(thread.native_id or -1, (None, None))
         yield (thread.ident, thread.native_id, thread.name, thread.daemon, thread.is_alive(),
                thread is main, is_agent_thread(thread), user, system)
+
+
+def _all_threads() -> List[threading.Thread]:
+    """Every thread threading knows. Not ``threading.enumerate()``: a debugger in the process (pydevd, for
+    ``probe T debug``) rewrites it to hide the threads it counts as its own, probe's among them."""
+    with threading._active_limbo_lock:  # type: ignore[attr-defined]
+        return list(threading._active.values()) + list(threading._limbo.values())  # type: ignore[attr-defined]
 
 
 def _cpu_times_by_native_id() -> Dict[int, Tuple[float, float]]:
@@ -45,7 +52,7 @@ def _cpu_times_by_native_id() -> Dict[int, Tuple[float, float]]:
     if os.path.isdir("/proc/self/task"):
         ticks = float(os.sysconf("SC_CLK_TCK"))
         out: Dict[int, Tuple[float, float]] = {}
-        for thread in threading.enumerate():
+        for thread in _all_threads():
             native = thread.native_id
             if native is None:
                 continue

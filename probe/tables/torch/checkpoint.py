@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from probe.errors import BadRequest, Busy, NotFound, ProbeError, Timeout
 from probe.tables.torch._common import is_dtensor, torch_or_raise
 from probe.tables.torch.discovery import find_models, find_optimizers, main_expression
+from probe._threads import daemon_thread
 
 #: Runs ``work(cancel)`` right after the next optimizer step: (its result, "") or (None, why it did not).
 BetweenSteps = Callable[[Callable[[threading.Event], Dict[str, Any]], float], Tuple[Optional[Dict[str, Any]], str]]
@@ -89,7 +90,7 @@ def _in_worker(work: Any, timeout: float) -> Dict[str, Any]:
         except BaseException as exc:  # reported to the request below; never into the target
             result["error"] = exc
 
-    worker = threading.Thread(target=run, name="probe-checkpoint", daemon=True)
+    worker = daemon_thread(run, "probe-checkpoint")
     worker.start()
     worker.join(timeout)
     if worker.is_alive():
