@@ -1,6 +1,7 @@
 """probe T debug: debugpy in the target, spoken to over DAP by a real client; gated like eval."""
 
 import json
+import os
 import socket
 import threading
 import time
@@ -8,7 +9,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from procs import REPO, pyenv_python, run_cli, target_env
+from procs import REPO, pyenv_python, run_cli, scaled, target_env
 
 import probe
 
@@ -139,29 +140,122 @@ def _port_is_free(port: int) -> bool:
 _PYDEVD_THREADS = "sorted(type(t).__name__ for t in threading._active.values() if 'PyDB' in type(t).__qualname__)"
 
 
-def test_debugpy_stops_whole_and_starts_again_on_the_same_port_or_another(target_factory):
-    """After --stop nothing of debugpy listens or waits in the target, and a new start listens where asked
-    (pydevd kept the first session's port, and its accept thread listened again on the stopped socket)."""
+def test_debugpy_stops_whole_and_is_not_started_twice_in_a_process(target_factory):
+    """After --stop nothing of debugpy listens or waits in the target. A second start in the same process is
+    refused: pydevd does not start cleanly twice (after a stop and an interrupted snippet, a second start
+    left a thread spinning with the GIL, and the agent answered nothing more)."""
     proc = target_factory("idle.py")
     client = probe.connect(str(proc.pid))
     first = run_cli(str(proc.pid), "debug", "--port", "0")
     assert first.code == 0, first.err
     port = int(first.out.split("127.0.0.1:")[1].split()[0])
-    for attempt in ("the same port", "any port"):
-        stopped = run_cli(str(proc.pid), "debug", "--stop")
-        assert stopped.code == 0 and "debugpy stopped" in stopped.out, stopped.err
-        assert _port_is_free(port), "the port is still taken after --stop"
-        assert client.eval("import threading; " + _PYDEVD_THREADS).value == "[]"
-        again = run_cli(str(proc.pid), "debug", "--port", str(port) if attempt == "the same port" else "0",
-                        timeout=30)
-        assert again.code == 0 and "debugpy listens" in again.out, (attempt, again.err)
-        port = int(again.out.split("127.0.0.1:")[1].split()[0])
-        dap = Dap(port)
-        try:
-            assert dap.response(dap.send("initialize", adapterID="probe-test", clientID="probe-test"))["success"]
-        finally:
-            dap.sock.close()
+    stopped = run_cli(str(proc.pid), "debug", "--stop")
+    assert stopped.code == 0 and "debugpy stopped" in stopped.out, stopped.err
+    assert _port_is_free(port), "the port is still taken after --stop"
+    assert client.eval("import threading; " + _PYDEVD_THREADS).value == "[]"
+    assert client.eval("1 + 1", timeout=5).value == "2"
+    again = run_cli(str(proc.pid), "debug", "--port", "0", timeout=60)
+    assert again.code == 4 and "not started a second time" in again.err, again.err
+    assert "one debugpy session per process" in again.err
+    assert run_cli(str(proc.pid), "health", timeout=30).code == 0
+
+
+def _traced_frames(client: Any) -> str:
+    """Every frame, of every thread, that still carries one of debugpy's trace functions."""
+    return client.eval(
+        "import sys\nleft = []\nfor ident, frame in sys._current_frames().items():\n"
+        "    while frame is not None:\n"
+        "        t = frame.f_trace\n"
+        "        if t is not None and 'pydev' in (type(t).__module__ or '') + getattr(t, '__module__', ''):\n"
+        "            left.append(frame.f_code.co_name)\n"
+        "        frame = frame.f_back\n"
+        "left", timeout=10).value
+
+
+@pytest.mark.parametrize("script", ["idle.py", "grad_loop.py"])
+def test_after_an_ide_session_and_a_stop_an_interrupted_snippet_leaves_the_agent_answering(target_factory, script):
+    """pydevd traced the agent's threads and left its trace functions on their frames after --stop; a
+    snippet that ran past its limit then wedged SQL and backtraces for good (on a torch process above all).
+    The agent's threads are never traced now, and a stop clears what pydevd left on any frame."""
+    proc = target_factory(script, timeout=60)
+    client = probe.connect(str(proc.pid), timeout=20)
+    assert client.query_rows("SELECT 1").rows  # the query watchdog's thread exists before debugpy starts
+    started = run_cli(str(proc.pid), "debug", "--port", "0")
+    assert started.code == 0, started.err
+    dap = Dap(int(started.out.split("127.0.0.1:")[1].split()[0]))
+    try:
+        assert dap.response(dap.send("initialize", adapterID="probe-test", clientID="probe-test"))["success"]
+        attach = dap.send("attach", justMyCode=False)
+        dap.event("initialized")
+        assert dap.response(dap.send("configurationDone"))["success"]
+        assert dap.response(attach)["success"]
+        threads = {t["name"] for t in dap.response(dap.send("threads"))["body"]["threads"]}
+        assert not any(name.startswith("probe-") for name in threads), threads  # the IDE sees the program only
+        dap.send("disconnect")
+    finally:
+        dap.sock.close()
     assert run_cli(str(proc.pid), "debug", "--stop").code == 0
+    spun = run_cli(str(proc.pid), "eval", "--eval-timeout", "1", "import time\nwhile True: time.sleep(0.01)", timeout=60)
+    assert spun.code == 5 and "interrupted" in spun.err, spun.err
+    for _ in range(5):
+        answered = run_cli(str(proc.pid), "query", "SELECT count(*) AS n FROM python.backtrace", timeout=60)
+        assert answered.code == 0, answered.err
+        assert run_cli(str(proc.pid), "backtrace", timeout=60).code == 0
+    assert _traced_frames(client) == "[]"
+
+
+def _as_nobody(port: int) -> bytes:
+    """What a process of user nobody gets from debugpy's port: a forked child drops to uid 65534 and
+    sends DAP's first request."""
+    "x".encode("idna")  # the codec is imported here: after the drop nobody may read root's files
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read)
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write, _first_answer(port))
+        finally:
+            os._exit(0)
+    os.close(write)
+    got = b""
+    while True:
+        chunk = os.read(read, 4096)
+        if not chunk:
+            break
+        got += chunk
+    os.close(read)
+    os.waitpid(child, 0)
+    return got
+
+
+def _first_answer(port: int) -> bytes:
+    body = json.dumps({"seq": 1, "type": "request", "command": "initialize",
+                       "arguments": {"adapterID": "probe-test"}}).encode()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            return sock.recv(100) or b"<closed>"
+    except OSError as exc:
+        return ("<%s>" % type(exc).__name__).encode()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another user needs root")
+def test_another_local_user_cannot_reach_debugpy_and_it_stops_by_itself(target_factory):
+    proc = target_factory("idle.py")
+    started = run_cli(str(proc.pid), "debug", "--port", "0", "--window", "3")
+    assert started.code == 0 and "admits only connections from" in started.out, started.err
+    port = int(started.out.split("127.0.0.1:")[1].split()[0])
+    assert not _as_nobody(port).startswith(b"Content-Length"), "another user got an answer from debugpy"
+    assert _first_answer(port).startswith(b"Content-Length")  # the owner still does
+    status = probe.connect(str(proc.pid)).eval("from probe.agent import debugger; debugger.status()['refused']")
+    assert status.value == "1"
+    deadline = time.monotonic() + scaled(20)
+    while not _port_is_free(port):  # no IDE attached for 3 s: it stops listening by itself
+        assert time.monotonic() < deadline, "debugpy still listens long after its window"
+        time.sleep(0.2)
+    assert run_cli(str(proc.pid), "health", timeout=30).code == 0
 
 
 def test_a_port_in_use_is_refused_at_once_and_the_agent_serves_on(target_factory):

@@ -287,8 +287,11 @@ def debug_start(agent: "Agent", request: Request) -> Response:
     import_dir = body.get("import_dir")
     from probe.agent import debugger
 
+    window = body.get("window_s", debugger.DEFAULT_WINDOW_S)
+    if isinstance(window, bool) or not isinstance(window, (int, float)):
+        raise BadRequest("window_s must be a number of seconds")
     return Response.json(debugger.start(host, port, bool(body.get("insecure")),
-                                        import_dir if isinstance(import_dir, str) else None))
+                                        import_dir if isinstance(import_dir, str) else None, float(window)))
 
 
 def debug_stop(agent: "Agent", request: Request) -> Response:

@@ -476,15 +476,20 @@ class Client:
             body["frame"] = frame
         return [str(m) for m in self._json("POST", "/v1/complete", body).get("matches", [])]
 
-    def debug_start(self, host: str = "127.0.0.1", port: int = 5678, insecure: bool = False) -> Dict[str, Any]:
+    def debug_start(self, host: str = "127.0.0.1", port: int = 5678, insecure: bool = False,
+                    window: Optional[float] = None) -> Dict[str, Any]:
         """Start debugpy in the target, listening on ``host:port``; where it listens.
 
-        debugpy has no authentication, so a host other than a loopback address needs ``insecure``.
-        On this host, a target whose environment lacks debugpy gets this process's copy.
+        It admits only connections from the target's user (or root) on its host; a host other than a
+        loopback address needs ``insecure``. It stops by itself when no IDE has been attached for
+        ``window`` seconds (the agent's default: 600). On this host, a target whose environment lacks
+        debugpy gets this process's copy.
         """
         from probe.client.debugpy_dir import exposure_dir
 
         body: Dict[str, Any] = {"host": host, "port": port, "insecure": insecure}
+        if window is not None:
+            body["window_s"] = window
         if self.target.pid is not None or getattr(self.target.address, "path", None):
             body["import_dir"] = exposure_dir()
         return self._json("POST", "/v1/debug/start", body, timeout=max(self.timeout, 60.0))
