@@ -151,3 +151,14 @@ def test_an_import_that_holds_the_gil_is_named_as_one_not_as_a_call_that_never_l
     result = _timed(str(proc.pid), "backtrace")
     assert result.code == 0 and "holds_gil_on_import" in result.out
     assert "while importing a module" in result.err and "does not let go" not in result.err, result.err
+
+
+def test_wait_on_a_gil_held_process_says_once_why_nothing_came(target_factory):
+    proc = target_factory("hung.py", "gil")
+    _holding_gil(proc)
+    started = time.monotonic()
+    result = run_cli(str(proc.pid), "--wait", "2", "eval", "1 + 1", timeout=120)
+    elapsed = time.monotonic() - started
+    assert result.code == 5 and "holds the GIL" in result.err, result.err
+    assert result.err.count("holds the GIL") == 1 and "may still run" not in result.err, result.err
+    assert elapsed < 2 + scaled(4), "took %.1f s" % elapsed

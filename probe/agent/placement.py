@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional
 from probe.errors import BadRequest, Busy, Timeout
 from probe._threads import daemon_thread
 
-__all__ = ["Job", "PLACES", "submit", "interrupt", "EvalInterrupted"]
+__all__ = ["Job", "PLACES", "submit", "interrupt", "interrupt_and_settle", "EvalInterrupted"]
 
 PLACES = ("agent", "main", "step")
 _MAX_JOBS = 64  # jobs waiting or running at once, all places together
@@ -242,6 +242,29 @@ def interrupt(job_id: str) -> str:
             _remember(_cancelled_ids, job_id)
             return "cancelled"
     return job.interrupt("it was interrupted at the client's request (Ctrl-C)")
+
+
+def interrupt_and_settle(job_id: str, settle_s: float = 0.5) -> Dict[str, Any]:
+    """Interrupt as :func:`interrupt`, then wait up to ``settle_s`` for the snippet to end, so the answer
+    says what is true: ``interrupted`` (it ended), or ``stopping`` with ``where`` (the innermost Python
+    line of its thread) when it is inside a call into C, which the interrupt cannot enter: it lands when
+    that call returns to Python, and what the call does (a ``torch.save``) completes first."""
+    with _lock:
+        job = _jobs.get(job_id)
+    state = interrupt(job_id)
+    if state != "interrupted" or job is None:
+        return {"state": state}
+    if job.finished.wait(max(0.0, settle_s)):
+        return {"state": "interrupted"}
+    return {"state": "stopping", "where": _where(job.ident)}
+
+
+def _where(ident: Optional[int]) -> Optional[str]:
+    frame = sys._current_frames().get(ident) if ident is not None else None
+    if frame is None:
+        return None
+    code = frame.f_code
+    return "%s (%s:%d)" % (code.co_name, code.co_filename, frame.f_lineno)
 
 
 # -- the main thread ------------------------------------------------------------------------------

@@ -256,9 +256,9 @@ def interrupt_eval(agent: "Agent", request: Request) -> Response:
     job_id = _job_id(request.json())
     if job_id is None:
         raise BadRequest("give the snippet's id as {\"id\": \"...\"}")
-    from probe.agent.placement import interrupt
+    from probe.agent.placement import interrupt_and_settle
 
-    return Response.json({"id": job_id, "state": interrupt(job_id)})
+    return Response.json(dict(interrupt_and_settle(job_id), id=job_id))
 
 
 def complete(agent: "Agent", request: Request) -> Response:

@@ -185,6 +185,8 @@ def stopped_on_ranks(cluster: Any, kind: str, run_id: str) -> str:
             said = "the %s was stopped" % what
         elif state == "finished":
             said = "the %s had ended" % what
+        elif state == "stopping":
+            said = "the %s was told to stop but is inside a call into C, and stops once it returns" % what
         elif state.startswith("unreachable: "):
             said = "it may run on until its time limit (%s)" % state[len("unreachable: "):]
         else:
@@ -204,7 +206,8 @@ def stop_where_unanswered(cluster: Any, kind: str, run_id: str) -> None:
     what = "query" if kind == "query" else "snippet"
     states = cluster.interrupt(kind, run_id, deadline=1.0, ranks=waited)
     said = {"interrupted": "the %s was stopped there" % what, "cancelled": "the %s was stopped there" % what,
-            "finished": "the %s had ended there" % what}
+            "finished": "the %s had ended there" % what,
+            "stopping": "the %s was told to stop there, and stops once the call into C it is in returns" % what}
 
     def told(reason: str, rank: int) -> str:
         message, dash, hint = reason.partition(" -- ")  # what became of it goes with the message, before the hint

@@ -465,9 +465,14 @@ class Client:
         return max(self.timeout, (limit or agent_default) + 5.0)
 
     def interrupt_eval(self, eval_id: str) -> str:
-        """Interrupt the snippet sent with ``eval_id``: ``interrupted``, ``finished``, or ``cancelled`` (it had not
-        started, or not arrived: it will not run)."""
-        return str(self._json("POST", "/v1/eval/interrupt", {"id": eval_id}).get("state"))
+        """Interrupt the snippet sent with ``eval_id``: ``interrupted`` (it ended), ``stopping`` (it is inside a
+        call into C, which the interrupt cannot enter: it stops when the call returns), ``finished``, or
+        ``cancelled`` (it had not started, or not arrived: it will not run)."""
+        return str(self.interrupt_eval_detail(eval_id).get("state"))
+
+    def interrupt_eval_detail(self, eval_id: str) -> Dict[str, Any]:
+        """As :meth:`interrupt_eval`, with ``where`` (the snippet's innermost Python line) when ``stopping``."""
+        return self._json("POST", "/v1/eval/interrupt", {"id": eval_id})
 
     def complete(self, text: str, frame: Optional[str] = None) -> List[str]:
         """Completions of a name or dotted attribute in the target's ``__main__`` (or ``frame``)."""

@@ -161,6 +161,9 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
     if patience is not None:
         if _answered(sock, min(patience, timeout)):
             return None
+        now = diagnose_now(pid, socket_path)  # waited as asked: now say why, where that can be told
+        if now.state in ("gil_held", "stopped"):
+            return now
         return _no_answer(pid, socket_path, min(patience, timeout), "--wait" if patience < timeout else "--timeout")
     early = known_at_once(pid, socket_path)  # stopped, or silent for seconds while the GIL is held
     if early is not None:

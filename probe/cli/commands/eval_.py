@@ -160,11 +160,22 @@ def _timeout_hint(limits: Dict[str, Any]) -> str:
 
 
 def _stop_in_target(client: Client, eval_id: str) -> str:
-    """Ask the agent to interrupt the snippet; what became of it, in words."""
+    """Ask the agent to interrupt the snippet; what became of it, in words. The request is not made to wait
+    as the one that got no answer did (``--wait``): the quick decision says at once if it cannot answer."""
+    client.wait = None
     try:
-        state = client.interrupt_eval(eval_id)
-    except ProbeError as exc:
-        return "the snippet may still run in the target (%s)" % exc.message
+        answer = client.interrupt_eval_detail(eval_id)
+    except ProbeError:
+        return "the snippet may still run in the target, if it had started (asking the agent to stop it got no answer either)"
+    return stop_words(str(answer.get("state")), answer.get("where"))
+
+
+def stop_words(state: str, where: object = None) -> str:
+    """What became of a snippet asked to stop, as the agent said it (shared with the repl)."""
+    if state == "stopping":
+        return ("the snippet was told to stop, but it is inside a call into C that the interrupt cannot enter%s: "
+                "it stops once that call returns, and what the call does (a torch.save, say) completes first"
+                % (" (called from %s)" % where if where else ""))
     return {"interrupted": "the snippet was interrupted in the target",
             "cancelled": "the snippet was cancelled before it started",
             "finished": "the snippet had already finished"}.get(state, "the agent knows no such snippet")

@@ -92,7 +92,10 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
         write_rows(output, combined, file_fmt or "csv")
         wrote(len(combined.rows), output, combined.truncated)
         return
-    footer = truncation_note(combined, max_rows) if combined.truncated else None
+    import shlex
+
+    footer = truncation_note(combined, max_rows, " ".join(shlex.quote(t) for t in cli.targets[:1]) or "TARGET") \
+        if combined.truncated else None
     print_rows(render_rows(combined, fmt, terminal_width(), wide, footer), fmt)
     if footer and fmt in ("json", "csv"):
         say("probe: " + footer, err=True)
@@ -114,13 +117,13 @@ def _stop_one(client: Client, query_id: str) -> str:
             "finished": "the query had already ended"}.get(state, "the query may still run in the target")
 
 
-def truncation_note(rows: Rows, asked: Optional[int]) -> str:
-    """What cut the result, and a way to get more that can work."""
+def truncation_note(rows: Rows, asked: Optional[int], target: str = "TARGET") -> str:
+    """What cut the result, and a way to get more that can work (``target``: as the user wrote it)."""
     shown = len(rows.rows)
     if asked is not None and asked <= shown:
         return "cut at --max-rows %d; raise it, or narrow the query" % asked
     return "cut at %d rows, the agent's row cap; ask for more with --max-rows (up to the agent's ceiling, " \
-           "see `probe TARGET health`), or narrow the query" % shown
+           "see `probe %s health`), or narrow the query" % (shown, target)
 
 
 def _refuse_conflicts(fmt: Optional[str], file_fmt: Optional[str], output: Optional[str], vertical: bool,

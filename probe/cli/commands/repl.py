@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
-from probe.cli.commands.eval_ import placement, placement_options
+from probe.cli.commands.eval_ import placement, placement_options, stop_words
 from probe.cli.context import CliContext, pass_cli
 from probe.cli.options import Seconds
 from probe.cli.output import emit
@@ -134,15 +134,21 @@ class RemoteConsole(code.InteractiveConsole):
                     event.wait(0.05)
             except KeyboardInterrupt:
                 if interrupted:
-                    self.write("\n(not waiting for it any more; it may still run in the target)\n")
+                    self.write("\n(not waiting for it any more; it may still run in the target until that call returns)\n")
                     return
                 interrupted = True
-                self.write("\nKeyboardInterrupt: interrupting the snippet in the target\n")
+                self.write("\nKeyboardInterrupt: telling the snippet to stop in the target\n")
                 for client in self.clients:
                     try:
-                        client.interrupt_eval(eval_id)
+                        answer = client.interrupt_eval_detail(eval_id)
                     except ProbeError as exc:
                         self.write("probe: %s: %s\n" % (client.target.label, exc.message))
+                        continue
+                    if answer.get("state") == "stopping":
+                        self.write("probe: %s%s\n" % ("%s: " % client.target.label if len(self.clients) > 1 else "",
+                                                       stop_words("stopping", answer.get("where"))))
+                if not all(event.is_set() for event in done):
+                    self.write("(waiting for it to stop; Ctrl-C again stops waiting)\n")
 
     def write(self, data: str) -> None:
         emit(data, nl=False)  # the targets' output, as eval prints it: made visible on a terminal
