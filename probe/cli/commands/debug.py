@@ -7,6 +7,7 @@ from typing import Any, Dict, Iterator, Optional
 import click
 
 from probe.cli.context import CliContext, each_target, pass_cli
+from probe.cli.output import say
 from probe.client import Client
 from probe.errors import UsageError
 
@@ -106,13 +107,13 @@ def debug(cli: CliContext, port: Optional[int], host: str, insecure: bool, windo
                          hint="keep 127.0.0.1 and tunnel with ssh -L, or insist with --insecure")
     if stop:
         for client, answer in each_target(cli, lambda c: c.debug_stop()):
-            click.echo("%s: debugpy %s" % (client.target.label, "stopped" if answer.get("stopped")
+            say("%s: debugpy %s" % (client.target.label, "stopped" if answer.get("stopped")
                                             else "was not running"))
         return
     several = cli.is_cluster or len(cli.targets) > 1
     chosen = port if port is not None else 0 if several else 5678
     for client, answer in each_target(cli, lambda c: c.debug_start(host, chosen, insecure, window)):
         if several:
-            click.echo("== %s ==" % cli.label(client))
+            say("== %s ==" % cli.label(client))
         for line in render_attach(client.target.label, answer, _remote_host(client), _stop_command(cli, client)):
-            click.echo(line)
+            say(line)
