@@ -66,6 +66,8 @@ class CliContext:
         deadline = self.deadline or min(DEFAULT_DEADLINE, self.timeout)
         cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
                               self.token_file, self.timeout, deadline, self.max_in_flight)
+        for line in cluster.left_out:  # members the host helper listed in a form that cannot be used
+            say("probe: " + visible(line), err=True)
         if self.ranks is not None:
             cluster = cluster.select(parse_rank_list(self.ranks))
         cluster.progress = progress_line()

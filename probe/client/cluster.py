@@ -15,7 +15,9 @@ agent directly, and asks the rank's helper about a rank that does not answer (``
 With an explicit list there is no discovery: ``rank`` is the target's position in the list.
 """
 
+import math
 import os
+import re
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from probe import _paths
@@ -24,7 +26,7 @@ from probe.client.client import DEFAULT_TIMEOUT, Client, _read_token
 from probe.client.fanout import Outcome, Progress, fan_out
 from probe.client.helped import HostHelper
 from probe.client.results import EvalResult, Frame, Rows
-from probe.client.targets import parse_target
+from probe.client.targets import Target, parse_target
 from probe.client.wording import option
 from probe.errors import ConnectError, ProbeError, UsageError
 
@@ -99,12 +101,14 @@ class NoRankAnswered(ProbeError):
 
 class Cluster:
     """A client of many agents. Each call fans out concurrently; ``failures`` names the ranks of the last
-    call that did not answer, and why."""
+    call that did not answer, and why. ``left_out`` says which members the host helper listed in a form
+    that cannot be used (a field that is not what a helper sends), and why: they are not in ``members``."""
 
     def __init__(self, members: Sequence[Member], token: Optional[str], timeout: float = DEFAULT_TIMEOUT,
                  deadline: float = DEFAULT_DEADLINE, max_in_flight: int = DEFAULT_IN_FLIGHT,
-                 token_file: Optional[str] = None) -> None:
+                 token_file: Optional[str] = None, left_out: Sequence[str] = ()) -> None:
         self.members = list(members)
+        self.left_out = list(left_out)
         self.timeout = timeout
         self.deadline = deadline
         self.max_in_flight = max_in_flight
@@ -120,10 +124,14 @@ class Cluster:
     def _client(self, member: Member) -> Client:
         # A little past the deadline, so that a rank still silent at the deadline is named by it (the
         # client's own limit bounds the whole answer from the start: it would race the deadline).
-        client = Client(parse_target(member.address), self._token, min(self.timeout, self.deadline + _MARGIN_S))
+        # A discovered rank is TCP whatever its host is called (parse_target would read a node named
+        # "core" or "unix" as a file); its fields were checked as they came (see _member).
+        target = (parse_target(member.address) if member.port is None else
+                  Target(member.address, transport.TcpAddress(_host_of(member.address), member.port)))
+        client = Client(target, self._token, min(self.timeout, self.deadline + _MARGIN_S))
         if member.helper and member.pid is not None:
-            host, _, port = member.helper.rpartition(":")
-            client.helper = HostHelper(transport.TcpAddress(host, int(port)), self._token)
+            client.helper = HostHelper(transport.TcpAddress(_host_of(member.helper),
+                                                            int(member.helper.rpartition(":")[2])), self._token)
             client.remote_pid = member.pid
         return client
 
@@ -140,7 +148,7 @@ class Cluster:
             raise UsageError("no rank %s in this job (ranks %s)" % (compact_ranks(sorted(missing)),
                                                                     compact_ranks([m.rank for m in self.members])))
         return Cluster([m for m in self.members if m.rank in wanted], self._token, self.timeout, self.deadline,
-                       self.max_in_flight, self.token_file)
+                       self.max_in_flight, self.token_file, self.left_out)
 
     @property
     def ranks(self) -> Any:
@@ -275,9 +283,22 @@ def _job_token(port: int) -> Optional[str]:
     return read_own_secret(_paths.job_token_path(port))
 
 
-def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[List[Member], Dict[str, Any]]:
-    """The ranks the host helper next to ``target`` (``host:PROBE_PORT``; the helper is on port - 1) knows."""
-    import json
+class Discovered(NamedTuple):
+    """What a host helper's ``GET /v1/ranks`` gave: the members that can be used, the job's token file
+    (where the helper named one), and lines that say which members were left out, and why."""
+
+    members: List[Member]
+    token_file: Optional[str]
+    left_out: List[str]
+
+
+def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discovered:
+    """The ranks the host helper next to ``target`` (``host:PROBE_PORT``; the helper is on port - 1) knows.
+
+    The answer is checked field by field, as the helper checks a node's report: a helper may be older,
+    buggy or not ours. A member with a field that is not what a helper sends is left out (``left_out``
+    says which and why); an answer with no usable member, or not of a member list's shape, is refused
+    with an error naming the helper."""
 
     parsed = parse_target(target)
     if not isinstance(parsed.address, transport.TcpAddress):
@@ -286,6 +307,9 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
                                                                   "connect_all([\"HOST:PORT\", ...])"))
     host, port = parsed.address.host, parsed.address.port
     given_helper = os.environ.get("PROBE_HELPER_PORT")
+    if given_helper and not (given_helper.isascii() and given_helper.isdigit() and 0 < int(given_helper) < 65536):
+        raise UsageError("PROBE_HELPER_PORT=%s is not a port" % _shown(given_helper),
+                         hint="unset it (the helper listens one below PROBE_PORT), or give a number from 1 to 65535")
     helper = transport.TcpAddress(host, int(given_helper or port - 1))
     headers = {"Authorization": "Bearer %s" % token} if token else {}
 
@@ -298,6 +322,12 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
                              % (target, what, job), hint=option("probe %s ranks", "connect_all(\"%s\")")
                              % _with_port(host, job))
 
+    def unusable(why: str) -> ConnectError:
+        return ConnectError("the host helper at %s sent %s" % (helper, why),
+                            hint="is it a host helper of this probe's version? Upgrade probe where the job's launcher "
+                                 "runs, or list the targets (%s)" % option("-t several times, or --hosts",
+                                                                          "connect_all([\"HOST:PORT\", ...])"))
+
     try:
         answer = transport.request(helper, "GET", "/v1/ranks", None, headers, timeout)
     except ConnectError as exc:
@@ -305,10 +335,7 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
         raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
                            hint="start the job as PROBE_PORT=%d torchrun ...; or list the targets (%s)"
                            % (port, option("-t several times, or --hosts", "connect_all([\"HOST:PORT\", ...])"))) from None
-    try:
-        raw = json.loads(answer.body.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        raise ProbeError("the host helper at %s sent an answer that is not JSON" % (helper,)) from None
+    raw = _json(answer.body)
     if answer.status >= 400:
         from probe.errors import error_from_code
 
@@ -318,14 +345,148 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Tuple[L
                              % (helper, target), hint="give the job's PROBE_PORT: rank 0's port (the helper listens "
                                                       "one below it); or ask this rank alone: %s"
                                                       % (option("probe %s ...", "connect(\"%s\")") % target))
-        error = raw.get("error", {}) if isinstance(raw, dict) else {}
-        raise error_from_code(str(error.get("code", "internal")), "host helper at %s: %s" % (
-            helper, str(error.get("message", ""))[:300]), error.get("hint"))
+        error = raw.get("error") if isinstance(raw, dict) else None
+        code = error.get("code") if isinstance(error, dict) else None
+        if not isinstance(code, str):
+            raise unusable("HTTP %d without an error of probe's form" % answer.status)
+        message, hint = error.get("message"), error.get("hint")  # type: ignore[union-attr]
+        raise error_from_code(code if len(code) < 40 else "internal",
+                              "host helper at %s: %s" % (helper, message[:300] if isinstance(message, str) else
+                                                         "HTTP %d" % answer.status),
+                              hint[:300] if isinstance(hint, str) else None)
+    if raw is _NOT_JSON:
+        raise unusable("an answer that is not JSON")
     if not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
-        raise ProbeError("the host helper at %s sent no member list" % (helper,))
-    own = str(raw.get("host"))
-    members = [_member(m, host, own, helper) for m in raw["members"][:100000] if isinstance(m, dict)]
-    return [m for m in members if m is not None], raw
+        raise unusable("no member list")
+    listed = raw["members"]
+    if len(listed) > MAX_LISTED:
+        raise unusable("%d members, more than the %d a host helper lists" % (len(listed), MAX_LISTED))
+    own = raw.get("host")
+    if own is not None and not _is_host(own):
+        raise unusable("its own host as %s, not a host name or address" % _shown(own))
+    token_file = raw.get("token_file")
+    if not (isinstance(token_file, str) and 0 < len(token_file) <= 4096 and token_file.isprintable()):
+        token_file = None  # only ever shown: one that is no path is not
+    members: List[Member] = []
+    problems: List[str] = []
+    seen = set()
+    for i, item in enumerate(listed):
+        try:
+            member = _member(item, host, own, helper)
+            if member.rank in seen:
+                raise _Unusable("rank %d again" % member.rank)
+        except _Unusable as exc:
+            problems.append("member %d: %s" % (i, exc))
+            continue
+        seen.add(member.rank)
+        members.append(member)
+    if problems and not members:
+        raise unusable("no member that can be used (%s)" % _summary(problems))
+    left_out = []
+    if problems:
+        left_out.append("the host helper at %s listed %d member%s that cannot be used, left out: %s" % (
+            helper, len(problems), "" if len(problems) == 1 else "s", _summary(problems)))
+    return Discovered(members, token_file, left_out)
+
+
+MAX_LISTED = 1 << 18  # members in one helper's answer: the master's keeps 131072 of other nodes at most
+_MAX_INT = (1 << 31) - 1
+_MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+_HOST = re.compile(r"[A-Za-z0-9._:%\[\]-]{1,253}")  # a host name or address (IPv6 with or without [])
+_STATE = re.compile(r"[a-z_]{1,20}")  # running, silent, ...: a word, so that a newer helper's is shown too
+_NOT_JSON = object()
+
+
+class _Unusable(Exception):
+    """A member of a helper's answer that cannot be used, and why."""
+
+
+def _json(body: bytes) -> Any:
+    import json
+
+    try:
+        return json.loads(bytes(body).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deeply
+        return _NOT_JSON
+
+
+def _shown(value: Any) -> str:
+    """A value from a helper, short and printable enough to quote in an error (repr escapes controls)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() >= 64:
+        return "an integer of %d bits" % value.bit_length()
+    text = repr(value if not isinstance(value, (list, dict)) or len(value) < 8 else type(value)())
+    text = text if text.isascii() else ascii(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _summary(problems: List[str], shown: int = 5) -> str:
+    more = len(problems) - shown
+    return "; ".join(problems[:shown]) + ("; and %d more" % more if more > 0 else "")
+
+
+def _is_host(value: Any) -> bool:
+    return isinstance(value, str) and _HOST.fullmatch(value) is not None
+
+
+def _is_host_port(value: Any) -> bool:
+    """``HOST:PORT`` (the host may be an IPv6 address, bracketed or not), port 1-65535."""
+    if not isinstance(value, str):
+        return False
+    host, sep, port = value.rpartition(":")
+    return bool(sep) and _is_host(host) and port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536
+
+
+def _host_of(address: str) -> str:
+    """The host of a checked ``HOST:PORT``, without the brackets of an IPv6 address."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _int(value: Any) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _field(raw: Dict[str, Any], key: str, low: int, high: int, needed: bool = False) -> Optional[int]:
+    """``raw[key]``, an integer from ``low`` to ``high``; None where absent (or null) and not ``needed``."""
+    value = raw.get(key)
+    if value is None and not needed:
+        return None
+    number = _int(value)
+    if number is None or not low <= number <= high:
+        raise _Unusable("%s is %s, not an integer from %d to %d" % (key, _shown(value), low, high))
+    return number
+
+
+def _member(raw: Any, typed_host: str, helper_host: Optional[str], helper: transport.TcpAddress) -> Member:
+    """One member of a helper's answer, every field checked (see :func:`discover`); ``_Unusable`` if not."""
+    if not isinstance(raw, dict):
+        raise _Unusable("%s, not an object" % _shown(raw))
+    rank = _field(raw, "rank", 0, _MAX_INT, needed=True)
+    port = _field(raw, "port", 1, 65535, needed=True)
+    host = raw.get("host")
+    if not _is_host(host):
+        raise _Unusable("host is %s, not a host name or address" % _shown(host))
+    world_size = _field(raw, "world_size", 1, _MAX_INT)
+    if world_size is not None and rank >= world_size:  # type: ignore[operator]
+        raise _Unusable("rank %d is not below its world size %d" % (rank, world_size))
+    pid = _field(raw, "pid", 1, _MAX_PID)
+    local_rank, node = _field(raw, "local_rank", 0, _MAX_INT), _field(raw, "node", 0, _MAX_INT)
+    restarts = _field(raw, "restarts", 0, _MAX_INT)
+    state = raw.get("state")
+    if state is not None and not (isinstance(state, str) and _STATE.fullmatch(state)):
+        raise _Unusable("state is %s, not a word such as running" % _shown(state))
+    age = raw.get("heartbeat_age")
+    if age is not None and not (isinstance(age, (int, float)) and not isinstance(age, bool) and math.isfinite(age)
+                                and 0 <= age < 1e9):
+        raise _Unusable("heartbeat_age is %s, not null or seconds" % _shown(age))
+    node_helper = raw.get("helper")
+    if node_helper is not None and not _is_host_port(node_helper):
+        raise _Unusable("helper is %s, not HOST:PORT" % _shown(node_helper))
+    same_node = host == helper_host
+    reach = typed_host if same_node else host  # the master's ranks: at the address the user gave
+    if same_node:
+        node_helper = "%s:%d" % ("[%s]" % helper.host if ":" in helper.host else helper.host, helper.port)
+    return Member(rank, host, _with_port(reach.strip("[]"), port), port, pid, state, local_rank,  # type: ignore[arg-type]
+                  node, world_size, restarts, age, node_helper or None)
 
 
 def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
@@ -333,8 +494,6 @@ def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
     host and belongs to a job of this host without being its PROBE_PORT; else None. Known from the job
     token files this host's helpers keep, and the member list of the helper beside each (asked with that
     token): only for a mistyped address, never on the way to an answer."""
-    import json
-    import re
     import socket
 
     try:
@@ -351,9 +510,9 @@ def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
         try:
             answer = transport.request(transport.TcpAddress("127.0.0.1", job - 1), "GET", "/v1/ranks", None,
                                        {"Authorization": "Bearer %s" % token} if token else {}, 2.0)
-            raw = json.loads(answer.body.decode("utf-8"))
-        except (ProbeError, ValueError, UnicodeDecodeError):
+        except ProbeError:
             continue
+        raw = _json(answer.body)
         if answer.status != 200 or not isinstance(raw, dict) or not isinstance(raw.get("members"), list):
             continue
         if port == job - 1:
@@ -361,31 +520,13 @@ def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
         own = raw.get("host")
         for member in raw["members"]:
             if isinstance(member, dict) and member.get("port") == port and member.get("host") == own:
-                return "rank %s's port" % member.get("rank"), job
+                rank = _int(member.get("rank"))
+                return ("rank %d's port" % rank if rank is not None else "a rank's port"), job
     return None
 
 
 def _with_port(host: str, port: int) -> str:
     return "%s:%d" % ("[%s]" % host if ":" in host else host, port)
-
-
-def _int(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _member(raw: Dict[str, Any], typed_host: str, helper_host: str, helper: transport.TcpAddress) -> Optional[Member]:
-    rank, port = _int(raw.get("rank")), _int(raw.get("port"))
-    if rank is None or port is None or not 0 < port < 65536:
-        return None
-    host = str(raw.get("host"))[:255]
-    same_node = host == helper_host
-    reach = typed_host if same_node else host  # the master's ranks: at the address the user gave
-    node_helper = "%s:%d" % (helper.host, helper.port) if same_node else str(raw.get("helper") or "")[:300] or None
-    age = raw.get("heartbeat_age")
-    return Member(rank, host, "%s:%d" % ("[%s]" % reach if ":" in reach else reach, port), port,
-                  _int(raw.get("pid")), str(raw.get("state"))[:20], _int(raw.get("local_rank")),
-                  _int(raw.get("node")), _int(raw.get("world_size")), _int(raw.get("restarts")),
-                  age if isinstance(age, (int, float)) and not isinstance(age, bool) else None, node_helper)
 
 
 def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None, token_file: Optional[str] = None,
@@ -400,11 +541,11 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
         port = getattr(parsed.address, "port", None)
         if secret is None and port is not None:
             secret = _job_token(port)
-        members, raw = discover(targets, secret, min(timeout, deadline))
-        if not members:
+        found = discover(targets, secret, min(timeout, deadline))
+        if not found.members:
             raise ProbeError("the host helper at %s knows no rank yet (the job is starting?)" % targets,
                              hint="retry in a moment")
-        return Cluster(members, secret, timeout, deadline, max_in_flight, raw.get("token_file"))
+        return Cluster(found.members, secret, timeout, deadline, max_in_flight, found.token_file, found.left_out)
     members = [Member(i, t, t) for i, t in enumerate(targets)]
     if not members:
         raise UsageError("no targets given")
