@@ -20,7 +20,7 @@ from probe.cli.render_cluster import RankStacks, render_grouped_backtrace, rende
 from probe.client.cluster import compact_ranks, parse_rank_list
 from probe.client.results import EvalResult, Frame
 from probe.errors import UsageError
-from procs import TARGETS, Proc, run_cli, target_env
+from procs import TARGETS, Proc, run_cli, scaled, target_env
 from terminal import Terminal, run_in_pty, sockets
 from torch_job import ready_lines
 
@@ -490,3 +490,32 @@ def test_two_nodes_report_to_the_master_and_answer_as_one_job(tmp_path):
         assert json.loads(odd.out) == [{"rank": 3, "host": "127.0.0.2", "node": 1, "state": "dead"}]
         mixed = run_cli(master, "query", "SELECT * FROM cluster.ranks JOIN python.threads USING (pid)", env=env)
         assert mixed.code == 2 and "python.threads is a rank's table" in mixed.err, (mixed.code, mixed.err)
+
+
+@needs_torchrun
+def test_a_rank_holding_the_gil_whose_backlog_is_full_is_still_read_from_outside_at_once():
+    """A rank that cannot run accepts no connection; probed again and again (from other nodes), its TCP
+    backlog fills and the kernel drops new connections, so a connect waits to its timeout. After a short
+    wait the client asks the rank's host helper instead, which reads it from outside."""
+    with torchrun_job("rank_states.py", 2, GIL_RANK="1") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        assert run_cli(master, "ranks").code == 0
+        held = []
+        try:
+            for _ in range(300):  # past the backlog: the rest wait in SYN_SENT, as a flood of probes would
+                sock = socket.socket()
+                sock.setblocking(False)
+                try:
+                    sock.connect(("127.0.0.1", port + 1))
+                except BlockingIOError:
+                    pass
+                held.append(sock)
+            start = time.monotonic()
+            result = run_cli(master, "--all-ranks", "backtrace", timeout=120)
+            elapsed = time.monotonic() - start
+            assert result.code == 0, (result.out, result.err)
+            assert "[stack of rank 1 read from outside]" in result.out and "> hold_the_gil" in result.out, result.out
+            assert elapsed < scaled(8), elapsed
+        finally:
+            for sock in held:
+                sock.close()

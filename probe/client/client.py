@@ -156,19 +156,25 @@ class Client:
         """A request to a rank elsewhere whose host helper says, when it is slow, whether it cannot answer
         (dead, stopped, GIL held) and sends the stacks it read from outside (see ``probe.client.helped``)."""
         from probe.client import helped
-        from probe.errors import ConnectError
+        from probe.errors import ConnectError, Timeout
 
         helper, pid = self.helper, self.remote_pid
         assert helper is not None and pid is not None
         deadline = time.monotonic() + timeout  # for the whole answer, however it trickles in
         try:
-            sock = transport.send_request(self.target.address, method, path, payload, headers, timeout)
-        except ConnectError:
+            # A rank that cannot run accepts nothing; once its backlog is full (a hung job probed again and
+            # again) a connect waits to its timeout: after a short wait the helper is asked why instead.
+            sock = transport.send_request(self.target.address, method, path, payload, headers, timeout,
+                                          queue_wait=min(timeout, helped.CONNECT_S))
+        except (ConnectError, Timeout) as exc:
             raw = helped.ask(helper, pid)
             error = helped.error_for(raw, helper, self.target.label) if raw is not None else None
             if error is not None:
                 raise error from None
-            raise
+            if not isinstance(exc, Timeout) or deadline - time.monotonic() <= 0:
+                raise
+            sock = transport.send_request(self.target.address, method, path, payload, headers,
+                                          max(deadline - time.monotonic(), 0.1))
         try:
             error = helped.await_answer(sock, helper, pid, self.target.label, timeout)
         except BaseException:

@@ -16,11 +16,13 @@ from typing import Any, Dict, NamedTuple, Optional
 from probe.client import transport
 from probe.errors import AgentBlocked, ProbeError, ProcessDead
 
-__all__ = ["HostHelper", "ask", "await_answer", "error_for", "GRACE_S"]
+__all__ = ["HostHelper", "ask", "await_answer", "error_for", "GRACE_S", "CONNECT_S"]
 
 GRACE_S = 0.5
 """How long a rank may take to answer before its helper is asked about it (every second after that)."""
 ASK_TIMEOUT_S = 5.0
+CONNECT_S = 1.0
+"""How long a connect to a rank may take before its helper is asked why (a healthy rank's takes < 1 ms)."""
 
 
 class HostHelper(NamedTuple):

@@ -94,7 +94,9 @@ def _connect(address: Address, timeout: float, queue_wait: Optional[float] = Non
             except BaseException:
                 sock.close()
                 raise
-    sock = socket.create_connection((address.host, address.port), timeout=timeout)
+    sock = socket.create_connection((address.host, address.port), timeout=timeout if queue_wait is None
+                                    else min(queue_wait, timeout))
+    sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock
 
@@ -112,7 +114,9 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
                  queue_wait: Optional[float] = None) -> socket.socket:
     """Connect and send one request; the caller waits for the answer (``read_response``), or closes
     the socket to give up on it (the agent then runs nothing for it). ``queue_wait``: see ``_connect``;
-    :class:`QueueFull` passes through to a caller that set it."""
+    :class:`QueueFull` passes through to a caller that set it. Over TCP it bounds the connect: an agent
+    that cannot run accepts nothing, and once its backlog is full the kernel drops new connections, so a
+    connect waits to its timeout (the caller then asks the rank's host helper why)."""
     host = address.host if isinstance(address, TcpAddress) else "localhost"
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
              "Content-Length: %d" % len(body or b"")]
@@ -132,7 +136,8 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     except ConnectionRefusedError:
         raise ConnectError("no agent at %s (connection refused)" % (address,)) from None
     except socket.timeout:
-        raise Timeout("connecting to %s timed out after %.1f s" % (address, timeout)) from None
+        waited = timeout if queue_wait is None else min(queue_wait, timeout)
+        raise Timeout("connecting to %s timed out after %.1f s" % (address, waited)) from None
     except OSError as exc:
         raise ConnectError("cannot connect to %s: %s" % (address, exc.strerror or exc)) from None
     try:
