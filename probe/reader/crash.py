@@ -1,10 +1,13 @@
 """Crash records left by agents whose process died (``probe.agent.crash`` writes them): found, read
 into stacks, and cleaned up.
 
-Clean-up rule: a record of a process that is gone is kept for ``KEEP_DAYS`` days, and at most
-``KEEP_RECORDS`` of them (the newest); one without stacks (a process ended by a signal that runs no
-handler: SIGTERM, SIGKILL, the OOM killer) only for ``KEEP_SILENT_S``. Older ones are removed whenever
-``probe list`` runs. A record of a live process is never touched. Stdlib only.
+Clean-up rule: a record of a process that is gone is kept for ``KEEP_DAYS`` days; one without stacks
+(a process ended by a signal that runs no handler: SIGTERM, SIGKILL, the OOM killer) only for
+``KEEP_SILENT_S``. Of the records of processes stopped on purpose (SIGTERM, Ctrl-C: a demo, a test, a
+cancelled job) the newest ``KEEP_STOPPED_RECORDS`` are kept, and of the others (crashes, and deaths
+that left no word) the newest ``KEEP_RECORDS``: each kind within its own bound, so that many demo runs
+cannot push out the record of a real crash. Older ones are removed whenever ``probe list`` runs. A
+record of a live process is never touched. Stdlib only.
 """
 
 import os
@@ -16,10 +19,12 @@ from typing import Dict, List, Optional, Tuple
 from probe import _paths
 from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
 
-__all__ = ["CrashRecord", "records", "dead_record", "clean_up", "KEEP_DAYS", "KEEP_RECORDS", "KEEP_SILENT_S"]
+__all__ = ["CrashRecord", "records", "dead_record", "clean_up", "stopped_on_purpose", "KEEP_DAYS", "KEEP_RECORDS",
+           "KEEP_STOPPED_RECORDS", "KEEP_SILENT_S"]
 
 KEEP_DAYS = 7
-KEEP_RECORDS = 20
+KEEP_RECORDS = 20  # crashes (and deaths without a word), the newest
+KEEP_STOPPED_RECORDS = 20  # processes stopped on purpose, the newest: a bound of their own
 KEEP_SILENT_S = 3600
 _MAGIC = "probe-crash-record 1"
 _NAME = re.compile(r"^(\d+)-(\d+)\.crash$")
@@ -67,6 +72,11 @@ class CrashRecord:
         return "ended without a word: a signal that runs no handler (SIGKILL, the OOM killer, SIGTERM) or os._exit"
 
     @property
+    def stopped_on_purpose(self) -> bool:
+        """Ended by SIGTERM or Ctrl-C, as a person or a scheduler ends a process: not a crash."""
+        return stopped_on_purpose(self.cause)
+
+    @property
     def died_at(self) -> Optional[float]:
         """When it died: the time the handler wrote; None for a header-only record (the file was last
         written at start, so it does not tell)."""
@@ -90,6 +100,11 @@ class CrashRecord:
         died = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.written_at))
         return Stacks(self.pid, "crash record %s, written when the process died (%s)" % (self.path, died),
                       tuple(threads), self.header.get("python"), {"cause": self.cause, "died_at": self.written_at})
+
+
+def stopped_on_purpose(cause: str) -> bool:
+    """Whether a record's ``cause`` is SIGTERM or Ctrl-C (an uncaught KeyboardInterrupt), not a crash."""
+    return cause.startswith("SIGTERM") or cause.startswith("uncaught exception: KeyboardInterrupt")
 
 
 def _int(text: str, base: int) -> Optional[int]:
@@ -186,13 +201,19 @@ def clean_up(now: Optional[float] = None) -> int:
     """Remove records of dead processes past the rule above; returns how many went."""
     now = now or time.time()
     removed = 0
-    dead = [r for r in records() if not r.alive]
-    for index, record in enumerate(dead):
+    kept = {True: 0, False: 0}  # records kept so far, newest first: stopped on purpose, or not
+    for record in records():
+        if record.alive:
+            continue
         since = record.written_at
         if not record.has_stacks:
             since = _noticed_dead(record, now)
         keep_for = KEEP_DAYS * 86400 if record.has_stacks else KEEP_SILENT_S
-        if index >= KEEP_RECORDS or now - since > keep_for:
+        on_purpose = record.stopped_on_purpose
+        bound = KEEP_STOPPED_RECORDS if on_purpose else KEEP_RECORDS
+        if kept[on_purpose] < bound and now - since <= keep_for:
+            kept[on_purpose] += 1
+        else:
             try:
                 os.unlink(record.path)
                 removed += 1
