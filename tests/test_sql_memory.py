@@ -122,3 +122,25 @@ def test_results_are_the_query_s_own_after_the_bound(target):
                   "--max-rows", "3", timeout=scaled(60))
     assert out.code == 0, out.err
     assert out.out.split() == ["i", "9", "8", "7"] and "--max-rows 3" in out.err, (out.out, out.err)
+
+
+@pytest.mark.parametrize("sql", [
+    "SELECT len(range(200000000)) AS n",                      # one list of 1.6 GB, built by one call: +14 GB before
+    "SELECT len(list_resize([1], 200000000)) AS n",
+    "SELECT len(repeat('x', 300000000 + i)) AS n FROM range(3) t(i)",  # a vector's worth of huge strings
+    "EXPLAIN SELECT range(200000000)",                        # planning folds the constant: built there too
+    "WITH x AS (SELECT system.main.range(200000000) AS r) SELECT len(r) AS n FROM x",
+])
+def test_a_single_call_that_builds_a_huge_value_is_refused_before_it_runs(target, sql):
+    start = _reset_peak(target.pid)
+    result = _query(target.pid, sql)
+    grown = _status_mb(target.pid, "VmHWM") - start
+    assert result.code == 2 and "make rows instead of one big value" in result.err, (result.code, result.err)
+    assert grown < 200, "the target grew by %.0f MB" % grown
+    _alive_and_answering(target)
+
+
+def test_small_built_values_and_rows_from_range_still_run(target):
+    result = _query(target.pid, "SELECT len(range(10)) AS a, repeat('-', 80) AS b, printf('%5d', 7) AS c, "
+                                "count(*) AS d FROM range(1000000)")
+    assert result.code == 0 and '"a": 10' in result.out and '"d": 1000000' in result.out, result.err

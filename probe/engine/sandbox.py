@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set
 
+from probe.engine.builders import check_builders
 from probe.engine.memory import MemoryGuard, parse_size, return_memory, rss_bytes
 from probe.engine.result import QueryResult
 from probe.engine.watchdog import Watchdog
@@ -305,6 +306,8 @@ class Engine:
         parser = self._parser.cursor()  # one connection refuses concurrent calls: a cursor each
         try:
             names = frozenset(referenced_tables(sql, parser))
+            # EXPLAIN plans its statement, and planning folds constants: range(10**9) is built there too.
+            check_builders(_serialized(parser, _EXPLAIN_PREFIX.sub("", sql, count=1) if kind == "EXPLAIN" else sql))
         finally:
             parser.close()
         parsed = _Parsed(names, _statement_text(sql) if kind == "SELECT" else None, sql)
@@ -504,6 +507,15 @@ def _reader_for(con: Any) -> Callable[[Any, str, int], Any]:
         except Exception:
             pass
     return _public_reader
+
+
+def _serialized(parser: Any, sql: str) -> str:
+    """DuckDB's parse tree of ``sql`` as JSON text (empty where it cannot give one: nothing is checked)."""
+    try:
+        row = parser.execute("SELECT json_serialize_sql(?::VARCHAR)", [sql]).fetchone()
+    except Exception:
+        return ""
+    return row[0] if row and isinstance(row[0], str) else ""
 
 
 def _check_size(sql: str) -> None:
