@@ -52,6 +52,7 @@ def test_the_file_restores_the_same_weights_optimizer_and_rng(tmp_path):
         _eval(proc.pid, "torch.save({'model': model.state_dict(), 'opt': optimizer.state_dict()}, %r)" % ref)
         draws = _eval(proc.pid, "g = torch.get_rng_state(); x = torch.rand(3).tolist(); torch.set_rng_state(g); x")
     assert saved["path"] == path and saved["bytes"] == os.path.getsize(path) and saved["sha256"] == _sha256(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600  # the weights are the owner's alone, whatever the umask
     assert saved["models"] == [{"name": "model", "tensors": 10, "parameters": 684}]
     assert saved["optimizers"] == [{"name": "optimizer", "class": "Adam", "param_groups": 1}]
     assert (saved["step"], saved["step_source"]) == (4, "__main__.step")

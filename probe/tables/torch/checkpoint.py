@@ -285,7 +285,8 @@ def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: th
     directory, name = os.path.split(target)
     _remove_leftovers(directory, name)
     tmp = os.path.join(directory, ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4)))
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    # Owner-only, whatever the umask: a checkpoint holds the weights, and probe writes it on the user's behalf.
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         writer = _HashingWriter(fd, cancel)
         torch.save(state, writer)
