@@ -165,9 +165,10 @@ def test_a_result_past_the_byte_bound_is_refused_and_memory_comes_back(target_fa
     assert big.code == 2 and "larger than" in big.err and "PROBE_MAX_RESULT_BYTES" in big.err, big.err
     grown = _status(proc.pid)
     assert grown["VmHWM"] - before["VmHWM"] < 400, (before, grown)
-    # The review's own query: one DuckDB vector holds 900 MB before probe sees a byte of it.
+    # The review's own query: one DuckDB vector would hold 900 MB before probe sees a byte of it; the value
+    # built by one call is refused before the query runs.
     huge = run_cli(str(proc.pid), "query", "SELECT repeat('x', 10000000) AS s FROM range(90)")
-    assert huge.code == 2 and "larger than" in huge.err, huge.err
+    assert huge.code == 2 and "make rows instead of one big value" in huge.err, huge.err
     after = _status(proc.pid)
     assert after["VmRSS"] - before["VmRSS"] < 150, (before, after)
     assert proc.alive()
@@ -286,7 +287,8 @@ def test_a_large_sort_never_spills_to_disk(tmp_path):
         wait_for_socket(popen.pid)
         result = run_cli(str(popen.pid), "query", "SELECT count(*) FROM (SELECT i, repeat('x', 50) AS s "
                          "FROM range(3000000) t(i) ORDER BY s || i)")
-        assert result.code == 1 and "Out of Memory" in result.err, result.err
+        # DuckDB's out-of-memory is the agent's too_large now (exit 2), with the limit and what to do.
+        assert result.code == 2 and "needed more memory than the agent lets SQL take" in result.err, result.err
         assert os.listdir(str(tmp_path)) == []  # no duckdb_temp files, no .tmp directory
     finally:
         proc.kill()

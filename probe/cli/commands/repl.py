@@ -137,7 +137,8 @@ class RemoteConsole(code.InteractiveConsole):
                     self.write("\n(not waiting for it any more; it may still run in the target until that call returns)\n")
                     return
                 interrupted = True
-                self.write("\nKeyboardInterrupt: telling the snippet to stop in the target\n")
+                self.write("\nKeyboardInterrupt: interrupting the snippet in the target\n")
+                stopping = False
                 for client in self.clients:
                     try:
                         answer = client.interrupt_eval_detail(eval_id)
@@ -145,9 +146,10 @@ class RemoteConsole(code.InteractiveConsole):
                         self.write("probe: %s: %s\n" % (client.target.label, exc.message))
                         continue
                     if answer.get("state") == "stopping":
+                        stopping = True
                         self.write("probe: %s%s\n" % ("%s: " % client.target.label if len(self.clients) > 1 else "",
                                                        stop_words("stopping", answer.get("where"))))
-                if not all(event.is_set() for event in done):
+                if stopping:
                     self.write("(waiting for it to stop; Ctrl-C again stops waiting)\n")
 
     def write(self, data: str) -> None:
