@@ -97,7 +97,8 @@ def debug(cli: CliContext, port: Optional[int], host: str, insecure: bool, windo
     It listens on 127.0.0.1 unless --host and --insecure say otherwise, and admits only connections from
     the target's user (or root), as the kernel's socket table says: other local users are refused. An IDE
     on another host comes in through the printed ssh -L tunnel. It stops by itself once no IDE has been
-    attached for --window seconds. Refused where eval is off.
+    attached for --window seconds. debugpy starts once in a process: after --stop it cannot start again
+    there, so keep it while you may want it (IDEs attach and detach freely). Refused where eval is off.
     """
     from probe.agent.debugger import is_loopback
 
