@@ -12,7 +12,6 @@ import importlib.util
 import os
 import secrets
 import stat
-import sys
 import threading
 import time
 from typing import Any, List, Optional
@@ -22,6 +21,7 @@ from probe.agent.http import Request
 from probe.agent.listener import Listener, keep_stdio_open
 from probe.agent.options import AgentOptions, binds_every_interface, parse_hostport
 from probe.errors import ProbeError, SQLUnavailable, Unauthorized, UsageError
+from probe._stderr import say as _say
 
 __all__ = ["Agent"]
 
@@ -240,14 +240,6 @@ def _arm_crash_record() -> Optional[str]:
         return crash.install()
     except Exception:
         return None
-
-
-def _say(line: str) -> None:
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except BaseException:
-        pass
 
 
 def _refuse_if_served(path: str) -> None:

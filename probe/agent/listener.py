@@ -28,6 +28,7 @@ from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
 from probe.errors import Busy, Forbidden, ProbeError
 from probe._threads import daemon_thread
+from probe._stderr import say as _say
 
 __all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread",
            "fd_identity", "keep_stdio_open"]
@@ -494,13 +495,3 @@ def _listen_tcp(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def _say(line: str) -> None:
-    try:
-        import sys
-
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except BaseException:
-        pass

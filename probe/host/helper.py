@@ -24,7 +24,6 @@ import json
 import math
 import os
 import re
-import sys
 import threading
 import time
 from array import array
@@ -34,6 +33,7 @@ from probe import _paths
 from probe.agent.http import Request, Response
 from probe.errors import BadRequest, Forbidden, NotFound, ProbeError, Unauthorized
 from probe.host.members import Members, node_host
+from probe._stderr import say as _say
 
 __all__ = ["Helper", "helper_port", "start_in_launcher", "REPORT_EVERY_S"]
 
@@ -436,14 +436,6 @@ def _exit_status(pid: int) -> str:
     if status & 0x7F:
         return "killed by signal %d" % (status & 0x7F)
     return "exit code %d" % (status >> 8)
-
-
-def _say(line: str) -> None:
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except BaseException:
-        pass
 
 
 def _job_token(base_port: int) -> Tuple[str, Optional[str]]:
