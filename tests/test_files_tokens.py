@@ -580,7 +580,8 @@ def test_probe_port_alone_binds_the_address_shown_and_every_interface_must_be_as
     env = _env(runtime, probe=False)
     shown = socket.gethostbyname(socket.gethostname())  # what the host helper shows for this node
     port = _free_port()
-    alone = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT=str(port)))
+    # A rank (LOCAL_RANK 0) serves on PROBE_PORT itself; a process with no rank known would take any port.
+    alone = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT=str(port), LOCAL_RANK="0"))
     health = json.loads(run_cli(str(alone.pid), "health", "--json", env=env).out)
     assert health["tcp"] == "%s:%d" % (shown, port) and health["tcp_reach"] == health["tcp"], health
     assert alone.popen.stderr is not None  # the agent started before READY: a warning would be there already
@@ -588,7 +589,7 @@ def test_probe_port_alone_binds_the_address_shown_and_every_interface_must_be_as
     assert not ready or not _probe_lines(os.read(alone.popen.stderr.fileno(), 65536).decode()), "a warning"
 
     port = _free_port()
-    every = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT="0.0.0.0:%d" % port))
+    every = target_factory("idle.py", env=_env(runtime, PROBE="", PROBE_PORT="0.0.0.0:%d" % port, LOCAL_RANK="0"))
     warned = _probe_lines(_stderr_until(every, lambda text: "every interface" in text))
     assert warned == ["probe: the agent in process %d serves TCP on every interface (0.0.0.0:%d; token required); "
                       "PROBE_LISTEN=ADDRESS:PORT binds one" % (every.pid, port)], warned

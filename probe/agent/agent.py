@@ -92,9 +92,12 @@ class Agent:
             try:
                 tcp = Listener.tcp(host, port, dispatcher)
             except OSError as exc:
-                raise UsageError("cannot listen on %s: %s" % (listen, exc.strerror or exc),
-                                 hint="give each process its own port, or PROBE_LISTEN=%s:0 for any free one"
-                                 % ("[%s]" % host if ":" in host else host)) from None
+                if self.options.listen_fallback and port:  # a rank under PROBE_PORT: never left without TCP
+                    tcp = self._any_free_port(host, dispatcher, "%s is taken (%s)" % (listen, exc.strerror or exc))
+                if tcp is None:
+                    raise UsageError("cannot listen on %s: %s" % (listen, exc.strerror or exc),
+                                     hint="give each process its own port, or PROBE_LISTEN=%s:0 for any free one"
+                                     % ("[%s]" % host if ":" in host else host)) from None
             self._token = self._make_or_read_token().encode("utf-8")
         except (ProbeError, OSError, ValueError) as exc:
             if tcp is not None:
@@ -106,9 +109,21 @@ class Agent:
             return
         self.tcp_address = "%s:%d" % (host, tcp.port)
         self._listeners.append(tcp)
+        if self.options.listen_note:
+            _say("probe: the agent in process %d serves TCP on %s: %s" % (self.pid, self.tcp_address,
+                                                                          self.options.listen_note))
         if binds_every_interface(host):
             _say("probe: the agent in process %d serves TCP on every interface (%s; token required); "
                  "PROBE_LISTEN=ADDRESS:PORT binds one" % (self.pid, self.tcp_address))
+
+    def _any_free_port(self, host: str, dispatcher: Any, why: str) -> Optional[Listener]:
+        try:
+            tcp = Listener.tcp(host, 0, dispatcher)
+        except OSError:
+            return None
+        _say("probe: the agent in process %d serves TCP on %s:%d instead: %s"
+             % (self.pid, "[%s]" % host if ":" in host else host, tcp.port, why))
+        return tcp
 
     def stop(self) -> None:
         """Close the listeners and remove our files; only the process that started us does this.

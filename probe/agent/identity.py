@@ -1,19 +1,14 @@
-"""Who this agent is: pid, host, and the rank it holds in a distributed job (from the environment)."""
+"""Who this agent is: pid, host, and the rank it holds in a distributed job (see ``probe._rank``: from the
+launcher's variables, or from torch.distributed once the program initialised it)."""
 
 import os
 import socket
 import sys
-from typing import Dict, Optional
+from typing import Dict
+
+from probe import _rank
 
 __all__ = ["identity"]
-
-
-def _int_env(name: str) -> Optional[int]:
-    value = os.environ.get(name, "")
-    try:
-        return int(value)
-    except ValueError:
-        return None
 
 
 def identity() -> Dict[str, object]:
@@ -21,9 +16,7 @@ def identity() -> Dict[str, object]:
     return {
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "rank": _int_env("RANK"),
-        "local_rank": _int_env("LOCAL_RANK"),
-        "world_size": _int_env("WORLD_SIZE"),
+        **_rank.as_fields(_rank.current()),
         "python": "%d.%d.%d" % sys.version_info[:3],
         "executable": sys.executable,
     }

@@ -39,6 +39,11 @@ class AgentOptions:
     """DuckDB's memory limit inside the target."""
     max_result_bytes: int = 64 << 20
     """Bytes one query result may hold (its Arrow data); a larger result is refused, not materialised."""
+    listen_fallback: bool = False
+    """When ``listen``'s port is taken, serve on any free port of its host (and say so) rather than on none:
+    a rank under ``PROBE_PORT``, which must not be left without TCP."""
+    listen_note: Optional[str] = None
+    """Why ``listen`` is not the port ``PROBE_PORT`` gives ranks (said once on stderr at start); None: it is."""
 
     @classmethod
     def from_env(cls, environ: Optional[Mapping[str, str]] = None, **overrides: Any) -> "AgentOptions":
@@ -48,10 +53,7 @@ class AgentOptions:
         listen = env.get("PROBE_LISTEN") or None
         port = env.get("PROBE_PORT")
         if port:
-            # Under torchrun every rank of a host shares PROBE_PORT; each serves on PROBE_PORT + LOCAL_RANK.
-            host, base = probe_port_binding(env)
-            local_rank = int(env.get("LOCAL_RANK", "0") or 0)
-            listen = "%s:%d" % ("[%s]" % host if ":" in host else host, base + local_rank)
+            listen, values["listen_fallback"], values["listen_note"] = _probe_port_listen(env)
         if listen:
             values["listen"] = listen
         if env.get("PROBE_TOKEN"):
@@ -77,11 +79,16 @@ class AgentOptions:
             values["max_result_bytes"] = _size(env["PROBE_MAX_RESULT_BYTES"])
         if env.get("PROBE_MEMORY_LIMIT"):
             values["memory_limit"] = env["PROBE_MEMORY_LIMIT"]
+        if overrides.get("listen") is not None:  # an address asked for in so many words: that one or none
+            values["listen_fallback"], values["listen_note"] = False, None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
     def with_overrides(self, **overrides: Any) -> "AgentOptions":
-        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+        given = {k: v for k, v in overrides.items() if v is not None}
+        if "listen" in given:  # an address asked for in so many words: that one or none
+            given = dict({"listen_fallback": False, "listen_note": None}, **given)
+        return replace(self, **given)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -92,6 +99,31 @@ class AgentOptions:
         raw = json.loads(text) if text else {}
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def _probe_port_listen(env: Mapping[str, str]) -> "tuple[Optional[str], bool, Optional[str]]":
+    """What ``PROBE_PORT`` makes this process listen on: (address or None, fall back on a clash, note).
+
+    A rank whose local rank its launcher set (``probe._rank``) serves on ``PROBE_PORT + local rank``, or
+    on any free port when that one is taken. A process whose rank is not known at start (a launcher such
+    as ``accelerate launch``, a parent that waits for the ranks it spawned, a script that becomes rank 0
+    later, a child of multiprocessing's spawn) serves on any free port: it never takes a rank's port, and
+    may still be a rank. Multiprocessing's resource tracker and fork server serve no TCP at all.
+    """
+    from probe import _rank
+
+    host, base = probe_port_binding(env)
+    host = "[%s]" % host if ":" in host else host
+    role = _rank.mp_role()
+    if role == "helper":
+        return None, False, None
+    known = _rank.at_start(env)
+    if known.local_rank is not None:
+        return "%s:%d" % (host, base + known.local_rank), True, None
+    if role == "child":  # a spawn child: may become a rank (mp.spawn); nothing to say for each worker
+        return "%s:0" % host, False, None
+    return ("%s:0" % host, False, "no local rank is known at its start (no LOCAL_RANK, SLURM_LOCALID, "
+            "OMPI_COMM_WORLD_LOCAL_RANK, ...), so it takes none of the ranks' ports %d and up" % base)
 
 
 def _size(text: str) -> int:

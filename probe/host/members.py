@@ -7,12 +7,12 @@ import threading
 import time
 from typing import Any, Dict, List, NamedTuple, Optional
 
-from probe import _paths
+from probe import _paths, _rank
 from probe.reader import proc
 
 __all__ = ["Member", "Members", "node_host"]
 
-_ENV_KEYS = (b"RANK", b"LOCAL_RANK", b"WORLD_SIZE", b"GROUP_RANK", b"MASTER_ADDR", b"TORCHELASTIC_RESTART_COUNT")
+_ENV_KEYS = frozenset([n.encode("ascii") for n in _rank.NAMES] + [b"MASTER_ADDR", b"TORCHELASTIC_RESTART_COUNT"])
 STALE_HEARTBEAT_S = 2.0
 
 
@@ -102,13 +102,14 @@ class Members:
                 if any(k["pid"] == pid for k in self._known.values()):
                     continue
                 env = _environ(pid)
-                rank = _int(env.get(b"RANK"))
-                if rank < 0 or b"LOCAL_RANK" not in env:
+                who = _rank.from_environ({k.decode("ascii"): v.decode("ascii", "replace") for k, v in env.items()})
+                if who.rank is None or who.local_rank is None:
                     continue  # not a rank (some other child of the launcher)
+                rank = who.rank
                 self.master_addr = (env.get(b"MASTER_ADDR") or b"").decode("ascii", "replace") or None
-                self.node = _int(env.get(b"GROUP_RANK"), 0)
-                self._known[rank] = {"pid": pid, "local_rank": _int(env.get(b"LOCAL_RANK"), 0),
-                                     "world_size": _int(env.get(b"WORLD_SIZE"), 0), "node": self.node,
+                self.node = who.node or 0
+                self._known[rank] = {"pid": pid, "local_rank": who.local_rank,
+                                     "world_size": who.world_size or 0, "node": self.node,
                                      "restarts": _int(env.get(b"TORCHELASTIC_RESTART_COUNT"), 0)}
             known = sorted(self._known.items())
         return [self._member(rank, info, host) for rank, info in known]

@@ -34,6 +34,8 @@ def health(cli: CliContext, fmt: Optional[str]) -> None:
             continue
         caps = ", ".join(k for k, v in sorted(info.get("capabilities", {}).items()) if v)
         rank = "" if info.get("rank") is None else " rank %s/%s" % (info.get("rank"), info.get("world_size"))
+        if rank and info.get("rank_source"):
+            rank += " (from %s)" % info["rank_source"]
         say(visible("%s: pid %s on %s%s, Python %s, probe %s, can: %s" % (
             client.target.label, info.get("pid"), info.get("host"), rank, info.get("python"),
             info.get("probe_version"), caps or "nothing")))

@@ -1,0 +1,152 @@
+"""Ranks started by launchers other than torchrun say who they are, and no process that is no rank takes
+a rank's port (issue 18, first part): ``torch.multiprocessing.spawn`` with ranks that learn their rank
+from ``init_process_group`` alone, a rank with Slurm's variables, a process with no rank at all."""
+
+import json
+import os
+import select
+import signal
+import socket
+import time
+from typing import Dict, List
+
+import pytest
+
+from probe import _paths, _rank
+from procs import Proc, run_cli, scaled, target_env, wait_for_socket
+from test_torchrun import _free_port_pair
+
+torch = pytest.importorskip("torch")
+
+
+def _health(pid: int) -> Dict[str, object]:
+    result = run_cli(str(pid), "health", "--json")
+    assert result.code == 0, result.err
+    return json.loads(result.out)
+
+
+def _stderr_until(proc: Proc, text: str, timeout: float = 10.0) -> str:
+    """What ``proc`` wrote to stderr, read until ``text`` is in it (bounded)."""
+    assert proc.popen.stderr is not None
+    fd, seen = proc.popen.stderr.fileno(), ""
+    deadline = time.monotonic() + scaled(timeout)
+    while text not in seen:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("stderr of %s so far: %r" % (proc.script, seen))
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if ready:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            seen += chunk.decode("utf-8", "replace")
+    return seen
+
+
+def _listening(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return True
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> List[int]:
+    found: List[int] = []
+    for tid in os.listdir("/proc/%d/task" % pid):
+        with open("/proc/%d/task/%s/children" % (pid, tid)) as handle:
+            found.extend(int(p) for p in handle.read().split())
+    return found
+
+
+def _kill(pids: List[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_mp_spawn_ranks_get_tcp_and_their_rank_from_torch_distributed_and_the_parent_no_rank_port(target_factory):
+    port = _free_port_pair()  # PROBE_PORT: the ranks' ports are port and port + 1
+    env = target_env(PROBE_PORT="127.0.0.1:%d" % port)
+    parent = target_factory("mp_spawn_ranks.py", str(_free_port_pair()), env=env, timeout=60)
+    children = _children(parent.pid)
+    try:
+        ranks: Dict[int, int] = {}  # from the "RANK <rank> <pid>" lines, before READY or after
+        pending = list(parent.lines)
+        while len(ranks) < 2:
+            line = pending.pop(0) if pending else parent.read_line(60)
+            if line.startswith("RANK "):
+                ranks[int(line.split()[1])] = int(line.split()[2])
+        assert sorted(ranks) == [0, 1] and set(ranks.values()) <= set(children), (ranks, children)
+
+        # The parent only waits: it is no rank and holds no rank's port, but serves TCP on a port of its own.
+        said = _stderr_until(parent, "process %d serves TCP on" % parent.pid)
+        health = _health(parent.pid)
+        assert health["rank"] is None and health["rank_source"] is None
+        assert health["tcp"] and health["tcp"] not in ("127.0.0.1:%d" % port, "127.0.0.1:%d" % (port + 1)), health
+        assert "no local rank is known" in said, said
+        assert not _listening(port) and not _listening(port + 1), "a process took a rank's port"
+
+        for rank, pid in ranks.items():
+            wait_for_socket(pid)
+            health = _health(pid)
+            assert (health["rank"], health["world_size"], health["rank_source"]) == (rank, 2, "torch.distributed")
+            assert health["local_rank"] is None and health["tcp"], health  # every rank serves TCP
+            text = run_cli(str(pid), "health")
+            assert text.code == 0 and "rank %d/2 (from torch.distributed)" % rank in text.out, text.out
+
+        # multiprocessing's resource tracker (a child of the parent that is no rank) serves no TCP.
+        for pid in set(_children(parent.pid)) - set(ranks.values()):
+            if os.path.exists(_paths.socket_path(pid)):
+                assert _health(pid)["tcp"] is None
+    finally:
+        parent.kill()
+        _kill(children)
+
+
+def test_a_rank_started_with_slurms_variables_reports_them_and_serves_its_ranks_port(target_factory):
+    # The variables as srun sets them for task 3 of 4, the second on its node (node 1); srun itself is
+    # not used: no Slurm runs on this machine.
+    port = _free_port_pair()
+    slurm = {"SLURM_PROCID": "3", "SLURM_LOCALID": "1", "SLURM_NTASKS": "4", "SLURM_NODEID": "1",
+             "SLURM_JOB_ID": "4242"}
+    rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % port, **slurm))
+    health = _health(rank.pid)
+    assert (health["rank"], health["local_rank"], health["world_size"], health["node"], health["rank_source"]) == (
+        3, 1, 4, 1, "slurm"), health
+    assert health["tcp"] == "127.0.0.1:%d" % (port + 1), health
+    assert "rank 3/4 (from slurm)" in run_cli(str(rank.pid), "health").out
+
+
+def test_a_rank_whose_port_is_taken_serves_on_another_and_says_which(target_factory):
+    port = _free_port_pair()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 1))
+        taken.listen(1)
+        rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % port, LOCAL_RANK="1",
+                                                        RANK="1", WORLD_SIZE="2"))
+        health = _health(rank.pid)
+        assert health["tcp"] and health["tcp"] != "127.0.0.1:%d" % (port + 1), health
+        said = _stderr_until(rank, "instead")
+        assert ("probe: the agent in process %d serves TCP on %s instead: 127.0.0.1:%d is taken"
+                % (rank.pid, health["tcp"], port + 1)) in said, said
+
+
+def test_launcher_variables_in_their_order_of_precedence():
+    both = {"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "NODE_RANK": "2", "SLURM_PROCID": "2",
+            "SLURM_LOCALID": "0", "SLURM_NTASKS": "4"}
+    assert _rank.from_environ(both) == (5, 1, 8, 2, "torchrun")  # torchrun inside an srun step
+    mpi_in_slurm = {"OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_SIZE": "8",
+                    "OMPI_COMM_WORLD_NODE_RANK": "2", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}
+    assert _rank.from_environ(mpi_in_slurm) == (6, 2, 8, None, "mpi")  # NODE_RANK is no node number
+    assert _rank.from_environ({"PMI_RANK": "3", "PMI_SIZE": "4"}) == (3, None, 4, None, "mpi")
+    assert _rank.from_environ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_LOCAL_RANK": "1",
+                               "MV2_COMM_WORLD_SIZE": "2"}) == (1, 1, 2, None, "mpi")
+    assert _rank.from_environ({"LOCAL_RANK": "0"}) == (None, 0, None, None, "torchrun")
+    assert _rank.from_environ({"RANK": "x"}) == (None, None, None, None, None)
+    assert _rank.mp_role(["python", "-c", "from multiprocessing.resource_tracker import main;main(5)"]) == "helper"
+    assert _rank.mp_role(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
+                                          "pipe_handle=7)", "--multiprocessing-fork"]) == "child"
+    assert _rank.mp_role(["python", "train.py"]) is None
