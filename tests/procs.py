@@ -141,6 +141,28 @@ def running(script: str, *args: str, **kwargs: object) -> Iterator[Proc]:
         proc.kill()
 
 
+def crash_record_of(directory: str, pid: int) -> str:
+    """The name of ``pid``'s crash record in runtime directory ``directory`` ("" while there is none)."""
+    return next((n for n in os.listdir(directory) if n.startswith("%d-" % pid) and n.endswith(".crash")), "")
+
+
+def die_with_record(directory: str, script: str, args: Sequence[str], how: Optional[int] = None) -> Proc:
+    """Run ``script`` with an agent whose runtime directory is ``directory``, wait until its crash record
+    is armed, then end it (``how``: a signal; None: it ends by itself). Returns the reaped process."""
+    proc = spawn(script, args, env=target_env(PROBE_RUNTIME_DIR=str(directory)), wait_socket=False)
+    try:
+        deadline = time.monotonic() + scaled(10)
+        while not crash_record_of(str(directory), proc.pid):
+            assert time.monotonic() < deadline, "no crash record armed"
+            time.sleep(0.05)
+        if how is not None:
+            os.kill(proc.pid, how)
+        proc.popen.wait(scaled(20))
+    finally:
+        proc.kill()
+    return proc
+
+
 def wait_for_socket(pid: int, timeout: float = 10.0) -> str:
     from probe import _paths
 

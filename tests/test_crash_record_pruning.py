@@ -12,30 +12,15 @@ import signal
 import time
 
 from probe.reader import crash
-from procs import run_cli, scaled, spawn, target_env
+from procs import crash_record_of, die_with_record, run_cli, target_env
 
 _GONE_PID = 4190000  # above any pid a test machine hands out (PID_MAX_LIMIT is 4194304)
 
 
 def _die(directory, script: str, args, how=None) -> str:
-    """Run ``script`` with an agent in ``directory`` and end it (``how``: a signal, or None when it ends by
-    itself); the path of the crash record it left."""
-    proc = spawn(script, args, env=target_env(PROBE_RUNTIME_DIR=str(directory)), wait_socket=False)
-    try:
-        deadline = time.monotonic() + scaled(10)
-        while not _record_of(directory, proc.pid):
-            assert time.monotonic() < deadline, "no crash record armed"
-            time.sleep(0.05)
-        if how is not None:
-            os.kill(proc.pid, how)
-        proc.popen.wait(scaled(20))
-    finally:
-        proc.kill()
-    return str(directory / _record_of(directory, proc.pid))
-
-
-def _record_of(directory, pid: int) -> str:
-    return next((n for n in os.listdir(directory) if n.startswith("%d-" % pid) and n.endswith(".crash")), "")
+    """The path of the crash record ``script`` left, ended as ``how`` says (see procs.die_with_record)."""
+    proc = die_with_record(str(directory), script, args, how)
+    return str(directory / crash_record_of(str(directory), proc.pid))
 
 
 def _copies(directory, source: str, count: int, first: int, newest: float) -> list:

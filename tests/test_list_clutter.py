@@ -7,25 +7,12 @@ import os
 import signal
 import time
 
-from procs import run_cli, scaled, spawn, target_env
+from procs import die_with_record, run_cli, scaled, spawn, target_env
 
 
-def _die(tmp_path, script: str, args, how=None):
-    """Run ``script`` with an agent in the test's own runtime directory and end it (``how``: a signal, or
-    None when it ends by itself); its pid."""
-    env = target_env(PROBE_RUNTIME_DIR=str(tmp_path))
-    proc = spawn(script, args, env=env, wait_socket=False)
-    try:
-        deadline = time.monotonic() + scaled(10)
-        while not any(n.endswith(".crash") and n.startswith("%d-" % proc.pid) for n in os.listdir(tmp_path)):
-            assert time.monotonic() < deadline, "no crash record armed"
-            time.sleep(0.05)
-        if how is not None:
-            os.kill(proc.pid, how)
-        proc.popen.wait(scaled(20))
-    finally:
-        proc.kill()
-    return proc.pid
+def _die(tmp_path, script: str, args, how=None) -> int:
+    """The pid of ``script``, ended as ``how`` says with its crash record left (see procs.die_with_record)."""
+    return die_with_record(str(tmp_path), script, args, how).pid
 
 
 def _age(tmp_path, pid: int, seconds: float) -> None:
