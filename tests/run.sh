@@ -14,5 +14,17 @@ if ! command -v gdb >/dev/null 2>&1; then
   fi
 fi
 
+# A one-node Slurm for tests/test_slurm.py (srun, probe slurm:JOBID): Debian's slurm-wlm and munge, as root.
+if ! { command -v srun && command -v scontrol && command -v squeue && [ -x /usr/sbin/slurmctld ] && [ -x /usr/sbin/slurmd ] \
+       && [ -x /usr/sbin/munged ]; } >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "tests/run.sh: installing slurm-wlm and munge (a one-node Slurm for the srun tests)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+      || echo "tests/run.sh: could not install slurm-wlm and munge; the Slurm tests will skip" >&2
+  else
+    echo "tests/run.sh: no slurm-wlm and munge, and not root with apt-get: the Slurm tests will skip" >&2
+  fi
+fi
+
 python -m pip install -q -e '.[test]'
 exec python -m pytest -q "$@"
