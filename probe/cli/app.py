@@ -109,11 +109,14 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--max-in-flight", type=click.IntRange(min=1), default=32, show_default=True,
               help="Across ranks: requests in flight at once; one unanswered after 0.25 s stops counting "
                    "(up to 512 open).")
+@click.option("--via", type=click.Choice(["auto", "helpers", "direct"]), default="auto", show_default=True,
+              envvar="PROBE_VIA", help="Across ranks: ask each node's helper once, which asks its ranks (helpers), or "
+                                       "every rank from here (direct); auto: through the helpers past 32 ranks.")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],
         timeout: float, wait: Optional[float], executable: Optional[str], all_ranks: bool, ranks: Optional[str],
-        hosts: Optional[str], deadline: Optional[float], max_in_flight: int) -> None:
+        hosts: Optional[str], deadline: Optional[float], max_in_flight: int, via: str = "auto") -> None:
     """Ask a live Python process questions in SQL, and run Python in it.
 
     \b
@@ -131,6 +134,7 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
     use_cli_words()  # the library's errors name this command's flags, not its API's parameters
     ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable,
                          all_ranks=all_ranks, ranks=ranks, hosts=hosts, deadline=deadline, max_in_flight=max_in_flight)
+    ctx.obj.via = via
     ctx.obj.timeout_given = timeout is not None
     if timeout is None:
         ctx.obj.timeout = 30.0

@@ -32,6 +32,7 @@ class CliContext:
     hosts: Optional[str] = None  # --hosts FILE
     deadline: Optional[float] = None
     max_in_flight: int = 32
+    via: str = "auto"  # --via: across ranks, through the node helpers or directly
     _cluster: Optional[Any] = None
     _labels: Dict[int, str] = field(default_factory=dict)  # id(client) -> "rank N (HOST:PORT)", across ranks
     _members: Dict[int, Any] = field(default_factory=dict)  # id(client) -> its rank's Member, across ranks
@@ -71,6 +72,7 @@ class CliContext:
         if self.ranks is not None:
             cluster = cluster.select(parse_rank_list(self.ranks))
         cluster.progress = progress_line()
+        cluster.via = self.via
         self._cluster = cluster
         return cluster
 

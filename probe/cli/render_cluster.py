@@ -12,7 +12,8 @@ from probe.cli.render import visible
 from probe.client.cluster import compact_ranks
 from probe.client.results import EvalResult, Frame
 
-__all__ = ["RankStacks", "group_stacks", "render_grouped_backtrace", "render_grouped_eval", "ranks_word"]
+__all__ = ["RankStacks", "group_stacks", "render_grouped_backtrace", "render_groups", "sorted_groups",
+           "render_grouped_eval", "ranks_word"]
 
 Key = Tuple[Tuple[str, str, int], ...]  # (func, file, lineno), innermost first
 
@@ -73,8 +74,20 @@ def _differs(key: Key, majority: Key) -> List[bool]:
 
 def render_grouped_backtrace(ranks: Sequence[RankStacks], total: int) -> Iterator[str]:
     """Each thread name, each distinct stack once with its ranks; ``>`` marks where a minority departs."""
-    outside = {r.rank: r.outside for r in ranks if r.outside}
-    for t, (name, groups) in enumerate(group_stacks(ranks)):
+    return render_groups(group_stacks(ranks), {r.rank: r.outside for r in ranks if r.outside}, total)
+
+
+def sorted_groups(threads: Dict[str, Dict[Key, List[int]]]) -> List[Tuple[str, List[Tuple[Key, List[int]]]]]:
+    """Stacks already grouped (thread name -> stack -> ranks, as the node helpers send them) in
+    ``group_stacks``'s order: MainThread first, largest group first."""
+    names = sorted(threads, key=lambda n: (n != "MainThread", n))
+    return [(name, sorted(threads[name].items(), key=lambda kv: (-len(kv[1]), min(kv[1])))) for name in names]
+
+
+def render_groups(grouped: List[Tuple[str, List[Tuple[Key, List[int]]]]], outside: Dict[int, str],
+                  total: int) -> Iterator[str]:
+    """The lines of ``render_grouped_backtrace`` from stacks already grouped; ``outside``: rank -> note."""
+    for t, (name, groups) in enumerate(grouped):
         if t:
             yield ""
         count = sum(len(g[1]) for g in groups)

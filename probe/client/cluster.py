@@ -115,6 +115,9 @@ class Cluster:
         self.token_file = token_file
         self.progress: Optional[Progress] = None
         self.failures: List[RankFailure] = []
+        self.via = "auto"
+        """Across ranks: ``direct`` (a request a rank), ``helpers`` (one a node, through its node helper) or
+        ``auto`` (through the helpers past ``probe.client.via_helpers.AUTO_ABOVE`` ranks)."""
         self._token = token
         self._clients = [self._client(m) for m in self.members]
 
@@ -147,8 +150,10 @@ class Cluster:
         if missing:
             raise UsageError("no rank %s in this job (ranks %s)" % (compact_ranks(sorted(missing)),
                                                                     compact_ranks([m.rank for m in self.members])))
-        return Cluster([m for m in self.members if m.rank in wanted], self._token, self.timeout, self.deadline,
-                       self.max_in_flight, self.token_file, self.left_out)
+        chosen = Cluster([m for m in self.members if m.rank in wanted], self._token, self.timeout, self.deadline,
+                         self.max_in_flight, self.token_file, self.left_out)
+        chosen.via = self.via
+        return chosen
 
     @property
     def ranks(self) -> Any:
@@ -206,6 +211,13 @@ class Cluster:
         """Every rank's rows of ``sql``, with ``rank`` and ``host`` first (no pyarrow needed). ``query_id``
         names the query on every rank, for :meth:`interrupt`. Where no rank answered: :class:`NoRankAnswered`,
         or with ``empty_if_none`` no rows (``failures`` says why)."""
+        from probe.client import via_helpers
+
+        if via_helpers.through_helpers(self):
+            rows = via_helpers.query_rows(self, sql, max_rows, timeout, query_id)
+            if not rows.rows and not rows.columns:
+                self._answered([], empty_if_none)
+            return rows
         answers = self._answered(self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout,
                                                                  query_id=query_id)), empty_if_none)
         parts = [a.value.with_column("host", a.member.host).with_column("rank", a.member.rank) for a in answers]
@@ -219,6 +231,10 @@ class Cluster:
         answered: :class:`NoRankAnswered`, or with ``empty_if_none`` a table of no rows (``failures`` says why)."""
         import pyarrow as pa
 
+        from probe.client import via_helpers
+
+        if via_helpers.through_helpers(self):
+            return via_helpers.rows_to_arrow(self.query_rows(sql, max_rows, timeout, query_id, empty_if_none))
         answers = self._answered(self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout,
                                                             query_id=query_id)), empty_if_none)
         tables = []
@@ -230,6 +246,25 @@ class Cluster:
         if not tables:
             return pa.table({"rank": pa.array([], pa.int64()), "host": pa.array([], pa.string())})
         return pa.concat_tables(tables, promote_options="permissive")
+
+    def backtrace_groups(self) -> Any:
+        """Every rank's stacks grouped by thread name: each distinct stack with its ranks
+        (``probe.client.via_helpers.Grouped``), through the node helpers or directly (``via``)."""
+        from probe.client import via_helpers
+        from probe.host.gather import thread_stacks
+
+        if via_helpers.through_helpers(self):
+            grouped = via_helpers.backtrace_groups(self)
+        else:
+            threads: Dict[str, Dict[Any, List[int]]] = {}
+            answers = self.map(lambda c: c.backtrace())
+            for answer in answers:
+                for name, key in thread_stacks(answer.value).items():
+                    threads.setdefault(name, {}).setdefault(key, []).append(answer.member.rank)
+            grouped = via_helpers.Grouped(threads, {a.member.rank: a.note for a in answers if a.note}, len(answers))
+        if not grouped.answered and self.failures:
+            raise NoRankAnswered(self.failures, self.deadline)
+        return grouped
 
     def backtraces(self) -> List[RankAnswer]:
         """Every rank's frames (a list of :class:`Frame`); a rank read from outside has a ``note``."""
@@ -534,7 +569,12 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
                 max_in_flight: int = DEFAULT_IN_FLIGHT) -> Cluster:
     """A client of every rank: ``"master:PROBE_PORT"`` (discovered through the host helper) or a list of
     targets (``rank`` is the position in the list). The token: given, ``token_file``, ``$PROBE_TOKEN_FILE``,
-    ``$PROBE_TOKEN``, or the job's token file on this host."""
+    ``$PROBE_TOKEN``, or the job's token file on this host. ``"slurm:JOBID[:PORT]"``: the nodes of a Slurm
+    job from Slurm itself, each node's helper lists its ranks (see :mod:`probe.client.slurm`)."""
+    if isinstance(targets, str) and targets.strip().startswith("slurm:"):
+        from probe.client.slurm import connect_job
+
+        return connect_job(targets, token, token_file, timeout, deadline, max_in_flight)
     secret = _read_token(token, token_file)
     if isinstance(targets, str):
         parsed = parse_target(targets)

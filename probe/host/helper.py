@@ -160,6 +160,10 @@ class Helper:
             with self._report_lock:
                 self._take_report(request.json())
             return Response.json({"ok": True})
+        if request.method == "POST" and path == "/v1/gather":  # this node's ranks asked at once: probe.host.gather
+            from probe.host.gather import gather
+
+            return gather(self, request)
         raise NotFound("no such endpoint on the host helper: %s %s" % (request.method, path[:200]))
 
     def _identity(self) -> Dict[str, Any]:

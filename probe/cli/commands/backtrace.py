@@ -50,6 +50,12 @@ def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
     from probe.client.cluster import backtrace_records
 
     cluster = cli.cluster()
+    if not as_json and not native:
+        from probe.client import via_helpers
+
+        if via_helpers.through_helpers(cluster):  # grouped by each node's helper: one request a node
+            _through_helpers(cli, cluster)
+            return
     answers = cluster.map(lambda c: c.backtrace(native=native))
     if cluster.progress is not None:
         cluster.progress(-1, 0, [])
@@ -62,4 +68,20 @@ def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
         for answer in answers:
             if answer.note:
                 say("probe: %s: %s" % (answer.member.label, answer.note.splitlines()[0]), err=True)
+    report_failures(cli, cluster.failures, len(cluster.members))
+
+
+def _through_helpers(cli: CliContext, cluster) -> None:  # type: ignore[no-untyped-def]
+    from probe.cli.context import report_failures
+    from probe.cli.render_cluster import render_groups, sorted_groups
+    from probe.client import via_helpers
+
+    grouped = via_helpers.backtrace_groups(cluster)
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])
+    if grouped.threads:  # none when no rank answered: the failures below say why
+        say("\n".join(render_groups(sorted_groups(grouped.threads), grouped.outside, len(cluster.members))))
+    labels = {m.rank: m.label for m in cluster.members}
+    for rank, note in sorted(grouped.outside.items()):
+        say("probe: %s: %s" % (labels.get(rank, "rank %d" % rank), note.splitlines()[0]), err=True)
     report_failures(cli, cluster.failures, len(cluster.members))

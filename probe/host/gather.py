@@ -1,0 +1,307 @@
+"""``POST /v1/gather``: a node helper asks its own ranks, and answers for all of them at once.
+
+Across many nodes, a client that speaks to every rank itself does work that grows with the ranks: a
+connection, a request and an answer to parse each. Through the node helpers it sends one request a
+node; each helper asks its local ranks over their unix sockets (the same HTTP API, with the client of
+``probe.client.client``: a rank that cannot answer is read from outside as for ``probe PID``), at most
+``max_in_flight`` at once and within ``deadline`` seconds, and answers with its part already reduced:
+
+    {"op": "backtrace", "deadline": 5}     the distinct stacks of each thread name with the ranks that
+                                           have each: {"threads": {NAME: [[FRAMES, RANKS], ...]},
+                                           "outside": [[RANK, NOTE], ...], "failed": [...]}
+    {"op": "query", "sql": "...",          each rank's rows (JSON, as the agent sends them): {"parts":
+     "max_rows": N, "timeout": S,          [{"rank", "columns", "rows", "truncated", "row_cap"}],
+     "query_id": ID}                       "outside": [{"rank", "code", "message", "hint", "note", "stacks"}],
+                                           "failed": [...]}
+
+``ranks`` (a list of rank numbers) asks only those of this node's ranks. A rank that gave no answer is
+in ``failed`` with the error's ``code``, ``message`` and ``hint`` (for a dead rank, how it died, as
+``GET /v1/outside/PID`` says); a rank whose agent cannot answer a query but whose stacks were read from
+outside is in ``outside`` with its stacks, for the client to run the SQL on (this process imports no
+DuckDB); a rank whose agent cannot run SQL itself is failed with ``sql_unavailable``, which the client
+takes as "ask it directly". The helper (an object with ``local_members()`` and ``outside(pid_text)``,
+see ``probe.host.helper``) checked the job's token over TCP before this runs.
+
+Bounded: at most ``MAX_GATHERS`` gathers at once (more: 503 busy), the answer at ``MAX_ANSWER_BYTES``
+(the ranks past it are failed ``too_large``), each field of the request checked (400 with what is wrong).
+"""
+
+import json
+import math
+import threading
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from probe.agent.http import Request, Response
+from probe.errors import BadRequest, Busy, ProbeError, TooLarge
+
+__all__ = ["gather", "thread_stacks", "MAX_GATHERS", "MAX_ANSWER_BYTES", "GATHER_SHAPE"]
+
+MAX_GATHERS = 4
+MAX_ANSWER_BYTES = 192 << 20  # below the client's 256 MiB a target (probe.client.transport)
+MAX_IN_FLIGHT = 64
+DEFAULT_IN_FLIGHT = 8  # unix sockets on one node: a few at once keeps the ranks' caches warm
+MAX_DEADLINE_S = 600.0
+MAX_SQL_CHARS = 256 << 10
+MAX_RANKS = 1 << 16
+_MARGIN_S = 0.3  # a rank's own socket waits this much past the deadline, so the deadline names it first
+_GATHER_SHAPE = ('{"op": "backtrace" | "query", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
+                 '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "..."}')
+GATHER_SHAPE = _GATHER_SHAPE
+
+_running = threading.BoundedSemaphore(MAX_GATHERS)
+
+Key = Tuple[Tuple[str, str, int], ...]
+
+
+def thread_stacks(frames: Sequence[Any]) -> Dict[str, Key]:
+    """Thread name -> its stack as (func, file, lineno), innermost first, from a rank's frames (each with
+    ``thread_id``, ``thread_name``, ``is_main``, ``depth``); threads that share a name get ``name#2``,
+    ``name#3`` in ident order (the grouping of ``probe.cli.render_cluster``)."""
+    by_thread: Dict[int, List[Any]] = {}
+    for frame in frames:
+        by_thread.setdefault(frame.thread_id, []).append(frame)
+    out: Dict[str, Key] = {}
+    ordered = sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
+    for stack in ordered:
+        name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
+        unique, n = name, 1
+        while unique in out:
+            n += 1
+            unique = "%s#%d" % (name, n)
+        out[unique] = tuple((f.func, f.file, f.lineno) for f in sorted(stack, key=lambda f: f.depth))
+    return out
+
+
+class _Asked:
+    """A checked gather request."""
+
+    def __init__(self, body: Dict[str, Any]) -> None:
+        op = body.get("op")
+        if op not in ("backtrace", "query"):
+            raise BadRequest("a gather's op must be \"backtrace\" or \"query\", not %s" % _shown(op), hint=_GATHER_SHAPE)
+        self.op: str = op
+        self.deadline = _seconds(body, "deadline", 10.0, MAX_DEADLINE_S)
+        self.max_in_flight = _int(body, "max_in_flight", DEFAULT_IN_FLIGHT, 1, MAX_IN_FLIGHT)
+        ranks = body.get("ranks")
+        if ranks is not None and not (isinstance(ranks, list) and len(ranks) <= MAX_RANKS and all(
+                isinstance(r, int) and not isinstance(r, bool) and 0 <= r < 1 << 31 for r in ranks)):
+            raise BadRequest("a gather's ranks must be a list of at most %d rank numbers" % MAX_RANKS, hint=_GATHER_SHAPE)
+        self.ranks: Optional[List[int]] = ranks
+        self.sql = ""
+        self.max_rows: Optional[int] = None
+        self.timeout: Optional[float] = None
+        self.query_id: Optional[str] = None
+        if op == "query":
+            sql = body.get("sql")
+            if not isinstance(sql, str) or not sql.strip() or len(sql) > MAX_SQL_CHARS:
+                raise BadRequest("a gathered query needs sql: a string of at most %d characters" % MAX_SQL_CHARS,
+                                 hint=_GATHER_SHAPE)
+            self.sql = sql
+            self.max_rows = _int(body, "max_rows", None, 0, 1 << 40)
+            self.timeout = _seconds(body, "timeout", None, MAX_DEADLINE_S)
+            query_id = body.get("query_id")
+            if query_id is not None and not (isinstance(query_id, str) and 0 < len(query_id) <= 64):
+                raise BadRequest("a gather's query_id must be a short string, not %s" % _shown(query_id))
+            self.query_id = query_id
+
+
+def gather(helper: Any, request: Request) -> Response:
+    """Answer ``POST /v1/gather`` for ``helper``'s local ranks (see the module's docstring)."""
+    asked = _Asked(request.json())
+    if not _running.acquire(blocking=False):
+        raise Busy("this node helper is already gathering for %d clients" % MAX_GATHERS,
+                   hint="retry in a moment, or ask the ranks directly (--via direct)")
+    try:
+        return _gather(helper, asked)
+    finally:
+        _running.release()
+
+
+def _gather(helper: Any, asked: _Asked) -> Response:
+    from probe.client.fanout import fan_out
+
+    members = helper.local_members()
+    if asked.ranks is not None:
+        wanted = set(asked.ranks)
+        present = {m["rank"] for m in members}
+        chosen = [m for m in members if m["rank"] in wanted]
+        missing = sorted(wanted - present)
+    else:
+        chosen, missing = list(members), []
+    failed: List[Dict[str, Any]] = [{"rank": r, "code": "not_found", "message": "rank %d is not a rank of this node "
+                                     "(its helper lists %d)" % (r, len(members))} for r in missing[:1024]]
+    budget = _Budget(MAX_ANSWER_BYTES)
+    work = _backtrace if asked.op == "backtrace" else _query
+    started = time.monotonic()
+    outcomes = fan_out(chosen, lambda m: work(m, asked, budget), asked.max_in_flight, asked.deadline)
+    out: Dict[str, Any] = {"op": asked.op, "ranks": [m["rank"] for m in chosen]}
+    outside: List[Any] = []
+    if asked.op == "backtrace":
+        threads: Dict[str, Dict[Key, List[int]]] = {}
+        for member, outcome in zip(chosen, outcomes):
+            if outcome.error is not None:
+                read = _read_outside(helper, member, outcome.error)
+                if isinstance(read, dict):
+                    failed.append(read)
+                    continue
+                stacks, note = read
+            else:
+                stacks, note = outcome.value
+            for name, key in stacks.items():
+                threads.setdefault(name, {}).setdefault(key, []).append(member["rank"])
+            if note:
+                outside.append([member["rank"], note])
+        out["threads"] = {name: [[[list(f) for f in key], ranks] for key, ranks in groups.items()]
+                          for name, groups in threads.items()}
+        out["outside"] = outside
+        out["failed"] = failed
+        out["seconds"] = round(time.monotonic() - started, 4)
+        return Response.json(out)
+    parts: List[bytes] = []
+    for member, outcome in zip(chosen, outcomes):
+        if outcome.error is None:
+            kind, value = outcome.value
+            if kind == "rows":
+                parts.append(value)
+            else:
+                outside.append(value)
+            continue
+        failed.append(_failure(member, outcome.error, helper))
+    head = json.dumps({"op": asked.op, "ranks": out["ranks"], "outside": outside, "failed": failed,
+                       "seconds": round(time.monotonic() - started, 4)}).encode("utf-8")
+    body = bytearray(head[:-1])
+    body += b', "parts": ['
+    for i, part in enumerate(parts):
+        if i:
+            body += b", "
+        body += part
+    body += b"]}"
+    return Response(200, body)
+
+
+def _client(member: Dict[str, Any], asked: _Asked) -> Any:
+    from probe.client.client import Client
+    from probe.client.targets import parse_target
+
+    return Client(parse_target(str(member["pid"])), None, asked.deadline + _MARGIN_S)
+
+
+def _backtrace(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[Dict[str, Key], Optional[str]]:
+    client = _client(member, asked)
+    frames = client.backtrace()
+    stacks = thread_stacks(frames)
+    budget.take(sum(40 + sum(len(f[0]) + len(f[1]) + 12 for f in key) for key in stacks.values()), member)
+    return stacks, client.note
+
+
+def _query(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[str, Any]:
+    """("rows", the rank's part as JSON bytes) or ("outside", {rank, note, stacks}) for the client to run
+    the SQL on the stacks read from outside."""
+    from probe.client.client import _note_for, _outside_stacks, _query_body
+    from probe.reader.wire import stacks_to_json
+
+    client = _client(member, asked)
+    body = _query_body(asked.sql, asked.max_rows, asked.timeout, asked.query_id)
+    try:
+        raw = client._json("POST", "/v1/query", body, timeout=client._answer_wait(asked.timeout, 10.0))
+    except ProbeError as exc:
+        stacks = _outside_stacks(exc, agentless=True)
+        if stacks is None or exc.code == "sql_unavailable":
+            raise
+        return "outside", {"rank": member["rank"], "code": exc.code, "message": exc.message[:1000],
+                           "hint": (exc.hint or "")[:1000] or None, "note": _note_for(exc, stacks),
+                           "stacks": stacks_to_json(stacks)}
+    columns, rows = raw.get("columns"), raw.get("rows")
+    if not isinstance(columns, list) or not isinstance(rows, list):
+        raise ProbeError("rank %d's agent answered a query without columns and rows" % member["rank"])
+    part = json.dumps({"rank": member["rank"], "columns": [[c.get("name"), c.get("type")] if isinstance(c, dict)
+                                                           else c for c in columns],
+                       "rows": rows, "truncated": bool(raw.get("truncated")),
+                       "row_cap": (raw.get("limits") or {}).get("max_rows") if isinstance(raw.get("limits"), dict)
+                       else None}, default=str).encode("utf-8")
+    del raw, rows
+    budget.take(len(part), member)
+    return "rows", part
+
+
+class _Budget:
+    """Bytes of answer taken so far; a rank whose part would pass the bound is failed ``too_large``."""
+
+    def __init__(self, limit: int) -> None:
+        self.left = limit
+        self._lock = threading.Lock()
+
+    def take(self, size: int, member: Dict[str, Any]) -> None:
+        with self._lock:
+            if size > self.left:
+                raise TooLarge("rank %d's answer would take this node helper's answer past %d MB"
+                               % (member["rank"], MAX_ANSWER_BYTES >> 20),
+                               hint="ask for fewer rows (a LIMIT, --max-rows), or ask the ranks directly (--via direct)")
+            self.left -= size
+
+
+def _read_outside(helper: Any, member: Dict[str, Any], error: ProbeError) -> Any:
+    """A rank that gave no answer, looked at from outside: (its stacks by thread, the note) where they
+    could be read (its last stacks, from its crash record, for a dead one), else its failure."""
+    from probe.client.client import _frames_of
+    from probe.reader.wire import stacks_from_json
+
+    seen = _outside(helper, member)
+    if seen is not None and seen.get("stacks") is not None:
+        try:
+            stacks = stacks_from_json(seen["stacks"], "rank %d, read by its node helper" % member["rank"])
+        except ValueError:
+            stacks = None
+        if stacks is not None:
+            return thread_stacks(_frames_of(stacks)), "%s%s" % (seen.get("message"), "; " + str(seen["hint"])
+                                                                  if seen.get("hint") else "")
+    return _failure(member, error, helper, seen)
+
+
+def _outside(helper: Any, member: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    try:
+        seen = helper.outside(str(member["pid"]))
+    except Exception:  # noqa: BLE001 -- what the agent's client said stands then
+        return None
+    return seen if isinstance(seen, dict) else None
+
+
+def _failure(member: Dict[str, Any], error: ProbeError, helper: Any,
+             seen: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A rank that gave no answer: the error's code, message and hint; for a rank that is dead, stopped or
+    holds its GIL, what its helper reads from outside says instead (how it died)."""
+    if seen is None and error.code in ("connect_error", "process_dead", "agent_blocked", "timeout"):
+        seen = _outside(helper, member)
+    if seen is not None and seen.get("state") in ("dead", "stopped", "gil_held"):
+        code = "process_dead" if seen["state"] == "dead" else "agent_blocked"
+        return {"rank": member["rank"], "code": code, "message": str(seen.get("message"))[:1000],
+                "hint": str(seen.get("hint") or "")[:1000] or None}
+    return {"rank": member["rank"], "code": error.code, "message": error.message[:1000],
+            "hint": (error.hint or "")[:1000] or None}
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _int(body: Dict[str, Any], key: str, default: Optional[int], low: int, high: int) -> Optional[int]:
+    value = body.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise BadRequest("a gather's %s must be an integer from %d to %d, not %s" % (key, low, high, _shown(value)),
+                         hint=_GATHER_SHAPE)
+    return value
+
+
+def _seconds(body: Dict[str, Any], key: str, default: Optional[float], high: float) -> Any:
+    value = body.get(key)
+    if value is None:
+        return default
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or not 0 < value <= high):
+        raise BadRequest("a gather's %s must be seconds, more than 0 and at most %g, not %s"
+                         % (key, high, _shown(value)), hint=_GATHER_SHAPE)
+    return float(value)

@@ -1,0 +1,116 @@
+"""Across ranks through the node helpers (``--via helpers``, ``POST /v1/gather``): a real torchrun job on
+CPU whose rank 1 holds its GIL in a C call; the grouped answers equal the direct path's, the blocked rank
+is read from outside by its node helper, a killed rank is named with how it died, and a malformed gather
+is refused with a clear 400 while the helper keeps serving."""
+
+import json
+import os
+import signal
+import socket
+
+import pytest
+
+from probe import _paths
+from probe.client import transport
+from procs import run_cli, scaled
+from test_cluster import _until, needs_torchrun, torchrun_job
+
+pytestmark = needs_torchrun
+
+
+@pytest.fixture(scope="module")
+def job():
+    """4 ranks of tests/targets/rank_states.py; rank 1 holds its GIL; torchrun looks at its ranks once a
+    minute, so a rank killed by a test stays dead (unreaped) for the rest of the module."""
+    with torchrun_job("rank_states.py", 4, extra=("--monitor-interval=60",), GIL_RANK="1") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        _until(lambda: run_cli(master, "ranks", "-f", "json").code == 0, scaled(20), "the ranks listed")
+        yield port, pids
+
+
+def _token(port: int) -> str:
+    with open(_paths.job_token_path(port)) as handle:
+        return handle.read().strip()
+
+
+def _gather(port: int, body: bytes, token: str = "") -> transport.HttpResponse:
+    return transport.request(transport.TcpAddress("127.0.0.1", port - 1), "POST", "/v1/gather", body,
+                             {"Authorization": "Bearer %s" % (token or _token(port))}, scaled(20))
+
+
+def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
+    port, pids = job
+    for body, said in ((b"[1, 2]", "JSON object"), (b'{"op": "eval"}', "op must be"),
+                       (b'{"op": "backtrace", "deadline": -1}', "deadline must be seconds"),
+                       (b'{"op": "backtrace", "ranks": "0-3"}', "ranks must be a list"),
+                       (b'{"op": "query"}', "needs sql"), (b'{"op": "backtrace", "max_in_flight": 10000}',
+                                                          "max_in_flight must be an integer")):
+        answer = _gather(port, body)
+        assert answer.status == 400, (body, answer.status, bytes(answer.body))
+        error = json.loads(bytes(answer.body))["error"]
+        assert error["code"] == "bad_request" and said in error["message"], (body, error)
+    refused = _gather(port, b'{"op": "backtrace"}', token="not-the-token")
+    assert refused.status == 401
+    # still serving: a good gather answers, grouped
+    answer = _gather(port, json.dumps({"op": "backtrace", "ranks": [0, 2], "deadline": 5}).encode())
+    assert answer.status == 200, bytes(answer.body)
+    raw = json.loads(bytes(answer.body))
+    assert sorted(raw["ranks"]) == [0, 2] and raw["failed"] == []
+    main = raw["threads"]["MainThread"]
+    assert len(main) == 1 and main[0][1] == [0, 2]  # one stack, both ranks
+    assert "wait_for_work" in [func for func, _file, _line in main[0][0]]
+
+
+def test_through_the_helpers_the_grouped_backtrace_equals_the_direct_one_and_a_gil_holder_is_read_from_outside(job):
+    port, pids = job
+    master = "127.0.0.1:%d" % port
+    direct = run_cli(master, "--via", "direct", "--all-ranks", "backtrace")
+    helped = run_cli(master, "--via", "helpers", "--all-ranks", "backtrace")
+    assert direct.code == 0 and helped.code == 0, (direct.err, helped.err)
+    assert helped.out == direct.out
+    assert "ranks 0,2-3 (3)" in helped.out and "rank 1 (1)  [stack of rank 1 read from outside]" in helped.out
+    assert "> hold_the_gil" in helped.out
+    assert "rank 1 (127.0.0.1:%d)" % (port + 1) in helped.err  # where its stacks came from
+
+    # the helper itself read rank 1 from outside (the client asked no rank)
+    raw = json.loads(bytes(_gather(port, b'{"op": "backtrace", "deadline": 5}').body))
+    assert [rank for rank, _note in raw["outside"]] == [1]
+    funcs = {tuple(ranks): [func for func, _file, _line in stack] for stack, ranks in raw["threads"]["MainThread"]}
+    assert sorted(funcs) == [(0, 2, 3), (1,)], funcs
+    assert "wait_for_work" in funcs[(0, 2, 3)] and funcs[(1,)][0] == "hold_the_gil", funcs
+
+    sql = "SELECT func FROM python.backtrace WHERE depth = 0 AND thread_name = 'MainThread'"
+    merge = "SELECT func, list(rank ORDER BY rank) AS ranks FROM result GROUP BY ALL ORDER BY func"
+    rows = {via: run_cli(master, "--via", via, "--all-ranks", "query", sql, "--merge", merge, "-f", "json")
+            for via in ("direct", "helpers")}
+    assert rows["helpers"].code == 0, rows["helpers"].err
+    assert json.loads(rows["helpers"].out) == json.loads(rows["direct"].out)
+    got = {r["func"]: r["ranks"] for r in json.loads(rows["helpers"].out)}
+    assert got.pop("hold_the_gil") == [1] and list(got.values()) == [[0, 2, 3]], got
+    plain = {via: run_cli(master, "--via", via, "--all-ranks", "query", "SELECT pid FROM process.info", "-f", "json")
+             for via in ("direct", "helpers")}
+    assert plain["helpers"].code == plain["direct"].code == 7, plain["helpers"].err  # process.info needs rank 1's agent
+    assert json.loads(plain["helpers"].out) == json.loads(plain["direct"].out)
+    assert [r["pid"] for r in json.loads(plain["helpers"].out)] == [pids[0], pids[2], pids[3]]
+    assert "process.info needs the agent" in plain["helpers"].err
+
+
+def test_through_the_helpers_a_killed_rank_is_named_and_the_answer_is_partial(job):
+    port, pids = job
+    master = "127.0.0.1:%d" % port
+    os.kill(pids[3], signal.SIGKILL)
+    _until(lambda: json.loads(run_cli(master, "ranks", "-f", "json").out)[3]["state"] == "dead", scaled(10),
+           "rank 3 shown dead")
+    helped = run_cli(master, "--via", "helpers", "--all-ranks", "backtrace")
+    assert helped.code == 7, (helped.code, helped.out, helped.err)  # a partial answer
+    assert "ranks 0,2 (2)" in helped.out and "rank 1 (1)  [stack of rank 1 read from outside]" in helped.out
+    err = helped.err.replace(socket.gethostname(), "vm")
+    assert "1 of 4 ranks gave no result (rank 3)" in err and "rank 3 (vm)" in err
+    assert "killed by signal 9" in err
+    direct = run_cli(master, "--via", "direct", "--all-ranks", "backtrace")
+    assert direct.code == 7 and direct.out == helped.out
+
+    rows = run_cli(master, "--via", "helpers", "--all-ranks", "query", "SELECT pid FROM process.info", "-f", "json")
+    assert rows.code == 7, rows.err
+    assert [r["pid"] for r in json.loads(rows.out)] == [pids[0], pids[2]]  # rank 1's agent cannot run SQL on it
+    assert "rank 3" in rows.err and "killed by signal 9" in rows.err
