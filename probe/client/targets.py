@@ -1,5 +1,6 @@
 """What a target string means: a pid on this host, ``host:port``, ``unix:PATH``, or ``core:PATH`` (a core
-file, read from outside: there is no agent to ask)."""
+file, read from outside: there is no agent to ask). ``slurm:JOBID`` names a whole job: only commands across
+ranks take it (``probe.client.slurm``)."""
 
 import os
 from typing import NamedTuple, Optional
@@ -40,6 +41,9 @@ def parse_target(text: str) -> Target:
         if not path:
             raise UsageError("core: target needs a path", hint="e.g. core:./core.1234")
         return Target(text, UnixAddress(os.devnull), None, os.path.abspath(path))
+    if text.startswith("slurm:"):
+        raise UsageError("%s names every rank of a Slurm job, not one process" % text,
+                         hint="probe %s ranks, probe %s --all-ranks COMMAND, or --ranks N COMMAND" % (text, text))
     if text.startswith("unix:"):
         path = text[len("unix:"):]
         if not path:

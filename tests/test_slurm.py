@@ -1,0 +1,252 @@
+"""Ranks started by a real ``srun`` on a one-node Slurm of the test's own (tests/slurm_cluster.py): they
+register with their node's helper, so ``probe HOST:PROBE_PORT ranks`` lists them by their Slurm rank,
+``--all-ranks backtrace`` singles out a hung rank, a rank whose GIL a C call holds is read from outside
+and a killed rank is named; ``probe slurm:JOBID ...`` finds the job's nodes from Slurm itself (issue 18).
+
+Skipped, with the daemon's own words, where Slurm cannot start (tests/run.sh installs it as root)."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
+
+import pytest
+
+from procs import TARGETS, Proc, run_cli, scaled, target_env
+from slurm_cluster import SlurmCluster, SlurmUnavailable, slurm_cluster
+
+T = TypeVar("T")
+RANK = os.path.join(TARGETS, "slurm", "rank.py")
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
+    try:
+        with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as cluster:
+            yield cluster
+    except SlurmUnavailable as exc:
+        pytest.skip("no one-node Slurm here: %s" % exc)
+
+
+def _free_ports(count: int) -> int:
+    """A port p such that p - 1 .. p + count - 1 were free a moment ago (the node helper takes p - 1)."""
+    for _ in range(100):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            base = sock.getsockname()[1]
+        if base < 2000 or base + count > 65000:
+            continue
+        held = []
+        try:
+            for port in range(base - 1, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of free ports")
+
+
+class Job:
+    def __init__(self, job_id: str, port: int, pids: Dict[int, int], local: Dict[int, int]) -> None:
+        self.job_id, self.port, self.pids, self.local = job_id, port, pids, local
+
+    @property
+    def master(self) -> str:
+        return "127.0.0.1:%d" % self.port
+
+
+@contextmanager
+def srun_job(slurm: SlurmCluster, ntasks: int, timeout: float = 60.0, **env: str) -> Iterator[Job]:
+    """``srun -N1 -n NTASKS python tests/targets/slurm/rank.py`` with PROBE=1 PROBE_PORT: yields once every
+    task printed READY; srun and the job are always ended (scancel, then srun killed and reaped)."""
+    port = _free_ports(ntasks)
+    job_env = slurm.env(target_env(PROBE_PORT=str(port), PROBE_HELPER_LINGER_S="3", **env))
+    srun = subprocess.Popen(["srun", "-N1", "-n", str(ntasks), "--export=ALL", "--job-name=probe-test",
+                             sys.executable, RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env,
+                            start_new_session=True)
+    try:
+        output = Proc(srun, "srun")
+        pids: Dict[int, int] = {}
+        local: Dict[int, int] = {}
+        deadline = time.monotonic() + scaled(timeout)
+        while len(pids) < ntasks:
+            try:
+                line = output.read_line(max(deadline - time.monotonic(), 0.1))
+            except (TimeoutError, RuntimeError) as exc:
+                raise AssertionError("the tasks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
+            output.lines.append(line)
+            if line.startswith("READY"):
+                _, pid, rank, local_rank = line.split()
+                pids[int(rank)] = int(pid)
+                local[int(rank)] = int(local_rank)
+        jobs = slurm.running_jobs()
+        assert len(jobs) == 1, jobs
+        yield Job(jobs[0], port, pids, local)
+    finally:
+        slurm.run("scancel", "--name=probe-test")
+        try:
+            srun.wait(scaled(15))
+        except subprocess.TimeoutExpired:
+            os.killpg(srun.pid, signal.SIGKILL)
+            srun.wait(10)
+        for stream in (srun.stdout, srun.stderr):
+            if stream:
+                stream.close()
+
+
+def _until(check: Callable[[], Optional[T]], seconds: float, what: str) -> T:
+    deadline = time.monotonic() + scaled(seconds)
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError("not within %.0f s: %s" % (scaled(seconds), what))
+        time.sleep(0.2)
+
+
+def _ranks(target: str, env: Optional[Dict[str, str]] = None) -> Tuple[int, List[Dict[str, object]], str]:
+    result = run_cli(target, "ranks", "-f", "json", env=env)
+    try:
+        rows = json.loads(result.out) if result.code in (0, 7) else []
+    except ValueError:
+        rows = []
+    return result.code, rows, result.err
+
+
+def _listed(target: str, count: int, env: Optional[Dict[str, str]] = None) -> List[Dict[str, object]]:
+    """The member list of ``target`` once it holds ``count`` ranks (a rank registers a moment after READY)."""
+    seen: List[str] = []
+
+    def check() -> Optional[List[Dict[str, object]]]:
+        code, rows, err = _ranks(target, env)
+        seen[:] = ["exit %d: %s" % (code, err.strip()[-500:])]
+        return rows if code == 0 and len(rows) == count else None
+
+    try:
+        return _until(check, 20, "%d ranks listed by %s" % (count, target))
+    except AssertionError as exc:
+        raise AssertionError("%s; last: %s" % (exc, seen)) from None
+
+
+def test_srun_ranks_listed_with_their_slurm_rank_a_hung_rank_singled_out_and_the_gil_rank_read_from_outside(slurm):
+    """4 tasks of one srun step: rank 1 waits in stuck_in_all_reduce, rank 2 holds its GIL in a C call,
+    ranks 0 and 3 wait for work."""
+    with srun_job(slurm, 4, GIL_RANK="2", HANG_RANK="1") as job:
+        members = _listed(job.master, 4)
+        assert [(m["rank"], m["local_rank"], m["pid"]) for m in members] == [
+            (r, job.local[r], job.pids[r]) for r in range(4)], members
+        assert sorted(job.local.values()) == [0, 1, 2, 3]  # SLURM_LOCALID, one node
+        assert all(m["world_size"] == 4 and m["host"] == slurm.node for m in members), members
+
+        result = run_cli(job.master, "--all-ranks", "backtrace")
+        assert result.code == 0, (result.code, result.out, result.err)
+        text = result.out
+        assert "ranks 0,3 (2)" in text and "wait_for_work" in text, text  # the majority, together
+        assert "rank 2 (1)  [stack of rank 2 read from outside]" in text and "> hold_the_gil" in text, text
+        hung = text.split("stuck_in_all_reduce")[0].rsplit("rank", 1)[1]  # the header above the hung frame
+        assert hung.startswith(" 1 (1)\n") and "> stuck_in_all_reduce" in text, text
+
+
+def test_a_killed_srun_rank_is_named(slurm):
+    with srun_job(slurm, 2) as job:
+        _listed(job.master, 2)
+        os.kill(job.pids[1], signal.SIGKILL)
+
+        def dead() -> bool:
+            _, rows, _ = _ranks(job.master)
+            return len(rows) == 2 and rows[1]["state"] == "dead"
+
+        _until(dead, 15, "rank 1 shown dead")
+        result = run_cli(job.master, "--all-ranks", "backtrace")
+        assert result.code == 7, (result.code, result.out, result.err)  # a partial answer
+        assert "wait_for_work" in result.out
+        # Named, and seen dead: srun's slurmstepd is the rank's parent, not the node helper, so how it died
+        # (signal 9) is not known to it as torchrun's launcher knows it.
+        assert "rank 1 (%s): process %d exited" % (slurm.node, job.pids[1]) in result.err, result.err
+
+
+def test_slurm_jobid_finds_the_nodes_from_slurm_and_lists_every_rank(slurm):
+    with srun_job(slurm, 2, HANG_RANK="1") as job:
+        members = _listed(job.master, 2)  # the job is up and registered
+        env = slurm.env(target_env(probe=False))
+        by_slurm = _listed("slurm:%s:%d" % (job.job_id, job.port), 2, env)
+        assert [(m["rank"], m["pid"]) for m in by_slurm] == [(m["rank"], m["pid"]) for m in members]
+        assert {m["host"] for m in by_slurm} == {socket.gethostname()}
+
+        # The port from the client's PROBE_PORT, as the job had it.
+        with_env = _listed("slurm:%s" % job.job_id, 2, dict(env, PROBE_PORT=str(job.port)))
+        assert [m["pid"] for m in with_env] == [job.pids[0], job.pids[1]]
+
+        result = run_cli("slurm:%s:%d" % (job.job_id, job.port), "--all-ranks", "backtrace", env=env)
+        assert result.code == 0, (result.code, result.out, result.err)
+        assert "stuck_in_all_reduce" in result.out and "wait_for_work" in result.out
+
+        gathered = run_cli("slurm:%s:%d" % (job.job_id, job.port), "--via", "helpers", "--all-ranks", "backtrace", env=env)
+        assert gathered.code == 0 and "rank 1 (1)" in gathered.out and "stuck_in_all_reduce" in gathered.out, gathered
+
+        one = run_cli("slurm:%s:%d" % (job.job_id, job.port), "--ranks", "1", "backtrace", env=env)
+        assert one.code == 0 and "stuck_in_all_reduce" in one.out and "wait_for_work" not in one.out, one
+
+
+def test_slurm_jobid_errors_say_what_is_wrong(slurm, tmp_path):
+    env = slurm.env(target_env(probe=False))
+    unknown = run_cli("slurm:999999:9700", "ranks", env=env)
+    assert unknown.code != 0 and "Slurm knows no job 999999" in unknown.err, unknown
+
+    no_port = run_cli("slurm:1", "ranks", env=env)
+    assert no_port.code == 2 and "PROBE_PORT is not set" in no_port.err and "slurm:1:PORT" in no_port.err, no_port
+
+    one_process = run_cli("slurm:1:9700", "backtrace", env=env)
+    assert one_process.code == 2 and "names every rank of a Slurm job" in one_process.err, one_process
+
+    bare = tmp_path / "bin"  # a PATH with python but no scontrol
+    bare.mkdir()
+    os.symlink(sys.executable, str(bare / "python"))
+    nothing = run_cli("slurm:1:9700", "ranks", env=dict(env, PATH=str(bare)))
+    assert nothing.code == 2 and "no scontrol" in nothing.err.replace("none on PATH", "no scontrol"), nothing
+
+    # A pending job (held, so it never runs) has no nodes yet: said, with what to do.
+    held = slurm.run("sbatch", "--hold", "--job-name=probe-held", "--wrap", "sleep 600")
+    assert held.returncode == 0, held.stderr
+    job_id = held.stdout.split()[-1]
+    try:
+        pending = run_cli("slurm:%s:9700" % job_id, "ranks", env=env)
+        assert pending.code != 0 and "Slurm job %s is pending" % job_id in pending.err, pending
+        assert "squeue -j %s" % job_id in pending.err, pending
+    finally:
+        slurm.run("scancel", job_id)
+
+
+def test_a_slurm_node_whose_helper_does_not_answer_is_named(slurm):
+    """A running job whose tasks have no agent (no PROBE): Slurm lists the node, no helper answers there;
+    the error names the node and its helper's address."""
+    port = _free_ports(2)
+    sleeper = subprocess.Popen(["srun", "-N1", "-n1", "--job-name=probe-silent", "sleep", "600"],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=slurm.env(),
+                               start_new_session=True)
+    try:
+        job_id = _until(lambda: (slurm.running_jobs() or [None])[0], 20, "the job running")
+        env = slurm.env(target_env(probe=False))
+        result = run_cli("slurm:%s:%d" % (job_id, port), "ranks", env=env)
+        assert result.code == 3, result
+        assert "no node helper of Slurm job %s answered" % job_id in result.err, result.err
+        assert "%s (127.0.0.1): no host helper at 127.0.0.1:%d" % (slurm.node, port - 1) in result.err, result.err
+    finally:
+        slurm.run("scancel", "--name=probe-silent")
+        try:
+            sleeper.wait(scaled(15))
+        except subprocess.TimeoutExpired:
+            os.killpg(sleeper.pid, signal.SIGKILL)
+            sleeper.wait(10)
+
