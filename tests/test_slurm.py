@@ -199,6 +199,46 @@ def test_slurm_jobid_finds_the_nodes_from_slurm_and_lists_every_rank(slurm):
         assert one.code == 0 and "stuck_in_all_reduce" in one.out and "wait_for_work" not in one.out, one
 
 
+def test_an_sbatch_job_is_reached_from_outside_its_nodes_with_slurm_jobid_and_the_job_token_file(slurm, tmp_path):
+    """As the README has it: a batch script exports PROBE=1, PROBE_PORT and PROBE_TOKEN_FILE (made before
+    srun, mode 600) and runs srun; a client that has none of the job's files (a runtime directory of its
+    own, as on a login node) reaches every rank with probe --token-file FILE slurm:JOBID."""
+    port = _free_ports(2)
+    token_file = tmp_path / "job.token"
+    fd = os.open(str(token_file), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(16).hex().encode() + b"\n")
+    os.close(fd)
+    out = tmp_path / "job.out"
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\n#SBATCH -N1 -n2 --job-name=probe-batch\n"
+                      "export PROBE=1 PROBE_PORT=%d PROBE_TOKEN_FILE=%s PROBE_HELPER_LINGER_S=3\n"
+                      "srun %s %s\n" % (port, token_file, sys.executable, RANK))
+    submitted = subprocess.run(["sbatch", "-o", str(out), str(script)], capture_output=True, text=True,
+                               env=slurm.env(target_env(probe=False, HANG_RANK="1")), timeout=scaled(20))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[-1]
+    try:
+        def ready() -> Optional[List[str]]:
+            lines = [line for line in out.read_text().splitlines() if line.startswith("READY")] if out.exists() else []
+            return lines if len(lines) == 2 else None
+
+        pids = sorted(int(line.split()[1]) for line in _until(ready, 60, "both tasks READY in %s" % out))
+        elsewhere = tmp_path / "login-node"  # no token file of the job's here
+        elsewhere.mkdir(mode=0o700)
+        env = slurm.env(target_env(probe=False, PROBE_RUNTIME_DIR=str(elsewhere)))
+        target = "slurm:%s:%d" % (job_id, port)
+        refused = run_cli(target, "ranks", env=env)
+        assert refused.code == 4, refused  # the helper wants the job's token, and says so
+        assert "refused this client" in refused.err and "--token-file" in refused.err, refused.err
+
+        members = _listed(target, 2, dict(env, PROBE_TOKEN_FILE=str(token_file)))
+        assert sorted(m["pid"] for m in members) == pids and [m["rank"] for m in members] == [0, 1]
+        result = run_cli("--token-file", str(token_file), target, "--all-ranks", "backtrace", env=env)
+        assert result.code == 0 and "stuck_in_all_reduce" in result.out, result
+    finally:
+        slurm.run("scancel", job_id)
+
+
 def test_slurm_jobid_errors_say_what_is_wrong(slurm, tmp_path):
     env = slurm.env(target_env(probe=False))
     unknown = run_cli("slurm:999999:9700", "ranks", env=env)

@@ -18,7 +18,8 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-from probe.errors import ConnectError, NotFound, ProbeError, UsageError
+from probe.client.wording import option
+from probe.errors import ConnectError, Forbidden, NotFound, ProbeError, Unauthorized, UsageError
 
 __all__ = ["SlurmJob", "SlurmNode", "parse_slurm_target", "job", "connect_job", "is_slurm_target"]
 
@@ -206,17 +207,36 @@ def connect_job(target: str, token: Optional[str] = None, token_file: Optional[s
                                             _one_line(exc)))
     if not members:
         if silent and len(silent) == len(found.nodes):
-            shown = "; ".join("%s: %s" % (_node_label(n), _one_line(e)) for n, e in silent[:5])
-            more = " and %d more" % (len(silent) - 5) if len(silent) > 5 else ""
-            raise ConnectError("no node helper of Slurm job %s answered on port %d (%s%s)" % (job_id, port - 1, shown, more),
-                               hint="was the job started with PROBE=1 PROBE_PORT=%d (srun --export=ALL passes them)? "
-                                    "Is %d its PROBE_PORT? The ranks need a moment to start" % (port, port))
+            raise _none_answered(job_id, port, silent)
         raise ProbeError("the node helpers of Slurm job %s know no rank yet (the job is starting?)" % job_id,
                          hint="retry in a moment")
     result = cl.Cluster([members[r] for r in sorted(members)], secret, timeout, deadline, max_in_flight,
                         token_files[0] if token_files else None, left_out)
     result.slurm = found  # type: ignore[attr-defined]
     return result
+
+
+def _none_answered(job_id: str, port: int, silent: List[Tuple[SlurmNode, ProbeError]]) -> ProbeError:
+    """The error where no node helper of the job answered: of the kind every node's was where they agree
+    (a token refused everywhere is exit 4, not "nothing there"), naming the nodes and why."""
+    shown = "; ".join("%s: %s" % (_node_label(n), _one_line(e)) for n, e in silent[:5])
+    more = " and %d more" % (len(silent) - 5) if len(silent) > 5 else ""
+    kinds = {type(e) for _, e in silent}
+    kind = kinds.pop() if len(kinds) == 1 else ConnectError
+    hint: Optional[str]
+    if issubclass(kind, (Unauthorized, Forbidden)):
+        hint = ("give the job's token: %s (PROBE_TOKEN_FILE, on a shared file system, as the job had it) or "
+                "PROBE_TOKEN" % option("--token-file FILE", "token_file="))
+        what = "refused this client"
+    elif issubclass(kind, ConnectError):
+        hint = ("was the job started with PROBE=1 PROBE_PORT=%d (srun passes the environment on, --export=ALL)? "
+                "Is %d its PROBE_PORT? The ranks need a moment to start" % (port, port))
+        what = "answered"
+    else:
+        hint = silent[0][1].hint
+        what = "answered"
+    return kind("no node helper of Slurm job %s %s on port %d (%s%s)" % (job_id, what, port - 1, shown, more),
+                hint=hint)
 
 
 def _node_label(node: SlurmNode) -> str:
