@@ -18,7 +18,8 @@ from probe.errors import UsageError
 
 __all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
-           "open_parent_dir", "job_token_path", "helper_socket_path"]
+           "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
+           "node_log_path"]
 
 STALE_AFTER_S = 2.0
 """A socket file younger than this is never taken for stale: an agent binds its socket before it listens."""
@@ -122,8 +123,24 @@ def job_token_path(port: int) -> str:
 
 
 def helper_socket_path(pid: int) -> str:
-    """The unix socket of the host helper in launcher process ``pid``."""
+    """The unix socket of the host helper in process ``pid`` (torchrun's launcher, or a node helper)."""
     return os.path.join(runtime_dir(), "host-%d.sock" % pid)
+
+
+def node_socket_path(port: int) -> str:
+    """Where the ranks of the job with ``PROBE_PORT`` = ``port`` find their node's helper, whichever
+    process it runs in: one name per job and node (and user, as the directory is), known in advance."""
+    return os.path.join(runtime_dir(), "node-%d.sock" % port)
+
+
+def node_lock_path(port: int) -> str:
+    """Held (``flock``) by the node helper that serves ``node_socket_path(port)``: one helper per job."""
+    return os.path.join(runtime_dir(), "node-%d.lock" % port)
+
+
+def node_log_path(port: int) -> str:
+    """What a node helper process has to say (it holds none of the job's output streams)."""
+    return os.path.join(runtime_dir(), "node-%d.log" % port)
 
 
 def pid_from_socket_name(name: str) -> Optional[int]:

@@ -67,6 +67,10 @@ def start_from_environment() -> Optional[object]:
         from probe.agent import start
 
         agent = start()
+        if os.environ.get("PROBE_PORT"):  # a rank of a job: its node's helper lists it, under any launcher
+            from probe.agent import registration
+
+            registration.start(agent, os.environ["PROBE_PORT"])
         if os.environ.get("PROBE_TORCH_TRACE"):  # trace from the first step, once the program imports torch
             from probe.tables.torch.trace_autostart import arm_from_environment
 
@@ -119,12 +123,13 @@ def _is_launcher(argv: List[str]) -> bool:
 
 
 def _is_probe_cli(argv: List[str]) -> bool:
-    """Whether this interpreter runs the probe command: ``python -m probe ...`` or the ``probe`` script."""
+    """Whether this interpreter runs the probe command (``python -m probe ...``, the ``probe`` script) or a
+    node helper (``python -m probe.host``, which a rank starts with the job's environment)."""
     if argv and os.path.basename(argv[0]) == "probe":
         return True
     kind, name = _what_runs(argv)
     if kind == "module":
-        return name in ("probe", "probe.cli")
+        return name in ("probe", "probe.cli", "probe.host")
     return kind == "script" and os.path.basename(name) == "probe"
 
 

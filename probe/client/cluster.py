@@ -116,6 +116,7 @@ class Cluster:
         self.progress: Optional[Progress] = None
         self.failures: List[RankFailure] = []
         self.via = "auto"
+        self.asked_directly: List[str] = []  # node helpers that could not gather, their ranks asked directly
         """Across ranks: ``direct`` (a request a rank), ``helpers`` (one a node, through its node helper) or
         ``auto`` (through the helpers past ``probe.client.via_helpers.AUTO_ABOVE`` ranks)."""
         self._token = token
@@ -368,7 +369,7 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
     except ConnectError as exc:
         wrong_port()
         raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
-                           hint="start the job as PROBE_PORT=%d torchrun ...; or list the targets (%s)"
+                           hint="start the job with PROBE=1 PROBE_PORT=%d (under any launcher); or list the targets (%s)"
                            % (port, option("-t several times, or --hosts", "connect_all([\"HOST:PORT\", ...])"))) from None
     raw = _json(answer.body)
     if answer.status >= 400:

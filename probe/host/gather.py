@@ -28,6 +28,7 @@ Bounded: at most ``MAX_GATHERS`` gathers at once (more: 503 busy), the answer at
 
 import json
 import math
+import queue
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -49,7 +50,7 @@ _GATHER_SHAPE = ('{"op": "backtrace" | "query", "deadline": SECONDS, "max_in_fli
                  '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "..."}')
 GATHER_SHAPE = _GATHER_SHAPE
 
-_running = threading.BoundedSemaphore(MAX_GATHERS)
+_slots_lock = threading.Lock()
 
 Key = Tuple[Tuple[str, str, int], ...]
 
@@ -109,18 +110,108 @@ class _Asked:
 def gather(helper: Any, request: Request) -> Response:
     """Answer ``POST /v1/gather`` for ``helper``'s local ranks (see the module's docstring)."""
     asked = _Asked(request.json())
-    if not _running.acquire(blocking=False):
+    with _slots_lock:  # a helper's own bound (a process may hold several helpers: the bench's do)
+        slots = helper.__dict__.setdefault("_gather_slots", threading.BoundedSemaphore(MAX_GATHERS))
+    if not slots.acquire(blocking=False):
         raise Busy("this node helper is already gathering for %d clients" % MAX_GATHERS,
                    hint="retry in a moment, or ask the ranks directly (--via direct)")
     try:
         return _gather(helper, asked)
     finally:
-        _running.release()
+        slots.release()
+
+
+class _Pool:
+    """A helper's worker threads, kept between gathers (a thread started for each rank of each gather cost
+    more than asking the rank): at most ``MAX_IN_FLIGHT``, each leaving after ``IDLE_S`` without work."""
+
+    IDLE_S = 30.0
+
+    def __init__(self) -> None:
+        self._tasks: "queue.Queue[Any]" = queue.Queue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._workers = 0
+
+    def run(self, task: Any) -> None:
+        with self._lock:
+            start = self._idle == 0 and self._workers < MAX_IN_FLIGHT * MAX_GATHERS
+            if start:
+                self._workers += 1
+            else:
+                self._idle -= 1
+        self._tasks.put(task)
+        if start:
+            threading.Thread(target=self._work, name="probe-gather", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # no task is promised to an idle worker: leave
+                        self._idle -= 1
+                        self._workers -= 1
+                        return
+                continue
+            try:
+                task()
+            except BaseException:  # noqa: BLE001 -- a task records its own outcome; nothing may end a worker
+                pass
+            with self._lock:
+                self._idle += 1
+
+
+def _fan_out(helper: Any, members: List[Dict[str, Any]], work: Any, in_flight: int, deadline: float) -> List[Any]:
+    """``work(member)`` for each member, at most ``in_flight`` at once on the helper's pool, within
+    ``deadline`` seconds: an ``Outcome`` (``probe.client.fanout``'s) per member, a ``Timeout`` for those
+    not done by then."""
+    from probe.client.fanout import Outcome, _without_frames
+    from probe.errors import Timeout
+
+    with _slots_lock:
+        pool = helper.__dict__.setdefault("_gather_pool", _Pool())
+    outcomes: List[Any] = [None] * len(members)
+    state = {"next": 0, "done": 0}
+    done = threading.Condition()
+    end = time.monotonic() + deadline
+
+    def runner() -> None:
+        while True:
+            with done:
+                i = state["next"]
+                if i >= len(members) or time.monotonic() >= end:
+                    return
+                state["next"] += 1
+            t0 = time.monotonic()
+            try:
+                outcome = Outcome(work(members[i]), None, time.monotonic() - t0)
+            except ProbeError as exc:
+                outcome = Outcome(None, _without_frames(exc), time.monotonic() - t0)
+            except Exception as exc:  # noqa: BLE001 -- that rank's failure only
+                outcome = Outcome(None, ProbeError("%s: %s" % (type(exc).__name__, exc)), time.monotonic() - t0)
+            with done:
+                outcomes[i] = outcome
+                state["done"] += 1
+                if state["done"] == len(members):
+                    done.notify_all()
+
+    for _ in range(min(in_flight, len(members))):
+        pool.run(runner)
+    with done:
+        while state["done"] < len(members):
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            done.wait(left)
+        result = list(outcomes)
+    return [o if o is not None else Outcome(None, Timeout("no answer within the node helper's deadline of %.1f s"
+                                                          % deadline, hint="raise --deadline"), deadline)
+            for o in result]
 
 
 def _gather(helper: Any, asked: _Asked) -> Response:
-    from probe.client.fanout import fan_out
-
     members = helper.local_members()
     if asked.ranks is not None:
         wanted = set(asked.ranks)
@@ -134,7 +225,7 @@ def _gather(helper: Any, asked: _Asked) -> Response:
     budget = _Budget(MAX_ANSWER_BYTES)
     work = _backtrace if asked.op == "backtrace" else _query
     started = time.monotonic()
-    outcomes = fan_out(chosen, lambda m: work(m, asked, budget), asked.max_in_flight, asked.deadline)
+    outcomes = _fan_out(helper, chosen, lambda m: work(m, asked, budget), asked.max_in_flight, asked.deadline)
     out: Dict[str, Any] = {"op": asked.op, "ranks": [m["rank"] for m in chosen]}
     outside: List[Any] = []
     if asked.op == "backtrace":

@@ -1,14 +1,18 @@
 """The host helper's server: who the node's ranks are, and what a rank that cannot answer is doing.
 
-Runs in torchrun's launcher process (started by the ``.pth`` hook when ``PROBE_PORT`` is set), in
-daemon threads only, on the agent's own small HTTP server: TCP on ``PROBE_PORT - 1`` (token required,
-the job's token) and a unix socket beside the agents' (owner only, peer uid checked). It reads ranks
-from outside only when a client asks about one, and only its own children. Nothing here may block or
-crash the launcher: every failure is written to stderr once and the launcher goes on.
+One per node and job (``PROBE_PORT``), in one of two homes: a process of its own (``python -m
+probe.host``, see ``probe.host.node``), started by the first rank of the node that finds none, under any
+launcher; or, under torchrun, threads of torchrun's launcher process (started by the ``.pth`` hook),
+which also finds the ranks among its children. Either way it serves on the agent's own small HTTP server:
+TCP on ``PROBE_PORT - 1`` (token required, the job's token) and unix sockets beside the agents' (owner
+only, peer uid checked): ``node-PORT.sock``, where the ranks find it, and ``host-PID.sock``, by which
+``probe list`` knows it. It reads a rank from outside only when a client asks about one, and only its own
+ranks. Nothing here may block or crash a launcher: every failure is written to stderr once.
 
     GET  /v1/health            who the helper is
     GET  /v1/ranks             every rank of the job (on the master node; elsewhere this node's)
     GET  /v1/outside/PID       a rank's state read from outside, with its stacks when it cannot answer
+    POST /v1/register          (unix) a rank of this node says who it is and where it serves
     POST /v1/nodes             (master) another node's helper reports its ranks
 
 A node report comes from a token holder, who may be buggy or hostile: every field is checked (types,
@@ -35,7 +39,7 @@ from probe.errors import BadRequest, Forbidden, NotFound, ProbeError, Unauthoriz
 from probe.host.members import Members, node_host
 from probe._stderr import say as _say
 
-__all__ = ["Helper", "helper_port", "start_in_launcher", "REPORT_EVERY_S"]
+__all__ = ["Helper", "helper_port", "start_in_launcher", "job_token", "REPORT_EVERY_S"]
 
 REPORT_EVERY_S = 1.0
 NODE_STALE_S = 5.0
@@ -85,12 +89,14 @@ def helper_port(probe_port: int) -> int:
 class Helper:
     """The node's helper: its ranks, other nodes' reports (on the master), and outside reads."""
 
-    def __init__(self, base_port: int, token: str, token_file: Optional[str]) -> None:
+    def __init__(self, base_port: int, token: str, token_file: Optional[str], kind: str = "launcher") -> None:
         self.base_port = base_port
         self.port = helper_port(base_port)
         self.token_file = token_file
-        self.members = Members(base_port)
+        self.kind = kind  # "launcher" (threads of torchrun's launcher) or "node" (a process of its own)
+        self.members = Members(base_port, children=kind == "launcher")
         self.tcp_address: Optional[str] = None
+        self.tcp_error = ""
         self._token = token.encode("utf-8")
         self._nodes: Dict[int, _Report] = {}  # the other nodes' last reports
         self._nodes_lock = threading.Lock()
@@ -99,37 +105,59 @@ class Helper:
         self._ranks_shared: Optional[_SharedBody] = None  # the member list being sent now, to share
         self._forget_after = _seconds(os.environ.get("PROBE_HELPER_FORGET_S"), FORGET_AFTER_S)
         self._listeners: List[Any] = []
+        self._complained = False  # a failed report to the master is said once
 
     # -- serving ----------------------------------------------------------------------------------
 
     def serve(self, host: str) -> None:
+        """Listen on the unix sockets and TCP (where the port is free) and start serving, in daemon threads."""
         from probe.agent.listener import Listener, keep_stdio_open
 
         keep_stdio_open()  # a launcher started with 0-2 closed must not get our sockets as its stdio
         _paths.ensure_runtime_dir()
-        unix_path = _paths.helper_socket_path(os.getpid())
-        self._listeners.append(Listener.unix(unix_path, self))
+        unix_paths = [_paths.helper_socket_path(os.getpid())]
+        node_path = _paths.node_socket_path(self.base_port)
+        if _paths.socket_state(node_path) not in ("listening", "unknown"):  # else a node helper of this job serves
+            try:
+                os.unlink(node_path)
+            except OSError:
+                pass
+            unix_paths.append(node_path)
+        for unix_path in unix_paths:
+            self._listeners.append(Listener.unix(unix_path, self))
+        for listener in self._listeners:
+            listener.start()
+        if not self.listen_tcp(host):
+            _say("probe: the host helper serves no TCP on %s:%d (%s); clients elsewhere cannot list this "
+                 "node's ranks%s" % (host, self.port, self.tcp_error, "" if self.kind == "launcher" else
+                                     " until it is free (tried again every second)"))
+        import atexit
+
+        atexit.register(self.stop, unix_paths)
+
+    def listen_tcp(self, host: str) -> bool:
+        """Serve TCP on the helper's port (``tcp_address``) where it is free; False and ``tcp_error`` where
+        not (another job's helper, or this job's previous one still lingering)."""
+        from probe.agent.listener import Listener
+
         try:
             tcp = Listener.tcp(host, self.port, self)
         except OSError as exc:
-            _say("probe: the host helper serves no TCP on %s:%d (%s); clients elsewhere cannot list this "
-                 "node's ranks" % (host, self.port, exc.strerror or exc))
-        else:
-            self._listeners.append(tcp)
-            self.tcp_address = "%s:%d" % (host, tcp.port)
-        for listener in self._listeners:
-            listener.start()
-        import atexit
+            self.tcp_error = exc.strerror or str(exc)
+            return False
+        self._listeners.append(tcp)
+        tcp.start()
+        self.tcp_address = "%s:%d" % (host, tcp.port)
+        return True
 
-        atexit.register(self.stop, unix_path)
-
-    def stop(self, unix_path: str) -> None:
+    def stop(self, unix_paths: List[str]) -> None:
         for listener in self._listeners:
             listener.close()
-        try:
-            os.unlink(unix_path)
-        except OSError:
-            pass
+        for unix_path in unix_paths:
+            try:
+                os.unlink(unix_path)
+            except OSError:
+                pass
 
     def __call__(self, request: Request) -> Response:
         try:
@@ -156,6 +184,11 @@ class Helper:
             return self._ranks_response()
         if request.method == "GET" and path.startswith("/v1/outside/"):
             return Response.json(self.outside(path[len("/v1/outside/"):]))
+        if request.method == "POST" and path == "/v1/register":
+            if request.transport != "unix":
+                raise Forbidden("a rank registers over its node's unix socket, not TCP")
+            self._take_registration(request.json())
+            return Response.json({"ok": True, "helper_pid": os.getpid()})
         if request.method == "POST" and path == "/v1/nodes":
             with self._report_lock:
                 self._take_report(request.json())
@@ -167,7 +200,7 @@ class Helper:
         raise NotFound("no such endpoint on the host helper: %s %s" % (request.method, path[:200]))
 
     def _identity(self) -> Dict[str, Any]:
-        return {"helper": True, "pid": os.getpid(), "host": node_host(), "node": self.members.node,
+        return {"helper": True, "kind": self.kind, "pid": os.getpid(), "host": node_host(), "node": self.members.node_key(),
                 "probe_port": self.base_port, "helper_port": self.port, "token_file": self.token_file}
 
     # -- members ----------------------------------------------------------------------------------
@@ -218,9 +251,9 @@ class Helper:
             node, report = reports[source - 1]
             host, helper, stale = heads[source - 1]
             _, local_rank, port, pid, restarts, state, age_ms = report.packed[at:at + width]
-            out += ('{"rank": %d, "local_rank": %d, "world_size": %d, "node": %d, "host": %s, "port": %d, '
+            out += ('{"rank": %d, "local_rank": %s, "world_size": %d, "node": %d, "host": %s, "port": %d, '
                     '"pid": %d, "state": "%s", "restarts": %d, "heartbeat_age": %s, "helper": %s}' % (
-                        rank, local_rank, report.world_size, node, host, port, pid,
+                        rank, "null" if local_rank < 0 else local_rank, report.world_size, node, host, port, pid,
                         "unreported" if stale else _STATES[state], restarts,
                         "null" if age_ms < 0 else "%.2f" % (age_ms / 1000.0), helper)).encode("utf-8")
         out += b"]"
@@ -265,7 +298,7 @@ class Helper:
         (400: malformed, 403: over a bound) with what is wrong."""
         world = self.members.world_size()
         bound = min(world, MAX_RANKS) if world else MAX_RANKS
-        node = _int_in(body, "node", 1, min(MAX_NODES, bound) - 1, "a node report")
+        node = _int_in(body, "node", 1, bound - 1, "a node report")  # a node number, or its lowest rank (mpirun)
         host = _host(body.get("host"), "the report's host")
         helper = _host_port(body.get("helper"), "the report's helper")
         members = body.get("members")
@@ -294,7 +327,8 @@ class Helper:
                                         and math.isfinite(age) and 0 <= age < 1e9):
                 raise BadRequest("%s has heartbeat_age %s, not null or seconds" % (what, _shown(age)))
             packed.extend((_int_in(member, "rank", 0, size - 1, what),
-                           _int_in(member, "local_rank", 0, MAX_MEMBERS - 1, what),
+                           -1 if member.get("local_rank") is None else _int_in(member, "local_rank", 0,
+                                                                               MAX_MEMBERS - 1, what),
                            _int_in(member, "port", 1, 65535, what), _int_in(member, "pid", 1, MAX_PID, what),
                            _int_in(member, "restarts", 0, (1 << 31) - 1, what), _STATES.index(state),
                            -1 if age is None else int(age * 1000)))
@@ -314,6 +348,33 @@ class Helper:
                                                                "MAX_RANKS of probe.host.helper"))
             self._nodes[node] = report
         self._ranks_shared = None  # the next member list has this report
+
+    def _take_registration(self, body: Dict[str, Any]) -> None:
+        """A rank of this node says who it is (``probe.agent.registration``): checked, then remembered. Only a
+        live process of this helper's user may be registered: the helper reads it from outside later."""
+        what = "a registration"
+        pid = _int_in(body, "pid", 1, MAX_PID, what)
+        try:
+            owner = os.stat("/proc/%d" % pid).st_uid
+        except OSError:
+            raise BadRequest("process %d does not exist" % pid)
+        if owner != os.getuid():
+            raise Forbidden("process %d is not this helper's user's" % pid)
+        world = body.get("world_size")
+        world_size = None if world is None else _int_in(body, "world_size", 1, (1 << 31) - 1, what)
+        rank = _int_in(body, "rank", 0, (world_size or (1 << 31)) - 1, what)
+        optional = {key: None if body.get(key) is None else _int_in(body, key, low, high, what)
+                    for key, low, high in (("local_rank", 0, MAX_MEMBERS - 1), ("node", 0, MAX_NODES - 1),
+                                           ("port", 1, 65535))}
+        restarts = _int_in(body, "restarts", 0, (1 << 31) - 1, what) if body.get("restarts") is not None else 0
+        master = body.get("master_addr")
+        master_addr = None if master is None else _host(master, "a registration's master_addr")
+        source = body.get("source")
+        if not isinstance(source, str) or not re.fullmatch(r"[a-z._]{1,40}", source):
+            raise BadRequest("a registration's source must be a word such as torchrun, not %s" % _shown(source))
+        self.members.register(pid, rank, optional["local_rank"], world_size, optional["node"], optional["port"],
+                              restarts, master_addr, source)
+        self._ranks_shared = None  # the next member list has it
 
     # -- reading a rank from outside --------------------------------------------------------------
 
@@ -340,36 +401,41 @@ class Helper:
 
     def report_forever(self) -> None:
         """On a node other than the master: send this node's ranks to the master's helper every second."""
-        from probe.client import transport
-
-        complained = False
         while True:
             time.sleep(REPORT_EVERY_S)
-            try:
-                members = self.local_members()
-                master = self.members.master_addr
-                if not members or self.members.node in (None, 0) or not master:
-                    continue
-                body = json.dumps({"node": self.members.node, "host": node_host(), "members": members,
-                                   "helper": "%s:%d" % (node_host(), self.port)}).encode("utf-8")
-                address = transport.TcpAddress(master, int(os.environ.get("PROBE_MASTER_HELPER_PORT") or self.port))
-                answer = transport.request(address, "POST", "/v1/nodes", body,
-                                           {"Authorization": "Bearer %s" % self._token.decode("utf-8")}, 2.0)
-                if answer.status >= 400 and not complained:
-                    complained = True
-                    if answer.status == 401:
-                        why = "give every node the same PROBE_TOKEN"
-                    else:
-                        try:
-                            why = str(json.loads(bytes(answer.body))["error"]["message"])[:300]
-                        except (ValueError, KeyError, TypeError):
-                            why = "no reason given"
-                    _say("probe: the master's host helper at %s refused this node's report (HTTP %d): %s"
-                         % (address, answer.status, why))
-            except Exception as exc:
-                if not complained:
-                    complained = True
-                    _say("probe: cannot report this node's ranks to the master's host helper: %s" % exc)
+            self.report_once()
+
+    def report_once(self) -> None:
+        """Send this node's ranks to the master's helper, where this is not the master's node (the node of
+        rank 0, or node 0) and the master's address is known (``MASTER_ADDR`` of the ranks); never raises."""
+        from probe.client import transport
+
+        try:
+            members = [m for m in self.local_members() if m["port"] is not None]
+            master = self.members.master_addr
+            node = self.members.node_key()
+            if not members or node in (None, 0) or not master:
+                return
+            body = json.dumps({"node": node, "host": node_host(), "members": members,
+                               "helper": "%s:%d" % (node_host(), self.port)}).encode("utf-8")
+            address = transport.TcpAddress(master, int(os.environ.get("PROBE_MASTER_HELPER_PORT") or self.port))
+            answer = transport.request(address, "POST", "/v1/nodes", body,
+                                       {"Authorization": "Bearer %s" % self._token.decode("utf-8")}, 2.0)
+            if answer.status >= 400 and not self._complained:
+                self._complained = True
+                if answer.status == 401:
+                    why = "give every node the same PROBE_TOKEN"
+                else:
+                    try:
+                        why = str(json.loads(bytes(answer.body))["error"]["message"])[:300]
+                    except (ValueError, KeyError, TypeError):
+                        why = "no reason given"
+                _say("probe: the master's host helper at %s refused this node's report (HTTP %d): %s"
+                     % (address, answer.status, why))
+        except Exception as exc:
+            if not self._complained:
+                self._complained = True
+                _say("probe: cannot report this node's ranks to the master's host helper: %s" % exc)
 
 
 _REPORT_SHAPE = ('{"node": N, "host": H, "helper": "H:PORT", "members": [{"rank", "local_rank", "world_size", '
@@ -442,7 +508,7 @@ def _exit_status(pid: int) -> str:
     return "exit code %d" % (status >> 8)
 
 
-def _job_token(base_port: int) -> Tuple[str, Optional[str]]:
+def job_token(base_port: int) -> Tuple[str, Optional[str]]:
     """The job's token: ``$PROBE_TOKEN``, or the token file the ranks of this node share."""
     if os.environ.get("PROBE_TOKEN"):
         return os.environ["PROBE_TOKEN"], None
@@ -460,7 +526,7 @@ def start_in_launcher(probe_port: str) -> None:
             from probe.agent.options import binds_every_interface, probe_port_binding
 
             host, base = probe_port_binding(dict(os.environ, PROBE_PORT=probe_port))
-            token, token_file = _job_token(base)
+            token, token_file = job_token(base)
             helper = Helper(base, token, token_file)
             helper.serve(host)
             if binds_every_interface(host) and helper.tcp_address:

@@ -1,5 +1,8 @@
-"""The ranks of this node: the launcher's children, read from ``/proc`` (their environment says who
-they are), remembered so that a rank that died or restarted is still named. Stdlib only."""
+"""The ranks of this node, remembered so that a rank that died or restarted is still named. Stdlib only.
+
+Two ways in: a rank registers itself (``register``: any launcher; it says its rank once it knows it, and
+the port it really serves on), and, in torchrun's launcher, the launcher's children are read from
+``/proc`` (their environment says who they are). What a rank registered wins over what ``/proc`` says."""
 
 import os
 import socket
@@ -12,7 +15,8 @@ from probe.reader import proc
 
 __all__ = ["Member", "Members", "node_host"]
 
-_ENV_KEYS = frozenset([n.encode("ascii") for n in _rank.NAMES] + [b"MASTER_ADDR", b"TORCHELASTIC_RESTART_COUNT"])
+_ENV_KEYS = frozenset([n.encode("ascii") for n in _rank.NAMES] + [b"MASTER_ADDR", b"TORCHELASTIC_RESTART_COUNT",
+                                                                   b"PROBE_PORT"])
 STALE_HEARTBEAT_S = 2.0
 
 
@@ -21,11 +25,11 @@ class Member(NamedTuple):
     stopped, starting (no agent socket yet), dead (exited; its parent may not have reaped it)."""
 
     rank: int
-    local_rank: int
+    local_rank: Optional[int]
     world_size: int
-    node: int
+    node: Optional[int]
     host: str
-    port: int
+    port: Optional[int]
     pid: int
     state: str
     restarts: int
@@ -86,31 +90,98 @@ def _int(raw: Optional[bytes], default: int = -1) -> int:
 class Members:
     """The ranks among this process's children; a rank seen once is kept (dead) until replaced."""
 
-    def __init__(self, base_port: int, parent: Optional[int] = None) -> None:
+    def __init__(self, base_port: int, parent: Optional[int] = None, children: bool = True) -> None:
         self.base_port = base_port
         self.parent = parent if parent is not None else os.getpid()
+        self.children = children  # False in a node helper of its own: its ranks are not its children
         self.master_addr: Optional[str] = None
         self.node: Optional[int] = None
-        self._known: Dict[int, Dict[str, Any]] = {}  # rank -> what was learnt from /proc
+        self._known: Dict[int, Dict[str, Any]] = {}  # rank -> what was learnt from /proc or a registration
         self._lock = threading.Lock()
 
+    def register(self, pid: int, rank: int, local_rank: Optional[int], world_size: Optional[int],
+                 node: Optional[int], port: Optional[int], restarts: int, master_addr: Optional[str],
+                 source: str) -> None:
+        """A rank says who it is (again, when that changed: torch.distributed numbered it). A process is one
+        rank at a time; where every rank known is dead, the registering one starts a new job's list."""
+        with self._lock:
+            if self._known and all(proc.state(k["pid"]) in (None, "Z", "X") for k in self._known.values()):
+                self._known.clear()
+            for old in [r for r, k in self._known.items() if k["pid"] == pid and r != rank]:
+                del self._known[old]
+            self._known[rank] = {"pid": pid, "local_rank": local_rank, "world_size": world_size or 0,
+                                 "node": node, "restarts": restarts, "port": port, "source": source}
+            if master_addr:
+                self.master_addr = master_addr
+            if node is not None:
+                self.node = node
+
+    def _agents(self) -> List[int]:
+        """The processes with an agent socket in the runtime directory (ours: the directory is the user's)."""
+        try:
+            names = os.listdir(_paths.runtime_dir())
+        except OSError:
+            return []
+        return [pid for pid in map(_paths.pid_from_socket_name, names) if pid is not None and pid != os.getpid()]
+
+    def _same_job(self, env: Dict[bytes, bytes], pid: int) -> bool:
+        """Whether the process with environment ``env`` is a rank of this job: its PROBE_PORT is ours, and no
+        multiprocessing child (which inherits its parent's variables, a rank's included) or helper."""
+        raw = env.get(b"PROBE_PORT", b"").decode("ascii", "replace").strip()
+        port = raw.rpartition(":")[2]
+        if not (port.isdigit() and int(port) == self.base_port):
+            return False
+        try:
+            with open("/proc/%d/cmdline" % pid, "rb") as handle:
+                argv = [a.decode("utf-8", "replace") for a in handle.read(1 << 16).split(b"\0")]
+        except OSError:
+            return False
+        return _rank.mp_role(argv) is None
+
+    def alive(self) -> int:
+        """How many of the ranks known are alive now."""
+        with self._lock:
+            pids = [k["pid"] for k in self._known.values()]
+        return sum(1 for pid in pids if proc.state(pid) not in (None, "Z", "X"))
+
+    def node_key(self) -> Optional[int]:
+        """This node's number in the job: the one its ranks were given (GROUP_RANK, SLURM_NODEID), else,
+        where the launcher numbers no nodes (mpirun), 0 on the node of rank 0 and the lowest rank here on
+        the others (unique across nodes, as ranks are). None before any rank is known."""
+        if self.node is not None:
+            return self.node
+        with self._lock:
+            ranks = sorted(self._known)
+        return ranks[0] if ranks else None
+
     def scan(self) -> List[Member]:
-        """Look at the children now; every rank ever seen, in rank order, with its state now."""
+        """Look for ranks not known yet, then every rank ever seen, in rank order, with its state now.
+
+        In torchrun's launcher they are its children. A node helper of its own also looks at the agents of
+        this runtime directory whose ``PROBE_PORT`` is its job's and whose launcher named their rank: a rank
+        whose GIL a C call took before it could register is listed all the same."""
         host = node_host()
         with self._lock:
-            for pid in _children(self.parent):
+            for pid in (_children(self.parent) if self.children else self._agents()):
                 if any(k["pid"] == pid for k in self._known.values()):
                     continue
                 env = _environ(pid)
+                if not self.children and not self._same_job(env, pid):
+                    continue
                 who = _rank.from_environ({k.decode("ascii"): v.decode("ascii", "replace") for k, v in env.items()})
                 if who.rank is None or who.local_rank is None:
                     continue  # not a rank (some other child of the launcher)
                 rank = who.rank
-                self.master_addr = (env.get(b"MASTER_ADDR") or b"").decode("ascii", "replace") or None
-                self.node = who.node or 0
+                if rank in self._known and proc.state(self._known[rank]["pid"]) not in (None, "Z", "X"):
+                    continue  # a live process registered as this rank
+                self.master_addr = self.master_addr or (env.get(b"MASTER_ADDR") or b"").decode("ascii", "replace") or None
+                node = who.node if who.node is not None or not self.children else 0
+                if node is not None:
+                    self.node = node
                 self._known[rank] = {"pid": pid, "local_rank": who.local_rank,
-                                     "world_size": who.world_size or 0, "node": self.node,
-                                     "restarts": _int(env.get(b"TORCHELASTIC_RESTART_COUNT"), 0)}
+                                     "world_size": who.world_size or 0, "node": node,
+                                     "restarts": _int(env.get(b"TORCHELASTIC_RESTART_COUNT"), 0),
+                                     "port": None, "source": who.source}
             known = sorted(self._known.items())
         return [self._member(rank, info, host) for rank, info in known]
 
@@ -142,6 +213,9 @@ class Members:
                 state = "silent" if age > STALE_HEARTBEAT_S else "running"
             except OSError:
                 state = "starting"
-        return Member(rank, info["local_rank"], info["world_size"], info["node"], host,
-                      self.base_port + info["local_rank"], pid, state, info["restarts"],
-                      None if age is None else round(age, 2))
+        port = info["port"]
+        if port is None and info["local_rank"] is not None:
+            port = self.base_port + info["local_rank"]  # found in /proc, not registered: the port it was given
+        node = info["node"] if info["node"] is not None else self.node_key()
+        return Member(rank, info["local_rank"], info["world_size"], node, host, port, pid, state,
+                      info["restarts"], None if age is None else round(age, 2))

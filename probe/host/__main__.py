@@ -1,0 +1,7 @@
+"""``python -m probe.host``: the node helper process (see ``probe.host.node``)."""
+
+import sys
+
+from probe.host.node import main
+
+sys.exit(main())
