@@ -98,9 +98,27 @@ def _argv() -> List[str]:
         return list(getattr(sys, "argv", None) or [])
 
 
+_LAUNCHERS = ("accelerate", "accelerate-launch", "deepspeed", "torchrun")
+_LAUNCHER_MODULES = ("accelerate.commands.launch", "accelerate.commands.accelerate_cli", "deepspeed.launcher.runner",
+                     "deepspeed.launcher.launch", "torch.distributed.run", "torch.distributed.launch")
+
+
+def is_launcher(argv: Optional[Sequence[str]] = None) -> bool:
+    """Whether this interpreter runs a launcher that starts the ranks (``accelerate launch``, ``deepspeed``,
+    torchrun): under srun it has Slurm's variables of its own (one task a node), which name no rank."""
+    args: List[str] = list(argv if argv is not None else _argv())
+    for i, arg in enumerate(args[:3]):
+        if i > 0 and os.path.basename(arg) in _LAUNCHERS:
+            return True  # python /path/to/bin/accelerate launch ...
+        if arg == "-m" and i + 1 < len(args):
+            return args[i + 1] in _LAUNCHER_MODULES
+    return bool(args) and os.path.basename(args[0]) in _LAUNCHERS
+
+
 def at_start(env: Optional[Mapping[str, str]] = None, argv: Optional[Sequence[str]] = None) -> Rank:
-    """The rank this process is known by from its start: none in a multiprocessing child or helper."""
-    if mp_role(argv) is not None:
+    """The rank this process is known by from its start: none in a multiprocessing child or helper, nor in
+    a launcher."""
+    if mp_role(argv) is not None or is_launcher(argv):
         return NONE
     return from_environ(os.environ if env is None else env)
 

@@ -7,6 +7,8 @@ import os
 import select
 import signal
 import socket
+import subprocess
+import sys
 import time
 from typing import Dict, List
 
@@ -150,3 +152,25 @@ def test_launcher_variables_in_their_order_of_precedence():
     assert _rank.mp_role(["python", "-c", "from multiprocessing.spawn import spawn_main; spawn_main(tracker_fd=5, "
                                           "pipe_handle=7)", "--multiprocessing-fork"]) == "child"
     assert _rank.mp_role(["python", "train.py"]) is None
+
+
+def test_a_launcher_under_srun_is_no_rank_and_takes_no_ranks_port(tmp_path):
+    """``srun accelerate launch ...``: srun gives the launcher (one task a node) SLURM_PROCID 0 and
+    SLURM_LOCALID 0, which name no rank of the job; its rank 0 must get PROBE_PORT + 0, not the launcher."""
+    launcher = tmp_path / "accelerate"  # what the hook sees: a program called accelerate, run by python
+    launcher.write_text("import os, sys, threading\nprint('READY', os.getpid(), flush=True)\n"
+                        "threading.Event().wait(600)\n")
+    port = _free_port_pair()
+    env = target_env(PROBE_PORT="127.0.0.1:%d" % port, SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NTASKS="1")
+    popen = subprocess.Popen([sys.executable, str(launcher), "launch", "train.py"], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+    proc = Proc(popen, "accelerate")
+    try:
+        assert proc.read_line(30).startswith("READY")
+        wait_for_socket(popen.pid, 30)
+        health = _health(popen.pid)
+        assert health["rank"] is None and health["local_rank"] is None, health
+        assert health["tcp"] and health["tcp"] != "127.0.0.1:%d" % port, health
+        assert not _listening(port)
+    finally:
+        proc.kill()
