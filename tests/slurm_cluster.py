@@ -55,10 +55,11 @@ def missing() -> List[str]:
 class SlurmCluster:
     """A running one-node Slurm: its directory, config, and the environment its commands need."""
 
-    def __init__(self, directory: str, node: str) -> None:
+    def __init__(self, directory: str, node: str, nodes: int = 1) -> None:
         self.directory = directory
         self.conf = os.path.join(directory, "slurm.conf")
-        self.node = node
+        self.node = node  # this host's name
+        self.nodes = node_names(node, nodes)  # Slurm's names of its nodes; node i at 127.0.0.i
 
     def env(self, base: Optional[Dict[str, str]] = None, **extra: str) -> Dict[str, str]:
         """``base`` (else this process's environment) with SLURM_CONF naming this cluster's config."""
@@ -90,8 +91,15 @@ def _short_dir(directory: str) -> str:
     return tempfile.mkdtemp(prefix="slurm-")
 
 
-def write_config(directory: str, node: str) -> str:
-    """The munge key and slurm.conf of a cluster in ``directory``; returns the config's path."""
+def node_names(node: str, nodes: int) -> List[str]:
+    """The Slurm names of the nodes: this host's name for one node; ``n1``, ``n2``, ... for several."""
+    return [node] if nodes == 1 else ["n%d" % (i + 1) for i in range(nodes)]
+
+
+def write_config(directory: str, node: str, nodes: int = 1) -> str:
+    """The munge key and slurm.conf of a cluster in ``directory``; returns the config's path. Several
+    nodes are several slurmd on this host, node i at 127.0.0.i with a port of its own (Debian's slurmd
+    is built with multiple-slurmd support)."""
     for sub in ("munge", "state", "spool", "log"):
         os.makedirs(os.path.join(directory, sub), exist_ok=True)
     os.chmod(os.path.join(directory, "munge"), 0o700)
@@ -103,18 +111,18 @@ def write_config(directory: str, node: str) -> str:
         "ClusterName=probetest",
         "SlurmctldHost=%s(127.0.0.1)" % node,
         "SlurmctldPort=%d" % _free_port(),
-        "SlurmdPort=%d" % _free_port(),
+        "SlurmdPort=%d" % _free_port(),  # nodes of their own port override it
         "SlurmUser=%s" % user,
         "SlurmdUser=%s" % user,
         "AuthType=auth/munge",
         "CredType=cred/munge",
         "AuthInfo=socket=%s" % os.path.join(directory, "munge", "munge.socket"),
         "StateSaveLocation=%s" % os.path.join(directory, "state"),
-        "SlurmdSpoolDir=%s" % os.path.join(directory, "spool"),
+        "SlurmdSpoolDir=%s" % os.path.join(directory, "spool", "%n"),
         "SlurmctldPidFile=%s" % os.path.join(directory, "slurmctld.pid"),
-        "SlurmdPidFile=%s" % os.path.join(directory, "slurmd.pid"),
+        "SlurmdPidFile=%s" % os.path.join(directory, "slurmd-%n.pid"),
         "SlurmctldLogFile=%s" % os.path.join(directory, "log", "slurmctld.log"),
-        "SlurmdLogFile=%s" % os.path.join(directory, "log", "slurmd.log"),
+        "SlurmdLogFile=%s" % os.path.join(directory, "log", "slurmd-%n.log"),
         "ProctrackType=proctrack/linuxproc",  # no cgroups in a container
         "TaskPlugin=task/none",
         "SelectType=select/cons_tres",
@@ -130,9 +138,11 @@ def write_config(directory: str, node: str) -> str:
         "SlurmctldTimeout=30",
         "SlurmdTimeout=30",
         "KillWait=2",
-        "NodeName=%s NodeAddr=127.0.0.1 CPUs=4 Sockets=1 CoresPerSocket=4 ThreadsPerCore=1 State=UNKNOWN" % node,
-        "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE",
     ]
+    for i, name in enumerate(node_names(node, nodes)):
+        lines.append("NodeName=%s NodeHostname=%s NodeAddr=127.0.0.%d%s CPUs=4 Sockets=1 CoresPerSocket=4 "
+                     "ThreadsPerCore=1 State=UNKNOWN" % (name, node, i + 1, "" if nodes == 1 else " Port=%d" % _free_port()))
+    lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE")
     conf = os.path.join(directory, "slurm.conf")
     with open(conf, "w") as handle:
         handle.write("\n".join(lines) + "\n")
@@ -140,22 +150,22 @@ def write_config(directory: str, node: str) -> str:
 
 
 @contextmanager
-def slurm_cluster(directory: str, timeout: float = 30.0) -> Iterator[SlurmCluster]:
-    """A one-node Slurm in ``directory`` for a ``with`` block; :class:`SlurmUnavailable` where it cannot
-    start. Everything it started is stopped and reaped at the end."""
+def slurm_cluster(directory: str, timeout: float = 30.0, nodes: int = 1) -> Iterator[SlurmCluster]:
+    """A one-node Slurm in ``directory`` for a ``with`` block (``nodes``: that many slurmd on this host);
+    :class:`SlurmUnavailable` where it cannot start. Everything it started is stopped and reaped at the end."""
     absent = missing()
     if absent:
         raise SlurmUnavailable("%s not installed (tests/run.sh installs Debian's slurm-wlm and munge as root)"
                                % ", ".join(absent))
     directory = _short_dir(str(directory))
     node = socket.gethostname().split(".")[0]
-    keeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), directory, node, str(timeout)],
+    keeper = subprocess.Popen([sys.executable, os.path.abspath(__file__), directory, node, str(timeout), str(nodes)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         said = _keeper_line(keeper, scaled(timeout) + 30)
         if not said.startswith("UP"):
             raise SlurmUnavailable(said.partition(" ")[2] or said or "the keeper exited (%s)" % keeper.returncode)
-        yield SlurmCluster(directory, node)
+        yield SlurmCluster(directory, node, nodes)
     finally:
         _stop_keeper(keeper)
 
@@ -192,11 +202,12 @@ def _stop_keeper(keeper: "subprocess.Popen[bytes]") -> None:
 
 
 class _Keeper:
-    def __init__(self, directory: str, node: str, timeout: float) -> None:
+    def __init__(self, directory: str, node: str, timeout: float, nodes: int = 1) -> None:
         self.directory = directory
         self.node = node
+        self.nodes = node_names(node, nodes)
         self.timeout = timeout
-        self.conf = write_config(directory, node)
+        self.conf = write_config(directory, node, nodes)
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         self.daemons: Dict[str, "subprocess.Popen[bytes]"] = {}
         self.stopping = False
@@ -206,7 +217,8 @@ class _Keeper:
 
     def start(self, name: str, args: List[str]) -> None:
         out = open(self.path("log", name + ".out"), "wb")
-        self.daemons[name] = subprocess.Popen([_which(name) or name] + args, stdout=out, stderr=subprocess.STDOUT,
+        program = name.partition("-")[0]  # slurmd-n2: a slurmd
+        self.daemons[name] = subprocess.Popen([_which(program) or program] + args, stdout=out, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, env=self.env)
         out.close()
 
@@ -219,7 +231,8 @@ class _Keeper:
 
     def error_line(self, name: str) -> str:
         lines: List[str] = []
-        for path in (self.path("log", name + ".out"), self.path("log", name + ".log")):
+        log = "slurmd-%s" % self.nodes[0] if name == "slurmd" else name  # SlurmdLogFile names the node
+        for path in (self.path("log", name + ".out"), self.path("log", log + ".log")):
             try:
                 with open(path, errors="replace") as handle:
                     lines += [line.strip() for line in handle if line.strip()]
@@ -247,17 +260,19 @@ class _Keeper:
                 return self.failed() or "munged made no socket: %s" % self.error_line("munged")
             time.sleep(0.05)
         self.start("slurmctld", ["-D", "-f", self.conf])
-        self.start("slurmd", ["-D", "-f", self.conf, "-N", self.node])
+        for name in self.nodes:
+            self.start("slurmd" if len(self.nodes) == 1 else "slurmd-" + name, ["-D", "-f", self.conf, "-N", name])
         while time.monotonic() < deadline:
             failed = self.failed()
             if failed:
                 return failed
-            if "UP" in self.command("scontrol", "ping") and self.command("sinfo", "-h", "-o", "%t").strip() == "idle":
+            states = self.command("sinfo", "-h", "-N", "-o", "%t").split()
+            if "UP" in self.command("scontrol", "ping") and states == ["idle"] * len(self.nodes):
                 return None
             time.sleep(0.2)
         state = self.command("sinfo", "-h", "-o", "%t %E").strip()
         return "the node was not idle within %.0f s (sinfo: %s; slurmd: %s)" % (
-            scaled(self.timeout), state or "no answer", self.error_line("slurmd"))
+            scaled(self.timeout), state or "no answer", self.error_line(next(n for n in self.daemons if n.startswith("slurmd"))))
 
     def reap(self) -> None:
         while True:
@@ -278,7 +293,7 @@ class _Keeper:
                 while self.command("squeue", "-h", "-o", "%i").split() and time.monotonic() < deadline:
                     self.reap()
                     time.sleep(0.2)
-        for name in ("slurmd", "slurmctld", "munged"):
+        for name in [n for n in self.daemons if n.startswith("slurmd")] + ["slurmctld", "munged"]:
             popen = self.daemons.get(name)
             if popen is not None and popen.poll() is None:
                 popen.terminate()
@@ -317,11 +332,11 @@ def _children(pid: int) -> List[int]:
     return found
 
 
-def _keep(directory: str, node: str, timeout: float) -> int:
+def _keep(directory: str, node: str, timeout: float, nodes: int) -> int:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    keeper = _Keeper(directory, node, timeout)
+    keeper = _Keeper(directory, node, timeout, nodes)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     signal.signal(signal.SIGINT, lambda *_: stop.append(True))
@@ -342,4 +357,4 @@ def _keep(directory: str, node: str, timeout: float) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_keep(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+    sys.exit(_keep(sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])))

@@ -290,3 +290,75 @@ def test_a_slurm_node_whose_helper_does_not_answer_is_named(slurm):
             os.killpg(sleeper.pid, signal.SIGKILL)
             sleeper.wait(10)
 
+
+
+def test_slurm_jobid_on_two_nodes_asks_each_nodes_helper_and_names_a_node_whose_helper_is_silent(tmp_path):
+    """Two slurmd on this host (n1 at 127.0.0.1, n2 at 127.0.0.2), srun -N2 -n4 with one PROBE_TOKEN: each
+    node's tasks have a runtime directory and PROBE_HOST of their node's own, as two machines would.
+    slurm:JOBID lists the ranks of both nodes from both helpers, with no MASTER_ADDR set (no helper gathers
+    the other's); with node 2's helper stopped, node 2 is named and node 1's ranks are listed."""
+    try:
+        with slurm_cluster(str(tmp_path / "slurm"), nodes=2) as slurm:
+            port, token = _free_ports(2), os.urandom(16).hex()
+            run_dirs = tmp_path / "nodes"
+            run_dirs.mkdir(mode=0o700)
+            as_a_node = ('n=${SLURMD_NODENAME#n}; mkdir -p -m 700 %s/$n; export PROBE_RUNTIME_DIR=%s/$n '
+                         'PROBE_HOST=127.0.0.$n; exec %s %s' % (run_dirs, run_dirs, sys.executable, RANK))
+            srun = subprocess.Popen(["srun", "-N2", "-n4", "--ntasks-per-node=2", "--job-name=probe-two",
+                                     "bash", "-c", as_a_node],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                    env=slurm.env(target_env(PROBE_PORT=str(port), PROBE_TOKEN=token,
+                                                             PROBE_HELPER_LINGER_S="3")))
+            stopped = None
+            try:
+                output = Proc(srun, "srun")
+                pids = {}
+                while len(pids) < 4:
+                    line = output.read_line(60)
+                    output.lines.append(line)
+                    if line.startswith("READY"):
+                        pids[int(line.split()[2])] = int(line.split()[1])
+                job_id = slurm.running_jobs()[0]
+                target = "slurm:%s:%d" % (job_id, port)
+                env = slurm.env(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path), PROBE_TOKEN=token))
+                members = _listed(target, 4, env)
+                assert [(m["rank"], m["pid"]) for m in members] == sorted(pids.items()), members
+                assert [m["host"] for m in members] == ["127.0.0.1"] * 2 + ["127.0.0.2"] * 2, members
+                assert [m["port"] for m in members] == [port, port + 1] * 2, members
+                result = run_cli(target, "--all-ranks", "backtrace", env=env)
+                assert result.code == 0 and "ranks 0-3 (4)" in result.out, result
+
+                stopped = _helper_pid(port, "127.0.0.2")
+                os.kill(stopped, signal.SIGSTOP)
+                silent = run_cli("--deadline", "2", target, "ranks", "-f", "json", env=env)
+                assert [m["rank"] for m in json.loads(silent.out)] == [0, 1], silent
+                assert ("Slurm job %s runs on node n2 (127.0.0.2), whose node helper at 127.0.0.2:%d did not answer"
+                        % (job_id, port - 1)) in silent.err and "its ranks are not listed" in silent.err, silent.err
+            finally:
+                if stopped is not None:
+                    os.kill(stopped, signal.SIGCONT)
+                slurm.run("scancel", "--name=probe-two")
+                try:
+                    srun.wait(scaled(15))
+                except subprocess.TimeoutExpired:
+                    os.killpg(srun.pid, signal.SIGKILL)
+                    srun.wait(10)
+                for stream in (srun.stdout, srun.stderr):
+                    if stream:
+                        stream.close()
+    except SlurmUnavailable as exc:
+        pytest.skip("no two-node Slurm here: %s" % exc)
+
+
+def _helper_pid(port: int, host: str) -> int:
+    """The node helper (python -m probe.host) of the job with PROBE_PORT ``port`` serving on ``host``."""
+    wanted = ["-m", "probe.host", "--port", str(port), "--host", host]
+    for name in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % name, "rb") as handle:
+                words = handle.read().decode("utf-8", "replace").split("\0")
+        except OSError:
+            continue
+        if name.isdigit() and all(w in words for w in wanted):
+            return int(name)
+    raise AssertionError("no node helper serving %s for PROBE_PORT %d" % (host, port))
