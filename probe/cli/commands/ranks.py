@@ -4,7 +4,7 @@ from typing import Optional
 
 import click
 
-from probe.cli.context import CliContext, pass_cli
+from probe.cli.context import PARTIAL, CliContext, pass_cli
 from probe.cli.options import TABLE, output_format
 from probe.cli.output import print_rows, say
 from probe.cli.render import render_rows
@@ -17,8 +17,9 @@ def ranks(cli: CliContext, fmt: Optional[str]) -> None:
     """List the job's ranks: rank, host, port, pid, state (running, silent, stopped, starting, dead).
 
     \b
-    TARGET is the master's HOST:PROBE_PORT; its launcher's host helper (port PROBE_PORT - 1) knows every
-    node's ranks. The ranks share one token: stderr says where it is.
+    TARGET is the master's HOST:PROBE_PORT, whose node helper (port PROBE_PORT - 1) knows every node's
+    ranks, under any launcher; or slurm:JOBID[:PORT], whose nodes Slurm names. The ranks share one
+    token: stderr says where it is. Exit 7 where a node or a member was left out (stderr says which).
     """
     cli.all_ranks = True
     cluster = cli.cluster()
@@ -26,3 +27,5 @@ def ranks(cli: CliContext, fmt: Optional[str]) -> None:
     print_rows(render_rows(cluster.ranks_rows(), fmt), fmt)
     if cluster.token_file:
         say("probe: the job's token: %s (on the master's host)" % cluster.token_file, err=True)
+    if cluster.left_out:  # said on stderr as the cluster was made: the list is not the whole job
+        cli.exit_code = cli.exit_code or PARTIAL
