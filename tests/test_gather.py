@@ -58,7 +58,7 @@ def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
     assert sorted(raw["ranks"]) == [0, 2] and raw["failed"] == []
     main = raw["threads"]["MainThread"]
     assert len(main) == 1 and main[0][1] == [0, 2]  # one stack, both ranks
-    assert "wait_for_work" in [func for func, _file, _line in main[0][0]]
+    assert "wait_for_work" in [func for func, _file, _line in json.loads(main[0][0])]
 
 
 def test_through_the_helpers_the_grouped_backtrace_equals_the_direct_one_and_a_gil_holder_is_read_from_outside(job):
@@ -75,7 +75,8 @@ def test_through_the_helpers_the_grouped_backtrace_equals_the_direct_one_and_a_g
     # the helper itself read rank 1 from outside (the client asked no rank)
     raw = json.loads(bytes(_gather(port, b'{"op": "backtrace", "deadline": 5}').body))
     assert [rank for rank, _note in raw["outside"]] == [1]
-    funcs = {tuple(ranks): [func for func, _file, _line in stack] for stack, ranks in raw["threads"]["MainThread"]}
+    funcs = {tuple(ranks): [func for func, _file, _line in json.loads(stack)]
+             for stack, ranks in raw["threads"]["MainThread"]}
     assert sorted(funcs) == [(0, 2, 3), (1,)], funcs
     assert "wait_for_work" in funcs[(0, 2, 3)] and funcs[(1,)][0] == "hold_the_gil", funcs
 

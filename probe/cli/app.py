@@ -111,7 +111,7 @@ def _usage_shows_target(command: click.Command) -> None:
                    "(up to 512 open).")
 @click.option("--via", type=click.Choice(["auto", "helpers", "direct"]), default="auto", show_default=True,
               envvar="PROBE_VIA", help="Across ranks: ask each node's helper once, which asks its ranks (helpers), or "
-                                       "every rank from here (direct); auto: through the helpers past 32 ranks.")
+                                       "every rank from here (direct); auto: through the helpers past 1024 ranks.")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],

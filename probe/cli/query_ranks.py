@@ -6,8 +6,8 @@ import secrets
 from typing import Any, Optional
 
 from probe.cli.context import CliContext, report_failures, stop_where_unanswered, stopped_on_ranks
-from probe.cli.output import print_rows, write_arrow, write_rows, wrote
-from probe.cli.render import render_rows, terminal_width
+from probe.cli.output import print_rows, say, write_arrow, write_rows, wrote
+from probe.cli.render import render_rows, terminal_width, visible
 from probe.client.results import Rows
 from probe.errors import UsageError
 
@@ -42,6 +42,8 @@ def query_across_ranks(cli: CliContext, sql: str, fmt: str, wide: bool, output: 
             wrote(len(rows.rows), output, rows.truncated)
         elif rows.columns or fmt != "table":  # no rank answered: nothing to tabulate, the failures say why
             print_rows(render_rows(rows, fmt, terminal_width(), wide), fmt)
+    for line in cluster.asked_directly:  # node helpers that could not gather (--via)
+        say("probe: " + visible(line), err=True)
     stop_where_unanswered(cluster, "query", query_id)  # after the output: the answers first
     report_failures(cli, cluster.failures, len(cluster.members))
 

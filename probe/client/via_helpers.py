@@ -9,8 +9,8 @@ query its ranks' rows. So the client's work grows with the nodes and the distinc
 (a query's rows still are as many as the ranks send).
 
 Which path: ``via="direct"``, ``"helpers"``, or ``"auto"``: through the helpers when the job has more
-than ``AUTO_ABOVE`` ranks and every rank has a helper (discovered, not an explicit list). Below that the
-direct path is as fast or faster (bench/bench_fanout_helpers.py). A helper that cannot gather (an older
+than ``AUTO_ABOVE`` ranks and every rank has a helper (discovered, not an explicit list). Up to that the
+direct path was as fast or faster (bench/bench_fanout_helpers.py). A helper that cannot gather (an older
 helper: 404; busy; refused) has its ranks asked directly instead; one that gives no answer within the
 deadline has its ranks named as not answering, with why.
 
@@ -34,8 +34,11 @@ if TYPE_CHECKING:
 __all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow"]
 
 VIA = ("auto", "helpers", "direct")
-AUTO_ABOVE = 32
-"""``--via auto`` goes through the node helpers for more ranks than this (see the module's docstring)."""
+AUTO_ABOVE = 1024
+"""``--via auto`` goes through the node helpers for more ranks than this. Measured on one 2-core machine
+(bench/bench_fanout_helpers.py, bench/RESULTS.md), the direct path answered as fast or faster up to 1024
+ranks (there the helpers share the client's cores), while through the helpers the client spent 2-7x less
+CPU; the client's CPU and connections grow with the ranks directly, with the nodes through the helpers."""
 _MARGIN_S = 0.5  # the helpers' deadline is this much (at most a quarter) before the client's
 _MAX_NAME = 1024
 _MAX_TEXT = 4096
@@ -119,6 +122,9 @@ def _gather(cluster: "Cluster", op: Dict[str, Any]) -> Tuple[List[Tuple[List["Me
             failures.extend(RankFailure(m.rank, m.host, "timeout", reason, outcome.error.exit_code) for m in members)
         else:  # an older helper (no gather), busy, or refused: ask its ranks directly
             direct.extend(members)
+            cluster.asked_directly.append("the node helper at %s did not gather (%s): its %d rank%s asked directly"
+                                          % (helper, outcome.error.message[:300], len(members),
+                                             " was" if len(members) == 1 else "s were"))
     return answered, direct, failures
 
 
@@ -171,6 +177,20 @@ def _text(value: Any, limit: int, what: str) -> str:
     return value
 
 
+def _key_of(text: Any, known: Dict[str, Key]) -> Key:
+    """A stack from the JSON text of its frames, read and checked once per distinct text (``known``)."""
+    if not isinstance(text, str) or len(text) > _MAX_FRAMES * 2 * _MAX_TEXT:
+        raise _Bad("a stack is not the JSON text of its frames")
+    key = known.get(text)
+    if key is None:
+        try:
+            raw = json.loads(text)
+        except (ValueError, RecursionError):
+            raise _Bad("a stack is not the JSON text of its frames") from None
+        key = known[text] = _key(raw)
+    return key
+
+
 def _key(raw: Any) -> Key:
     if not isinstance(raw, list) or len(raw) > _MAX_FRAMES:
         raise _Bad("a stack is not a list of at most %d frames" % _MAX_FRAMES)
@@ -201,11 +221,12 @@ def backtrace_groups(cluster: "Cluster") -> Grouped:
     threads: Dict[str, Dict[Key, List[int]]] = {}
     outside: Dict[int, str] = {}
     answered: Set[int] = set()
+    known: Dict[str, Key] = {}  # each distinct stack's text, read once
     for members, raw in answered_helpers:
         helper = str(members[0].helper)
         asked = {m.rank: m for m in members}
         try:
-            mine, notes, failed = _check_backtrace(raw, asked)
+            mine, notes, failed = _check_backtrace(raw, asked, known)
         except _Bad as exc:
             failures.extend(_unusable(members, helper, str(exc)))
             continue
@@ -240,8 +261,8 @@ def backtrace_groups(cluster: "Cluster") -> Grouped:
     return Grouped(threads, outside, len(answered))
 
 
-def _check_backtrace(raw: Dict[str, Any], asked: Dict[int, "Member"]) -> Tuple[Dict[str, List[Tuple[Key, List[int]]]],
-                                                                              Dict[int, str], Dict[int, Any]]:
+def _check_backtrace(raw: Dict[str, Any], asked: Dict[int, "Member"],
+                     known: Dict[str, Key]) -> Tuple[Dict[str, List[Tuple[Key, List[int]]]], Dict[int, str], Dict[int, Any]]:
     threads = raw.get("threads")
     if not isinstance(threads, dict):
         raise _Bad("threads is not an object")
@@ -259,7 +280,7 @@ def _check_backtrace(raw: Dict[str, Any], asked: Dict[int, "Member"]) -> Tuple[D
             if seen.intersection(ranks) or len(set(ranks)) != len(ranks):
                 raise _Bad("a rank has two stacks for thread %s" % _shown(name))
             seen.update(ranks)
-            kept.append((_key(group[0]), ranks))
+            kept.append((_key_of(group[0], known), ranks))
         out[name] = kept
     notes: Dict[int, str] = {}
     raw_notes = raw.get("outside", [])

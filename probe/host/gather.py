@@ -7,7 +7,8 @@ node; each helper asks its local ranks over their unix sockets (the same HTTP AP
 ``max_in_flight`` at once and within ``deadline`` seconds, and answers with its part already reduced:
 
     {"op": "backtrace", "deadline": 5}     the distinct stacks of each thread name with the ranks that
-                                           have each: {"threads": {NAME: [[FRAMES, RANKS], ...]},
+                                           have each: {"threads": {NAME: [[FRAMES, RANKS], ...]}, FRAMES
+                                           the JSON text of [[func, file, line], ...], innermost first,
                                            "outside": [[RANK, NOTE], ...], "failed": [...]}
     {"op": "query", "sql": "...",          each rank's rows (JSON, as the agent sends them): {"parts":
      "max_rows": N, "timeout": S,          [{"rank", "columns", "rows", "truncated", "row_cap"}],
@@ -45,6 +46,7 @@ DEFAULT_IN_FLIGHT = 8  # unix sockets on one node: a few at once keeps the ranks
 MAX_DEADLINE_S = 600.0
 MAX_SQL_CHARS = 256 << 10
 MAX_RANKS = 1 << 16
+RAMP_S = 0.005  # how long one runner asks the ranks alone before the others join (see _fan_out)
 _MARGIN_S = 0.3  # a rank's own socket waits this much past the deadline, so the deadline names it first
 _GATHER_SHAPE = ('{"op": "backtrace" | "query", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
                  '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "..."}')
@@ -197,7 +199,16 @@ def _fan_out(helper: Any, members: List[Dict[str, Any]], work: Any, in_flight: i
                 if state["done"] == len(members):
                     done.notify_all()
 
-    for _ in range(min(in_flight, len(members))):
+    # One runner first: ranks that answer at once are asked one after another, with no thread switch between
+    # them (many runnable threads in one process cost more than the answers). The others join once the
+    # first has not finished within RAMP_S: a slow or blocked rank then holds up no other.
+    pool.run(runner)
+    with done:
+        if state["done"] < len(members):
+            done.wait(min(RAMP_S, max(end - time.monotonic(), 0)))
+    for _ in range(min(in_flight, len(members)) - 1):
+        if state["done"] >= len(members):
+            break
         pool.run(runner)
     with done:
         while state["done"] < len(members):
@@ -243,7 +254,9 @@ def _gather(helper: Any, asked: _Asked) -> Response:
                 threads.setdefault(name, {}).setdefault(key, []).append(member["rank"])
             if note:
                 outside.append([member["rank"], note])
-        out["threads"] = {name: [[[list(f) for f in key], ranks] for key, ranks in groups.items()]
+        # each stack as the JSON text of its frames: the client reads and checks each distinct text once,
+        # however many nodes send it
+        out["threads"] = {name: [[json.dumps([list(f) for f in key]), ranks] for key, ranks in groups.items()]
                           for name, groups in threads.items()}
         out["outside"] = outside
         out["failed"] = failed

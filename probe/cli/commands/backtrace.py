@@ -73,6 +73,7 @@ def _across_ranks(cli: CliContext, as_json: bool, native: bool) -> None:
 
 def _through_helpers(cli: CliContext, cluster) -> None:  # type: ignore[no-untyped-def]
     from probe.cli.context import report_failures
+    from probe.cli.render import visible
     from probe.cli.render_cluster import render_groups, sorted_groups
     from probe.client import via_helpers
 
@@ -81,6 +82,8 @@ def _through_helpers(cli: CliContext, cluster) -> None:  # type: ignore[no-untyp
         cluster.progress(-1, 0, [])
     if grouped.threads:  # none when no rank answered: the failures below say why
         say("\n".join(render_groups(sorted_groups(grouped.threads), grouped.outside, len(cluster.members))))
+    for line in cluster.asked_directly:
+        say("probe: " + visible(line), err=True)
     labels = {m.rank: m.label for m in cluster.members}
     for rank, note in sorted(grouped.outside.items()):
         say("probe: %s: %s" % (labels.get(rank, "rank %d" % rank), note.splitlines()[0]), err=True)

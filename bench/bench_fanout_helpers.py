@@ -1,0 +1,418 @@
+"""Across ranks directly vs through the node helpers: ``ranks``, ``--all-ranks query`` and ``--all-ranks
+backtrace`` on 256 and 1024 registered agents (8 and 32 ranks a node), and a simulated 16,384-rank job
+(2,048 node helpers) through the helpers; wall time and the client's CPU, median and spread.
+
+    python bench/bench_fanout_helpers.py [--runs 7] [--sizes 256,1024] [--per-node 8,32]
+                                         [--big 16384] [--big-per-node 8] [--small 8,16,32,64]
+
+SIMULATED AGENTS. A real agent costs 20-90 MB, so 1024 of them do not fit here. Each rank is a pair of
+listening sockets (TCP for the direct path, the unix socket at ``probe._paths.socket_path(PID)`` of a
+made-up pid for its node helper) served by a small single-threaded server (a few processes, many ranks
+each) that speaks the two endpoints the fan-out uses, ``GET /v1/backtrace`` and ``POST /v1/query``,
+with canned answers: 3 threads of 12 frames, one rank in 64 with another main-thread stack; one row for
+the query. What that leaves out: the agents' own work (a real agent spends ~4 ms of CPU a query, and
+its interpreter shares the GIL with the program), their memory, and the GIL-held or dead rank (the
+tests cover those). The client is the real one (``probe.client.cluster``, discovery included).
+
+NODE HELPERS: real ``probe.host.helper.Helper`` objects serving HTTP on their own TCP listener (the
+same listener class as the agent's), several to a process; only their member list is simulated (the
+ranks given, not children or registrations), and the master's helper gets the other nodes' reports
+(``POST /v1/nodes``) from this script. For the 16,384-rank job the ranks are not served at all: each
+helper answers for its ranks from the same canned stacks and rows (``probe.host.gather._client`` swapped
+for a canned one, in the helpers' processes only), so what is timed is the client, discovery through
+the master's helper, and the helpers' gathering and answering.
+
+"client CPU s" is ``time.process_time()`` of this process (the client) over the call.
+"""
+
+import argparse
+import json
+import os
+import selectors
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+from _common import REPO, Summary, clean_env, header, table, verdict
+
+sys.path.insert(0, REPO)
+
+TOKEN = "bench-fanout-helpers-token"
+SQL = "SELECT count(*) AS threads FROM python.threads"
+PID_BASE = 100000  # above /proc/sys/kernel/pid_max here: no live process has these pids
+
+
+# -- canned answers -------------------------------------------------------------------------------
+
+
+def _stack(main_tail: str) -> Dict[str, Any]:
+    frames, threads = [], []
+    names = [("MainThread", True, ["<module>", "main", "train", "step", "forward", "backward", "allreduce",
+                                   "wait", "_wait", "poll", "select", main_tail]),
+             ("pin_memory", False, ["_bootstrap", "_bootstrap_inner", "run", "_pin_memory_loop", "get", "wait",
+                                    "wait", "acquire", "loop", "poll", "select", "sleep"]),
+             ("probe-agent", False, ["_bootstrap", "_bootstrap_inner", "run", "_accept_loop", "poll", "select",
+                                     "wait", "wait", "acquire", "loop", "poll", "idle"])]
+    for tid, (name, is_main, funcs) in enumerate(names):
+        chain = []
+        for depth, func in enumerate(reversed(funcs)):  # innermost first
+            chain.append(len(frames))
+            frames.append([func, "/opt/venv/lib/python3.11/site-packages/trainer/%s.py" % name, 100 + depth, None])
+        threads.append([1000 + tid, name, 2000 + tid, is_main, chain])
+    return {"frames": frames, "threads": threads}
+
+
+BACKTRACES = [json.dumps(_stack("recv")).encode(), json.dumps(_stack("straggler")).encode()]
+QUERY = json.dumps({"columns": [{"name": "threads", "type": "BIGINT"}], "rows": [[3]], "truncated": False}).encode()
+
+
+def _answer(rank: int, head: bytes) -> bytes:
+    if head.startswith(b"GET /v1/backtrace"):
+        body = BACKTRACES[rank % 64 == 7]
+    elif head.startswith(b"POST /v1/query"):
+        body = QUERY
+    else:
+        body = b'{"error": {"code": "not_found", "message": "a simulated agent serves backtrace and query only"}}'
+        return b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+    return (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+            % (len(body), body))
+
+
+# -- roles: simulated agents, node helpers ----------------------------------------------------------
+
+
+def role_agents(first: int, count: int) -> None:
+    """Ranks ``first`` .. ``first + count - 1``: a TCP and a unix listener each, one thread for all."""
+    from probe import _paths
+
+    sel = selectors.DefaultSelector()
+    paths, ports = [], []
+    for rank in range(first, first + count):
+        tcp = socket.socket()
+        tcp.bind(("127.0.0.1", 0))
+        tcp.listen(1024)
+        path = _paths.socket_path(PID_BASE + rank)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        unix = socket.socket(socket.AF_UNIX)
+        unix.bind(path)
+        unix.listen(1024)
+        for sock in (tcp, unix):
+            sock.setblocking(False)
+            sel.register(sock, selectors.EVENT_READ, (rank, None))
+        paths.append(path)
+        ports.append(tcp.getsockname()[1])
+    print("AGENTS %s" % " ".join(map(str, ports)), flush=True)
+    beat = 0.0
+    while True:
+        now = time.monotonic()
+        if now - beat > 0.2:  # the agent's heartbeat: its socket's mtime (a stale one is looked at from outside)
+            beat = now
+            for path in paths:
+                os.utime(path)
+        for key, _ in sel.select(0.2):
+            rank, buf = key.data
+            if buf is None:  # a listener
+                try:
+                    conn, _addr = key.fileobj.accept()  # type: ignore[union-attr]
+                except BlockingIOError:
+                    continue
+                conn.setblocking(False)
+                sel.register(conn, selectors.EVENT_READ, (rank, bytearray()))
+                continue
+            conn = key.fileobj
+            try:
+                chunk = conn.recv(65536)  # type: ignore[union-attr]
+            except BlockingIOError:
+                continue
+            except OSError:
+                chunk = b""
+            buf += chunk
+            end = buf.find(b"\r\n\r\n")
+            if chunk and end >= 0:
+                head = bytes(buf[:end])
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                if len(buf) - end - 4 < length:
+                    continue
+                conn.setblocking(True)  # type: ignore[union-attr]
+                conn.settimeout(2.0)  # type: ignore[union-attr]
+                try:
+                    conn.sendall(_answer(rank, head))  # type: ignore[union-attr]
+                except OSError:
+                    pass
+            elif chunk:
+                continue
+            sel.unregister(conn)
+            conn.close()
+
+
+class _Canned:
+    """Stands for a rank's agent inside a helper (the 16,384-rank job): the canned answers, no I/O."""
+
+    note = None
+    _frames: List[Any] = []
+
+    def __init__(self, member: Dict[str, Any], asked: Any) -> None:
+        self.rank = member["rank"]
+
+    def backtrace(self) -> Any:
+        return _Canned._frames[self.rank % 64 == 7]
+
+    def _answer_wait(self, limit: Any, default: float) -> float:
+        return 10.0
+
+    def _json(self, method: str, path: str, body: Any = None, timeout: Any = None) -> Dict[str, Any]:
+        return json.loads(QUERY)
+
+
+def role_helpers(spec_path: str) -> None:
+    """The node helpers of a spec file: [{"node", "ranks": [[rank, port], ...], "master": bool}], each
+    a real Helper on its own TCP listener; prints ``HELPER node port`` for each, then ``READY``."""
+    from probe.agent.listener import Listener
+    from probe.host import gather, helper as helper_mod
+
+    with open(spec_path) as handle:
+        spec = json.load(handle)
+    if spec["canned"]:
+        from probe.client.client import Client, _frames_of  # noqa: F401  (imported before timing)
+        from probe.client.results import Frame
+
+        for raw in BACKTRACES:
+            decoded = json.loads(raw)
+            frames = []
+            for thread_id, name, native_id, is_main, chain in decoded["threads"]:
+                for depth, position in enumerate(chain):
+                    func, file, lineno, code = decoded["frames"][position]
+                    frames.append(Frame(thread_id, name, native_id, is_main, depth, func, file, lineno, code))
+            _Canned._frames.append(frames)
+        gather._client = _Canned  # type: ignore[assignment]
+
+    class SimHelper(helper_mod.Helper):
+        def __init__(self, node: int, ranks: List[List[int]], world: int) -> None:
+            super().__init__(60000, TOKEN, None)
+            self.sim_node, self.sim_ranks, self.sim_world = node, ranks, world
+            self.sim_members: List[Dict[str, Any]] = []
+
+        def local_members(self) -> List[Dict[str, Any]]:
+            return self.sim_members
+
+        def outside(self, pid_text: str) -> Dict[str, Any]:
+            return {"state": "running", "message": "a simulated rank"}
+
+    out = []
+    for node in spec["nodes"]:
+        sim = SimHelper(node["node"], node["ranks"], spec["world"])
+        listener = Listener.tcp("127.0.0.1", 0, sim)
+        listener.start()
+        host = helper_mod.node_host() if node.get("master") else "127.0.0.1"
+        sim.sim_members = [{"rank": rank, "local_rank": i, "world_size": spec["world"], "node": node["node"],
+                            "host": host, "port": port, "pid": PID_BASE + rank, "state": "running", "restarts": 0,
+                            "heartbeat_age": 0.1, "helper": "127.0.0.1:%d" % listener.port}
+                           for i, (rank, port) in enumerate(node["ranks"])]
+        out.append((sim, listener))
+        print("HELPER %d %d" % (node["node"], listener.port), flush=True)
+    print("READY", flush=True)
+    sys.stdin.read()  # until the bench closes our stdin (or dies)
+
+
+# -- the bench ------------------------------------------------------------------------------------
+
+
+class Job:
+    """Simulated agents (unless canned) and node helpers for ``world`` ranks, ``per_node`` a node."""
+
+    def __init__(self, world: int, per_node: int, canned: bool, runtime: str, agent_procs: int, helper_procs: int,
+                 env: Dict[str, str]) -> None:
+        self.world, self.per_node = world, per_node
+        self.procs: List[subprocess.Popen] = []
+        ports = [20000 + r % 40000 for r in range(world)]  # canned: never connected to
+        try:
+            if not canned:
+                ports = []
+                step = -(-world // agent_procs)
+                for first in range(0, world, step):
+                    proc = self._start(["agents", str(first), str(min(step, world - first))], env)
+                    line = proc.stdout.readline().split()  # type: ignore[union-attr]
+                    assert line and line[0] == "AGENTS", line
+                    ports.extend(int(p) for p in line[1:])
+            nodes = [{"node": n, "ranks": [[r, ports[r]] for r in range(n * per_node, min(world, (n + 1) * per_node))],
+                      "master": n == 0} for n in range(-(-world // per_node))]
+            self.helpers: Dict[int, int] = {}
+            step = -(-len(nodes) // helper_procs)
+            for at in range(0, len(nodes), step):
+                path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
+                with open(path, "w") as handle:
+                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step]}, handle)
+                proc = self._start(["helpers", path], env, stdin=True)
+                for line in proc.stdout:  # type: ignore[union-attr]
+                    words = line.split()
+                    if words[0] == "READY":
+                        break
+                    self.helpers[int(words[1])] = int(words[2])
+            assert len(self.helpers) == len(nodes), (len(self.helpers), len(nodes))
+            self.nodes = nodes
+            self.report()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self, argv: List[str], env: Dict[str, str], stdin: bool = False) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--role", *argv], env=env, text=True,
+                                stdout=subprocess.PIPE, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL)
+        self.procs.append(proc)
+        return proc
+
+    @property
+    def master(self) -> str:
+        return "127.0.0.1:%d" % (self.helpers[0] + 1)  # PROBE_PORT: the helper listens on PROBE_PORT - 1
+
+    def report(self) -> None:
+        """Every other node's report to the master's helper (as their helpers send it every second)."""
+        from probe.client import transport
+
+        for node in self.nodes[1:]:
+            members = [{"rank": r, "local_rank": i, "world_size": self.world, "port": port, "pid": PID_BASE + r,
+                        "state": "running", "restarts": 0, "heartbeat_age": 0.1}
+                       for i, (r, port) in enumerate(node["ranks"])]
+            body = json.dumps({"node": node["node"], "host": "127.0.0.1", "members": members,
+                               "helper": "127.0.0.1:%d" % self.helpers[node["node"]]}).encode()
+            answer = transport.request(transport.TcpAddress("127.0.0.1", self.helpers[0]), "POST", "/v1/nodes", body,
+                                       {"Authorization": "Bearer %s" % TOKEN}, 10.0)
+            assert answer.status == 200, bytes(answer.body)[:300]
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+        for proc in self.procs:
+            proc.wait(10)
+            for stream in (proc.stdin, proc.stdout):
+                if stream:
+                    stream.close()
+
+
+def timed(job: Job, what: str, via: str) -> List[float]:
+    """One call as the CLI makes it (discovery, then the fan-out): [wall s, client CPU s, ranks answered,
+    distinct main-thread stacks]."""
+    from probe.client.cluster import connect_all
+
+    start, cpu = time.perf_counter(), time.process_time()
+    cluster = connect_all(job.master, token=TOKEN, deadline=30.0, timeout=30.0)
+    cluster.via = via
+    if what == "ranks":
+        got, distinct = len(cluster.ranks_rows().rows), 0
+    elif what == "query":
+        got, distinct = len(cluster.query_rows(SQL).rows), 0
+    else:
+        grouped = cluster.backtrace_groups()
+        got, distinct = grouped.answered, len(grouped.threads["MainThread"])
+    wall, used = time.perf_counter() - start, time.process_time() - cpu
+    assert got == job.world and not cluster.failures, (what, via, got, cluster.failures[:3])
+    assert not cluster.asked_directly, cluster.asked_directly[:3]
+    return [wall, used, got, distinct]
+
+
+def measure(job: Job, whats: List[str], vias: List[str], runs: int) -> List[List[str]]:
+    results: Dict[Any, List[List[float]]] = {(w, v): [] for w in whats for v in vias}
+    for what in whats:
+        for v in vias:
+            timed(job, what, v)  # warm: imports, first connections
+    for i in range(runs):
+        job.report()  # fresh reports (a node unreported for 5 s is shown so)
+        order = [(w, v) for w in whats for v in vias]
+        for key in (order if i % 2 == 0 else order[::-1]):
+            results[key].append(timed(job, *key))
+    rows = []
+    for (what, via), values in results.items():
+        wall = Summary.of(v[0] for v in values)
+        cpu = Summary.of(v[1] for v in values)
+        peer = results.get((what, "direct")) if via == "helpers" else None
+        ratio = ""
+        if peer:
+            ratio = "%.2fx" % (wall.median / Summary.of(v[0] for v in peer).median)
+        rows.append([what, str(job.world), str(job.per_node), via, str(wall.n), "%.3f" % wall.median,
+                     "%.3f-%.3f" % (wall.q1, wall.q3), "%.3f-%.3f" % (wall.low, wall.high), "%.3f" % cpu.median,
+                     "%.3f-%.3f" % (cpu.low, cpu.high), ratio])
+    return rows
+
+
+HEAD = ["call", "ranks", "a node", "via", "n", "median s", "IQR s", "min-max s", "client CPU s", "CPU min-max s",
+        "helpers/direct"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--role", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--sizes", default="256,1024")
+    parser.add_argument("--per-node", default="8,32")
+    parser.add_argument("--small", default="8,16,32,64", help="sizes (8 a node) for the threshold of --via auto")
+    parser.add_argument("--big", type=int, default=16384)
+    parser.add_argument("--big-per-node", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=4, help="processes of simulated agents, and of helpers")
+    parser.add_argument("--big-processes", type=int, default=8, help="helper processes of the big job")
+    args = parser.parse_args()
+    if args.role:
+        if args.role[0] == "agents":
+            role_agents(int(args.role[1]), int(args.role[2]))
+        else:
+            role_helpers(args.role[1])
+        return
+    runtime = tempfile.mkdtemp(prefix="probe-bench-")
+    os.environ["PROBE_RUNTIME_DIR"] = runtime  # the client's too: no real agent's files are read
+    env = dict(clean_env(), PROBE_RUNTIME_DIR=runtime, PROBE_HOST="localhost", PYTHONPATH=REPO)
+    header("across ranks: directly vs through the node helpers (SIMULATED agents: see the docstring)", [
+        "query: %s; backtrace: 3 threads x 12 frames, 2 distinct main-thread stacks; %d runs, interleaved"
+        % (SQL, args.runs),
+        "simulated agents: canned answers from a small server (no agent CPU, no GIL, no memory); the node "
+        "helpers and the client are probe's own"])
+    rows: List[List[str]] = []
+    try:
+        for n in [int(s) for s in args.small.split(",") if s]:
+            job = Job(n, 8, False, runtime, 1, 1, env)
+            try:
+                rows += measure(job, ["query", "backtrace"], ["direct", "helpers"], args.runs)
+            finally:
+                job.close()
+        for n in [int(s) for s in args.sizes.split(",") if s]:
+            for per in [int(p) for p in args.per_node.split(",")]:
+                job = Job(n, per, False, runtime, args.processes, args.processes, env)
+                try:
+                    rows += measure(job, ["ranks", "query", "backtrace"], ["direct", "helpers"], args.runs)
+                finally:
+                    job.close()
+        print(table(rows, HEAD))
+        if args.big:
+            print()
+            job = Job(args.big, args.big_per_node, True, runtime, 1, args.big_processes, env)
+            try:
+                big = measure(job, ["ranks", "query", "backtrace"], ["helpers"], max(3, args.runs // 2))
+            finally:
+                job.close()
+            print("simulated %d-rank job, %d node helpers (%d ranks each) in %d processes, answering from canned "
+                  "stacks and rows:" % (args.big, -(-args.big // args.big_per_node), args.big_per_node,
+                                        args.big_processes))
+            print(table(big, HEAD))
+            for row in big:
+                if row[0] != "ranks":
+                    print("%s through the helpers: median %s s, goal <= 2 s: %s" % (row[0], row[5],
+                                                                                  verdict(float(row[5]) <= 2.0)))
+    finally:
+        for name in os.listdir(runtime):
+            try:
+                os.unlink(os.path.join(runtime, name))
+            except OSError:
+                pass
+        os.rmdir(runtime)
+
+
+if __name__ == "__main__":
+    main()
