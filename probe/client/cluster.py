@@ -117,7 +117,6 @@ class Cluster:
         self.failures: List[RankFailure] = []
         self.via = "auto"
         self.asked_directly: List[str] = []  # node helpers that could not gather, their ranks asked directly
-        self.asked_directly: List[str] = []  # node helpers that could not gather, their ranks asked directly
         """Across ranks: ``direct`` (a request a rank), ``helpers`` (one a node, through its node helper) or
         ``auto`` (through the helpers past ``probe.client.via_helpers.AUTO_ABOVE`` ranks)."""
         self._token = token
