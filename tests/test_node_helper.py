@@ -17,6 +17,7 @@ import pytest
 
 from probe.client import transport
 from procs import TARGETS, Proc, run_cli, scaled, target_env
+from test_cluster import _free_ports
 from test_torchrun import _free_port_pair
 
 
@@ -56,7 +57,7 @@ def ranks_of(tmp_path, count: int, script: str = "rank_states.py", **extra: str)
     reaped (a helper is the ranks' to start: it is no child of ours, so it is waited for, bounded)."""
     runtime = str(tmp_path / "run")
     os.mkdir(runtime, 0o700)
-    port = _free_port_pair()
+    port = _free_ports(count)
     env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
                      SLURM_NTASKS=str(count), SLURM_NODEID="0", **extra)
     procs: Dict[int, Proc] = {}
@@ -199,3 +200,29 @@ def test_a_rank_numbered_only_by_torch_distributed_registers_once_it_knows(tmp_p
             finally:
                 if _alive(helper):
                     os.kill(helper, signal.SIGKILL)
+
+
+def test_a_list_of_targets_is_numbered_by_the_ranks_they_say_they_are(tmp_path):
+    """``--hosts`` / ``-t`` name ranks in any order: rank 2 is rank 2, not the first line of the file. Where
+    a target cannot say its rank, every target keeps its place in the list, and stderr says why."""
+    with ranks_of(tmp_path, 3, GIL_RANK="none") as job:
+        procs: Dict[int, Proc] = job["ranks"]  # type: ignore[assignment]
+        port = job["port"]
+        hosts = tmp_path / "hosts.txt"
+        hosts.write_text("".join("127.0.0.1:%d\n" % (port + r) for r in (2, 0, 1)))  # type: ignore[operator]
+        asked = run_cli("--hosts", str(hosts), "query", "SELECT pid FROM process.info", "-f", "json",
+                        env=job["env"])  # type: ignore[arg-type]
+        assert asked.code == 0, asked.err
+        assert [(r["rank"], r["pid"]) for r in json.loads(asked.out)] == [(r, procs[r].pid) for r in range(3)]
+        listed = run_cli("--hosts", str(hosts), "ranks", "-f", "json", env=job["env"])  # type: ignore[arg-type]
+        assert [(m["rank"], m["pid"], m["local_rank"], m["world_size"]) for m in json.loads(listed.out)] == [
+            (r, procs[r].pid, r, 3) for r in range(3)], listed
+
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            nobody = "127.0.0.1:%d" % free.getsockname()[1]
+        mixed = run_cli("-t", "127.0.0.1:%d" % (port + 2), "-t", nobody, "--all-ranks", "query",  # type: ignore[operator]
+                        "SELECT pid FROM process.info", "-f", "json", env=job["env"])  # type: ignore[arg-type]
+        assert mixed.code == 7, mixed
+        assert [(r["rank"], r["pid"]) for r in json.loads(mixed.out)] == [(0, procs[2].pid)]
+        assert "the ranks shown are places in the list of targets (from 0): %s did not say its rank" % nobody in mixed.err

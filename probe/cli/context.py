@@ -69,6 +69,8 @@ class CliContext:
                               self.token_file, self.timeout, deadline, self.max_in_flight)
         for line in cluster.left_out:  # members the host helper listed in a form that cannot be used
             say("probe: " + visible(line), err=True)
+        if cluster.numbering:
+            say("probe: " + visible(cluster.numbering), err=True)
         if self.ranks is not None:
             cluster = cluster.select(parse_rank_list(self.ranks))
         cluster.progress = progress_line()

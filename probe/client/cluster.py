@@ -114,6 +114,7 @@ class Cluster:
         self.max_in_flight = max_in_flight
         self.token_file = token_file
         self.progress: Optional[Progress] = None
+        self.numbering: Optional[str] = None  # for a list of targets: why its ranks are places in the list
         self.failures: List[RankFailure] = []
         self.via = "auto"
         self.asked_directly: List[str] = []  # node helpers that could not gather, their ranks asked directly
@@ -590,7 +591,42 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
     members = [Member(i, t, t) for i, t in enumerate(targets)]
     if not members:
         raise UsageError("no targets given")
-    return Cluster(members, secret, timeout, deadline, max_in_flight)
+    cluster = Cluster(members, secret, timeout, deadline, max_in_flight)
+    return _numbered_by_their_ranks(cluster)
+
+
+RANK_ASK_S = 2.0  # how long a listed target may take to say its rank
+
+
+def _numbered_by_their_ranks(cluster: Cluster) -> Cluster:
+    """A list of targets numbered by the ranks their agents say they are (``health``), asked at once and
+    within ``RANK_ASK_S``: rank 5 is rank 5, not the sixth target written. Where a target does not say
+    its rank (no agent answers, no rank) or two say the same, every target keeps its place in the list as
+    its rank, and ``numbering`` says why."""
+    outcomes = fan_out(cluster.clients, lambda c: c.health(), cluster.max_in_flight, min(RANK_ASK_S, cluster.deadline))
+    ranks: List[Optional[int]] = []
+    for i, outcome in enumerate(outcomes):
+        value = outcome.value if outcome.error is None else None
+        value = value if isinstance(value, dict) else {}
+        number = {key: _int(value.get(key)) for key in ("rank", "local_rank", "world_size", "node", "pid")}
+        number = {k: v if v is not None and 0 <= v <= _MAX_INT else None for k, v in number.items()}
+        ranks.append(number["rank"])
+        if value:  # what the target said of itself fills in its row of `ranks`
+            state = value.get("state")
+            cluster.members[i] = cluster.members[i]._replace(
+                pid=number["pid"], local_rank=number["local_rank"], world_size=number["world_size"],
+                node=number["node"], state=state if isinstance(state, str) and _STATE.fullmatch(state) else "running")
+    silent = [m.host for m, r in zip(cluster.members, ranks) if r is None]
+    if silent or len(set(ranks)) != len(ranks):
+        why = ("%s did not say %s rank" % (", ".join(silent[:3]) + (" and %d more" % (len(silent) - 3) if len(silent) > 3
+                                                                       else ""), "its" if len(silent) == 1 else "their")
+               if silent else "two targets say they are the same rank")
+        cluster.numbering = "the ranks shown are places in the list of targets (from 0): %s" % why
+        return cluster
+    numbered = sorted(((r, m, c) for r, m, c in zip(ranks, cluster.members, cluster.clients)), key=lambda x: x[0])
+    cluster.members = [m._replace(rank=r) for r, m, _ in numbered]  # type: ignore[misc]
+    cluster._clients = [c for _, _, c in numbered]
+    return cluster
 
 
 def parse_rank_list(text: str) -> List[int]:
