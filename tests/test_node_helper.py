@@ -164,6 +164,12 @@ def test_registration_is_checked_and_tcp_may_not_register(tmp_path):
         assert answer.status == 403 and "unix socket" in bytes(answer.body).decode()
         assert [m["rank"] for m in _ranks(job)] == [0], "nothing that was refused is listed"
 
+        # Aimed at the helper's pid (it is in `probe list`), probe says what it is and how to reach its ranks.
+        helper = _helper_pid(job["runtime"], job["port"])  # type: ignore[arg-type]
+        aimed = run_cli(str(helper), "health", env=job["env"])  # type: ignore[arg-type]
+        assert aimed.code == 3 and "is the node helper of the job with PROBE_PORT=%d" % job["port"] in aimed.err, aimed
+        assert "`probe 127.0.0.1:%d ranks`" % job["port"] in aimed.err, aimed.err
+
 
 def test_a_rank_numbered_only_by_torch_distributed_registers_once_it_knows(tmp_path):
     """No launcher variable names the rank (Lightning's rank 0, a spawn child): it is listed once the program

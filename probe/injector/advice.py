@@ -219,10 +219,32 @@ def _children(pid: int) -> List[int]:
     return sorted(found)
 
 
+def _node_helper_port(argv: List[str]) -> Optional[Tuple[str, int]]:
+    """(host, PROBE_PORT) of a node helper's command line (``python -m probe.host --port P --host H``)."""
+    if "probe.host" not in argv[:4] or "--port" not in argv:
+        return None
+    try:
+        port = int(argv[argv.index("--port") + 1])
+    except (IndexError, ValueError):
+        return None
+    host = argv[argv.index("--host") + 1] if "--host" in argv[:-1] else "127.0.0.1"
+    return host, port
+
+
 def launcher_advice(pid: int) -> Optional[Tuple[str, str]]:
-    """(message, hint) for torchrun's launcher: it runs no agent by design, its ranks do; the hint is
-    the ``ranks`` command with the job's real address when ``PROBE_PORT`` is set, else how to start the
-    job so, and the ranks' pids. None for any other process."""
+    """(message, hint) for torchrun's launcher or a node helper: they run no agent by design, the ranks
+    do; the hint is the ``ranks`` command with the job's real address when ``PROBE_PORT`` is set, else how
+    to start the job so, and the ranks' pids. None for any other process."""
+    helper = _node_helper_port(_cmdline(pid))
+    if helper is not None:
+        from probe.agent.options import binds_every_interface
+
+        host, port = helper
+        shown = "127.0.0.1" if binds_every_interface(host) else ("[%s]" % host if ":" in host else host)
+        return ("process %d is the node helper of the job with PROBE_PORT=%d: it lists this node's ranks and reads "
+                "from outside those that cannot answer, and gets no agent itself" % (pid, port),
+                "its job's ranks: `probe %s:%d ranks`; on all of them at once: `probe %s:%d --all-ranks backtrace`"
+                % (shown, port, shown, port))
     if not launcher(pid):
         return None
     env = target_environ(pid)
