@@ -1,8 +1,9 @@
 """A rank tells its node's helper who it is, under any launcher (``PROBE_PORT`` set).
 
-One daemon thread per rank. Until the rank knows its number it looks every half second (the launcher's
-variables, or ``torch.distributed`` once the program initialised it: ``probe._rank.current``, which never
-imports torch); then every two seconds it checks that nothing changed: its identity, and the helper
+One daemon thread per rank. Until the rank knows its number it looks every half second for two minutes,
+then every two seconds (the launcher's variables, or ``torch.distributed`` once the program initialised
+it: ``probe._rank.current``, which never imports torch); once registered, every two seconds it checks
+that nothing changed: its identity, and the helper
 (``node-PORT.sock``, the same file). A change costs one small request over the unix socket. Where no
 helper serves the node's socket, this rank starts one (``python -m probe.host``, a process of its own, in
 a session of its own, holding none of this process's descriptors); two ranks doing so at once are
@@ -26,7 +27,8 @@ from probe._threads import daemon_thread
 
 __all__ = ["start"]
 
-UNKNOWN_WAKE_S = 0.5  # while the rank does not know its number yet
+UNKNOWN_WAKE_S = 0.5  # while the rank does not know its number yet, for its first UNKNOWN_FAST_S
+UNKNOWN_FAST_S = 120.0  # then every KNOWN_WAKE_S: a process that never becomes a rank (mp.spawn's parent)
 KNOWN_WAKE_S = 2.0
 SPAWN_AGAIN_S = 10.0  # a helper that did not come up is started again no sooner than this
 HELPER_UP_S = 10.0  # how long a freshly started helper may take to serve its socket
@@ -61,6 +63,7 @@ class _Registrar:
     def run(self) -> None:
         import probe.agent
 
+        started = time.monotonic()
         while probe.agent.current() is self.agent:
             try:
                 known = self.step()
@@ -69,7 +72,8 @@ class _Registrar:
                 self._complain("%s: %s" % (type(exc).__name__, exc))
             if self.child is not None and self.child.poll() is not None:
                 self.child = None
-            time.sleep(KNOWN_WAKE_S if known else UNKNOWN_WAKE_S)
+            fast = not known and time.monotonic() - started < UNKNOWN_FAST_S
+            time.sleep(UNKNOWN_WAKE_S if fast else KNOWN_WAKE_S)
 
     def step(self) -> bool:
         """Register where something changed; False while the rank does not know its number."""
