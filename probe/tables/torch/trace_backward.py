@@ -13,6 +13,7 @@ Here nothing is wrapped: at a traced forward's end, pre-hooks are put on graph n
 
 The hooks live on the graph, so they go with it: nothing to remove, nothing kept after the step.
 Children and parents that share a node begin at the same instant, so exported spans nest.
+Traced by torch.compile (compiled autograd) they return at once, as the forward hooks do.
 """
 
 import functools
@@ -22,6 +23,13 @@ from typing import Any, Callable, List, Optional
 __all__ = ["BackwardSpans"]
 
 _perf_ns = time.perf_counter_ns
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+_compiling: Any = _not_compiling  # torch.compiler.is_compiling once a BackwardSpans is made
 
 
 class _Span:
@@ -46,6 +54,8 @@ class BackwardSpans:
 
     def __init__(self, torch: Any, begin_hook: Callable[[Any], None], record: Callable[[Any, int, Any], None],
                  fail: Callable[[BaseException], None]) -> None:
+        global _compiling
+        _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _not_compiling
         self._Tensor = torch.Tensor
         self._engine = torch.autograd.Variable._execution_engine
         self._begin_hook = begin_hook
@@ -76,6 +86,8 @@ class BackwardSpans:
         return span
 
     def _begin(self, span: _Span, node_id: int, grads: Any) -> None:
+        if _compiling():
+            return
         try:
             if span.start or not self.active:
                 return
@@ -90,6 +102,8 @@ class BackwardSpans:
             self._fail(exc)
 
     def _end(self, span: _Span, grads: Optional[Any]) -> None:
+        if _compiling():
+            return
         try:
             if span.done or not span.start or not self.active:
                 return

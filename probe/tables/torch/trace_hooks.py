@@ -18,10 +18,25 @@ Removing hooks: module hooks may go at any time (``Module.__call__`` copies the 
 tuple in one C call before running them). The optimizer's hook dicts are iterated by a Python loop
 inside ``Optimizer.step``, so removing an entry from another thread could break that loop; they are
 removed on the training thread, by a one-shot module forward pre-hook at the next forward.
+
+torch.compile: Dynamo must never trace these hooks (``perf_counter_ns``, ``get_ident`` and the ring's
+``array`` stores are graph breaks; the hook dicts' keys would become guards). Two things keep them out:
+
+* every hook (and the backward ones) returns at once while ``torch.compiler.is_compiling()``: Dynamo
+  folds that call to True, so a hook it traces (inlined in a module call, or as a frame of its own under
+  a compiled module's ``__call__``) is an empty function: no op, no graph break. At run time, inside a
+  compiled graph no module hook runs at all; a compiled module's wrapper (``OptimizedModule``) is called
+  eagerly, so it has a span, named after the module it wraps (``trace_names``).
+* once the program has loaded ``torch._dynamo``, the module hooks leave torch's hook dicts for the time
+  of each Dynamo compile and come back after (Dynamo's compile start/end callbacks): what Dynamo
+  compiles, and guards on, is what it would see without probe, so starting, stopping, sampling or
+  restarting the trace recompiles nothing. The optimizer hooks stay (``Optimizer.step`` may be iterating
+  them); a compiled ``optimizer.step()`` meets them as empty functions.
 """
 
 import importlib
 import itertools
+import sys
 import threading
 import time
 import weakref
@@ -39,11 +54,24 @@ __all__ = ["Tracer"]
 _perf_ns = time.perf_counter_ns
 _ident = threading.get_ident
 _MAX_STACK = 10_000
+
+
+def _not_compiling() -> bool:
+    return False
+
+
+_compiling: Any = _not_compiling  # torch.compiler.is_compiling once a trace is made (torch is loaded then)
+_active: Optional["Tracer"] = None  # the trace started last: the one whose hooks a compile hides
+_compile_handler: Any = None  # Dynamo's compile callback handler, once the program has loaded torch._dynamo
 _cpu_memory = CpuMemory()  # one per process: its descriptor is never closed under a running hook
 
 
 class Tracer:
     def __init__(self, torch: Any, options: TraceOptions, anomaly_store: Any) -> None:
+        global _compiling
+        _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _not_compiling
+        # (hooks in, janitor in) when a compile began: what goes back when it ends
+        self._hidden = (False, False)
         self.torch = torch
         self.options = options
         self.ring = SpanRing(options.size)
@@ -78,10 +106,13 @@ class Tracer:
     # -- life cycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        global _active
         optim = _submodule("torch.optim.optimizer")
         self._optimizer_handles = [optim.register_optimizer_step_pre_hook(self._optimizer_pre),
                                    optim.register_optimizer_step_post_hook(self._optimizer_post)]
         self.running = True
+        _active = self
+        _watch_compiles()
         self._arm(True)
 
     def stop(self, failure: Optional[str] = None) -> None:
@@ -105,6 +136,8 @@ class Tracer:
         return len(self._module_handles) + len(self._optimizer_handles) + (self._janitor_handle is not None)
 
     def _janitor(self, module: Any, args: Any) -> None:
+        if _compiling():
+            return
         try:
             with self._lock:
                 self._remove(self._optimizer_handles)
@@ -124,6 +157,27 @@ class Tracer:
             elif not on and self._module_handles:
                 self._remove(self._module_handles)
 
+    def hide(self, hidden: bool) -> None:
+        """Module hooks out of torch's dicts while Dynamo compiles (``hidden``), back in after; never raises."""
+        try:
+            with self._lock:
+                if hidden:
+                    self._hidden = (bool(self._module_handles), self._janitor_handle is not None)
+                    self._remove(self._module_handles)
+                    if self._janitor_handle is not None:
+                        self._janitor_handle.remove()
+                        self._janitor_handle = None
+                    return
+                hooks, janitor = self._hidden
+                self._hidden = (False, False)
+                if hooks:
+                    self._arm(True)  # only if still running
+                if janitor and self._optimizer_handles and self._janitor_handle is None:
+                    module = _submodule("torch.nn.modules.module")
+                    self._janitor_handle = module.register_module_forward_pre_hook(self._janitor)
+        except Exception as exc:
+            self._fail(exc)
+
     @staticmethod
     def _remove(handles: List[Any]) -> None:
         for handle in handles:
@@ -142,6 +196,8 @@ class Tracer:
     # -- module forward ---------------------------------------------------------------------------
 
     def _pre(self, module: Any, args: Any) -> None:
+        if _compiling():
+            return
         t0 = _perf_ns()
         try:
             local = self._local
@@ -154,6 +210,8 @@ class Tracer:
                     stack.clear()
             else:
                 outer = parent = None
+                if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
+                    _watch_compiles()  # before a compiled module's first call compiles it
                 if not self._by_optimizer:
                     self._root_begins(module, t0)
             entry = self.names.entries.get(id(module))
@@ -171,6 +229,8 @@ class Tracer:
         self.hook_ns += _perf_ns() - t0
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
+        if _compiling():
+            return
         t0 = _perf_ns()
         try:
             stack = getattr(self._local, "stack", None)
@@ -247,6 +307,8 @@ class Tracer:
     # -- optimizer --------------------------------------------------------------------------------
 
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _compiling():
+            return
         t0 = _perf_ns()
         try:
             if self.running and self.sampled:
@@ -257,6 +319,8 @@ class Tracer:
         self.hook_ns += _perf_ns() - t0
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if _compiling():
+            return
         t0 = _perf_ns()
         try:
             if self.running:
@@ -287,6 +351,8 @@ class Tracer:
             self.timer.pending(number, event, self.timer.mark())
 
     def _advance(self, now: int) -> None:
+        if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
+            _watch_compiles()
         ended = self.step
         self.step += 1
         self.steps_seen += 1
@@ -300,6 +366,37 @@ class Tracer:
         self.sampled = self.step % every == 0
         if every > 1:
             self._arm(self.sampled or not self._by_optimizer)
+
+
+def _watch_compiles() -> None:
+    """Have Dynamo call us at each compile's start and end, once the program has loaded it (never loaded
+    here); again after ``torch._dynamo.reset()``, which forgets its callbacks. Never raises."""
+    global _compile_handler
+    try:
+        handler = _compile_handler
+        if handler is None:
+            handler = getattr(sys.modules.get("torch._dynamo"), "callback_handler", None)
+            if handler is None or not hasattr(handler, "register_start_callback"):
+                return
+        if _compile_starts not in handler.start_callbacks:
+            handler.register_start_callback(_compile_starts)
+        if _compile_ends not in handler.end_callbacks:
+            handler.register_end_callback(_compile_ends)
+        _compile_handler = handler
+    except Exception:
+        pass
+
+
+def _compile_starts(*args: Any) -> None:
+    tracer = _active
+    if tracer is not None:
+        tracer.hide(True)
+
+
+def _compile_ends(*args: Any) -> None:
+    tracer = _active
+    if tracer is not None:
+        tracer.hide(False)
 
 
 def _traced_parent(stack: List[Any]) -> Optional[List[Any]]:

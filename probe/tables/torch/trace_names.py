@@ -6,9 +6,17 @@ as ``named_modules()`` says). A module met inside a forward that its root's tree
 on the fly) is named ``<parent>.<Class>``. Each entry also says whether the module filter matches, so a
 filtered module costs one dict look-up. Entries are keyed by ``id`` and checked with a weak reference
 (an id can be reused by a new object); the cache is bounded.
+
+torch.compile: a compiled module's wrapper (``OptimizedModule``, which holds the user's module as
+``_orig_mod``) is named as the module it wraps: a root wrapper by the wrapped class (``Net``, not
+``OptimizedModule``), and ``_orig_mod`` is left out of paths (``encoder.0``, not ``_orig_mod.encoder.0``).
+A torch.fx GraphModule that is no submodule of a named tree (the code a compiler generated, which some
+backends run as a module inside the compiled module's call, or first, when a trace starts in the middle
+of one) is not traced: its time is its caller's. Its own submodules are named and traced as usual.
 """
 
 import fnmatch
+import sys
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -42,20 +50,48 @@ class ModuleNames:
         if entry is not None and entry[0]() is module:
             return entry
         base = parent[1] if parent is not None else ""
-        return self._add(module, (base + "." if base else "") + type(module).__name__)
+        return self._add(module, (base + "." if base else "") + type(module).__name__, not _generated(module))
 
     def _name_tree(self, root: Any) -> None:
         if len(self.entries) > _MAX_ENTRIES:
             self.entries.clear()
-        self._add(root, type(root).__name__)
+        name = type(_unwrapped(root)).__name__
+        self._add(root, name, not _generated(root))
         for count, (path, child) in enumerate(root.named_modules()):
             if count >= _MAX_WALK:
                 break
             if path:
-                self._add(child, path)
+                self._add(child, _user_path(path) or name)
 
-    def _add(self, module: Any, name: str) -> Entry:
-        traced = self._match_all or fnmatch.fnmatchcase(name, self._pattern)
+    def _add(self, module: Any, name: str, traced: bool = True) -> Entry:
+        traced = traced and (self._match_all or fnmatch.fnmatchcase(name, self._pattern))
         entry = (weakref.ref(module), name, self._name_id(name), traced)
         self.entries[id(module)] = entry
         return entry
+
+
+_WRAPPED = "_orig_mod"  # the attribute under which torch.compile's OptimizedModule holds the user's module
+
+
+def _unwrapped(module: Any) -> Any:
+    """The module a compiled wrapper holds (through wrappers of wrappers), else ``module`` itself."""
+    for _ in range(8):
+        inner = getattr(module, "_modules", {}).get(_WRAPPED)
+        if inner is None:
+            break
+        module = inner
+    return module
+
+
+def _user_path(path: str) -> str:
+    """``path`` without the ``_orig_mod`` steps compiled wrappers add (``''`` for a root wrapper's own)."""
+    if _WRAPPED not in path:
+        return path
+    return ".".join(part for part in path.split(".") if part != _WRAPPED)
+
+
+def _generated(module: Any) -> bool:
+    """A torch.fx GraphModule (asked only of modules no named tree holds: a compiler's code)."""
+    fx = sys.modules.get("torch.fx")
+    graph_module = getattr(fx, "GraphModule", None)
+    return graph_module is not None and isinstance(module, graph_module)
