@@ -145,7 +145,9 @@ def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job, limit: i
     ident = threading.get_ident()
     stdout, stderr = _capture("stdout", ident, out), _capture("stderr", ident, err)
     before: Optional[Dict[str, int]] = None
+    lr_watch = None
     try:
+        lr_watch = _lr_watch_before(code)
         import linecache
 
         linecache.cache["<probe-eval>"] = (len(code), None, code.splitlines(True), "<probe-eval>")
@@ -172,9 +174,34 @@ def _execute(code: str, scope: Scope, result: Dict[str, Any], job: Job, limit: i
     finally:
         _release("stdout", stdout, ident)
         _release("stderr", stderr, ident)
-        note = note_unwritten(scope, before)
+        note = note_unwritten(scope, before) + _lr_watch_after(lr_watch)
         result["stdout"], result["stderr"] = out.getvalue(), err.getvalue() + note
         result["dropped"] = (out.dropped, err.dropped)
+
+
+def _lr_watch_before(code: str) -> Any:
+    """In a torch job, a snippet that may set a group's lr: the optimizers' lr before it (see
+    ``probe.tables.torch.lr.watch_before``); None, at no cost, anywhere else. Never raises."""
+    if "torch.optim" not in sys.modules or "lr" not in code and "param_groups" not in code:
+        return None
+    try:
+        from probe.tables.torch.lr import watch_before
+
+        return watch_before(code)
+    except Exception:  # an interrupt meant for the snippet goes on to stop it
+        return None
+
+
+def _lr_watch_after(snapshot: Any) -> str:
+    """A warning line where the snippet set an lr that a scheduler sets back at its next step."""
+    if snapshot is None:
+        return ""
+    try:
+        from probe.tables.torch.lr import watch_after
+
+        return watch_after(snapshot)
+    except BaseException:  # the snippet has ended: a late interrupt was for it
+        return ""
 
 
 def _snippet_traceback(exc: BaseException) -> str:

@@ -31,6 +31,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "health": ("health", "health"),
     "inject": ("inject", "inject"),
     "checkpoint": ("checkpoint", "checkpoint"),
+    "lr": ("lr", "lr"),
     "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
 }

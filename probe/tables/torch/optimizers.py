@@ -2,9 +2,10 @@
 to ``lr`` shows in the next query)."""
 
 import json
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
+from probe.tables.torch import schedulers
 from probe.tables.torch._common import number, plain_cpu, torch_or_raise
 from probe.tables.torch.discovery import find_models, find_optimizers
 
@@ -32,16 +33,30 @@ COLUMNS = (
     Column("params_of", "VARCHAR", "The model (see torch.parameters) whose parameters the group holds, where "
                                    "found; several are joined by ', '."),
     Column("options", "VARCHAR", "Every other hyperparameter of the group, as JSON."),
+    Column("scheduler", "VARCHAR", "The LR scheduler that drives the optimizer (torch.optim.lr_scheduler's, "
+                                   "or one like them; accelerate's and Lightning's wrappers folded in): its "
+                                   "expression (trainer.lr_scheduler) or class name; several are joined by ', '; "
+                                   "NULL when none is found."),
+    Column("scheduler_class", "VARCHAR", "Its class, e.g. torch.optim.lr_scheduler.LambdaLR."),
+    Column("scheduler_base_lr", "DOUBLE", "The scheduler's base value for this group (base_lrs; OneCycleLR: "
+                                          "max_lr), from which schedules such as LambdaLR compute each lr."),
+    Column("scheduler_step", "BIGINT", "The scheduler's step count (last_epoch)."),
+    Column("initial_lr", "DOUBLE", "The group's initial_lr, which a scheduler set from the first lr." + _HYPER),
+    Column("lr_note", "VARCHAR", "Whether a changed lr sticks under this scheduler, and why (LambdaLR sets lr "
+                                 "from its base_lrs at every step: use probe TARGET lr); how it is stepped."),
 )
 EXAMPLE = "SELECT group_index, lr, weight_decay FROM torch.optimizers"
 
-_SHOWN = {"params", "lr", "weight_decay", "momentum", "betas", "eps"}
+_SHOWN = {"params", "lr", "weight_decay", "momentum", "betas", "eps", "initial_lr"}
 
 
 def rows() -> Iterator[Tuple[Any, ...]]:
     torch = torch_or_raise()
     owners = _owners(torch)
-    for name, optimizer in find_optimizers(torch):
+    optimizers = find_optimizers(torch)
+    drivers = schedulers.find_schedulers([o for _, o in optimizers])
+    for name, optimizer in optimizers:
+        driving = schedulers.drivers_of(optimizer, drivers)
         cls = "%s.%s" % (type(optimizer).__module__, type(optimizer).__qualname__)
         state = optimizer.state
         for index, group in enumerate(list(optimizer.param_groups)):
@@ -52,7 +67,20 @@ def rows() -> Iterator[Tuple[Any, ...]]:
             yield (name, cls, index, number(torch, group.get("lr")), number(torch, group.get("weight_decay")),
                    number(torch, group.get("momentum")), _text(betas), beta1, beta2, number(torch, group.get("eps")),
                    len(params), sum(_numel(p) for p in params), _step(torch, state, params),
-                   ", ".join(models) or None, _options(group))
+                   ", ".join(models) or None, _options(group)) + _scheduled(torch, driving, index, group)
+
+
+def _scheduled(torch: Any, driving: List[Any], index: int, group: Dict[str, Any]) -> Tuple[Any, ...]:
+    """scheduler, scheduler_class, scheduler_base_lr, scheduler_step, initial_lr, lr_note."""
+    initial = number(torch, group.get("initial_lr"))
+    if not driving:
+        return None, None, None, None, initial, None
+    first = driving[0].scheduler
+    epoch = schedulers.attrs_of(first).get("last_epoch")
+    return (", ".join(d.name for d in driving), ", ".join(schedulers.class_text(d.scheduler) for d in driving),
+            number(torch, schedulers.base_of(first, index)),
+            epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+            initial, "; ".join(schedulers.note_for(d) for d in driving))
 
 
 def _owners(torch: Any) -> Dict[int, str]:

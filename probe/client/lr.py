@@ -1,0 +1,74 @@
+"""Changing a target's learning rate so that it sticks, from a script or the CLI (``probe TARGET lr``).
+
+    from probe.client.lr import change_lr
+    done = change_lr(probe.connect("4242"), 0.05)      # {"optimizer", "groups", "schedulers", "readback", ...}
+
+Three snippets through eval (so it needs eval enabled in the agent): a check on the agent's thread
+(no optimizer, a group out of range: said at once, nothing waits), the change on the training thread
+right after the next optimizer step (see ``probe.tables.torch.lr`` for what it scales), and the
+read-back right after the step that follows, which says whether the change held.
+"""
+
+import json
+from typing import Any, Dict, Optional, Sequence
+
+from probe.client.client import Client
+from probe.errors import EvalError, Forbidden, Timeout, error_from_code
+
+__all__ = ["change_lr", "DEFAULT_STEP_WAIT_S"]
+
+DEFAULT_STEP_WAIT_S = 30.0
+_SNIPPET_S = 20.0  # the snippet's own time: finding the optimizer and its schedulers is bounded well below
+_MODULE = "probe.tables.torch.lr"
+
+
+def change_lr(client: Client, value: float, groups: Optional[Sequence[int]] = None, optimizer: Optional[str] = None,
+              base: bool = False, step_wait: float = DEFAULT_STEP_WAIT_S, check: bool = True) -> Dict[str, Any]:
+    """Set the lr of ``groups`` (all when None) of ``optimizer`` (the only one when None) to ``value`` so
+    that it sticks under the optimizer's scheduler; ``base=True`` sets the scheduler's base value instead.
+
+    Waits at most ``step_wait`` seconds for the step to change it after, and as long again for the step
+    to read it back after (``check=False``: no read-back). The answer is what the target did: the
+    optimizer, its schedulers, each group's values before and after, and ``readback`` (None without
+    ``check``): each group's lr after the next step and its ``verdict`` (``stuck``, ``undone``,
+    ``unchanged``), ``stuck`` for all. Errors are probe errors: ``NotFound`` (no optimizer),
+    ``BadRequest`` (a group out of range, groups with different rates), ``Forbidden`` (eval off), ``Timeout``
+    (no optimizer step came: nothing was changed).
+    """
+    args = (float(value), list(groups) if groups is not None else None, optimizer, bool(base))
+    _run(client, "plan", args, "agent", None)
+    try:
+        done = _run(client, "change", args, "step", step_wait)
+    except Timeout as exc:
+        raise Timeout("no optimizer step came within %g s: nothing was changed (the job may be hung, between epochs, "
+                      "or evaluating)" % step_wait,
+                      hint="try again while it trains, or wait longer with --start-within SECONDS") from exc
+    done["readback"] = None
+    if check:
+        try:
+            done["readback"] = _run(client, "readback", (done["token"],), "step", step_wait)
+        except Timeout:
+            done["readback"] = {"error": "no optimizer step came within %g s after the change, so it was not read "
+                                         "back" % step_wait}
+    return done
+
+
+def _run(client: Client, what: str, args: Sequence[Any], on: str, wait: Optional[float]) -> Dict[str, Any]:
+    code = "print(__import__(%r, fromlist=['answer']).answer(%s))" % (_MODULE, ", ".join(map(repr, (what,) + tuple(args))))
+    try:
+        result = client.eval(code, timeout=_SNIPPET_S, on=on, wait=wait)
+    except Forbidden as exc:  # eval switched off (the agent says so): the same refusal, in this command's words
+        raise type(exc)("probe lr changes the target through eval, and the agent refuses it: %s" % exc.message,
+                        hint="restart the target with eval enabled to change its learning rate") from exc
+    if not result.ok:
+        first = (result.error or "").strip().splitlines()
+        raise EvalError("the learning-rate %s failed in the target: %s" % (what, first[-1] if first else "timed out"))
+    try:
+        answer: Dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise EvalError("the target's answer to the learning-rate %s could not be read: %r"
+                        % (what, result.stdout[:200])) from None
+    error = answer.get("error")
+    if isinstance(error, dict):
+        raise error_from_code(str(error.get("code")), str(error.get("message")), error.get("hint") or None)
+    return answer
