@@ -6,7 +6,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
 from probe.tables.torch import schedulers
-from probe.tables.torch._common import number, plain_cpu, torch_or_raise
+from probe.tables.torch._common import at_step_boundary, number, plain_cpu, torch_or_raise
 from probe.tables.torch.discovery import find_models, find_optimizers
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
@@ -50,8 +50,16 @@ EXAMPLE = "SELECT group_index, lr, weight_decay FROM torch.optimizers"
 _SHOWN = {"params", "lr", "weight_decay", "momentum", "betas", "eps", "initial_lr"}
 
 
-def rows() -> Iterator[Tuple[Any, ...]]:
+def rows() -> List[Tuple[Any, ...]]:
+    """Read on the training thread right after an optimizer step, every group of one step (read alongside
+    the loop, one read held groups of steps 516 and 515); a job that makes no step within 2 s is read
+    where it stands."""
     torch = torch_or_raise()
+    done, _ = at_step_boundary(lambda: list(_rows_now(torch)), 5.0)
+    return done if done is not None else list(_rows_now(torch))
+
+
+def _rows_now(torch: Any) -> Iterator[Tuple[Any, ...]]:
     owners = _owners(torch)
     optimizers = find_optimizers(torch)
     drivers = schedulers.find_schedulers([o for _, o in optimizers])
