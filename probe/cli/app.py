@@ -34,6 +34,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "lr": ("lr", "lr"),
     "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
+    "diagnose": ("diagnose", "diagnose"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
                       "--hosts", "--deadline", "--max-in-flight"}
@@ -68,7 +69,7 @@ class _Commands(click.Group):
 
 _NO_TARGET = {"list"}
 """Commands that take no target; every other one is ``probe TARGET COMMAND ...``."""
-_NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject"}
+_NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject", "diagnose"}
 """Commands without positional arguments: a target written after them is understood as one."""
 _LOOKS_LIKE_TARGET = re.compile(r"\d+|(?:unix|core):.+|\[?[\w.\-:]+\]?:\d+")
 

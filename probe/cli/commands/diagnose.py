@@ -1,0 +1,185 @@
+"""``probe TARGET diagnose``: what is wrong with a process or a whole job, which rank, and where."""
+
+import json
+import shlex
+import time
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import click
+
+from probe.cli.context import CliContext, pass_cli
+from probe.cli.options import TEXT, Seconds, output_format
+from probe.cli.output import emit, say
+from probe.cli.render import visible
+from probe.errors import ConnectError, ProbeError, UsageError
+
+
+@click.command("diagnose")
+@click.option("--watch", type=Seconds(0.5), metavar="SECONDS", default=None,
+              help="Diagnose again every SECONDS, each time saying what changed (steps made or not, the verdict); "
+                   "Ctrl-C ends it.")
+@output_format(*TEXT, json_help="the verdicts with their evidence rows and every rank's evidence (one object a line "
+                                "with --watch)")
+@pass_cli
+def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> None:
+    """Say what is wrong with a process or a job, which rank, and where, with the evidence.
+
+    \b
+    TARGET: a pid (one process), or a job: the master's HOST:PROBE_PORT, slurm:JOBID, --hosts FILE, -t
+    several times. Every rank's stacks (read from outside where it cannot answer), threads' CPU, the Flight
+    Recorder's last collectives and the trace's steps are read twice, a second apart (and again after 3 s
+    where a rank showed no sign of life), within --deadline; nothing is run in the program, no collective.
+    The verdict comes first: a dead rank, one that cannot answer (GIL held in C, stopped), a collective hang
+    (the ranks that did not issue it, apart from those waiting in it), a stall, a lock wait, a straggler,
+    or healthy. Then the evidence, each with the probe command that shows it in full, then what to do.
+    \b
+    Exit status: 0 healthy, 10 degraded (a straggler, a rank that gave no evidence), 11 stuck (a hang, a
+    rank that cannot run), 12 a rank is dead; probe's own codes (2, 3, 4...) where no diagnosis could be made.
+    """
+    from probe.diagnose.engine import diagnose as run, sampler_for
+
+    target, single, command = _target(cli)
+    deadline = cli.deadline or min(10.0, cli.timeout)
+    as_json = fmt == "json"
+    previous = None
+    code = 0
+    try:
+        while True:
+            report = run(sampler_for(target, single), deadline, command)
+            code = report.exit_code
+            if as_json:
+                emit(json.dumps(dict(report.as_json(), target=_shown_target(cli), single=single,
+                                     changes=_changes(previous, report) if previous is not None else None)))
+            else:
+                if watch is not None:
+                    say("== %s  %s" % (time.strftime("%H:%M:%S"), visible(_shown_target(cli))))
+                    if previous is not None:
+                        for line in _changes(previous, report):
+                            say("since the last look: " + line)
+                say("\n".join(render(report)))
+            if watch is None:
+                break
+            previous = report
+            time.sleep(watch)
+            if not as_json:
+                say("")
+    except KeyboardInterrupt:
+        cli.exit_code = 130
+        return
+    cli.exit_code = code
+
+
+def _shown_target(cli: CliContext) -> str:
+    if cli.hosts:
+        return "--hosts %s" % cli.hosts
+    return " ".join(cli.targets) or "$PROBE_TARGET"
+
+
+def _target(cli: CliContext) -> Tuple[Any, bool, Callable[[Optional[Sequence[int]], str], str]]:
+    """The job (a Cluster) or the one process (a Client), whether it is one process, and how to write a
+    probe command that reaches the same ranks."""
+    from probe.client.cluster import compact_ranks
+    from probe.client.targets import parse_target
+
+    targets = list(cli.targets)
+    quoted = " ".join(shlex.quote(t) for t in targets)
+    job = cli.is_cluster or len(targets) > 1 or (len(targets) == 1 and targets[0].strip().startswith("slurm:"))
+    if not job and len(targets) == 1:
+        try:
+            parsed = parse_target(targets[0])
+        except ProbeError:
+            parsed = None
+        if parsed is not None and parsed.pid is None and parsed.core is None and hasattr(parsed.address, "port"):
+            try:  # HOST:PORT: a job's master where a node helper answers beside it, else one agent
+                cli.all_ranks = True
+                cluster = cli.cluster()
+                job = True
+            except (ConnectError, UsageError):
+                cli.all_ranks = False
+                cli._cluster = None
+    if job:
+        cli.all_ranks = cli.all_ranks or not cli.hosts and cli.ranks is None
+        cluster = cli.cluster()
+        cluster.progress = None  # the samples are short; a progress line would only flicker
+        if cli.hosts:
+            prefix = "probe --hosts %s%s" % (shlex.quote(cli.hosts), "".join(" -t " + shlex.quote(t) for t in targets))
+        elif len(targets) > 1:
+            prefix = "probe" + "".join(" -t " + shlex.quote(t) for t in targets)
+        else:
+            prefix = "probe %s" % quoted
+
+        def command(ranks: Optional[Sequence[int]], rest: str) -> str:
+            scope = " --ranks %s" % compact_ranks(ranks) if ranks else (" --all-ranks" if not cli.hosts else "")
+            return "%s%s %s" % (prefix, scope, rest)
+
+        return cluster, False, command
+    clients = cli.clients()
+    client = clients[0]
+
+    def single(ranks: Optional[Sequence[int]], rest: str) -> str:
+        return "probe %s %s" % (quoted or client.target.label, rest)
+
+    return client, True, single
+
+
+def render(report: Any) -> List[str]:
+    """The verdict first (worst first), its place, its evidence with the command that shows each in full,
+    what to do next; then what could not be known."""
+    out: List[str] = []
+    for i, verdict in enumerate(report.verdicts):
+        if i:
+            out.append("")
+        out.append("%s: %s" % (verdict.status.upper(), visible(verdict.summary)))
+        if verdict.where and verdict.where.get("func"):
+            from probe.diagnose.rules import where_text
+
+            out.append("  where: %s" % visible(where_text(verdict.where)))
+        elif verdict.where and verdict.where.get("module"):
+            out.append("  where: module %s" % visible(str(verdict.where["module"])))
+        if verdict.victims and verdict.kind != "straggler":
+            from probe.diagnose.rules import ranks_word
+
+            out.append("  waiting (not to blame): %s" % ranks_word(verdict.victims))
+        if verdict.evidence:
+            out.append("  evidence:")
+            for piece in verdict.evidence:
+                out.append("    - %s" % visible(piece.text))
+                if piece.command:
+                    out.append("        %s" % visible(piece.command))
+        if verdict.next:
+            out.append("  next:")
+            for step in verdict.next:
+                out.append("    - %s" % visible(step))
+    if report.unavailable:
+        out.append("")
+        out.append("not known (evidence that could not be had):")
+        for line in report.unavailable:
+            out.append("  - %s" % visible(line))
+    out.append("")
+    out.append("(%d look%s over %.1f s; exit %d: %s)" % (report.samples, "" if report.samples == 1 else "s", report.window,
+                                                        report.exit_code, report.status))
+    return out
+
+
+def _changes(before: Any, now: Any) -> List[str]:
+    """What changed between two diagnoses of --watch: the verdict, and the steps each rank made."""
+    lines = []
+    if before.status != now.status or [v.summary for v in before.verdicts] != [v.summary for v in now.verdicts]:
+        lines.append("%s -> %s: %s" % (before.status, now.status, now.verdicts[0].summary if now.verdicts else ""))
+    else:
+        lines.append("the same verdict (%s)" % now.status)
+    from probe.diagnose.rules import ranks_word
+
+    moved, still = [], []
+    for rank, p in sorted(now.progress.items()):
+        old = before.progress.get(rank, {})
+        if p.get("step") is not None and old.get("step") is not None:
+            (moved if p["step"] > old["step"] else still).append((rank, p["step"] - old["step"]))
+    if moved:
+        steps = [d for _, d in moved]
+        lines.append("%s made %d-%d steps" % (ranks_word([r for r, _ in moved]), min(steps), max(steps)))
+    if still:
+        lines.append("no step on %s (no progress)" % ranks_word([r for r, _ in still]))
+    if not moved and not still:
+        lines.append("steps unknown without the trace")
+    return lines

@@ -1,0 +1,49 @@
+"""When to look: a first sample, a second a moment later, and a third later still where some rank showed no
+sign of life between the first two (a stuck rank and a slow one look alike for a second)."""
+
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from probe.diagnose.evidence import Sample, sample_job, sample_one
+from probe.diagnose.rules import Commands, Report, judge, needs_longer_look
+
+__all__ = ["diagnose", "FIRST_GAP_S", "LONGER_S"]
+
+FIRST_GAP_S = 1.0
+"""Seconds between the first two samples."""
+LONGER_S = 3.0
+"""From the first sample to the last one, where the first two left a rank in doubt."""
+
+Sampler = Callable[[float, Optional[Sequence[int]], Optional[Sample]], Sample]
+
+
+def sampler_for(target: Any, single: bool) -> Sampler:
+    if single:
+        return lambda deadline, only, previous: sample_one(target, deadline)
+    return lambda deadline, only, previous: sample_job(target, deadline, only, previous)
+
+
+def diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float = FIRST_GAP_S,
+             longer: float = LONGER_S) -> Report:
+    """Sample, wait, sample again (only the ranks that answered), judge; within about ``deadline`` seconds
+    in all (the samples share it: the first takes at most half)."""
+    start = time.monotonic()
+    first = sampler(max(deadline / 2, min(deadline, 1.0)), None, None)
+    answered = [r for r, ev in first.ranks.items() if ev.state == "answering"]
+    samples = 1
+    last = first
+    for target_gap in (gap, longer):
+        left = deadline - (time.monotonic() - start)
+        wait = target_gap - (time.monotonic() - first.at)
+        if not answered or left - max(wait, 0) < 0.5:
+            break
+        if wait > 0:
+            time.sleep(wait)
+        left = deadline - (time.monotonic() - start)
+        last = sampler(max(left, 0.5), answered if not first.single else None, first)
+        samples += 1
+        if not needs_longer_look(first, last):
+            break
+    report = judge(first, last, command)
+    report.samples = samples
+    return report

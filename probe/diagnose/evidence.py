@@ -1,0 +1,286 @@
+"""The evidence ``probe diagnose`` judges: per rank, what can be read without harming it.
+
+For each rank (or the one process), within the fan-out's deadline:
+
+* its stacks, from its agent; where the agent cannot answer, read from outside (a C call holding the
+  GIL, a stopped process), or a dead one's last stacks from its crash record, with the state that says
+  why (``gil_held``, ``stopped``, ``dead``, ``no_answer``, ``unreachable``);
+* only from an agent that answered: its threads' CPU time (``python.threads``), the Flight Recorder's
+  last collective of each process group and the trace's steps (one query over ``torch.flight_recorder``
+  and ``python.torch_trace``).
+
+Only reads: no eval, no collective, no device synchronisation (the tables promise as much). What could
+not be had is kept with why (``*_why``), never filled in.
+"""
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from probe.client.results import Frame
+from probe.errors import AgentBlocked, ConnectError, ProbeError, ProcessDead, Timeout, TorchNotLoaded
+
+__all__ = ["RankEvidence", "Sample", "collect", "sample_job", "sample_one", "FR_SQL", "TRACE_SQL",
+           "THREADS_SQL"]
+
+THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_user IS NULL THEN NULL "
+               "ELSE cpu_user + coalesce(cpu_system, 0) END AS cpu FROM python.threads")
+"""Each thread's CPU seconds: a thread blocked for good gains none, one that runs gains some."""
+
+FR_SQL = """\
+SELECT pg, any_value(pg_desc) AS pg_desc, max(collective_seq_id) AS last_seq,
+  arg_max(op, collective_seq_id) AS last_op,
+  arg_max(coalesce(retired, false) OR state = 'completed', collective_seq_id) AS last_done,
+  epoch(now()) - epoch(arg_max(time_created, collective_seq_id)) AS last_age,
+  (epoch(max(time_created)) - epoch(min(time_created))) / greatest(count(*) - 1, 1) AS period,
+  arg_max(call_site, collective_seq_id) AS call_site, count(*) AS entries
+FROM torch.flight_recorder WHERE NOT coalesce(is_p2p, false) AND collective_seq_id IS NOT NULL GROUP BY pg"""
+"""One row per process group of the Flight Recorder: its last collective (number, op, whether done, how
+long ago it was issued) and the mean interval between its recorded collectives."""
+
+TRACE_SQL = """\
+SELECT max(step) AS step, epoch(now()) - epoch(max(time)) AS last_age, count(*) AS entries,
+  (SELECT sum(duration) / greatest(count(DISTINCT step), 1) FROM python.torch_trace
+     WHERE stage = 'forward' AND step >= (SELECT max(step) - 5 FROM python.torch_trace)
+       AND step < (SELECT max(step) FROM python.torch_trace)) AS compute,
+  (SELECT arg_max(module, spent) FROM (SELECT module, sum(duration) AS spent FROM python.torch_trace
+     WHERE stage = 'forward' AND step >= (SELECT max(step) - 5 FROM python.torch_trace) GROUP BY module)) AS top_module,
+  (SELECT (epoch(max(time)) - epoch(min(time))) / greatest(max(step) - min(step), 1) FROM python.torch_trace
+     WHERE step >= (SELECT max(step) - 5 FROM python.torch_trace)) AS step_s
+FROM python.torch_trace"""
+"""The trace's last step, how long ago its last span began, the forward self time per step over the last
+5 complete steps (a rank's own compute), its slowest forward module there, and the wall time per step."""
+
+STATES = ("answering", "gil_held", "stopped", "dead", "no_answer", "unreachable", "no_agent")
+
+
+@dataclass
+class RankEvidence:
+    rank: int
+    host: str
+    pid: Optional[int] = None
+    state: str = "answering"
+    why: str = ""  # why it did not answer (the error's message and hint)
+    source: str = "agent"  # where the stacks came from: agent, or the reader's words (outside, crash record)
+    frames: Optional[List[Frame]] = None
+    holder: Optional[str] = None  # the thread that keeps the GIL, and where
+    threads: Optional[List[Dict[str, Any]]] = None
+    threads_why: Optional[str] = None
+    fr: Optional[List[Dict[str, Any]]] = None
+    fr_why: Optional[str] = None
+    trace: Optional[Dict[str, Any]] = None
+    trace_why: Optional[str] = None
+    seconds: float = 0.0
+    at: float = field(default_factory=time.monotonic)
+
+    def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
+        """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
+        by_thread: Dict[int, List[Frame]] = {}
+        for frame in self.frames or ():
+            if frame.frame_type == "python":
+                by_thread.setdefault(frame.thread_id, []).append(frame)
+        out: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {}
+        for stack in sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "",
+                                                                 fs[0].thread_id)):
+            name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
+            unique, n = name, 1
+            while unique in out:
+                n += 1
+                unique = "%s#%d" % (name, n)
+            out[unique] = tuple((f.func, f.file, f.lineno, (f.code or "").strip())
+                                for f in sorted(stack, key=lambda f: f.depth))
+        return out
+
+    def main_cpu(self) -> Optional[float]:
+        for thread in self.threads or ():
+            if thread.get("is_main") and isinstance(thread.get("cpu"), (int, float)):
+                return float(thread["cpu"])
+        return None
+
+    def cpu_by_name(self) -> Dict[str, float]:
+        out: Dict[str, float] = {}
+        for thread in self.threads or ():
+            name = "MainThread" if thread.get("is_main") else str(thread.get("thread_name"))
+            if isinstance(thread.get("cpu"), (int, float)) and name not in out:
+                out[name] = float(thread["cpu"])
+        return out
+
+    def as_json(self) -> Dict[str, Any]:
+        return {"rank": self.rank, "host": self.host, "pid": self.pid, "state": self.state, "why": self.why or None,
+                "source": self.source, "holder": self.holder,
+                "stacks": {name: [{"func": f, "file": p, "line": n} for f, p, n, _ in key[:12]]
+                           for name, key in self.stacks().items()} if self.frames is not None else None,
+                "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
+                "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why}
+
+
+@dataclass
+class Sample:
+    """Every rank's evidence at one moment; ``total``: the ranks asked; ``single``: one process, not a job."""
+
+    ranks: Dict[int, RankEvidence]
+    total: int
+    single: bool = False
+    at: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+
+
+def _agent_frames(client: Any) -> List[Frame]:
+    raw = client._json("GET", "/v1/backtrace")
+    frames, out = raw["frames"], []
+    for thread_id, name, native_id, is_main, chain in raw["threads"]:
+        for depth, position in enumerate(chain):
+            func, file, lineno, code = frames[position]
+            out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
+    return out
+
+
+def _gone(pid: Optional[int]) -> bool:
+    if pid is None:
+        return False
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
+
+
+def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
+    """What the error says of a rank that did not answer: its state, why, and the stacks that came with it."""
+    from probe.client import client as client_module
+
+    ev.why = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+    diagnosis = getattr(exc, "diagnosis", None)
+    stacks = client_module._outside_stacks(exc, agentless=True)
+    local_pid = client.target.pid if client.target.is_local else None
+    if isinstance(exc, ProcessDead) or getattr(exc, "record", None) is not None or (
+            diagnosis is not None and diagnosis.state == "dead"):
+        ev.state = "dead"
+    elif diagnosis is not None and diagnosis.state in ("gil_held", "stopped", "no_answer"):
+        ev.state = diagnosis.state
+    elif getattr(exc, "agentless_pid", None) is not None:
+        ev.state = "no_agent"
+    elif isinstance(exc, (Timeout, AgentBlocked)):
+        ev.state = "no_answer"
+    elif isinstance(exc, ConnectError) and local_pid is not None and _gone(local_pid):
+        ev.state = "dead"
+    else:
+        ev.state = "unreachable"
+    if stacks is not None:
+        ev.frames = client_module._frames_of(stacks)
+        ev.source = str(getattr(stacks, "source", "read from outside"))
+        if ev.state == "gil_held":
+            holder = diagnosis.holder if diagnosis is not None and diagnosis.holder is not None else None
+            if holder is None:
+                try:
+                    holder = stacks.gil_holder()
+                except Exception:  # a reader's stacks without GIL facts: said as unknown
+                    holder = None
+            if holder is not None:
+                ev.holder = "thread %s in %s" % (holder.label().strip(), holder.where())
+    else:
+        ev.source = "none"
+
+
+def _query(client: Any, sql: str) -> List[Dict[str, Any]]:
+    rows = client.query_rows(sql, timeout=5.0)
+    if client.note:  # answered from stacks read from outside: the agent stopped answering meanwhile
+        raise ProbeError("the agent stopped answering: %s" % client.note.splitlines()[0])
+    names = [c[0] for c in rows.columns]
+    return [dict(zip(names, row)) for row in rows.rows]
+
+
+def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed_state: Optional[str] = None) -> RankEvidence:
+    """One rank's evidence; never raises (what failed is kept, with why)."""
+    start = time.monotonic()
+    ev = RankEvidence(rank, host, pid)
+    try:
+        if client.target.core is not None:
+            ev.frames = client.backtrace()
+            ev.state, ev.source, ev.why = "dead", str(client.note or "a core file"), "a core file"
+        else:
+            ev.frames = _agent_frames(client)
+    except ProbeError as exc:
+        _from_failure(ev, client, exc)
+    except Exception as exc:  # a reader's or parser's surprise: this rank's evidence is said to be missing
+        ev.state, ev.why, ev.source = "unreachable", "%s: %s" % (type(exc).__name__, exc), "none"
+    if ev.state == "unreachable" and listed_state == "dead":
+        ev.state = "dead"
+    if ev.state == "answering":
+        try:
+            ev.threads = _query(client, THREADS_SQL)
+        except ProbeError as exc:
+            ev.threads_why = exc.message
+        try:
+            ev.fr = _query(client, FR_SQL)
+            if not ev.fr:
+                ev.fr_why = "it holds no collective (off unless the job starts with TORCH_FR_BUFFER_SIZE=N)"
+        except TorchNotLoaded:
+            ev.fr_why = "torch is not loaded"
+        except ProbeError as exc:
+            ev.fr_why = exc.message
+        if ev.fr_why != "torch is not loaded":
+            try:
+                rows = _query(client, TRACE_SQL)
+                ev.trace = rows[0] if rows and rows[0].get("step") is not None else None
+                if ev.trace is None:
+                    ev.trace_why = "it holds no step (`trace start` turns it on)"
+            except ProbeError as exc:
+                ev.trace_why = exc.message
+        else:
+            ev.trace_why = ev.fr_why
+    else:
+        why = "its agent cannot answer (%s)" % ev.state.replace("_", " ")
+        ev.threads_why = ev.fr_why = ev.trace_why = why
+    ev.seconds = time.monotonic() - start
+    return ev
+
+
+def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,
+               previous: Optional[Sample] = None) -> Sample:
+    """Every rank's evidence through the fan-out, within ``deadline`` seconds. ``only``: the ranks to ask
+    again (the others keep their evidence from ``previous``: a rank that cannot answer is not read from
+    outside a second time)."""
+    start = time.monotonic()
+    chosen = cluster if only is None else cluster.select(only)
+    by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
+    saved = chosen.deadline
+    chosen.deadline = deadline
+    try:
+        answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+    finally:
+        chosen.deadline = saved
+    ranks: Dict[int, RankEvidence] = {} if previous is None else dict(previous.ranks)
+    for answer in answers:
+        ranks[answer.member.rank] = answer.value
+    for failure in chosen.failures:
+        member = next((m for m in chosen.members if m.rank == failure.rank), None)
+        ranks[failure.rank] = RankEvidence(failure.rank, failure.host, member.pid if member else None,
+                                           state="dead" if member is not None and member.state == "dead"
+                                           else "no_answer", why=failure.reason, source="none",
+                                           threads_why="no answer", fr_why="no answer", trace_why="no answer")
+    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start)
+
+
+def _collect_member(client: Any, member: Any) -> RankEvidence:
+    return collect(client, member.rank, member.host, member.pid, member.state)
+
+
+def sample_one(client: Any, deadline: float) -> Sample:
+    """The one process's evidence (rank 0 of a job of one), within about ``deadline`` seconds."""
+    from probe.client.fanout import fan_out
+
+    start = time.monotonic()
+    pid = client.target.pid
+    label = "process %d" % pid if pid is not None else client.target.label
+    outcome = fan_out([client], lambda c: collect(c, 0, label, pid), 1, deadline)[0]
+    if outcome.error is not None:
+        ev = RankEvidence(0, label, pid, state="no_answer", why=outcome.error.message, source="none",
+                          threads_why="no answer", fr_why="no answer", trace_why="no answer")
+    else:
+        ev = outcome.value
+    return Sample({0: ev}, 1, True, start, time.monotonic() - start)
+
+
+
