@@ -131,7 +131,10 @@ def note_unwritten(scope: Scope, before: Optional[Dict[str, int]]) -> str:
     if before is None or scope.locals is None or LOCALS_WRITE_BACK:
         return ""
     try:
-        changed = sorted(k for k, v in scope.locals.items() if before.get(k) != id(v))
+        # A name an import in the snippet bound (``import __main__``) is the snippet's own: nothing of the
+        # frame was meant to change, and what it does through the module (``__main__.x = 1``) does change.
+        changed = sorted(k for k, v in scope.locals.items() if before.get(k) != id(v)
+                         and not isinstance(v, type(sys)))
     except Exception:
         return ""
     if not changed:

@@ -379,10 +379,15 @@ def torch_checkpoint(agent: "Agent", request: Request) -> Response:
     concurrent = body.get("concurrent", False)
     if not isinstance(concurrent, bool):
         raise BadRequest("concurrent must be true or false")
+    fmt = body.get("format", "probe")
+    if not isinstance(fmt, str):
+        raise BadRequest("format must be a string (probe, hf or lightning)")
+    from probe.agent.frames import frame_scope, parse_frame
     from probe.agent.placement import run_between_steps
 
+    scope = frame_scope(parse_frame(body["frame"])) if body.get("frame") is not None else None
     return Response.json(save(path, names["models"], names["optimizers"], timeout,
-                              None if concurrent else run_between_steps))
+                              None if concurrent else run_between_steps, scope=scope, fmt=fmt))
 
 
 def torch_trace(agent: "Agent", request: Request) -> Response:

@@ -510,13 +510,20 @@ class Client:
         return self._json("POST", "/v1/debug/stop", {})
 
     def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
-                   timeout: float = 300.0, concurrent: bool = False) -> Dict[str, Any]:
-        """Save the target's models, optimizers, step and RNG states to ``path`` (in the target's file system;
-        ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``: expressions in ``__main__``;
-        default: those the agent finds. Written between two optimizer steps when the job makes steps
+                   timeout: float = 300.0, concurrent: bool = False, frame: Optional[str] = None,
+                   format: str = "probe") -> Dict[str, Any]:
+        """Save the target's models, optimizers, schedulers, trainer progress and RNG states to ``path`` (in
+        the target's file system; ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``:
+        expressions in ``__main__`` (or in ``frame``, THREAD:DEPTH, or where the program's frames define
+        them); default: those the agent finds. ``format``: probe (one file), hf (a directory transformers'
+        Trainer resumes from) or lightning. Written between two optimizer steps when the job makes steps
         (else, or with ``concurrent``, alongside the loop). Returns the path, bytes, sha256, what the
         file holds, and ``taken``: how it was taken."""
         body: Dict[str, Any] = {"path": path, "timeout": timeout, "concurrent": concurrent}
+        if frame is not None:
+            body["frame"] = frame
+        if format != "probe":
+            body["format"] = format
         if models:
             body["models"] = list(models)
         if optimizers:

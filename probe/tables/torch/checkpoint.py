@@ -1,26 +1,52 @@
-"""Save the target's models, optimizers, step and RNG states to one file, atomically, from inside it.
+"""Save the target's models, optimizers, LR schedulers, trainer progress and RNG states, atomically, from inside it.
 
-The file is written as ``.NAME.probe-PID-XXXX.tmp`` in the destination's directory, flushed and fsynced,
-then renamed over ``NAME`` and the directory fsynced: a crash at any moment leaves either the old file
-or the new one at ``NAME``, never a truncated one. Leftover temporary files of dead processes are
-removed by the next checkpoint into that directory.
+What is saved is what :mod:`probe.tables.torch.discovery` finds (or what ``--model``/``--optimizer``
+name, as expressions in ``__main__``, in the frame ``--frame`` names, or else where the program's
+own frames define them): the user's module, never a DDP / FSDP / compile wrapper (state dict keys
+without ``module.``), each optimizer once (an ``AcceleratedOptimizer`` is saved as the optimizer
+inside), the schedulers that drive those optimizers, and a Hugging Face, Lightning or accelerate
+trainer's progress (global step, epoch).
 
-What it never does: issue a collective (a DTensor is saved as this rank's local shard, its placements
-recorded), run ``state_dict`` hooks (FSDP2's would reshard the model under the training thread), or
-bring torch in (the target must have imported it). By default the agent has it written right after the next optimizer
-step, on the training thread (the loop waits): every tensor is of the same step. A job that makes no
-step within seconds (hung) is saved concurrently, its state not changing; so is one asked with
-``--concurrent``, where a step that runs during the save may show in some tensors.
+Three formats:
 
-File layout (loadable with ``torch.load(path)``, ``weights_only`` included)::
+* ``probe`` (the default): one file, loadable with ``torch.load(path)`` (``weights_only`` included)::
 
     {"format": "probe.checkpoint/1", "models": {name: state_dict}, "optimizers": {name: state_dict},
-     "dtensors": {"models/NAME/KEY": {"placements", "global_shape", "mesh"}}, "step", "step_source",
-     "rng": {"torch", "cuda"?, "numpy"?, "python"?}, "meta": {rank, world_size, pid, host, time, torch}}
+     "schedulers": {name: state_dict}, "trainer": {"name", "kind", "global_step", "epoch", "max_steps",
+     "state"?} or None, "dtensors": {"models/NAME/KEY": {"placements", "global_shape", "mesh"}}, "step",
+     "step_source", "rng": {"torch", "cuda"?, "numpy"?, "python"?}, "meta": {rank, world_size, pid, host,
+     time, torch}}
+
+* ``hf``: a directory that ``transformers.Trainer.train(resume_from_checkpoint=DIR)`` resumes from:
+  ``pytorch_model.bin`` (the model's state dict), ``config.json`` (where the model has a config),
+  ``optimizer.pt``, ``scheduler.pt``, ``trainer_state.json`` and ``rng_state.pth`` (``rng_state_RANK.pth``
+  under several ranks), with the names transformers 4 and 5 read;
+* ``lightning``: the dict Lightning's own ``Trainer.save_checkpoint`` writes (built by the trainer's
+  checkpoint connector, without its barrier), which ``Trainer.fit(ckpt_path=PATH)`` resumes from.
+
+Every file is written as ``.NAME.probe-PID-XXXX.tmp`` beside it, flushed and fsynced, then renamed
+over ``NAME`` and the directory fsynced: a crash at any moment leaves either the old file or the new
+one, never a truncated one. Leftover temporary files of dead processes are removed by the next
+checkpoint into that directory.
+
+When it is taken: in two moves on the training thread. Right after an optimizer step (torch's global
+post-step hook) the RNG states are read; the rest is read and written right before the next step
+begins (a global pre-step hook of ours, installed then from that same thread), when the loop has
+stepped its scheduler and counted the step: model, optimizer, scheduler and step count are of one
+step, as the framework's own checkpoint at that step would hold them. The loop waits meanwhile.
+Where the next step does not begin within :data:`NEXT_STEP_WAIT_S` (the last step, an evaluation),
+the agent writes it from its own thread and the next step, should it begin, waits for the save. A job
+that makes no step within seconds (hung) is saved concurrently, its state not changing; so is one
+asked with ``--concurrent``, where a step that runs during the save may show in some tensors.
+
+What it never does: issue a collective (a DTensor is saved as this rank's local shard, its placements
+recorded), run ``state_dict`` hooks in the probe and hf formats (FSDP2's would reshard the model under
+the training thread), or bring torch or a framework in (the target must have imported them).
 """
 
 import glob
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -32,16 +58,18 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.errors import BadRequest, Busy, NotFound, ProbeError, Timeout
 from probe.tables.torch._common import is_dtensor, torch_or_raise
-from probe.tables.torch.discovery import find_models, find_optimizers, main_expression
+from probe.tables.torch.discovery import found, resolve_expression, unwrap_module, unwrap_optimizer
 from probe._threads import daemon_thread
 
 #: Runs ``work(cancel)`` right after the next optimizer step: (its result, "") or (None, why it did not).
 BetweenSteps = Callable[[Callable[[threading.Event], Dict[str, Any]], float], Tuple[Optional[Dict[str, Any]], str]]
 
-__all__ = ["save", "expand_path", "DEFAULT_TIMEOUT_S", "FORMAT"]
+__all__ = ["save", "expand_path", "DEFAULT_TIMEOUT_S", "FORMAT", "FORMATS", "NEXT_STEP_WAIT_S"]
 
 DEFAULT_TIMEOUT_S = 300.0
 FORMAT = "probe.checkpoint/1"
+FORMATS = ("probe", "hf", "lightning")
+NEXT_STEP_WAIT_S = 2.0
 _STEP_NAMES = ("global_step", "step", "iteration", "iter_num")
 _busy = threading.Lock()
 
@@ -51,32 +79,152 @@ class _Cancelled(Exception):
 
 
 def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional[Sequence[str]] = None,
-         timeout: float = DEFAULT_TIMEOUT_S, between_steps: Optional[BetweenSteps] = None) -> Dict[str, Any]:
+         timeout: float = DEFAULT_TIMEOUT_S, between_steps: Optional[BetweenSteps] = None, scope: Any = None,
+         fmt: str = "probe") -> Dict[str, Any]:
     """Write the checkpoint; what it holds, its path, size and sha256, and how it was taken. One at a time.
 
-    ``between_steps`` (the agent's placement of a snippet right after the next optimizer step) writes
-    it on the training thread between two steps, so no tensor is from another step than the others;
-    the loop waits meanwhile. It answers (None, why) when no step came soon (a hung job, no optimizer):
-    the checkpoint is then written concurrently, as it is without ``between_steps``. ``taken`` says which.
+    ``between_steps`` (the agent's placement of work right after the next optimizer step) has it
+    taken between two steps (see the module's doc); it answers (None, why) when no step came soon (a
+    hung job, no optimizer): the checkpoint is then written concurrently, as it is without
+    ``between_steps``. ``taken`` says which. ``scope``: the frame (``probe.agent.frames.Scope``) whose
+    names ``models``/``optimizers`` use. ``fmt``: one of :data:`FORMATS`.
     """
     torch_or_raise()
+    if fmt not in FORMATS:
+        raise BadRequest("the format is one of %s, not %r" % (", ".join(FORMATS), fmt))
     if not _busy.acquire(blocking=False):
         raise Busy("a checkpoint is being written in this process already", hint="wait for it to finish")
     try:
-        work = lambda cancel: _save(path, models, optimizers, cancel)  # noqa: E731
+        def work(cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+            return _save(path, models, optimizers, scope, fmt, cancel, rng)
+
         taken = "concurrently with the training loop (as asked)"
         if between_steps is not None:
-            try:
-                done, why = between_steps(work, timeout)
-            except Timeout:
-                raise Timeout("the checkpoint did not finish within %.0f s; it was stopped and its temporary file "
-                              "removed" % timeout, hint="give it longer with --checkpoint-timeout") from None
+            done, why = _at_next_step(between_steps, work, timeout)
             if done is not None:
-                return dict(done, taken="between optimizer steps (the training loop waited while it was written)")
+                return done
             taken = "concurrently with the training loop: %s" % why
         return dict(_in_worker(work, timeout), taken=taken)
     finally:
         _busy.release()
+
+
+# -- between two steps -------------------------------------------------------------------------------
+
+class _Pending:
+    """A save armed for the start of the next optimizer step."""
+
+    def __init__(self, work: Callable[[threading.Event, Any], Dict[str, Any]], rng: Dict[str, Any],
+                 timeout: float) -> None:
+        self.work = work
+        self.rng = rng
+        self.timeout = timeout
+        self.cancel = threading.Event()
+        self.claimed_by = ""  # "step" (the training thread) or "agent"
+        self.done = threading.Event()
+        self.result: Dict[str, Any] = {}
+
+    def run(self) -> None:
+        try:
+            self.result["value"] = self.work(self.cancel, self.rng)
+        except BaseException as exc:  # for the requester; never into the training loop
+            self.result["error"] = exc
+        finally:
+            self.done.set()
+
+
+_gate = threading.Lock()
+_armed: List[_Pending] = []  # at most one: the save waiting for the next step to begin
+_pre_hook: List[Any] = []  # the handle of our global pre-step hook, once installed (it stays)
+
+
+def _before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """Our global optimizer pre-step hook: nearly free while no save is armed. Never raises."""
+    if not _armed:
+        return
+    try:
+        with _gate:
+            if not _armed:
+                return
+            pending = _armed.pop()
+            mine = not pending.claimed_by
+            if mine:
+                pending.claimed_by = "step"
+        if mine:
+            pending.run()
+        else:
+            pending.done.wait(pending.timeout)  # the agent writes it: this step waits until it is written
+    except BaseException:
+        pass
+
+
+def _install_pre_hook() -> None:
+    """On the training thread, right after a step: the global pre-step hooks are not being walked by it."""
+    if _pre_hook:
+        return
+    module = sys.modules.get("torch.optim.optimizer")
+    register = getattr(module, "register_optimizer_step_pre_hook", None)
+    if register is None:
+        raise BadRequest("this torch has no global optimizer pre-step hooks (torch 2.0 or later has them)")
+    _pre_hook.append(register(_before_step))
+
+
+def _at_next_step(between_steps: BetweenSteps, work: Callable[..., Dict[str, Any]],
+                  timeout: float) -> Tuple[Optional[Dict[str, Any]], str]:
+    """Arm the save right after the next step (RNG read there), run it as the step after begins; (result, "")
+    or (None, why no step came)."""
+    torch = torch_or_raise()
+    started = time.monotonic()
+    armed: List[_Pending] = []
+
+    def arm(cancel: threading.Event) -> Dict[str, Any]:
+        pending = _Pending(work, _rng_states(torch), timeout)
+        _install_pre_hook()
+        with _gate:
+            _armed[:] = [pending]
+        armed.append(pending)
+        return {}
+
+    try:
+        done, why = between_steps(arm, min(timeout, 30.0))
+    except Timeout:
+        raise Timeout("no optimizer step let the checkpoint in within %.0f s" % timeout) from None
+    if done is None or not armed:
+        return None, why
+    pending = armed[0]
+    how = "between optimizer steps (the training loop waited while it was written)"
+    if not pending.done.wait(NEXT_STEP_WAIT_S):
+        with _gate:
+            if not pending.claimed_by:
+                pending.claimed_by = "agent"
+                _armed[:] = [p for p in _armed if p is not pending]
+        if pending.claimed_by == "agent":
+            # The loop is between steps (its last one, an evaluation, a slow batch): written from here,
+            # and a step that begins meanwhile waits in our pre-step hook until it is written.
+            how = ("between optimizer steps (no step began within %.0f s, so it was written alongside the loop; "
+                   "a step that began meanwhile waited)" % NEXT_STEP_WAIT_S)
+            worker = daemon_thread(pending.run, "probe-checkpoint")
+            worker.start()
+    left = max(0.1, timeout - (time.monotonic() - started))
+    if not pending.done.wait(left):
+        pending.cancel.set()
+        pending.done.wait(2.0)
+        with _gate:
+            _armed[:] = [p for p in _armed if p is not pending]
+        raise Timeout("the checkpoint did not finish within %.0f s; it was stopped and its temporary file "
+                      "removed" % timeout, hint="give it longer with --checkpoint-timeout")
+    error = pending.result.get("error")
+    if error is not None:
+        _raise_as_request_error(error)
+    return dict(pending.result["value"], taken=how), ""
+
+
+def _raise_as_request_error(error: BaseException) -> None:
+    if isinstance(error, ProbeError):
+        raise error
+    if isinstance(error, OSError):
+        raise BadRequest("cannot write the checkpoint: %s" % error) from None
+    raise error
 
 
 def _in_worker(work: Any, timeout: float) -> Dict[str, Any]:
@@ -101,49 +249,254 @@ def _in_worker(work: Any, timeout: float) -> Dict[str, Any]:
                                      "cannot be stopped; the file it was writing is removed when it returns)"),
                       hint="give it longer with --checkpoint-timeout")
     error = result.get("error")
-    if isinstance(error, ProbeError):
-        raise error
-    if isinstance(error, OSError):
-        raise BadRequest("cannot write the checkpoint: %s" % error) from None
     if error is not None:
-        raise error
+        _raise_as_request_error(error)
     return result["value"]
 
 
-def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]],
-          cancel: threading.Event) -> Dict[str, Any]:
+# -- what is saved -----------------------------------------------------------------------------------
+
+class _Plan:
+    """The objects to save, with their names."""
+
+    def __init__(self) -> None:
+        self.models: List[Tuple[str, Any]] = []
+        self.optimizers: List[Tuple[str, Any]] = []
+        self.schedulers: List[Tuple[str, Any]] = []
+        self.trainer: Optional[Tuple[str, str, Any]] = None
+
+
+def _plan(torch: Any, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]],
+          scope: Any) -> _Plan:
+    everything = found(torch)
+    plan = _Plan()
+    plan.trainer = everything.trainers[0] if everything.trainers else None
+    plan.models = _named(torch.nn.Module, model_exprs, everything.models, scope, "model", unwrap_module)
+    if not plan.models:
+        raise NotFound("no model found in the target (none watched, none in __main__ or one level into it, none in "
+                       "the main thread's frames, none in the garbage collector)", hint="name it: --model EXPR "
+                       "(e.g. trainer.model; --frame THREAD:FUNC for a function's local), or call "
+                       "probe.watch(model, optimizer) in the training script")
+    optim = sys.modules.get("torch.optim")
+    if optim is not None:
+        plan.optimizers = _named(optim.Optimizer, optimizer_exprs, everything.optimizers, scope, "optimizer",
+                                 unwrap_optimizer)
+    saved = {id(o) for _, o in plan.optimizers}
+    plan.schedulers = [(n, s) for n, s in everything.schedulers
+                       if id(unwrap_optimizer(getattr(s, "optimizer", None))) in saved]
+    return plan
+
+
+def _named(kind: type, exprs: Optional[Sequence[str]], found_: List[Tuple[str, Any]], scope: Any, what: str,
+           unwrap: Callable[[Any], Any]) -> List[Tuple[str, Any]]:
+    """The objects named by expressions (each must be a ``kind``; wrappers unwrapped), else those found."""
+    if not exprs:
+        return list(found_)
+    out = []
+    for expr in exprs:
+        try:
+            value = resolve_expression(expr, scope)
+        except Exception as exc:
+            raise BadRequest("--%s %s: %s: %s" % (what, expr, type(exc).__name__, exc)) from None
+        if not isinstance(value, kind):
+            raise BadRequest("--%s %s is a %s, not a %s.%s" % (what, expr, type(value).__name__, kind.__module__,
+                                                                kind.__qualname__))
+        out.append((expr, unwrap(value)))
+    return out
+
+
+def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]], scope: Any,
+          fmt: str, cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     torch = torch_or_raise()
     started = time.monotonic()
     target = expand_path(path)
     directory = os.path.dirname(target)
     if not os.path.isdir(directory):
         raise BadRequest("the directory %s does not exist (in the target's file system)" % directory)
-    models = _named(torch.nn.Module, model_exprs, find_models, torch, "model")
-    if not models:
-        raise NotFound("no model found in the target (none watched, none in __main__ or one level into it, none "
-                       "in the garbage collector)", hint="name it: --model EXPR (e.g. trainer.model), or call "
-                       "probe.watch(model, optimizer) in the training script")
-    optim = sys.modules.get("torch.optim")
-    optimizers = _named(optim.Optimizer, optimizer_exprs, find_optimizers, torch, "optimizer") if optim else []
-    dtensors: Dict[str, Any] = {}
-    state: Dict[str, Any] = {"format": FORMAT, "models": {}, "optimizers": {}, "dtensors": dtensors}
-    with torch.no_grad():
-        for name, model in models:
-            state["models"][name] = _local(_module_state(model), "models/%s" % name, dtensors)
-        for name, optimizer in optimizers:
-            state["optimizers"][name] = _local(optimizer.state_dict(), "optimizers/%s" % name, dtensors)
-    state["step"], state["step_source"] = _step(torch, optimizers)
-    state["rng"] = _rng_states(torch)
-    state["meta"] = _meta(torch)
-    size, digest = _write_atomically(torch, state, target, cancel)
-    return {"path": target, "bytes": size, "sha256": digest, "seconds": round(time.monotonic() - started, 3),
-            "models": [{"name": n, "tensors": len(state["models"][n]),
-                        "parameters": sum(int(p.numel()) for p in m.parameters())} for n, m in models],
+    plan = _plan(torch, model_exprs, optimizer_exprs, scope)
+    rng = rng if rng is not None else _rng_states(torch)
+    progress = _progress(plan.trainer)
+    step, step_source = _step(torch, plan.optimizers, progress)
+    if fmt == "hf":
+        size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel)
+    elif fmt == "lightning":
+        size, digest = _write_lightning(torch, plan, target, cancel)
+        files = [os.path.basename(target)]
+    else:
+        size, digest = _write_probe(torch, plan, target, rng, progress, step, step_source, cancel)
+        files = [os.path.basename(target)]
+    return {"path": target, "format": fmt, "files": files, "bytes": size, "sha256": digest,
+            "seconds": round(time.monotonic() - started, 3),
+            "models": [{"name": n, "tensors": len(_module_state(m)),
+                        "parameters": sum(int(p.numel()) for p in m.parameters())} for n, m in plan.models],
             "optimizers": [{"name": n, "class": type(o).__name__, "param_groups": len(o.param_groups)}
-                           for n, o in optimizers],
-            "step": state["step"], "step_source": state["step_source"], "rng": sorted(state["rng"]),
-            "dtensors": len(dtensors), "rank": state["meta"]["rank"]}
+                           for n, o in plan.optimizers],
+            "schedulers": [{"name": n, "class": type(s).__name__} for n, s in plan.schedulers],
+            "trainer": None if plan.trainer is None else {"name": plan.trainer[0], "kind": plan.trainer[1],
+                                                          "global_step": progress.get("global_step"),
+                                                          "epoch": progress.get("epoch")},
+            "step": step, "step_source": step_source, "rng": sorted(k for k in rng if k != "numpy_state"),
+            "dtensors": _count_dtensors(plan), "rank": _rank()}
 
+
+def _count_dtensors(plan: _Plan) -> int:
+    return sum(1 for _, m in plan.models for p in m.parameters() if is_dtensor(p))
+
+
+def _write_probe(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
+                 step: Optional[int], step_source: Optional[str], cancel: threading.Event) -> Tuple[int, str]:
+    dtensors: Dict[str, Any] = {}
+    state: Dict[str, Any] = {"format": FORMAT, "models": {}, "optimizers": {}, "schedulers": {}, "dtensors": dtensors}
+    with torch.no_grad():
+        for name, model in plan.models:
+            state["models"][name] = _local(_module_state(model), "models/%s" % name, dtensors)
+        for name, optimizer in plan.optimizers:
+            state["optimizers"][name] = _local(optimizer.state_dict(), "optimizers/%s" % name, dtensors)
+    for name, scheduler in plan.schedulers:
+        state["schedulers"][name] = _plain(scheduler.state_dict())
+    state["trainer"] = None if plan.trainer is None else dict(progress, name=plan.trainer[0], kind=plan.trainer[1])
+    state["step"], state["step_source"] = step, step_source
+    state["rng"] = {k: v for k, v in rng.items() if k != "numpy_state"}
+    state["meta"] = _meta(torch)
+    return _write_atomically(torch, state, target, cancel)
+
+
+def _plain(value: Any) -> Any:
+    """A state dict with what ``torch.load(weights_only=True)`` cannot read (functions, objects) as None."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if type(value).__module__.startswith("torch") and hasattr(value, "dtype"):
+        return value  # a tensor
+    return None
+
+
+def _single(what: str, items: List[Tuple[str, Any]], fmt: str) -> Optional[Tuple[str, Any]]:
+    if len(items) > 1:
+        raise BadRequest("--format %s saves one %s, and %d were found: %s" % (
+            fmt, what, len(items), ", ".join(n for n, _ in items)), hint="name the one to save: --%s EXPR" % what)
+    return items[0] if items else None
+
+
+def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
+              step: Optional[int], cancel: threading.Event) -> Tuple[int, str, List[str]]:
+    """The directory ``Trainer.train(resume_from_checkpoint=DIR)`` reads (transformers' own file names)."""
+    model = _single("model", plan.models, "hf")
+    optimizer = _single("optimizer", plan.optimizers, "hf")
+    scheduler = _single("scheduler", plan.schedulers, "hf")
+    if optimizer is None or scheduler is None:
+        raise BadRequest("--format hf needs an optimizer and its LR scheduler (transformers resumes neither without "
+                         "the other); found %s" % ("no optimizer" if optimizer is None else "no scheduler"),
+                         hint="name the optimizer with --optimizer EXPR, or save in probe's format")
+    if any(is_dtensor(p) for p in model[1].parameters()):
+        raise BadRequest("--format hf holds whole tensors, and this model is sharded (DTensor)",
+                         hint="save in probe's format, which keeps each rank's shard")
+    if os.path.exists(target) and not os.path.isdir(target):
+        raise BadRequest("%s is a file; --format hf writes a directory" % target)
+    os.makedirs(target, mode=0o700, exist_ok=True)
+    files: Dict[str, Any] = {}
+    with torch.no_grad():
+        files["pytorch_model.bin"] = _module_state(model[1])
+        files["optimizer.pt"] = optimizer[1].state_dict()
+    files["scheduler.pt"] = scheduler[1].state_dict()
+    world = _meta(torch)["world_size"] or 1
+    files["rng_state_%d.pth" % _rank() if world > 1 else "rng_state.pth"] = _hf_rng(torch, rng)
+    total, hashes = 0, hashlib.sha256()
+    for name, value in files.items():
+        size, digest = _write_atomically(torch, value, os.path.join(target, name), cancel)
+        total += size
+        hashes.update(digest.encode())
+    texts = {"trainer_state.json": _hf_trainer_state(plan.trainer, progress, step)}
+    config = getattr(model[1], "config", None)
+    if config is not None and callable(getattr(config, "to_json_string", None)):
+        texts["config.json"] = config.to_json_string()
+    for name, text in texts.items():
+        size, digest = _write_text_atomically(text, os.path.join(target, name), cancel)
+        total += size
+        hashes.update(digest.encode())
+    return total, hashes.hexdigest(), sorted(list(files) + list(texts))
+
+
+def _hf_rng(torch: Any, rng: Dict[str, Any]) -> Dict[str, Any]:
+    """The RNG states under transformers' keys (numpy's as numpy's own tuple, as transformers saves it)."""
+    out: Dict[str, Any] = {"cpu": rng["torch"]}
+    if "python" in rng:
+        out["python"] = rng["python"]
+    if "numpy_state" in rng:
+        out["numpy"] = rng["numpy_state"]
+    if "cuda" in rng:
+        out["cuda"] = rng["cuda"]
+    return out
+
+
+def _hf_trainer_state(trainer: Optional[Tuple[str, str, Any]], progress: Dict[str, Any], step: Optional[int]) -> str:
+    state = progress.get("state")
+    if not isinstance(state, dict):
+        state = {"global_step": step or 0, "epoch": progress.get("epoch"), "max_steps": progress.get("max_steps") or 0}
+    return json.dumps(state, indent=2, sort_keys=True) + "\n"
+
+
+def _write_lightning(torch: Any, plan: _Plan, target: str, cancel: threading.Event) -> Tuple[int, str]:
+    if plan.trainer is None or plan.trainer[1] != "lightning":
+        raise BadRequest("--format lightning needs a Lightning Trainer, and none was found in the target",
+                         hint="save in probe's format (the default)")
+    connector = getattr(plan.trainer[2], "_checkpoint_connector", None)
+    dump = getattr(connector, "dump_checkpoint", None)
+    if dump is None:
+        raise BadRequest("this Lightning Trainer has no checkpoint connector probe knows (dump_checkpoint)")
+    return _write_atomically(torch, dump(weights_only=False), target, cancel)
+
+
+# -- trainer progress --------------------------------------------------------------------------------
+
+def _progress(trainer: Optional[Tuple[str, str, Any]]) -> Dict[str, Any]:
+    """global_step, epoch, max_steps of the trainer found, and (transformers) its whole TrainerState."""
+    if trainer is None:
+        return {}
+    _, kind, obj = trainer
+    out: Dict[str, Any] = {}
+    try:
+        if kind == "transformers":
+            state = getattr(obj, "state", None)
+            out = {"global_step": getattr(state, "global_step", None), "epoch": getattr(state, "epoch", None),
+                   "max_steps": getattr(state, "max_steps", None)}
+            whole = _hf_state_dict(obj, state)
+            if whole is not None:
+                out["state"] = whole
+        elif kind == "lightning":
+            out = {"global_step": obj.global_step, "epoch": obj.current_epoch, "max_steps": obj.max_steps}
+        elif kind == "accelerate":
+            out = {"global_step": getattr(obj, "step", None), "epoch": None, "max_steps": None}
+    except Exception:
+        pass
+    return {k: (v if isinstance(v, (int, float, str, dict)) or v is None else None) for k, v in out.items()}
+
+
+def _hf_state_dict(trainer: Any, state: Any) -> Optional[Dict[str, Any]]:
+    """The TrainerState as transformers writes it to trainer_state.json, stateful callbacks brought up to date."""
+    import dataclasses
+
+    if state is None or not dataclasses.is_dataclass(state):
+        return None
+    whole = json.loads(json.dumps(dataclasses.asdict(state), default=lambda v: None))
+    callbacks = list(getattr(getattr(trainer, "callback_handler", None), "callbacks", []) or [])
+    control = getattr(trainer, "control", None)
+    stateful = whole.get("stateful_callbacks")
+    if isinstance(stateful, dict):
+        for callback in callbacks + ([control] if control is not None else []):
+            if type(callback).__name__ in stateful and callable(getattr(callback, "state", None)):
+                try:
+                    stateful[type(callback).__name__] = json.loads(json.dumps(callback.state(), default=lambda v: None))
+                except Exception:
+                    pass
+    return whole
+
+
+# -- files -------------------------------------------------------------------------------------------
 
 def expand_path(path: str) -> str:
     """``{rank}`` -> this process's rank (torch.distributed's, else $RANK, else 0); absolute, ``~`` expanded."""
@@ -163,23 +516,6 @@ def _rank() -> int:
         return int(os.environ.get("RANK", "0"))
     except ValueError:
         return 0
-
-
-def _named(kind: type, exprs: Optional[Sequence[str]], find: Any, torch: Any, what: str) -> List[Tuple[str, Any]]:
-    """The objects named by expressions in ``__main__`` (each must be a ``kind``), else those found."""
-    if not exprs:
-        return list(find(torch))
-    out = []
-    for expr in exprs:
-        try:
-            value = main_expression(expr)
-        except Exception as exc:
-            raise BadRequest("--%s %s: %s: %s" % (what, expr, type(exc).__name__, exc)) from None
-        if not isinstance(value, kind):
-            raise BadRequest("--%s %s is a %s, not a %s.%s" % (what, expr, type(value).__name__, kind.__module__,
-                                                                kind.__qualname__))
-        out.append((expr, value))
-    return out
 
 
 def _module_state(model: Any) -> Dict[str, Any]:
@@ -210,8 +546,12 @@ def _local(value: Any, where: str, dtensors: Dict[str, Any]) -> Any:
     return value
 
 
-def _step(torch: Any, optimizers: List[Tuple[str, Any]]) -> Tuple[Optional[int], Optional[str]]:
-    """The training step: an int global of ``__main__`` (global_step, step, ...), else the optimizers' own."""
+def _step(torch: Any, optimizers: List[Tuple[str, Any]],
+          progress: Dict[str, Any]) -> Tuple[Optional[int], Optional[str]]:
+    """The training step: the trainer's global step, else an int global of ``__main__`` (global_step,
+    step, ...), else the optimizers' own."""
+    if isinstance(progress.get("global_step"), int):
+        return progress["global_step"], "trainer global_step"
     main = vars(sys.modules["__main__"])
     for name in _STEP_NAMES:
         value = main.get(name)
@@ -229,16 +569,20 @@ def _step(torch: Any, optimizers: List[Tuple[str, Any]]) -> Tuple[Optional[int],
 
 
 def _rng_states(torch: Any) -> Dict[str, Any]:
-    """Generator states of torch (CPU; CUDA where initialised), numpy and random, where loaded."""
+    """Generator states of torch (CPU; CUDA where initialised), numpy and random, where loaded. numpy's
+    is kept twice: as plain values (``numpy``, for probe's format) and as its own tuple (``numpy_state``,
+    for transformers'); the latter never goes into probe's file."""
     out: Dict[str, Any] = {"torch": torch.get_rng_state()}
     cuda = getattr(torch, "cuda", None)
     if cuda is not None and cuda.is_initialized():
         out["cuda"] = cuda.get_rng_state_all()  # the generators' seeds and offsets, held on the host
     numpy = sys.modules.get("numpy")
     if numpy is not None:
-        kind, keys, pos, has_gauss, cached = numpy.random.get_state()
+        state = numpy.random.get_state()
+        kind, keys, pos, has_gauss, cached = state
         out["numpy"] = {"bit_generator": str(kind), "keys": torch.tensor(keys.tolist(), dtype=torch.int64),
                         "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+        out["numpy_state"] = state
     random = sys.modules.get("random")
     if random is not None:
         out["python"] = random.getstate()
@@ -290,6 +634,31 @@ def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: th
     try:
         writer = _HashingWriter(fd, cancel)
         torch.save(state, writer)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        _unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        _unlink(tmp)
+        raise
+    _fsync_dir(directory)
+    return writer.size, writer.sha.hexdigest()
+
+
+def _write_text_atomically(text: str, target: str, cancel: threading.Event) -> Tuple[int, str]:
+    """A small text file (JSON), written as the state files are: temporary file, fsync, rename."""
+    directory, name = os.path.split(target)
+    _remove_leftovers(directory, name)
+    tmp = os.path.join(directory, ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4)))
+    data = text.encode("utf-8")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        writer = _HashingWriter(fd, cancel)
+        writer.write(data)
         os.fsync(fd)
     except BaseException:
         os.close(fd)

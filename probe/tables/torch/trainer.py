@@ -1,0 +1,102 @@
+"""``torch.trainer``: each training framework object found (a Hugging Face ``Trainer``, a Lightning
+``Trainer``, an ``accelerate.Accelerator``) and where it stands: step, epoch, limits, gradient
+accumulation, precision, callbacks. Read by attribute, never importing the framework."""
+
+from typing import Any, Iterator, List, Optional, Tuple
+
+from probe.tables.spec import Column
+from probe.tables.torch._common import torch_or_raise
+from probe.tables.torch.discovery import found, trainer_objects
+
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
+
+NAME = "torch.trainer"
+DESCRIPTION = ("Each training framework object found (Hugging Face Trainer, Lightning Trainer, accelerate "
+               "Accelerator; wherever it lives, a local of main() included): global step, epoch, limits, gradient "
+               "accumulation, precision, callbacks, and the names of the model, optimizers and schedulers it drives.")
+COLUMNS = (
+    Column("trainer", "VARCHAR", "The expression that reaches it (trainer, model.trainer), or its class name when "
+                                 "only the garbage collector found it."),
+    Column("kind", "VARCHAR", "transformers, lightning or accelerate."),
+    Column("class", "VARCHAR", "Its class, e.g. transformers.trainer.Trainer."),
+    Column("global_step", "BIGINT", "Optimizer steps taken (HF state.global_step, Lightning global_step; "
+                                    "accelerate: its step counter)."),
+    Column("epoch", "DOUBLE", "Current epoch (HF: fractional, as its logs show it; Lightning: current_epoch)."),
+    Column("max_steps", "BIGINT", "The step limit (HF state.max_steps, Lightning max_steps; -1 or NULL: none)."),
+    Column("max_epochs", "DOUBLE", "The epoch limit (HF num_train_epochs, Lightning max_epochs)."),
+    Column("grad_accumulation", "INTEGER", "Batches accumulated per optimizer step."),
+    Column("precision", "VARCHAR", "As the framework names it: Lightning's precision (32-true, bf16-mixed), HF's and "
+                                   "accelerate's mixed_precision (no, fp16, bf16)."),
+    Column("world_size", "INTEGER", "Processes in the job, as the framework counts them."),
+    Column("callbacks", "VARCHAR", "Its callbacks' class names, joined by ', '."),
+    Column("model", "VARCHAR", "The model it trains, by its name in torch.parameters (unwrapped)."),
+    Column("optimizers", "VARCHAR", "Its optimizers, by their names in torch.optimizers (wrappers folded)."),
+    Column("schedulers", "VARCHAR", "Its LR schedulers, by name."),
+)
+EXAMPLE = "SELECT trainer, global_step, epoch, max_steps, grad_accumulation FROM torch.trainer"
+
+
+def rows() -> Iterator[Tuple[Any, ...]]:
+    torch = torch_or_raise()
+    everything = found(torch)
+    names = {id(o): n for n, o in everything.models + everything.optimizers + everything.schedulers}
+    for name, kind, trainer in everything.trainers:
+        held = trainer_objects(name, kind, trainer, torch)
+        values = _read(kind, trainer)
+        cls = type(trainer)
+        yield ((name, kind, "%s.%s" % (cls.__module__, cls.__qualname__)) + values
+               + (_names(held.models[:1], names), _names(held.optimizers, names), _names(held.schedulers, names)))
+
+
+def _names(items: List[Tuple[str, Any]], names: dict) -> Optional[str]:
+    out = list(dict.fromkeys(names.get(id(o), n) for n, o in items))
+    return ", ".join(out) or None
+
+
+def _get(obj: Any, *path: str) -> Any:
+    """``obj.a.b``, or None where any step fails (a property that raises, an attribute not set yet)."""
+    for attribute in path:
+        try:
+            obj = getattr(obj, attribute)
+        except Exception:
+            return None
+        if obj is None:
+            return None
+    return obj
+
+
+def _int(value: Any) -> Optional[int]:
+    return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _float(value: Any) -> Optional[float]:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _text(value: Any) -> Optional[str]:
+    return None if value is None else str(value)
+
+
+def _callbacks(items: Any) -> Optional[str]:
+    try:
+        return ", ".join(type(c).__name__ for c in list(items or [])) or None
+    except Exception:
+        return None
+
+
+def _read(kind: str, trainer: Any) -> Tuple[Any, ...]:
+    """global_step, epoch, max_steps, max_epochs, grad_accumulation, precision, world_size, callbacks."""
+    if kind == "transformers":
+        return (_int(_get(trainer, "state", "global_step")), _float(_get(trainer, "state", "epoch")),
+                _int(_get(trainer, "state", "max_steps")) or _int(_get(trainer, "args", "max_steps")),
+                _float(_get(trainer, "args", "num_train_epochs")),
+                _int(_get(trainer, "args", "gradient_accumulation_steps")),
+                _text(_get(trainer, "accelerator", "mixed_precision")), _int(_get(trainer, "args", "world_size")),
+                _callbacks(_get(trainer, "callback_handler", "callbacks")))
+    if kind == "lightning":
+        return (_int(_get(trainer, "global_step")), _float(_get(trainer, "current_epoch")),
+                _int(_get(trainer, "max_steps")), _float(_get(trainer, "max_epochs")),
+                _int(_get(trainer, "accumulate_grad_batches")), _text(_get(trainer, "precision")),
+                _int(_get(trainer, "world_size")), _callbacks(_get(trainer, "callbacks")))
+    return (_int(_get(trainer, "step")), None, None, None, _int(_get(trainer, "gradient_accumulation_steps")),
+            _text(_get(trainer, "mixed_precision")), _int(_get(trainer, "num_processes")), None)

@@ -1,0 +1,147 @@
+"""Real training frameworks (issue 19): a Hugging Face Trainer built inside ``main()`` and a Lightning
+module, each in its own process on CPU. probe finds their model, optimizer, scheduler and trainer
+wherever they live (a local of ``main()`` included), lists each once under a stable name, and its
+checkpoint, taken with no option, loads strictly into the model class; the framework formats resume
+with the framework itself to the same weights and learning rates as the run that was not stopped."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from procs import REPO, TARGETS, run_cli, scaled, spawn, target_env
+
+pytest.importorskip("torch")
+
+
+def _checkpoint(pid: int, path: str, *options: str) -> dict:
+    done = run_cli(str(pid), "checkpoint", path, "--json", *options, timeout=scaled(60))
+    assert done.code == 0, done.err
+    return json.loads(done.out)
+
+
+def _rows(pid: int, sql: str) -> list:
+    done = run_cli(str(pid), "query", sql, "--json", timeout=scaled(60))
+    assert done.code == 0, done.err
+    return json.loads(done.out)
+
+
+def _log(path: str) -> dict:
+    """global_step -> (lr, weight sum) from a target's log."""
+    out = {}
+    with open(path) as handle:
+        for line in handle:
+            step, lr, weights = line.split()
+            out[int(step)] = (lr, weights)
+    return out
+
+
+def _run_to_the_end(script: str, args: list) -> None:
+    """The same job started again (without probe) to resume: it must finish on its own."""
+    done = subprocess.run([sys.executable, os.path.join(TARGETS, script), *args], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _in_fresh_python(code: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=scaled(90), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
+def _same_run_after(step: int, first: dict, resumed: dict, last: int) -> None:
+    assert step in first and last in first, sorted(first)
+    assert sorted(resumed) == list(range(step + 1, last + 1)), sorted(resumed)
+    for at in range(step + 1, last + 1):
+        assert resumed[at] == first[at], (at, resumed[at], first[at])
+
+
+def test_hf_trainer_in_main_is_found_and_its_checkpoints_resume(tmp_path):
+    pytest.importorskip("transformers")
+    log, resumed_log = str(tmp_path / "run.log"), str(tmp_path / "resumed.log")
+    plain, hf_dir, named = str(tmp_path / "ck.pt"), str(tmp_path / "hf-ck"), str(tmp_path / "named.pt")
+    proc = spawn("hf_trainer.py", [log, "--max-steps", "14", "--sleep", "0.3"], timeout=scaled(90))
+    try:
+        pid = proc.pid
+        models = _rows(pid, "SELECT DISTINCT model FROM torch.parameters")
+        optimizers = _rows(pid, "SELECT DISTINCT optimizer, class FROM torch.optimizers")
+        trainers = _rows(pid, "SELECT trainer, kind, max_steps, grad_accumulation, precision, callbacks, model, "
+                              "optimizers, schedulers FROM torch.trainer")
+        saved = _checkpoint(pid, plain)
+        hf = _checkpoint(pid, hf_dir, "-F", "hf")
+        by_name = _checkpoint(pid, named, "--model", "trainer.model", "--optimizer", "trainer.optimizer")
+        framed = run_cli(str(pid), "eval", "--frame", "MainThread:main", "import __main__; __main__.seen = trainer")
+        assert framed.code == 0 and framed.err == "", framed.err  # no false "changed only in the snippet's copy"
+        assert run_cli(str(pid), "eval", "type(seen).__name__").out.strip() == "'Trainer'"
+        assert proc.popen.wait(scaled(120)) == 0
+    finally:
+        proc.kill()
+    # One model, one optimizer (not AcceleratedOptimizer and AdamW), no activation instances, stable names.
+    assert models == [{"model": "model"}], models
+    assert optimizers == [{"optimizer": "trainer.optimizer", "class": "torch.optim.adamw.AdamW"}], optimizers
+    assert trainers == [{"trainer": "trainer", "kind": "transformers", "max_steps": 14, "grad_accumulation": 1,
+                         "precision": "no", "callbacks": "DefaultFlowCallback, Log, PrinterCallback",
+                         "model": "model", "optimizers": "trainer.optimizer", "schedulers": "trainer.lr_scheduler"}]
+    assert [m["name"] for m in saved["models"]] == ["model"] and by_name["models"][0]["name"] == "trainer.model"
+    assert [o["name"] for o in saved["optimizers"]] == ["trainer.optimizer"]
+    assert saved["schedulers"] == [{"name": "trainer.lr_scheduler", "class": "LambdaLR"}]
+    assert saved["taken"].startswith("between optimizer steps") and hf["taken"].startswith("between optimizer steps")
+    assert saved["step_source"] == "trainer global_step" and saved["trainer"]["global_step"] == saved["step"]
+    assert sorted(os.listdir(hf_dir)) == ["config.json", "optimizer.pt", "pytorch_model.bin", "rng_state.pth",
+                                          "scheduler.pt", "trainer_state.json"]
+    # The default file: a strict load into the model class, and the scheduler and progress of that step.
+    out = _in_fresh_python("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        from hf_trainer import tiny_config
+        from transformers import GPT2LMHeadModel
+        ck = torch.load(%r)
+        model = GPT2LMHeadModel(tiny_config())
+        model.load_state_dict(ck["models"]["model"], strict=True)
+        scheduler = ck["schedulers"]["trainer.lr_scheduler"]
+        print(sorted(ck["models"]), scheduler["last_epoch"] == ck["step"], ck["trainer"]["state"]["global_step"])
+    """ % (TARGETS, plain))
+    assert out == "['model'] True %d" % saved["step"], out
+    # --format hf: transformers' own resume continues exactly as the run that was not stopped.
+    _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir])
+    _same_run_after(hf["step"], _log(log), _log(resumed_log), 14)
+
+
+def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):
+    pytest.importorskip("lightning")
+    log, resumed_log = str(tmp_path / "run.log"), str(tmp_path / "resumed.log")
+    plain, own = str(tmp_path / "ck.pt"), str(tmp_path / "lightning.ckpt")
+    proc = spawn("lightning_train.py", [log, "--max-steps", "14", "--sleep", "0.3"], timeout=scaled(90))
+    try:
+        pid = proc.pid
+        models = _rows(pid, "SELECT DISTINCT model FROM torch.parameters")
+        optimizers = _rows(pid, "SELECT DISTINCT optimizer FROM torch.optimizers")
+        trainers = _rows(pid, "SELECT trainer, kind, max_steps, precision, model, schedulers FROM torch.trainer")
+        saved = _checkpoint(pid, plain)
+        lightning = _checkpoint(pid, own, "-F", "lightning")
+        assert proc.popen.wait(scaled(120)) == 0
+    finally:
+        proc.kill()
+    # No _ResultMetric, no LightningAdamW beside its AdamW; the names of main()'s locals.
+    assert models == [{"model": "model"}], models
+    assert optimizers == [{"optimizer": "trainer.optimizers[0]"}], optimizers
+    assert trainers == [{"trainer": "trainer", "kind": "lightning", "max_steps": 14, "precision": "32-true",
+                         "model": "model", "schedulers": "trainer.lr_scheduler_configs[0].scheduler"}], trainers
+    assert saved["trainer"]["kind"] == "lightning" and saved["step"] == saved["trainer"]["global_step"]
+    out = _in_fresh_python("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        sys.argv = ["x", "unused"]
+        from lightning_train import Regression
+        ck = torch.load(%r)
+        Regression().load_state_dict(ck["models"]["model"], strict=True)
+        print(list(ck["optimizers"]), ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"]
+              == ck["step"])
+    """ % (TARGETS, plain))
+    assert out == "['trainer.optimizers[0]'] True", out
+    _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own])
+    _same_run_after(lightning["step"], _log(log), _log(resumed_log), 14)
