@@ -51,7 +51,12 @@ class GdbError(Exception):
 
 
 class GdbTimeout(GdbError):
-    """gdb did not finish a step in time; it was killed and the target continued."""
+    """gdb did not finish a step in time; it was killed and the target continued. ``step``: which one
+    (the time it was given is what was left of the injection's whole budget, not a figure of its own)."""
+
+    def __init__(self, message: str, output: str = "", step: str = "") -> None:
+        super().__init__(message, output)
+        self.step = step
 
 
 class GdbAbandoned(GdbError):
@@ -111,9 +116,10 @@ class GdbSession:
         what = commands[-1] if commands else ""
         if not calls:
             self._kill()
-            raise GdbTimeout("gdb did not finish %r within %.1f s" % (what, timeout))
+            raise GdbTimeout("gdb did not finish %r within %.1f s" % (what, timeout), step=repr(what))
         self._finish_or_abandon()
-        raise GdbTimeout("gdb's call %r into the target did not return within %.1f s" % (what, timeout))
+        raise GdbTimeout("gdb's call %r into the target did not return within %.1f s" % (what, timeout),
+                         step="its call %r into the target" % what)
 
     def run_call_then_detach(self, commands: Sequence[str], timeout: float) -> str:
         """Run ``commands`` (calls that may wait in the target), then detach and quit.
@@ -124,7 +130,8 @@ class GdbSession:
         out = self._wait(marker, timeout)
         if out is None:
             self._finish_or_abandon()
-            raise GdbTimeout("the call into process %d did not return within %.1f s" % (self.pid, timeout))
+            raise GdbTimeout("the call into process %d did not return within %.1f s" % (self.pid, timeout),
+                             step="its call into the target")
         self._reap(timeout=2.0)
         return out
 

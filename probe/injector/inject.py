@@ -20,9 +20,32 @@ from probe.injector.methods import (GIL_ENSURE, PENDING, Plan, attach_and_look, 
 from probe.injector.target import TargetInfo, expected_socket_path, read_target, running_threads
 from probe.injector.threads import is_parked_safely
 
-__all__ = ["InjectResult", "inject", "agent_answers"]
+__all__ = ["InjectResult", "inject", "agent_answers", "default_timeout", "DEFAULT_TIMEOUT_S"]
 
 _SLEEP_GRACE = 0.3  # how long a pending call gets to run after a time.sleep before gil_ensure is tried
+DEFAULT_TIMEOUT_S = 5.0
+_MAX_LOAD_SCALE = 4.0
+
+
+def default_timeout() -> float:
+    """The time an injection gets when none was asked for: DEFAULT_TIMEOUT_S on an idle machine, stretched
+    by the load (run queue per CPU, at most 4x): gdb's start and its look at the threads are CPU work that
+    waits its turn on a busy box (a DataLoader worker of a loaded 2-core machine took more than 5 s)."""
+    return DEFAULT_TIMEOUT_S * _load_scale()
+
+
+def _load_scale() -> float:
+    try:
+        load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 1.0
+    return min(_MAX_LOAD_SCALE, max(1.0, load))
+
+
+def _seconds(value: float) -> str:
+    """5 -> '5 s', 0.35 -> '0.35 s', 12.25 -> '12.2 s'."""
+    text = ("%.2f" % value if value < 1 else "%.1f" % value).rstrip("0").rstrip(".")
+    return text + " s"
 
 
 @dataclass(frozen=True)
@@ -38,12 +61,16 @@ class InjectResult:
     """Where the TCP token is, when the agent was asked to listen on TCP."""
 
 
-def inject(pid: int, options: Optional[AgentOptions] = None, timeout: float = 5.0) -> InjectResult:
-    """Start the probe agent in process ``pid`` (or find the one running there) within ``timeout`` seconds.
+def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[float] = None) -> InjectResult:
+    """Start the probe agent in process ``pid`` (or find the one running there) within ``timeout`` seconds
+    (None: :func:`default_timeout`, scaled to the machine's load).
 
     Raises ``InjectError`` with a ``hint`` when it cannot (``Forbidden`` for another user's process): the
     target is then running and untraced.
     """
+    given = timeout
+    if timeout is None:
+        timeout = default_timeout()
     if timeout <= 0:
         raise UsageError("timeout must be positive, got %r" % timeout)
     started = time.monotonic()
@@ -62,9 +89,9 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: float = 5.
     if remote:
         chosen = inject_with_remote_exec(info, code)
     else:
-        chosen = _inject_with_gdb(info, code, socket, deadline)
+        chosen = _inject_with_gdb(info, code, socket, deadline, _budget(timeout, given))
     if not _wait_for_agent(socket, pid, deadline):
-        raise _not_started(info, chosen, timeout)
+        raise _not_started(info, chosen, _budget(timeout, given))
     return InjectResult(pid, socket, chosen.method, time.monotonic() - started, False, token_file)
 
 
@@ -90,7 +117,19 @@ def _target(pid: int) -> TargetInfo:
         raise _error(problems) from None
 
 
-def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float) -> Plan:
+def _budget(timeout: float, given: Optional[float]) -> str:
+    """The whole time the injection had, said as the user can change it: '5 s (--timeout)', or the
+    default and how the load stretched it."""
+    if given is not None:
+        return "%s (--timeout)" % _seconds(timeout)
+    scale = timeout / DEFAULT_TIMEOUT_S
+    if scale <= 1.0:
+        return "%s (the default; --timeout sets it)" % _seconds(timeout)
+    return ("%s (the default %s, x%.1f for this machine's load; --timeout sets it)"
+            % (_seconds(timeout), _seconds(DEFAULT_TIMEOUT_S), scale))
+
+
+def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float, budget: str) -> Plan:
     try:
         session, threads = attach_and_look(info, deadline)
         chosen = plan(threads, info.pid)
@@ -111,8 +150,11 @@ def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float) 
                           hint="do not kill gdb (pid %d): that would crash the target; the agent starts when "
                                "the call returns" % _gdb_pid(exc)) from None
     except GdbTimeout as exc:
-        raise InjectError("%s; gdb was stopped and process %d continues untouched%s"
-                          % (exc, info.pid, _cpu_contention(info.pid)),
+        # Each of gdb's steps gets what is left of the whole budget: the step that overran is only where
+        # the time ran out (with 0.1 s left, 'within 0.1 s' said nothing true of the wait).
+        raise InjectError("the injection did not finish within %s: the time ran out while gdb was at %s; "
+                          "gdb was stopped and process %d continues untouched%s"
+                          % (budget, exc.step or "work", info.pid, _cpu_contention(info.pid)),
                           hint="try again with a longer --timeout (e.g. --timeout 30)") from None
     except GdbError as exc:
         problems = ptrace_problems(info)
@@ -152,28 +194,28 @@ def _wait_for_agent(socket: str, pid: int, deadline: float) -> bool:
         pause = min(pause * 2, 0.05)
 
 
-def _not_started(info: TargetInfo, chosen: Plan, timeout: float) -> InjectError:
+def _not_started(info: TargetInfo, chosen: Plan, budget: str) -> InjectError:
     if not os.path.exists("/proc/%d" % info.pid):
         return InjectError("process %d exited during the injection" % info.pid,
                            hint="check its output; probe's bootstrap never raises into the target")
     if chosen.method == PENDING and chosen.delay and chosen.gil_kept:
-        return InjectError("the agent did not start within %.1f s: %s; an agent needs the GIL to start, so none "
-                           "can until that call returns" % (timeout, chosen.delay),
+        return InjectError("the agent did not start within %s: %s; an agent needs the GIL to start, so none "
+                           "can until that call returns" % (budget, chosen.delay),
                            hint="its start is queued and runs when the call returns (`probe %d health` tells); "
                                 "meanwhile `probe %d backtrace` reads its stacks from outside (--native: with the C "
                                 "frames)" % (info.pid, info.pid))
     if chosen.method == PENDING and chosen.delay:
-        return InjectError("the agent did not start within %.1f s: %s" % (timeout, chosen.delay),
+        return InjectError("the agent did not start within %s: %s" % (budget, chosen.delay),
                            hint="the start is queued and runs as soon as the main thread executes Python code "
                                 "again (`probe list` shows it then); or retry with a longer --timeout")
     threads, running = running_threads(info.pid)
     if running > 2 * (os.cpu_count() or 1):
-        return InjectError("the agent did not answer within %.1f s after %s: the target has %d threads, %d of them "
+        return InjectError("the agent did not answer within %s after %s: the target has %d threads, %d of them "
                            "running, on %d CPUs; the agent waits its turn for the GIL behind each of them"
-                           % (timeout, chosen.method, threads, running, os.cpu_count() or 1),
+                           % (budget, chosen.method, threads, running, os.cpu_count() or 1),
                            hint="it may still come up: `probe %d health` tells; or retry with a longer --timeout"
                                 % info.pid)
-    return InjectError("the agent did not answer within %.1f s after %s" % (timeout, chosen.method),
+    return InjectError("the agent did not answer within %s after %s" % (budget, chosen.method),
                        hint="look for 'probe: could not start the agent' in the target's stderr; "
                             "the target continues untouched")
 

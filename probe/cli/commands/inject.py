@@ -18,7 +18,7 @@ from probe.errors import ProbeError, UsageError
 @click.option("--no-eval", is_flag=True, help="Start a read-only agent: eval requests are refused.")
 @click.option("--timeout", "--wait", "wait", type=Seconds(0.1), default=None,
               help="Give up after this long, leaving the process running and untraced (default: the global "
-                   "--timeout when given, else 5).")
+                   "--timeout when given, else 5, stretched up to 4x by the machine's load).")
 @output_format(*TEXT, json_help="what was done")
 @pass_cli
 def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[str], no_eval: bool,
@@ -32,7 +32,7 @@ def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[st
     if not targets:
         raise UsageError("no process given", hint="write `probe PID inject` (`probe list` shows the candidates)")
     if wait is None:
-        wait = cli.timeout if cli.timeout_given else 5.0
+        wait = cli.timeout if cli.timeout_given else None  # None: the injector's default, scaled by the load
     options = AgentOptions(listen=listen, token_file=agent_token_file, eval_enabled=not no_eval)
     for target in targets:
         try:
