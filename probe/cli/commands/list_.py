@@ -50,7 +50,63 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
                     "rank": None, "python": getattr(proc, "python_version", None),
                     "command": " ".join(getattr(proc, "cmdline", []) or [])[:100],
                     "reach": "probe %d inject" % pid if job is None else job})
+    _name_loader_workers(out)
     return out
+
+
+def _name_loader_workers(records: List[Dict[str, Any]]) -> None:
+    """A DataLoader worker (torch names its process pt_data_worker) is said to be one, of its main process:
+    ``worker_of`` (that pid) and ``worker_id`` (its number, asked of the main process's agent,
+    python.workers, where one runs; else unknown), and its state reads "DataLoader worker N of PID"."""
+    ids: Dict[int, Dict[int, Any]] = {}
+    for record in records:
+        pid = record["pid"]
+        if _read(pid, "comm").strip() != "pt_data_worker":
+            continue
+        parent = _ppid(pid)
+        if parent and "multiprocessing.forkserver" in _command_of(parent):
+            parent = _ppid(parent)  # started by the forkserver, which the main process started
+        if not parent:
+            continue
+        if parent not in ids:
+            ids[parent] = _worker_ids(parent)
+        worker_id = ids[parent].get(pid)
+        record["worker_of"], record["worker_id"] = parent, worker_id
+        record["state"] = ("DataLoader worker of %d" % parent if worker_id is None
+                           else "DataLoader worker %d of %d" % (worker_id, parent))
+
+
+def _worker_ids(pid: int) -> Dict[int, Any]:
+    """{worker pid: worker id} from the agent of process ``pid`` (its python.workers); {} without one."""
+    from probe import _paths
+    from probe.client import connect
+    from probe.errors import ProbeError
+
+    if not os.path.exists(_paths.socket_path(pid)):
+        return {}
+    try:
+        table = connect(str(pid), timeout=3.0).table_rows("python.workers")
+    except (ProbeError, OSError, ValueError):
+        return {}
+    names = [c[0] for c in table.columns]
+    if "pid" not in names or "worker_id" not in names:
+        return {}
+    at, wid = names.index("pid"), names.index("worker_id")
+    return {row[at]: row[wid] for row in table.rows}
+
+
+def _read(pid: int, name: str) -> str:
+    try:
+        with open("/proc/%d/%s" % (pid, name), "rb") as handle:
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _ppid(pid: int) -> int:
+    stat = _read(pid, "stat")
+    fields = stat[stat.rfind(")") + 2:].split()
+    return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else 0
 
 
 def _helper_reach(pid: int) -> Optional[str]:
@@ -196,7 +252,7 @@ def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, sho
         records.append({"pid": agent.pid, "agent": "yes", "state": "running", "rank": info.get("rank"),
                         "python": info.get("python"), "command": _command_of(agent.pid)[:100], "reach": reach})
     if not agents_only:
-        records.extend(dict(r, state="running") for r in _attachable({r["pid"] for r in records}))
+        records.extend(dict(r, state=r.get("state", "running")) for r in _attachable({r["pid"] for r in records}))
     dead, hidden = _dead(show_all)
     records.extend(dead)
     note = ("%d process%s stopped on purpose (SIGTERM, Ctrl-C) over an hour ago %s not shown: probe list --all"
