@@ -9,17 +9,17 @@ is NaN too, whatever the data. The log says only that the loss is NaN; the quest
                                                           # trace and screen from the first step;
                                                           # prints READY <pid> once the loss is NaN
     probe $PID query "SELECT step, module, stage, kind, nan_count, shape, loss FROM torch.anomalies
-                      ORDER BY step, seq LIMIT 1"        # -> step 31, encoder.0, forward, 64 NaN
-                                                          #    in [32, 64]: one sample's row of the first
-                                                          #    layer's output, so its input: the batch
+                      ORDER BY step, seq LIMIT 1"        # -> step 31, Net, input, 16 NaN in [32, 16]:
+                                                          #    one sample's row of the batch given to the
+                                                          #    model, before any layer ran
     probe $PID query "SELECT name, shape, has_nan FROM torch.parameters"
                                                           # -> every weight NaN now: restore from before 31
     probe $PID eval --frame MainThread:main "[i for i in range(len(dataset)) if dataset[i][0].isnan().any()]"
                                                           # -> [1000]: the sample itself
 
 The first anomaly names where NaN first appeared: later steps show it everywhere, from the poisoned
-weights. A NaN in the output of the first layer, whose weights were still finite then (the step
-before it had no anomaly), came in with the batch. Without the environment variables the screening
+weights. Stage ``input`` says the batch brought it: the model's inputs are screened before any of its
+layers runs, and no layer is blamed for that step. Without the environment variables the screening
 starts with ``probe $PID trace start --anomalies``, and sees only the steps after it (numbered from 0
 there, not as the loop counts them). The job stops after 2000 steps.
 """

@@ -128,7 +128,7 @@ def test_anomalies_name_the_poisoned_module_and_step(target_factory):
     proc = target_factory("train_trace.py", "nan", "8", env=traced(PROBE_TORCH_TRACE_ANOMALIES="1", PROBE_EVAL="0"))
     steps_seen(proc.pid, 11)
     first = query(proc.pid, "SELECT * FROM torch.anomalies ORDER BY step LIMIT 1")
-    assert first[0]["step"] == 8 and first[0]["module"] == "encoder.0" and first[0]["stage"] == "forward", first
+    assert first[0]["step"] == 8 and first[0]["module"] == "Net" and first[0]["stage"] == "input", first  # the batch
     assert first[0]["kind"] == "nan" and first[0]["nan_count"] > 0 and first[0]["first"] is True
     assert first[0]["loss"] != first[0]["loss"] or first[0]["loss"] is None  # NaN loss (NULL in JSON)
     refused = run_cli(str(proc.pid), "trace", "start")  # a read-only agent does not add hooks...

@@ -17,12 +17,17 @@ __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "AnomalyStore", 
 
 NAME = "torch.anomalies"
 DESCRIPTION = ("Where NaN or Inf values first appeared: per step and stage, the first traced module whose output "
-               "(forward) or input gradient (backward) held one; recorded while `probe T trace start --anomalies` runs.")
+               "(forward) or input gradient (backward) held one, or the batch itself (stage 'input': the top-level "
+               "module's inputs held one, and no module is blamed for that step); recorded while "
+               "`probe T trace start --anomalies` runs.")
 COLUMNS = (
     Column("step", "BIGINT", "The trace's step (see python.torch_trace) in which the values appeared."),
     Column("seq", "BIGINT", "The span's order within its step (joins python.torch_trace on step, seq, stage)."),
-    Column("module", "VARCHAR", "The module whose output (or input gradient) held the values, named as in python.torch_trace."),
-    Column("stage", "VARCHAR", "'forward': the module's output; 'backward': the gradient with respect to its input."),
+    Column("module", "VARCHAR", "The module whose output (or input gradient) held the values, named as in "
+                                "python.torch_trace; for stage 'input', the top-level module the batch was given to."),
+    Column("stage", "VARCHAR", "'forward': the module's output; 'backward': the gradient with respect to its input; "
+                               "'input': the batch held the values (the top-level module's positional inputs, "
+                               "screened before any module ran: the data, not a module, brought them)."),
     Column("kind", "VARCHAR", "'nan', 'inf', 'nan+inf', or 'non-finite' where the exact count was not taken (CUDA)."),
     Column("nan_count", "BIGINT", "Elements that are NaN; NULL on CUDA (counting would need a device sync)."),
     Column("inf_count", "BIGINT", "Elements that are +-Inf; NULL on CUDA."),
@@ -31,7 +36,8 @@ COLUMNS = (
     Column("dtype", "VARCHAR", "Its dtype; NULL on CUDA."),
     Column("device", "VARCHAR", "Where the tensor lives: cpu, cuda."),
     Column("loss", "DOUBLE", "The step's loss when known: the last scalar output of a top-level module call in that "
-                             "step (an nn.Module criterion) on CPU; NULL otherwise."),
+                             "step (an nn.Module criterion), or the 'loss' of a dict it returned (a Hugging Face "
+                             "ModelOutput), on CPU; NULL otherwise."),
     Column("time_offset", "DOUBLE", "Seconds since the step began when the module ran."),
     Column("time", "TIMESTAMP", "Wall-clock time (UTC) when the module ran."),
     Column("first", "BOOLEAN", "True for the first anomaly this process recorded."),

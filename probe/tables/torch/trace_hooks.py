@@ -222,6 +222,8 @@ class Tracer:
                 # [module, entry, start, seq, CUDA event, children's host ns, children's spans, their backward]
                 stack.append([module, entry, _perf_ns(), next(self._seq), timer.mark() if timer else None, 0, None,
                               None])
+                if len(stack) == 1 and self.anomaly is not None:  # the batch, before any module ran
+                    self.anomaly.check_inputs(args, entry[1], self.step, stack[0][3], (t0 - self.step_start) / 1e9)
             else:
                 stack.append([module, entry, 0, -1, None, 0, None, None])
         except Exception as exc:
@@ -268,9 +270,8 @@ class Tracer:
             self.anomaly.check(output, entry[1], "forward", self.step, seq, offset)
 
     def _maybe_loss(self, output: Any) -> None:
-        if isinstance(output, self.torch.Tensor) and output.dim() == 0 and output.is_floating_point():
-            assert self.anomaly is not None
-            self.anomaly.last_loss = output.detach()
+        assert self.anomaly is not None
+        self.anomaly.note_loss(output)
 
     def _root_begins(self, module: Any, now: int) -> None:
         """Until an optimizer steps: each call of the first top-level module begins a step."""
