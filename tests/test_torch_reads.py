@@ -1,7 +1,9 @@
 """torch tables that must say what happened (issue 19, item 6), on real CPU processes: a torch.optimizers
-read never straddles a step; a NaN that came with the batch is the batch's."""
+read never straddles a step; a NaN that came with the batch is the batch's; a Flight Recorder entry of a
+gloo job says whether it finished."""
 
 import json
+import os
 import time
 
 import pytest
@@ -10,6 +12,8 @@ import probe
 from procs import run_cli, running, scaled, target_env
 
 pytest.importorskip("torch")
+
+from torch_job import TORCHRUN, torchrun_job  # noqa: E402
 
 
 def test_an_optimizer_read_never_straddles_a_step():
@@ -46,3 +50,20 @@ def test_a_nan_that_came_with_the_batch_is_blamed_on_the_batch_and_a_dict_loss_i
         # weights turned NaN in step 3's update: from step 4 the first layer makes NaN of a clean batch
         assert isinstance(rows[0]["loss"], float) and rows[0]["loss"] >= 1.0, rows
 
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="torchrun (torch) is not installed")
+def test_a_gloo_flight_recorder_entry_says_whether_it_finished():
+    """Rank 1 skips the 4th all_reduce, so rank 0 waits in it. Gloo gives the recorder no events: every
+    entry read 'scheduled' with NULL times, the three that finished too; retired tells them apart."""
+    with torchrun_job("dist_hang.py", HANG_SKIP_RANK="1", TORCH_FR_BUFFER_SIZE="64") as ranks:
+        sql = ("SELECT collective_seq_id AS seq, op, state, retired FROM torch.flight_recorder "
+               "WHERE op = 'gloo:all_reduce' ORDER BY seq")
+        deadline = time.monotonic() + scaled(20)
+        while True:
+            done = run_cli(str(ranks[0]), "query", sql, "--json")
+            assert done.code == 0, done.err
+            rows = json.loads(done.out)
+            if len(rows) >= 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [(r["state"], r["retired"]) for r in rows] == [("completed", True)] * 3 + [("scheduled", False)], rows

@@ -1,5 +1,15 @@
 """``torch.flight_recorder``: the entries of torch's Flight Recorder (the ring buffer of recent collectives
-that c10d keeps per process), read with ``_dump_fr_trace_json``: a local copy, no collective."""
+that c10d keeps per process), read with ``_dump_fr_trace_json``: a local copy, no collective.
+
+What the recorder knows of an entry's progress (torch 2.13, ``FlightRecorderDetail.hpp``): its state is
+read from the start and end events the backend gave it when it recorded the collective (``scheduled``
+until the start event has fired, ``started``, then ``completed``, with the time each was first seen),
+and ``retired`` is set when the backend tells the recorder that the work is over. NCCL gives CUDA
+events. Gloo gives none (``ProcessGroupGloo`` records with no events and retires an entry once its
+worker thread has run the work), so every gloo entry reads ``scheduled`` with no times, finished or
+not: there ``retired`` is what tells a finished collective (done or failed) from one still pending,
+and the table's state says ``completed`` for an entry that is retired without events.
+"""
 
 import json
 import sys
@@ -25,16 +35,21 @@ COLUMNS = (
     Column("record_id", "BIGINT", "Position of the entry in the recorder's history."),
     Column("op", "VARCHAR", "The operation, e.g. gloo:all_reduce, nccl:all_gather."),
     Column("is_p2p", "BOOLEAN", "Whether it is a point-to-point operation (send, recv)."),
-    Column("state", "VARCHAR", "scheduled, started or completed (what the backend could observe)."),
-    Column("retired", "BOOLEAN", "Whether the work object has been retired by the backend."),
+    Column("state", "VARCHAR", "scheduled, started or completed, as the backend's events showed them (nccl); where "
+                               "the backend gives the recorder no events (gloo: torch says 'scheduled' for every "
+                               "entry), completed once the entry is retired and scheduled until then (pending: "
+                               "queued or running, gloo does not say which)."),
+    Column("retired", "BOOLEAN", "Whether the backend has retired the work (it finished, or failed): under gloo "
+                                 "what tells a finished collective from a pending one."),
     Column("input_sizes", "VARCHAR", "Shapes of the input tensors, as JSON."),
     Column("input_dtypes", "VARCHAR", "dtypes of the input tensors, as JSON."),
     Column("output_sizes", "VARCHAR", "Shapes of the output tensors, as JSON."),
     Column("output_dtypes", "VARCHAR", "dtypes of the output tensors, as JSON."),
     Column("time_created", "TIMESTAMP", "When the collective was enqueued (wall clock, UTC)."),
-    Column("time_started_ns", "BIGINT", "When it was seen to start, ns since the epoch; NULL when not recorded."),
+    Column("time_started_ns", "BIGINT", "When it was seen to start, ns since the epoch; NULL when not recorded "
+                                        "(always under gloo: no events)."),
     Column("time_completed_ns", "BIGINT", "When it was seen to complete, ns since the epoch; NULL when not "
-                                          "recorded."),
+                                          "recorded (always under gloo)."),
     Column("duration_ms", "DOUBLE", "Its duration where the backend timed it (nccl with timing enabled); NULL "
                                     "otherwise."),
     Column("timeout_ms", "BIGINT", "The collective's timeout."),
@@ -66,12 +81,22 @@ def _row(entry: Dict[str, Any]) -> Tuple[Any, ...]:
     return (_str(group[0]), _str(group[1] if len(group) > 1 else None), _int(entry.get("pg_id")),
             _int(entry.get("collective_seq_id")), _int(entry.get("p2p_seq_id")), _int(entry.get("op_id")),
             _int(entry.get("record_id")), _str(entry.get("profiling_name")), entry.get("is_p2p"),
-            _str(entry.get("state")), entry.get("retired"),
+            _state(entry), entry.get("retired"),
             _json(entry.get("input_sizes")), _json(entry.get("input_dtypes")),
             _json(entry.get("output_sizes")), _json(entry.get("output_dtypes")),
             _timestamp(created), _nonzero(entry.get("time_discovered_started_ns")),
             _nonzero(entry.get("time_discovered_completed_ns")), _float(entry.get("duration_ms")),
             _int(entry.get("timeout_ms")), _str(entry.get("thread_name")), _call_site(entry.get("frames")))
+
+
+def _state(entry: Dict[str, Any]) -> Optional[str]:
+    """The recorder's state, or completed for an entry retired without events (gloo's every entry reads
+    'scheduled', its times 0, even once its work is over)."""
+    state = _str(entry.get("state"))
+    if (state == "scheduled" and entry.get("retired") is True and not entry.get("time_discovered_started_ns")
+            and not entry.get("time_discovered_completed_ns")):
+        return "completed"
+    return state
 
 
 def _call_site(frames: Any) -> Optional[str]:
