@@ -440,10 +440,20 @@ def _hf_trainer_state(trainer: Optional[Tuple[str, str, Any]], progress: Dict[st
     return json.dumps(state, indent=2, sort_keys=True) + "\n"
 
 
+# Lightning strategies whose checkpoint is built from this process's own state, with no collective: the
+# optimizer state of each rank is whole (DDP replicates it). FSDP's and DeepSpeed's gather it.
+_LIGHTNING_LOCAL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "DataParallelStrategy")
+
+
 def _write_lightning(torch: Any, plan: _Plan, target: str, cancel: threading.Event) -> Tuple[int, str]:
     if plan.trainer is None or plan.trainer[1] != "lightning":
         raise BadRequest("--format lightning needs a Lightning Trainer, and none was found in the target",
                          hint="save in probe's format (the default)")
+    strategy = type(getattr(plan.trainer[2], "strategy", None)).__name__
+    if strategy not in _LIGHTNING_LOCAL_STRATEGIES:
+        raise BadRequest("--format lightning under Lightning's %s: its checkpoint gathers the optimizer's shards with a "
+                         "collective, and probe never issues one on the job's behalf" % strategy,
+                         hint="save in probe's format (the default): every rank writes its own part")
     connector = getattr(plan.trainer[2], "_checkpoint_connector", None)
     dump = getattr(connector, "dump_checkpoint", None)
     if dump is None:
