@@ -206,3 +206,10 @@ def test_a_skipped_collective_without_the_flight_recorder_is_found_from_the_stac
         # One rank alone: it waits in all_reduce; the rank to blame is for the job's diagnosis to name.
         alone = _diagnose(str(pids[0]))
         assert alone.code in (DEGRADED, STUCK) and "waits in all_reduce" in alone.out, alone.out
+
+
+def test_two_threads_in_a_lock_cycle_are_named_with_where_each_waits(target_factory):
+    proc = target_factory("lock_cycle.py")
+    result = _expect(str(proc.pid), STUCK, "audit, transfer wait for a lock", "a deadlock if each holds")
+    assert "thread transfer at `with audit_lock:`" in result.out and "thread audit at `with ledger_lock:`" in result.out
+    assert "torch is not loaded" in result.out  # said, not guessed

@@ -72,6 +72,7 @@ class RankEvidence:
     trace_why: Optional[str] = None
     seconds: float = 0.0
     at: float = field(default_factory=time.monotonic)
+    error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
         """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
@@ -135,7 +136,9 @@ def _agent_frames(client: Any) -> List[Frame]:
     return out
 
 
-def _gone(pid: Optional[int]) -> bool:
+def _exited(pid: Optional[int]) -> bool:
+    """A process that exited and was not reaped yet (a zombie): dead, surely. One that is gone may never
+    have been (a mistyped pid): that is said as the error, not as a death."""
     if pid is None:
         return False
     try:
@@ -143,7 +146,7 @@ def _gone(pid: Optional[int]) -> bool:
             stat = handle.read()
         return stat[stat.rindex(b")") + 2:][:1] in (b"Z", b"X")
     except (OSError, ValueError):
-        return True
+        return False
 
 
 def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
@@ -151,6 +154,7 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     from probe.client import client as client_module
 
     ev.why = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+    ev.error = exc
     diagnosis = getattr(exc, "diagnosis", None)
     stacks = client_module._outside_stacks(exc, agentless=True)
     local_pid = client.target.pid if client.target.is_local else None
@@ -163,7 +167,7 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
         ev.state = "no_agent"
     elif isinstance(exc, (Timeout, AgentBlocked)):
         ev.state = "no_answer"
-    elif isinstance(exc, ConnectError) and local_pid is not None and _gone(local_pid):
+    elif isinstance(exc, ConnectError) and local_pid is not None and _exited(local_pid):
         ev.state = "dead"
     else:
         ev.state = "unreachable"
@@ -280,6 +284,8 @@ def sample_one(client: Any, deadline: float) -> Sample:
                           threads_why="no answer", fr_why="no answer", trace_why="no answer")
     else:
         ev = outcome.value
+    if ev.state == "unreachable" and ev.frames is None and ev.error is not None:
+        raise ev.error  # no agent, not a Python process, refused: probe's own error, not a diagnosis
     return Sample({0: ev}, 1, True, start, time.monotonic() - start)
 
 

@@ -152,7 +152,7 @@ def collective_of(key: Sequence[Tuple[str, str, int, str]]) -> Optional[str]:
     return None
 
 
-_LOCK_LINE = re.compile(r"^\s*(with\s+.*\block\b.*:|.*\.acquire\()", re.IGNORECASE)
+_LOCK_LINE = re.compile(r"^\s*(with\s+.*(lock|mutex).*:|.*\.acquire\()", re.IGNORECASE)
 
 
 def lock_wait_of(key: Sequence[Tuple[str, str, int, str]]) -> bool:
@@ -335,7 +335,9 @@ def _cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], w
                                      None, [ev.rank]))
         nexts.append("find out why it ended: its exit status, `dmesg | grep -i oom` on its node (the OOM killer), "
                      "`probe list` there")
-        nexts.append("the others wait for it until their collective's timeout: restart the job from its last checkpoint")
+        if not single:
+            nexts.append("the others wait for it until their collective's timeout: restart the job from its last "
+                         "checkpoint")
     elif ev.state == "gil_held":
         status, kind = "stuck", "gil_held"
         summary = "%s cannot answer: %s, a call into C that keeps the GIL%s" % (
@@ -511,7 +513,7 @@ def _lock_verdict(ev: RankEvidence, waits: List[Tuple[str, Any]], window: float,
         if several else "", window)
     evidence = [Evidence("thread %s at `%s`: %s" % (n, k[0][3], where_text(where_of(k, n))),
                          command([ev.rank], "backtrace"), [ev.rank]) for n, k in waits]
-    return Verdict("lock_wait", "stuck" if main else "degraded", summary, [ev.rank], [], where, evidence,
+    return Verdict("lock_wait", "stuck" if main or several else "degraded", summary, [ev.rank], [], where, evidence,
                    ["which thread holds it: look for the thread inside that lock's `with` block: %s"
                     % command([ev.rank], "backtrace"),
                     "its locals (the lock objects): %s" % command([ev.rank], "eval --frame %s:0 \"sorted(locals())\"" % name)])
