@@ -58,7 +58,7 @@ def _name_loader_workers(records: List[Dict[str, Any]]) -> None:
     """A DataLoader worker (torch names its process pt_data_worker) is said to be one, of its main process:
     ``worker_of`` (that pid) and ``worker_id`` (its number, asked of the main process's agent,
     python.workers, where one runs; else unknown), and its state reads "DataLoader worker N of PID"."""
-    ids: Dict[int, Dict[int, Any]] = {}
+    workers: List[Tuple[Dict[str, Any], int]] = []
     for record in records:
         pid = record["pid"]
         if _read(pid, "comm").strip() != "pt_data_worker":
@@ -66,14 +66,34 @@ def _name_loader_workers(records: List[Dict[str, Any]]) -> None:
         parent = _ppid(pid)
         if parent and "multiprocessing.forkserver" in _command_of(parent):
             parent = _ppid(parent)  # started by the forkserver, which the main process started
-        if not parent:
-            continue
-        if parent not in ids:
-            ids[parent] = _worker_ids(parent)
-        worker_id = ids[parent].get(pid)
+        if parent:
+            workers.append((record, parent))
+    ids = _worker_ids_of({parent for _, parent in workers})
+    for record, parent in workers:
+        pid = record["pid"]
+        worker_id = ids.get(parent, {}).get(pid)
         record["worker_of"], record["worker_id"] = parent, worker_id
         record["state"] = ("DataLoader worker of %d" % parent if worker_id is None
                            else "DataLoader worker %d of %d" % (worker_id, parent))
+
+
+WORKER_IDS_S = 2.0  # all the main processes together: probe list stays quick when one of them is busy
+
+
+def _worker_ids_of(parents: "set[int]") -> Dict[int, Dict[int, Any]]:
+    """{main process: {worker pid: worker id}}, every main process asked at once, within WORKER_IDS_S; one
+    that has not answered by then has its workers listed without their numbers."""
+    import threading
+
+    found: Dict[int, Dict[int, Any]] = {}
+    threads = [threading.Thread(target=lambda p=p: found.__setitem__(p, _worker_ids(p)), daemon=True)
+               for p in sorted(parents)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + WORKER_IDS_S
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return dict(found)
 
 
 def _worker_ids(pid: int) -> Dict[int, Any]:
@@ -85,7 +105,7 @@ def _worker_ids(pid: int) -> Dict[int, Any]:
     if not os.path.exists(_paths.socket_path(pid)):
         return {}
     try:
-        table = connect(str(pid), timeout=3.0).table_rows("python.workers")
+        table = connect(str(pid), timeout=WORKER_IDS_S).table_rows("python.workers")
     except (ProbeError, OSError, ValueError):
         return {}
     names = [c[0] for c in table.columns]
