@@ -180,7 +180,7 @@ def test_a_rank_that_takes_its_gil_as_soon_as_it_knows_its_rank_is_listed_and_re
     start = {"mpirun": launch.mpirun_job, "mp.spawn": launch.mp_spawn_job}[name]
     with start(2, GIL_RANK="1", GO_FILE="") as job:
         probe = Client(job.address)
-        members = _until(lambda: (lambda m: m if len(m) == 2 else None)(probe.members()), 15,
+        members = _until(lambda: (lambda m: m if len(m) == 2 else None)(probe.members()), 8,
                          "both ranks listed by `probe %s ranks`" % job.address, lambda: probe.last)
         assert [(m["rank"], m["pid"]) for m in members] == sorted(job.ranks.items()), (members, job.ranks)
         stacks = probe("--all-ranks", "backtrace")
