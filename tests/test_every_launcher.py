@@ -166,10 +166,7 @@ def test_every_rank_is_listed_a_hung_rank_stands_out_a_gil_holder_is_read_from_o
         assert "rank %d (" % killed in asked.err, asked.err
 
 
-@pytest.mark.parametrize("name", ["mpirun", pytest.param("mp.spawn", marks=pytest.mark.xfail(strict=True, reason=(
-    "a rank known only through torch.distributed registers from a thread that needs the GIL: one that takes "
-    "its GIL within 0.5 s of init_process_group is never listed (README: 'found among the node's agents "
-    "of the job all the same')")))])
+@pytest.mark.parametrize("name", ["mpirun", "mp.spawn"])
 def test_a_rank_that_takes_its_gil_as_soon_as_it_knows_its_rank_is_listed_and_read_from_outside(name):
     """The GIL taken at once: under mpirun the rank's variables name it from its start; under mp.spawn it is a
     rank only once init_process_group returned, and takes the GIL right then."""

@@ -56,6 +56,8 @@ class _Registrar:
         self.path = _paths.node_socket_path(base)
         self.sent: Optional[Tuple[Any, ...]] = None  # what the helper was last told, and which helper
         self.helper_pid = 0
+        self.candidate_at: Optional[Tuple[int, int]] = None  # the helper told that this process may be a rank
+        self.offered_start = False  # a process that knows no rank starts the node's helper once at most
         self.spawned_at = -SPAWN_AGAIN_S
         self.child: Any = None  # the helper this rank started, reaped once it exits
         self.complained = False
@@ -79,6 +81,7 @@ class _Registrar:
         """Register where something changed; False while the rank does not know its number."""
         who = _rank.current()
         if who.rank is None:
+            self._offer_candidate(who)
             return False
         body = self._body(who)
         served = self._served()
@@ -102,6 +105,34 @@ class _Registrar:
             _allow_tracer(helper_pid)
         self.sent = (served, body)
         return True
+
+    def _offer_candidate(self, who: "_rank.Rank") -> None:
+        """Before it knows its rank: tell the node's helper that this process may be one (once per helper;
+        starting one, once, where none serves), so that if a C call takes its GIL right after it learns its
+        rank, the helper can still put the job's one missing rank down to it."""
+        served = self._served_now()
+        if served is None and not self.offered_start:  # the job's first process: start the node's helper,
+            self.offered_start = True  # once (one that finds no rank leaves after a while)
+            served = self._start_helper()
+        if served is None or self.candidate_at == served:
+            return
+        from probe.client import transport
+
+        body = dict(self._body(who), rank=None, source="unknown")
+        self.candidate_at = served  # offered once to this helper, whatever it answers
+        transport.request(transport.UnixAddress(self.path), "POST", "/v1/register", json.dumps(body).encode("utf-8"),
+                          {}, 2.0)
+
+    def _served_now(self) -> Optional[Tuple[int, int]]:
+        """The node socket's identity where a helper listens on it now (a stat while it is the same file)."""
+        try:
+            info = os.stat(self.path)
+        except OSError:
+            return None
+        identity = (info.st_dev, info.st_ino)
+        if identity == self.candidate_at:
+            return identity
+        return identity if _paths.socket_state(self.path) == "listening" else None
 
     def _body(self, who: "_rank.Rank") -> Dict[str, Any]:
         address = getattr(self.agent, "tcp_address", None)

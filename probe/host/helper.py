@@ -362,10 +362,13 @@ class Helper:
             raise Forbidden("process %d is not this helper's user's" % pid)
         world = body.get("world_size")
         world_size = None if world is None else _int_in(body, "world_size", 1, (1 << 31) - 1, what)
-        rank = _int_in(body, "rank", 0, (world_size or (1 << 31)) - 1, what)
         optional = {key: None if body.get(key) is None else _int_in(body, key, low, high, what)
                     for key, low, high in (("local_rank", 0, MAX_MEMBERS - 1), ("node", 0, MAX_NODES - 1),
                                            ("port", 1, 65535))}
+        if body.get("rank") is None:  # a process of the job that knows no rank yet
+            self.members.candidate(pid, optional["port"], optional["local_rank"])
+            return
+        rank = _int_in(body, "rank", 0, (world_size or (1 << 31)) - 1, what)
         restarts = _int_in(body, "restarts", 0, (1 << 31) - 1, what) if body.get("restarts") is not None else 0
         master = body.get("master_addr")
         master_addr = None if master is None else _host(master, "a registration's master_addr")

@@ -80,6 +80,29 @@ def _children(pid: int) -> List[int]:
     return found
 
 
+MAX_CANDIDATES = 4096
+
+
+def _cannot_run(pid: int) -> bool:
+    """A live process whose agent has not run for STALE_HEARTBEAT_S, or that is stopped; never a DataLoader
+    worker (torch names its process pt_data_worker), which is no rank."""
+    letter = proc.state(pid)
+    if letter in (None, "Z", "X"):
+        return False
+    try:
+        with open("/proc/%d/comm" % pid, "rb") as handle:
+            if handle.read().strip() == b"pt_data_worker":
+                return False
+    except OSError:
+        return False
+    if letter in ("T", "t"):
+        return True
+    try:
+        return time.time() - os.stat(_paths.socket_path(pid)).st_mtime > STALE_HEARTBEAT_S
+    except OSError:
+        return False
+
+
 def _int(raw: Optional[bytes], default: int = -1) -> int:
     try:
         return int(raw) if raw is not None else default
@@ -97,7 +120,18 @@ class Members:
         self.master_addr: Optional[str] = None
         self.node: Optional[int] = None
         self._known: Dict[int, Dict[str, Any]] = {}  # rank -> what was learnt from /proc or a registration
+        self._candidates: Dict[int, Dict[str, Any]] = {}  # pid -> port, local rank: may become a rank
         self._lock = threading.Lock()
+
+    def candidate(self, pid: int, port: Optional[int], local_rank: Optional[int]) -> None:
+        """A process of the job that knows no rank yet (a spawn child before init_process_group, Lightning's
+        rank 0, mp.spawn's parent): kept so that, should its GIL be taken before it can say its rank, the
+        one rank of the job that never registered can be put down to it (see ``_infer``)."""
+        with self._lock:
+            for dead in [p for p in self._candidates if proc.state(p) in (None, "Z", "X")]:
+                del self._candidates[dead]
+            if len(self._candidates) < MAX_CANDIDATES and not any(k["pid"] == pid for k in self._known.values()):
+                self._candidates[pid] = {"port": port, "local_rank": local_rank}
 
     def register(self, pid: int, rank: int, local_rank: Optional[int], world_size: Optional[int],
                  node: Optional[int], port: Optional[int], restarts: int, master_addr: Optional[str],
@@ -109,6 +143,7 @@ class Members:
                 self._known.clear()
             for old in [r for r, k in self._known.items() if k["pid"] == pid and r != rank]:
                 del self._known[old]
+            self._candidates.pop(pid, None)
             self._known[rank] = {"pid": pid, "local_rank": local_rank, "world_size": world_size or 0,
                                  "node": node, "restarts": restarts, "port": port, "source": source}
             if master_addr:
@@ -182,8 +217,31 @@ class Members:
                                      "world_size": who.world_size or 0, "node": node,
                                      "restarts": _int(env.get(b"TORCHELASTIC_RESTART_COUNT"), 0),
                                      "port": None, "source": who.source}
+            self._infer()
             known = sorted(self._known.items())
         return [self._member(rank, info, host) for rank, info in known]
+
+    def _infer(self) -> None:
+        """Where exactly one rank of the job is missing and exactly one process that could be a rank cannot
+        run (its agent silent for seconds, or stopped) and never said its rank, that process is that rank
+        (``source`` "inferred"): a rank that took its GIL right after ``init_process_group``, before its
+        agent could register. Only where this node knows the whole job's other ranks (one world size,
+        every other rank here): on several nodes the missing rank may be another node's. Called with the
+        lock held."""
+        sizes = {k["world_size"] for k in self._known.values() if k["world_size"] > 0}
+        if len(sizes) != 1 or not self._candidates:
+            return
+        world = sizes.pop()
+        missing = set(range(world)) - set(self._known)
+        if len(missing) != 1:
+            return
+        silent = [pid for pid in self._candidates if _cannot_run(pid)]
+        if len(silent) != 1:
+            return
+        pid = silent[0]
+        info = self._candidates.pop(pid)
+        self._known[missing.pop()] = {"pid": pid, "local_rank": info["local_rank"], "world_size": world,
+                                      "node": self.node, "restarts": 0, "port": info["port"], "source": "inferred"}
 
     def world_size(self) -> Optional[int]:
         """The world size this node's ranks were started with; None before any is seen, or when they
