@@ -69,6 +69,8 @@ class CliContext:
                               self.token_file, self.timeout, deadline, self.max_in_flight)
         for line in cluster.left_out:  # members the host helper listed in a form that cannot be used
             say("probe: " + visible(line), err=True)
+        if cluster.left_out:  # ranks (or a node's) not asked: whatever the others answer is partial
+            self.exit_code = self.exit_code or PARTIAL
         if cluster.numbering:
             say("probe: " + visible(cluster.numbering), err=True)
         if self.ranks is not None:

@@ -4,7 +4,7 @@ from typing import Optional
 
 import click
 
-from probe.cli.context import PARTIAL, CliContext, pass_cli
+from probe.cli.context import CliContext, pass_cli
 from probe.cli.options import TABLE, output_format
 from probe.cli.output import print_rows, say
 from probe.cli.render import render_rows
@@ -27,5 +27,4 @@ def ranks(cli: CliContext, fmt: Optional[str]) -> None:
     print_rows(render_rows(cluster.ranks_rows(), fmt), fmt)
     if cluster.token_file:
         say("probe: the job's token: %s (on the master's host)" % cluster.token_file, err=True)
-    if cluster.left_out:  # said on stderr as the cluster was made: the list is not the whole job
-        cli.exit_code = cli.exit_code or PARTIAL
+
