@@ -1,6 +1,7 @@
 """Real training frameworks (issue 19): a Hugging Face Trainer built inside ``main()`` and a Lightning
-module, each in its own process on CPU. probe finds their model, optimizer, scheduler and trainer
-wherever they live (a local of ``main()`` included), lists each once under a stable name, and its
+module, each in its own process on CPU, and the same Trainer on two ranks under torchrun (DDP, gloo).
+probe finds their model, optimizer, scheduler and trainer wherever they live (a local of ``main()``
+included), lists each once under a stable name, and its
 checkpoint, taken with no option, loads strictly into the model class; the framework formats resume
 with the framework itself to the same weights and learning rates as the run that was not stopped."""
 
@@ -12,6 +13,7 @@ import textwrap
 
 import pytest
 
+from launch import _job, free_ports, tool
 from procs import REPO, TARGETS, run_cli, scaled, spawn, target_env
 
 pytest.importorskip("torch")
@@ -109,6 +111,65 @@ def test_hf_trainer_in_main_is_found_and_its_checkpoints_resume(tmp_path):
     # --format hf: transformers' own resume continues exactly as the run that was not stopped.
     _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir])
     _same_run_after(hf["step"], _log(log), _log(resumed_log), 14)
+
+
+def _across_ranks(address: str, *args: str) -> list:
+    """A command's --json rows from every rank (a query prints one array, a checkpoint one object a line)."""
+    done = run_cli(address, "--all-ranks", *args, "--json", timeout=scaled(60))
+    assert done.code == 0, (done.out, done.err)
+    return json.loads(done.out) if done.out.startswith("[") else [json.loads(line) for line in done.out.splitlines()]
+
+
+def test_hf_trainer_on_two_ranks_checkpoints_each_rank_unwrapped(tmp_path):
+    """torchrun, 2 ranks: the Trainer wraps the model in DDP; each rank's file holds GPT2LMHeadModel's own keys
+    (no ``module.``), its optimizer, scheduler and progress, and the two replicas' weights are the same."""
+    pytest.importorskip("transformers")
+    if not tool("torchrun"):
+        pytest.skip("torchrun (torch) is not installed")
+    argv = [tool("torchrun"), "--nproc-per-node=2", "--master-port=%d" % free_ports(1),
+            os.path.join(TARGETS, "hf_trainer.py"), str(tmp_path / "run.log"), "--max-steps", "100000",
+            "--sleep", "0.5"]
+    with _job("torchrun hf_trainer.py", argv, 2, 90, {}) as job:
+        assert sorted(job.ranks) == [0, 1]
+        models = _across_ranks(job.address, "query", "SELECT model, count(*) AS n, min(name) AS first "
+                               "FROM torch.parameters GROUP BY model")
+        trainers = _across_ranks(job.address, "query", "SELECT trainer, model, world_size FROM torch.trainer")
+        # Each rank is written right before its next optimizer step; a request that reaches one rank just
+        # before a step and the other just after it saves them a step apart (the files are each rank's own).
+        for _ in range(3):
+            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"))
+            if len({row["step"] for row in saved}) == 1:
+                break
+    # One model a rank, the user's (not DistributedDataParallel), under main()'s name, its keys unprefixed.
+    assert [(m["rank"], m["model"], m["n"], m["first"]) for m in models] == \
+        [(0, "model", 28, "transformer.h.0.attn.c_attn.bias"), (1, "model", 28, "transformer.h.0.attn.c_attn.bias")]
+    assert [(t["rank"], t["model"], t["world_size"]) for t in trainers] == [(0, "model", 2), (1, "model", 2)]
+    assert [(row["rank"], [m["name"] for m in row["models"]], [o["name"] for o in row["optimizers"]],
+             row["schedulers"], row["step_source"]) for row in saved] == \
+        [(rank, ["model"], ["trainer.optimizer"], [{"name": "trainer.lr_scheduler", "class": "LambdaLR"}],
+          "trainer global_step") for rank in (0, 1)], saved
+    assert saved[0]["step"] == saved[1]["step"] >= 2, saved
+    assert all(row["taken"].startswith("between optimizer steps") for row in saved), saved
+    out = _in_fresh_python("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        from hf_trainer import tiny_config
+        from transformers import GPT2LMHeadModel
+        weights = []
+        for rank in (0, 1):
+            ck = torch.load("%s/ck-%%d.pt" %% rank)
+            model = GPT2LMHeadModel(tiny_config())
+            model.load_state_dict(ck["models"]["model"], strict=True)
+            weights.append(model.state_dict())
+            optimizer = ck["optimizers"]["trainer.optimizer"]
+            print(ck["meta"]["rank"], ck["meta"]["world_size"], ck["step"], ck["trainer"]["global_step"],
+                  ck["trainer"]["state"]["global_step"], ck["schedulers"]["trainer.lr_scheduler"]["last_epoch"],
+                  len(optimizer["state"]), optimizer["state"][0]["step"].item())
+        print(all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0]))
+    """ % (TARGETS, tmp_path))
+    step = saved[0]["step"]
+    assert out.splitlines() == ["%d 2 %d %d %d %d 28 %.1f" % (rank, step, step, step, step, step) for rank in (0, 1)] + \
+        ["True"], out
 
 
 def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):

@@ -7,7 +7,8 @@ Appends ``global_step lr weight_sum`` to LOG after every optimizer step (from a 
 Trainer has stepped its scheduler and counted the step), prints ``READY <pid>`` after step K
 (default 2), sleeps S seconds a step (default 0.1) so that a checkpoint lands mid-run, and exits
 when the run ends. ``--resume DIR``: ``trainer.train(resume_from_checkpoint=DIR)``. Under torchrun
-the Trainer wraps the model in DDP (gloo).
+the Trainer wraps the model in DDP (gloo), every rank prints ``READY <pid> <rank> <local_rank>`` and
+LOG gets the rank's number appended (``LOG.1``) on ranks other than 0.
 """
 
 import os
@@ -47,15 +48,18 @@ class Log(TrainerCallback):
         weights = sum(float(p.detach().double().sum()) for p in model.parameters())
         with open(self.path, "a") as log:
             log.write("%d %r %r\n" % (state.global_step, lr_scheduler.get_last_lr()[0], weights))
-        if not self.ready and state.global_step >= self.ready_at and int(os.environ.get("RANK", "0")) == 0:
+        if not self.ready and state.global_step >= self.ready_at:
             self.ready = True
-            sys.stdout.write("READY %d\n" % os.getpid())
+            rank = " %s %s" % (os.environ["RANK"], os.environ["LOCAL_RANK"]) if "RANK" in os.environ else ""
+            sys.stdout.write("READY %d%s\n" % (os.getpid(), rank))
             sys.stdout.flush()
         time.sleep(self.sleep)
 
 
 def main() -> None:
     log = sys.argv[1]
+    if int(os.environ.get("RANK", "0")):
+        log += "." + os.environ["RANK"]
     model = GPT2LMHeadModel(tiny_config())
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(log), "hf-out"), use_cpu=True, report_to=[],
                              max_steps=int(_option("--max-steps", "24")), per_device_train_batch_size=4,
