@@ -19,6 +19,7 @@ import pytest
 
 from procs import TARGETS, Proc, run_cli, scaled, target_env
 from slurm_cluster import SlurmCluster, SlurmUnavailable, slurm_cluster
+from test_cluster import _free_ports
 
 T = TypeVar("T")
 RANK = os.path.join(TARGETS, "slurm", "rank.py")
@@ -33,27 +34,6 @@ def slurm(tmp_path_factory) -> Iterator[SlurmCluster]:
         pytest.skip("no one-node Slurm here: %s" % exc)
 
 
-def _free_ports(count: int) -> int:
-    """A port p such that p - 1 .. p + count - 1 were free a moment ago (the node helper takes p - 1)."""
-    for _ in range(100):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            base = sock.getsockname()[1]
-        if base < 2000 or base + count > 65000:
-            continue
-        held = []
-        try:
-            for port in range(base - 1, base + count):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 class Job:

@@ -115,6 +115,10 @@ class Helper:
 
         keep_stdio_open()  # a launcher started with 0-2 closed must not get our sockets as its stdio
         _paths.ensure_runtime_dir()
+        if not self.listen_tcp(host):  # first: whoever sees the unix sockets may count on TCP being there too
+            _say("probe: the host helper serves no TCP on %s:%d (%s); clients elsewhere cannot list this "
+                 "node's ranks%s" % (host, self.port, self.tcp_error, "" if self.kind == "launcher" else
+                                     " until it is free (tried again every second)"))
         unix_paths = [_paths.helper_socket_path(os.getpid())]
         node_path = _paths.node_socket_path(self.base_port)
         if _paths.socket_state(node_path) not in ("listening", "unknown"):  # else a node helper of this job serves
@@ -126,11 +130,8 @@ class Helper:
         for unix_path in unix_paths:
             self._listeners.append(Listener.unix(unix_path, self))
         for listener in self._listeners:
-            listener.start()
-        if not self.listen_tcp(host):
-            _say("probe: the host helper serves no TCP on %s:%d (%s); clients elsewhere cannot list this "
-                 "node's ranks%s" % (host, self.port, self.tcp_error, "" if self.kind == "launcher" else
-                                     " until it is free (tried again every second)"))
+            if listener.transport == "unix":
+                listener.start()
         import atexit
 
         atexit.register(self.stop, unix_paths)
