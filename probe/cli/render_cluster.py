@@ -10,7 +10,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from probe.cli.render import visible
 from probe.client.cluster import compact_ranks
-from probe.client.results import EvalResult, Frame
+from probe.client.results import EvalResult, Frame, thread_stacks
 
 __all__ = ["RankStacks", "group_stacks", "render_grouped_backtrace", "render_groups", "sorted_groups",
            "render_grouped_eval", "ranks_word"]
@@ -30,28 +30,11 @@ def ranks_word(ranks: Sequence[int]) -> str:
     return ("rank %s" if len(ranks) == 1 else "ranks %s") % compact_ranks(ranks)
 
 
-def _threads(frames: Sequence[Frame]) -> Dict[str, Key]:
-    """Thread name -> its stack; threads that share a name get ``name#2``, ``name#3`` in ident order."""
-    by_thread: Dict[int, List[Frame]] = {}
-    for frame in frames:
-        by_thread.setdefault(frame.thread_id, []).append(frame)
-    out: Dict[str, Key] = {}
-    ordered = sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
-    for stack in ordered:
-        name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
-        unique, n = name, 1
-        while unique in out:
-            n += 1
-            unique = "%s#%d" % (name, n)
-        out[unique] = tuple((f.func, f.file, f.lineno) for f in sorted(stack, key=lambda f: f.depth))
-    return out
-
-
 def group_stacks(ranks: Sequence[RankStacks]) -> List[Tuple[str, List[Tuple[Key, List[int]]]]]:
     """Per thread name (MainThread first): the distinct stacks with their ranks, largest group first."""
     per_name: Dict[str, Dict[Key, List[int]]] = {}
     for rank in ranks:
-        for name, key in _threads(rank.frames).items():
+        for name, key in thread_stacks(rank.frames).items():
             per_name.setdefault(name, {}).setdefault(key, []).append(rank.rank)
     names = sorted(per_name, key=lambda n: (n != "MainThread", n))
     return [(name, sorted(per_name[name].items(), key=lambda kv: (-len(kv[1]), min(kv[1])))) for name in names]

@@ -253,7 +253,7 @@ class Cluster:
         """Every rank's stacks grouped by thread name: each distinct stack with its ranks
         (``probe.client.via_helpers.Grouped``), through the node helpers or directly (``via``)."""
         from probe.client import via_helpers
-        from probe.host.gather import thread_stacks
+        from probe.client.results import thread_stacks
 
         if via_helpers.through_helpers(self):
             grouped = via_helpers.backtrace_groups(self)

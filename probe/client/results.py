@@ -6,7 +6,7 @@ dataclass costs about eight times as much as a NamedTuple.
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Rows", "EvalResult", "Frame", "ColumnInfo", "TableInfo"]
+__all__ = ["Rows", "EvalResult", "Frame", "ColumnInfo", "TableInfo", "StackKey", "thread_stacks"]
 
 
 class Rows(NamedTuple):
@@ -101,3 +101,25 @@ class TableInfo(NamedTuple):
     def from_json(cls, raw: Dict[str, Any]) -> "TableInfo":
         columns = tuple(ColumnInfo(c["name"], c["type"], c.get("description", "")) for c in raw.get("columns", []))
         return cls(raw["name"], raw.get("description", ""), columns, raw.get("example"))
+
+
+StackKey = Tuple[Tuple[str, str, int], ...]  # (func, file, lineno), innermost first
+
+
+def thread_stacks(frames: Sequence[Any]) -> Dict[str, StackKey]:
+    """Thread name -> its stack, from a process's frames (each with ``thread_id``, ``thread_name``,
+    ``is_main``, ``depth``, ``func``, ``file``, ``lineno``): what ranks are grouped by, in the client and
+    in the node helpers alike. Threads that share a name get ``name#2``, ``name#3`` in ident order."""
+    by_thread: Dict[int, List[Any]] = {}
+    for frame in frames:
+        by_thread.setdefault(frame.thread_id, []).append(frame)
+    out: Dict[str, StackKey] = {}
+    ordered = sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
+    for stack in ordered:
+        name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
+        unique, n = name, 1
+        while unique in out:
+            n += 1
+            unique = "%s#%d" % (name, n)
+        out[unique] = tuple((f.func, f.file, f.lineno) for f in sorted(stack, key=lambda f: f.depth))
+    return out

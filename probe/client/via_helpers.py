@@ -215,7 +215,7 @@ def backtrace_groups(cluster: "Cluster") -> Grouped:
     """Every rank's stacks, grouped, through the node helpers; ``cluster.failures`` names the ranks that
     gave no stacks, and why. Ranks of a helper that cannot gather are asked directly and grouped here."""
     from probe.client.cluster import RankFailure
-    from probe.host.gather import thread_stacks
+    from probe.client.results import thread_stacks
 
     answered_helpers, direct, failures = _gather(cluster, {"op": "backtrace"})
     threads: Dict[str, Dict[Key, List[int]]] = {}

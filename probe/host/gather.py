@@ -32,12 +32,13 @@ import math
 import queue
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from probe.agent.http import Request, Response
+from probe.client.results import thread_stacks
 from probe.errors import BadRequest, Busy, ProbeError, TooLarge
 
-__all__ = ["gather", "thread_stacks", "MAX_GATHERS", "MAX_ANSWER_BYTES", "GATHER_SHAPE"]
+__all__ = ["gather", "MAX_GATHERS", "MAX_ANSWER_BYTES", "GATHER_SHAPE"]
 
 MAX_GATHERS = 4
 MAX_ANSWER_BYTES = 192 << 20  # below the client's 256 MiB a target (probe.client.transport)
@@ -55,25 +56,6 @@ GATHER_SHAPE = _GATHER_SHAPE
 _slots_lock = threading.Lock()
 
 Key = Tuple[Tuple[str, str, int], ...]
-
-
-def thread_stacks(frames: Sequence[Any]) -> Dict[str, Key]:
-    """Thread name -> its stack as (func, file, lineno), innermost first, from a rank's frames (each with
-    ``thread_id``, ``thread_name``, ``is_main``, ``depth``); threads that share a name get ``name#2``,
-    ``name#3`` in ident order (the grouping of ``probe.cli.render_cluster``)."""
-    by_thread: Dict[int, List[Any]] = {}
-    for frame in frames:
-        by_thread.setdefault(frame.thread_id, []).append(frame)
-    out: Dict[str, Key] = {}
-    ordered = sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
-    for stack in ordered:
-        name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
-        unique, n = name, 1
-        while unique in out:
-            n += 1
-            unique = "%s#%d" % (name, n)
-        out[unique] = tuple((f.func, f.file, f.lineno) for f in sorted(stack, key=lambda f: f.depth))
-    return out
 
 
 class _Asked:

@@ -636,6 +636,20 @@ class _HashingWriter:
 
 
 def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: threading.Event) -> Tuple[int, str]:
+    """``state`` saved with ``torch.save`` to ``target``: (bytes, sha256)."""
+    return _write_file_atomically(lambda writer: torch.save(state, writer), target, cancel)
+
+
+def _write_text_atomically(text: str, target: str, cancel: threading.Event) -> Tuple[int, str]:
+    """A small text file (JSON), written as the state files are."""
+    data = text.encode("utf-8")
+    return _write_file_atomically(lambda writer: writer.write(data), target, cancel)
+
+
+def _write_file_atomically(write: Callable[["_HashingWriter"], Any], target: str,
+                           cancel: threading.Event) -> Tuple[int, str]:
+    """``write(writer)`` into a temporary file beside ``target``, fsync, rename over ``target``: a reader
+    sees the old file or the whole new one, never a part. (bytes, sha256 of them)."""
     directory, name = os.path.split(target)
     _remove_leftovers(directory, name)
     tmp = os.path.join(directory, ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4)))
@@ -643,32 +657,7 @@ def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: th
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         writer = _HashingWriter(fd, cancel)
-        torch.save(state, writer)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    _fsync_dir(directory)
-    return writer.size, writer.sha.hexdigest()
-
-
-def _write_text_atomically(text: str, target: str, cancel: threading.Event) -> Tuple[int, str]:
-    """A small text file (JSON), written as the state files are: temporary file, fsync, rename."""
-    directory, name = os.path.split(target)
-    _remove_leftovers(directory, name)
-    tmp = os.path.join(directory, ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4)))
-    data = text.encode("utf-8")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        writer = _HashingWriter(fd, cancel)
-        writer.write(data)
+        write(writer)
         os.fsync(fd)
     except BaseException:
         os.close(fd)

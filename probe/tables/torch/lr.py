@@ -27,8 +27,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from probe.errors import ProbeError
 from probe.tables.torch import schedulers as sched
-from probe.tables.torch._common import number, plain_cpu, torch_or_raise
+from probe.tables.torch._common import number, torch_or_raise
 from probe.tables.torch.discovery import find_optimizers
+from probe.tables.torch.optimizers import step_of_params
 
 __all__ = ["plan", "change", "readback", "answer", "watch_before", "watch_after"]
 
@@ -322,17 +323,8 @@ def _scheduler_step(drivers: List[Any]) -> Optional[int]:
 
 def _step_of(torch: Any, optimizer: Any) -> Optional[int]:
     """The optimizer's own step count (Adam's state 'step'), where it keeps one."""
-    best: Optional[int] = None
     state = getattr(optimizer, "state", None)
-    for group in optimizer.param_groups:
-        for param in list(group.get("params", ()))[:8]:
-            entry = state.get(param) if hasattr(state, "get") else None
-            value = entry.get("step") if isinstance(entry, dict) else None
-            if isinstance(value, torch.Tensor):
-                value = float(value) if plain_cpu(torch, value) and value.numel() == 1 else None
-            if isinstance(value, (int, float)):
-                best = int(value) if best is None else max(best, int(value))
-    return best
+    return step_of_params(torch, state, [p for group in optimizer.param_groups for p in list(group.get("params", ()))[:8]])
 
 
 # -- the warning of an eval that sets lr under a scheduler ---------------------------------------------

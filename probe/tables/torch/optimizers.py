@@ -74,7 +74,7 @@ def _rows_now(torch: Any) -> Iterator[Tuple[Any, ...]]:
             models = sorted({owners[id(p)] for p in params if id(p) in owners})
             yield (name, cls, index, number(torch, group.get("lr")), number(torch, group.get("weight_decay")),
                    number(torch, group.get("momentum")), _text(betas), beta1, beta2, number(torch, group.get("eps")),
-                   len(params), sum(_numel(p) for p in params), _step(torch, state, params),
+                   len(params), sum(_numel(p) for p in params), step_of_params(torch, state, params),
                    ", ".join(models) or None, _options(group)) + _scheduled(torch, driving, index, group)
 
 
@@ -124,7 +124,8 @@ def _numel(param: Any) -> int:
         return 0
 
 
-def _step(torch: Any, state: Any, params: Any) -> Optional[int]:
+def step_of_params(torch: Any, state: Any, params: Any) -> Optional[int]:
+    """The highest step count (Adam's state 'step') among ``params``' state, where the optimizer keeps one."""
     best: Optional[int] = None
     for param in params:
         entry = state.get(param) if hasattr(state, "get") else None
