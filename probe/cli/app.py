@@ -101,10 +101,12 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--executable", type=click.Path(dir_okay=False), metavar="PATH",
               help="For a core:PATH target: the Python executable that made the core (default: as the core says).")
 @click.option("--all-ranks", is_flag=True,
-              help="Every rank of the job whose master is TARGET (HOST:PROBE_PORT), at once; answers grouped.")
+              help="Every rank of the job whose master is TARGET (HOST:PROBE_PORT, under any launcher; or "
+                   "slurm:JOBID[:PORT]), at once; answers grouped.")
 @click.option("--ranks", metavar="LIST", help="Only these ranks, e.g. 0-3,8 (implies --all-ranks).")
 @click.option("--hosts", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Every target listed in FILE (one per line), at once, as ranks 0, 1, ...")
+              help="Every target listed in FILE (one per line), at once, numbered by the ranks they say they are "
+                   "(else by line: 0, 1, ...).")
 @click.option("--deadline", type=Seconds(0.01),
               help="Across ranks: answer with what arrived after this long (default 10, at most --timeout); "
                    "several -t: none unless given.")
@@ -130,6 +132,7 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
       probe PID inject                               attach to a running process
       probe HOST:PORT --token-file tok tables        a remote agent over TCP
       probe MASTER:PORT --all-ranks backtrace        every rank of a job, grouped
+      probe MASTER:PORT diagnose                     what is wrong, which rank, where
     """
     from probe.client.wording import use_cli_words
 
