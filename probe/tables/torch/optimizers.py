@@ -16,7 +16,8 @@ DESCRIPTION = ("Each optimizer found (probe.watch, __main__, then the garbage co
                "param groups: class, learning rate and the other hyperparameters, as they are now.")
 _HYPER = " NULL when the group has none (or it is a CUDA tensor: reading it would synchronise the device)."
 COLUMNS = (
-    Column("optimizer", "VARCHAR", "Its watch() name, its expression in __main__, or Class@address."),
+    Column("optimizer", "VARCHAR", "Its watch() name, the expression that reaches it (optimizer, trainer.optimizer), "
+                                     "or its class when only the garbage collector found it."),
     Column("class", "VARCHAR", "The optimizer's class, e.g. torch.optim.adam.Adam."),
     Column("group_index", "INTEGER", "Index of the param group in optimizer.param_groups."),
     Column("lr", "DOUBLE", "Learning rate." + _HYPER),

@@ -17,8 +17,8 @@ DESCRIPTION = ("Every parameter of every model found (probe.watch, __main__, the
 _STATS = ("; NULL on a CUDA tensor (reading it would synchronise the device), on a DTensor's remote shards, "
           "and past the table's time budget (%.0f s, see note)" % BUDGET_S)
 COLUMNS = (
-    Column("model", "VARCHAR", "The root model it belongs to: its watch() name, its expression in __main__, "
-                               "or Class@address when found by the garbage collector."),
+    Column("model", "VARCHAR", "The root model it belongs to: its watch() name, the expression that reaches "
+                               "it (model, trainer.model), or its class when only the garbage collector found it."),
     Column("name", "VARCHAR", "Its qualified name in that model (as in named_parameters())."),
     Column("shape", "VARCHAR", "Its shape, e.g. [512, 256] (for a DTensor: the global shape)."),
     Column("dtype", "VARCHAR", "Element type, e.g. float32, bfloat16."),
