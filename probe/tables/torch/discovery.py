@@ -387,14 +387,14 @@ def _in_namespace(namespace: Dict[str, Any]) -> Iterable[Tuple[str, Any]]:
                 or hasattr(type(value), "param_groups"):
             continue  # a trainer's objects are found through it, under its attribute paths; a model is a whole
         try:
-            members = list(_members(value))
+            members = list(members_of(value))
         except Exception:
             continue  # an object whose attributes cannot be read plainly (a proxy): not ours to force
         for suffix, member in members:
             yield name + suffix, member
 
 
-def _members(value: Any) -> Iterable[Tuple[str, Any]]:
+def members_of(value: Any) -> Iterable[Tuple[str, Any]]:
     """One level into an object: its instance attributes, or a container's items."""
     if isinstance(value, (list, tuple)):
         for i, item in enumerate(value[:_MAX_MEMBERS]):
@@ -404,7 +404,10 @@ def _members(value: Any) -> Iterable[Tuple[str, Any]]:
             if isinstance(key, (str, int)):
                 yield "[%r]" % (key,), item
     elif not isinstance(value, type) and not str(type(value).__module__).startswith(("builtins", "torch")):
-        attributes = getattr(value, "__dict__", None)
+        try:  # the instance's own attributes, without running its class's __getattribute__ or __getattr__
+            attributes = object.__getattribute__(value, "__dict__")
+        except Exception:
+            attributes = None
         if isinstance(attributes, dict):
             for key, item in list(attributes.items())[:_MAX_MEMBERS]:
                 if isinstance(key, str) and not key.startswith("__"):

@@ -239,25 +239,11 @@ def _walk(name: str, value: Any, depth: int, seen: Dict[int, None], visited: Lis
     if depth >= _DEPTH or is_scheduler(value):
         return
     try:
-        members = list(_members(value))
+        members = list(discovery.members_of(value))
     except Exception:
         return
     for suffix, member in members:
         yield from _walk(name + suffix, member, depth + 1, seen, visited)
-
-
-def _members(value: Any) -> Iterator[Tuple[str, Any]]:
-    if isinstance(value, (list, tuple)):
-        for i, item in enumerate(value[:_MAX_MEMBERS]):
-            yield "[%d]" % i, item
-    elif isinstance(value, dict):
-        for key, item in list(value.items())[:_MAX_MEMBERS]:
-            if isinstance(key, (str, int)):
-                yield "[%r]" % (key,), item
-    elif not isinstance(value, type) and not type(value).__module__.startswith(("builtins", "torch")):
-        for key, item in list(attrs_of(value).items())[:_MAX_MEMBERS]:
-            if isinstance(key, str):
-                yield "." + key, item
 
 
 def _main_thread_locals() -> List[List[Tuple[Any, Any]]]:
