@@ -1,5 +1,6 @@
 """Real training frameworks (issue 19): a Hugging Face Trainer built inside ``main()`` and a Lightning
-module, each in its own process on CPU, and the same Trainer on two ranks under torchrun (DDP, gloo).
+module, each in its own process on CPU, and each on two ranks (DDP, gloo): the Trainer under torchrun, the
+module under Lightning's own ddp launch (``python lightning_train.py``, rank 0 starting rank 1).
 probe finds their model, optimizer, scheduler and trainer wherever they live (a local of ``main()``
 included), lists each once under a stable name, and its
 checkpoint, taken with no option, loads strictly into the model class; the framework formats resume
@@ -206,3 +207,66 @@ def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):
     assert out == "['trainer.optimizers[0]'] True", out
     _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own])
     _same_run_after(lightning["step"], _log(log), _log(resumed_log), 14)
+
+
+def test_lightning_module_on_two_ranks_checkpoints_each_rank_unwrapped(tmp_path):
+    """Lightning's Trainer(devices=2, strategy="ddp") on the CPU, started as ``python lightning_train.py``
+    (rank 0 starts rank 1 with the same command line): through the job's address alone, each rank lists the
+    LightningModule once (not the DDP wrapper, no ``module.`` keys, no _ResultMetric); each rank's file loads
+    strictly into the module's class with its optimizer, scheduler and progress, the replicas' weights
+    equal; and -F lightning writes, under DDP, what Lightning's Trainer.fit(ckpt_path=...) resumes from."""
+    pytest.importorskip("lightning")
+    argv = [sys.executable, os.path.join(TARGETS, "lightning_train.py"), str(tmp_path / "run.log"), "--ddp",
+            "--max-steps", "100000", "--sleep", "0.3"]
+    with _job("lightning ddp lightning_train.py", argv, 2, 90, {}) as job:
+        assert sorted(job.ranks) == [0, 1]
+        models = _across_ranks(job.address, "query", "SELECT model, count(*) AS n, min(name) AS first "
+                               "FROM torch.parameters GROUP BY model")
+        trainers = _across_ranks(job.address, "query", "SELECT trainer, kind, model, world_size, schedulers "
+                                 "FROM torch.trainer")
+        # As for the HF job: a request that straddles a step boundary saves the ranks a step apart; again.
+        for _ in range(3):
+            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"))
+            if len({row["step"] for row in saved}) == 1:
+                break
+        own = _across_ranks(job.address, "checkpoint", str(tmp_path / "l-{rank}.ckpt"), "-F", "lightning")
+    assert [(m["rank"], m["model"], m["n"], m["first"]) for m in models] == \
+        [(0, "model", 4, "net.0.bias"), (1, "model", 4, "net.0.bias")], models
+    assert [(t["rank"], t["trainer"], t["kind"], t["model"], t["world_size"], t["schedulers"]) for t in trainers] == \
+        [(rank, "trainer", "lightning", "model", 2, "trainer.lr_scheduler_configs[0].scheduler") for rank in (0, 1)]
+    assert [(row["rank"], [m["name"] for m in row["models"]], [o["name"] for o in row["optimizers"]],
+             row["schedulers"], row["trainer"]["kind"]) for row in saved] == \
+        [(rank, ["model"], ["trainer.optimizers[0]"],
+          [{"name": "trainer.lr_scheduler_configs[0].scheduler", "class": "LambdaLR"}], "lightning")
+         for rank in (0, 1)], saved
+    assert saved[0]["step"] == saved[1]["step"] >= 2, saved
+    assert all(row["taken"].startswith("between optimizer steps") for row in saved + own), (saved, own)
+    assert [row["rank"] for row in own] == [0, 1] and all(row["step"] >= saved[0]["step"] for row in own), own
+    out = _in_fresh_python("""
+        import sys, torch
+        sys.path.insert(0, %r)
+        sys.argv = ["x", "unused"]
+        from lightning_train import Regression
+        weights = []
+        for rank in (0, 1):
+            ck = torch.load("%s/ck-%%d.pt" %% rank)
+            model = Regression()
+            model.load_state_dict(ck["models"]["model"], strict=True)
+            weights.append(model.state_dict())
+            optimizer = ck["optimizers"]["trainer.optimizers[0]"]
+            print(ck["meta"]["rank"], ck["meta"]["world_size"], ck["step"], ck["trainer"]["global_step"],
+                  ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"],
+                  len(optimizer["state"]), optimizer["state"][0]["step"].item())
+        print(all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0]))
+        own = torch.load("%s/l-0.ckpt", weights_only=False)
+        Regression().load_state_dict(own["state_dict"], strict=True)
+        print(own["global_step"])
+    """ % (TARGETS, tmp_path, tmp_path))
+    step, own_step = saved[0]["step"], own[0]["step"]
+    assert out.splitlines() == ["%d 2 %d %d %d 4 %.1f" % (rank, step, step, step, step) for rank in (0, 1)] + \
+        ["True", str(own_step)], out
+    # Lightning's own resume, in one process: it goes on from the step saved.
+    resumed_log = str(tmp_path / "resumed.log")
+    _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", str(own_step + 2), "--sleep", "0",
+                                           "--resume", str(tmp_path / "l-0.ckpt")])
+    assert sorted(_log(resumed_log)) == [own_step + 1, own_step + 2], _log(resumed_log)

@@ -9,7 +9,9 @@ first one); nothing downloaded.
 Appends ``global_step lr weight_sum`` to LOG after every batch (once Lightning has stepped the
 scheduler and counted the step), prints ``READY <pid>`` after step K (default 2), sleeps S seconds a
 step (default 0.1), exits when the run ends. ``--resume CKPT``: ``trainer.fit(model, ckpt_path=CKPT)``.
-``--ddp``: two processes (strategy ddp, gloo), rank 0 prints READY.
+``--ddp``: two processes (strategy ddp, gloo, as ``python lightning_train.py ...`` both: rank 0 starts
+rank 1 with the same command line), each printing ``READY <pid> <rank> <local_rank>`` in one write after
+step K; rank 0 alone writes LOG.
 """
 
 import os
@@ -52,9 +54,12 @@ class Log(L.Callback):
         if trainer.global_rank == 0:
             with open(self.path, "a") as log:
                 log.write("%d %r %r\n" % (trainer.global_step, lr, weights))
-        if not self.ready and trainer.global_step >= self.ready_at and trainer.global_rank == 0:
+        if not self.ready and trainer.global_step >= self.ready_at:
             self.ready = True
-            sys.stdout.write("READY %d\n" % os.getpid())
+            if trainer.world_size > 1:  # the ranks share the launcher's stdout: one write a line
+                sys.stdout.write("READY %d %d %d\n" % (os.getpid(), trainer.global_rank, trainer.local_rank))
+            else:
+                sys.stdout.write("READY %d\n" % os.getpid())
             sys.stdout.flush()
         time.sleep(self.sleep)
 
