@@ -77,6 +77,7 @@ class Agent:
 
             unix.add_check(crash.check)
         _offer_step_boundary()
+        _count_steps(unix)
         return self
 
     def _start_tcp(self, dispatcher: Any) -> None:
@@ -234,6 +235,17 @@ def _offer_step_boundary() -> None:
         from probe.tables.torch import _common
 
         _common.between_steps = _run_between_steps
+    except Exception:
+        pass
+
+
+def _count_steps(listener: Any) -> None:
+    """Count optimizer steps (torch.steps) from the moment the program has torch.optim: the accept thread
+    looks for it at each wake and puts the step hook in."""
+    try:
+        from probe.tables.torch import steps
+
+        listener.add_check(steps.watch)
     except Exception:
         pass
 

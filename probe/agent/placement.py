@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from probe.errors import BadRequest, Busy, Timeout
 from probe._threads import daemon_thread
+from probe.tables.torch.steps import count as _count
 
 __all__ = ["Job", "PLACES", "submit", "interrupt", "interrupt_and_settle", "EvalInterrupted"]
 
@@ -316,7 +317,9 @@ def _redeliver_keyboard_interrupt(job: Job) -> None:
 # -- right after an optimizer step ----------------------------------------------------------------
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """torch's global optimizer post-step hook: nearly free while no snippet waits."""
+    """torch's global optimizer post-step hook: counts the step (``torch.steps``), and is otherwise nearly
+    free while no snippet waits."""
+    _count(optimizer)
     if not _step_queue:
         return
     try:
@@ -332,13 +335,14 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _to_step(job: Job) -> None:
-    _install_step_hook()
+    install_step_hook()
     with _lock:
         _step_queue.append(job)
 
 
-def _install_step_hook() -> None:
-    """Register ``_after_step`` once per process, never importing torch.
+def install_step_hook() -> None:
+    """Register ``_after_step`` once per process, never importing torch: for snippets ``--between-steps``
+    and for the step counter (``probe.tables.torch.steps``), which puts it in as soon as torch is loaded.
 
     The hook stays: removing it from the training thread's hook dict while that thread may be
     iterating it would raise there. Adding it is safe while no global post-step hook exists (torch

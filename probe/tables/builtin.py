@@ -8,6 +8,7 @@ from probe.tables.torch import flight_recorder as torch_flight_recorder
 from probe.tables.torch import memory as torch_memory
 from probe.tables.torch import optimizers as torch_optimizers
 from probe.tables.torch import parameters as torch_parameters
+from probe.tables.torch import steps as torch_steps
 from probe.tables.torch import tensors as torch_tensors
 from probe.tables.torch import anomalies as torch_anomalies  # noqa: I001
 from probe.tables.torch import trainer as torch_trainer
@@ -17,7 +18,7 @@ __all__ = ["BUILTIN_MODULES", "register_all"]
 
 #: torch.* tables: registered always, answering with TorchNotLoaded until the target imports torch.
 TORCH_MODULES = (torch_parameters, torch_optimizers, torch_tensors, torch_memory, torch_distributed,
-                 torch_flight_recorder, torch_trainer)
+                 torch_flight_recorder, torch_trainer, torch_steps)
 #: python.torch_trace and torch.anomalies: rows only while (or after) a trace runs (`probe T trace start`).
 TRACE_MODULES = (torch_trace, torch_anomalies)
 BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, python_workers, process_info,

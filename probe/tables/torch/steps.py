@@ -1,0 +1,189 @@
+"""``torch.steps``: optimizer steps counted as they happen, without the trace.
+
+Counted by the agent's one global optimizer post-step hook (``probe.agent.placement``'s, the same that
+runs work ``--between-steps``): per optimizer, the steps seen, when the last one ended, and the last
+``RING`` step durations (the time from one step's end to the next one's: the whole iteration, data,
+forward, backward, collectives and the step itself). What ``probe diagnose`` reads to tell progress and
+step time per rank on every torch job.
+
+The hook is put in once the program has imported ``torch.optim`` (probe never imports torch): the
+agent's accept thread looks for it at each wake (a dict lookup), and a read of the table puts it in
+too. ``PROBE_STEP_COUNTER=0`` leaves it out. Per step it costs one call of a few attribute updates
+(``bench/bench_step_counter.py``); memory is bounded (``MAX_OPTIMIZERS`` counters of ``RING`` floats).
+Runs in the target: stdlib only, never raises into the training loop.
+"""
+
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+from probe.errors import ProbeError, TorchNotLoaded
+from probe.tables.spec import Column
+
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "watch", "arm", "RING", "MAX_OPTIMIZERS"]
+
+NAME = "torch.steps"
+DESCRIPTION = ("Optimizer steps counted as they happen (the agent's optimizer post-step hook; no trace needed): "
+               "per optimizer, steps, how long ago the last ended, and step times over the last 64 steps.")
+COLUMNS = (
+    Column("optimizer", "VARCHAR", "The optimizer: its class name and address, e.g. SGD@0x7f3a5c0e1d90."),
+    Column("class", "VARCHAR", "Its class, e.g. torch.optim.sgd.SGD."),
+    Column("steps", "BIGINT", "Steps it made since probe began counting (see counted_for_s)."),
+    Column("last_step_age_s", "DOUBLE", "Seconds since its last step ended."),
+    Column("step_time_last_s", "DOUBLE", "Time from the step before the last to the last: one whole iteration "
+                                         "(data, forward, backward, collectives, step); NULL before 2 steps."),
+    Column("step_time_median_s", "DOUBLE", "Median of the recent step times (the last 64 at most)."),
+    Column("step_time_min_s", "DOUBLE", "Shortest of the recent step times."),
+    Column("step_time_max_s", "DOUBLE", "Longest of the recent step times."),
+    Column("step_times", "INTEGER", "How many recent step times the three columns above rest on."),
+    Column("counted_for_s", "DOUBLE", "Seconds since its first counted step."),
+    Column("alive", "BOOLEAN", "Whether the optimizer object still exists (a discarded one is kept a while)."),
+)
+EXAMPLE = "SELECT optimizer, steps, last_step_age_s, step_time_median_s FROM torch.steps"
+
+RING = 64
+MAX_OPTIMIZERS = 32
+_RETRY_S = 30.0
+_TRIES = 3
+
+_clock = time.monotonic
+
+
+class _Counter:
+    __slots__ = ("ref", "key", "label", "cls", "steps", "first", "last", "ring", "times")
+
+    def __init__(self, optimizer: Any, key: int, now: float) -> None:
+        try:
+            self.ref: Any = weakref.ref(optimizer)
+        except TypeError:
+            self.ref = None
+        kind = type(optimizer)
+        self.key = key
+        self.label = "%s@0x%x" % (kind.__name__, key)
+        self.cls = "%s.%s" % (kind.__module__, kind.__qualname__)
+        self.steps = 0
+        self.first = now
+        self.last = now
+        self.ring = [0.0] * RING
+        self.times = 0  # step times written to the ring, in all
+
+
+_counters: Dict[int, _Counter] = {}
+
+
+def count(optimizer: Any) -> None:
+    """One step of ``optimizer`` has ended (called by the post-step hook on the training thread)."""
+    try:
+        now = _clock()
+        key = id(optimizer)
+        counter = _counters.get(key)
+        if counter is None or (counter.ref is not None and counter.ref() is not optimizer):
+            counter = _new(optimizer, key, now)
+        elif counter.steps:
+            counter.ring[counter.times % RING] = now - counter.last
+            counter.times += 1
+        counter.steps += 1
+        counter.last = now
+    except BaseException:
+        pass
+
+
+def _new(optimizer: Any, key: int, now: float) -> _Counter:
+    counter = _Counter(optimizer, key, now)
+    if len(_counters) >= MAX_OPTIMIZERS:  # the one whose last step is oldest makes room
+        stalest = min(list(_counters.values()), key=lambda c: c.last)
+        _counters.pop(stalest.key, None)
+    _counters[key] = counter
+    return counter
+
+
+# -- putting the hook in ----------------------------------------------------------------------------
+
+_state = {"installed": False, "busy": False, "tries": 0, "next": 0.0, "why": ""}
+_install_lock = threading.Lock()
+
+
+def _wanted() -> bool:
+    return os.environ.get("PROBE_STEP_COUNTER", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def watch() -> None:
+    """The accept thread's check (every wake): once ``torch.optim`` is loaded, put the hook in, on a
+    thread of its own (it may wait for a step to end). A dict lookup otherwise; never raises."""
+    try:
+        if _state["installed"] or _state["busy"] or "torch.optim.optimizer" not in sys.modules:
+            return
+        if _state["tries"] >= _TRIES or _clock() < _state["next"] or not _wanted():
+            return
+        from probe._threads import daemon_thread
+
+        _state["busy"] = True
+        daemon_thread(_arm_quietly, "probe-steps").start()
+    except BaseException:
+        _state["busy"] = False
+
+
+def _arm_quietly() -> None:
+    try:
+        arm()
+    except BaseException:
+        pass
+    finally:
+        _state["busy"] = False
+
+
+def arm() -> None:
+    """Put the hook in now, if not yet: raises (a ProbeError) when it cannot be."""
+    with _install_lock:
+        if _state["installed"]:
+            return
+        if not _wanted():
+            raise ProbeError("the step counter is off in this process (PROBE_STEP_COUNTER=0)")
+        if "torch.optim.optimizer" not in sys.modules:
+            raise TorchNotLoaded("torch.optim is not loaded in the target: it has no optimizer, so no step to count",
+                                 hint="torch.steps answers once the program has imported torch")
+        _state["tries"] += 1
+        _state["next"] = _clock() + _RETRY_S
+        from probe.agent.placement import install_step_hook
+
+        try:
+            install_step_hook()
+        except ProbeError as exc:
+            _state["why"] = exc.message
+            raise
+        _state["installed"] = True
+
+
+def installed() -> bool:
+    return bool(_state["installed"])
+
+
+# -- the table ----------------------------------------------------------------------------------------
+
+
+def rows() -> List[Tuple[Any, ...]]:
+    if "torch" not in sys.modules:
+        raise TorchNotLoaded("torch is not loaded in the target (it has not imported torch, and probe never "
+                             "imports it)", hint="torch.* tables answer once the program has run `import torch`")
+    arm()
+    now = _clock()
+    out = []
+    for counter in sorted(list(_counters.values()), key=lambda c: c.last, reverse=True):
+        out.append(_row(counter, now))
+    return out
+
+
+def _row(counter: _Counter, now: float) -> Tuple[Any, ...]:
+    times, seen = counter.times, min(counter.times, RING)
+    recent = sorted(counter.ring[:seen]) if seen else []
+    last: Optional[float] = counter.ring[(times - 1) % RING] if times else None
+    median: Optional[float] = None
+    if recent:
+        mid = len(recent) // 2
+        median = recent[mid] if len(recent) % 2 else (recent[mid - 1] + recent[mid]) / 2
+    alive = True if counter.ref is None else counter.ref() is not None
+    return (counter.label, counter.cls, counter.steps, now - counter.last, last, median,
+            recent[0] if recent else None, recent[-1] if recent else None, seen, now - counter.first, alive)
