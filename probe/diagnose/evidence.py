@@ -70,6 +70,8 @@ class RankEvidence:
     fr_why: Optional[str] = None
     trace: Optional[Dict[str, Any]] = None
     trace_why: Optional[str] = None
+    steps: Optional[List[Dict[str, Any]]] = None  # the step counter's rows (probe.diagnose.progress)
+    steps_why: Optional[str] = None
     seconds: float = 0.0
     at: float = field(default_factory=time.monotonic)
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
@@ -112,7 +114,8 @@ class RankEvidence:
                 "stacks": {name: [{"func": f, "file": p, "line": n} for f, p, n, _ in key[:12]]
                            for name, key in self.stacks().items()} if self.frames is not None else None,
                 "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
-                "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why}
+                "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why,
+                "steps": self.steps, "steps_why": self.steps_why}
 
 
 @dataclass
@@ -234,9 +237,12 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
                 ev.trace_why = exc.message
         else:
             ev.trace_why = ev.fr_why
+        from probe.diagnose import progress
+
+        progress.collect_steps(ev, _query, client)
     else:
         why = "its agent cannot answer (%s)" % ev.state.replace("_", " ")
-        ev.threads_why = ev.fr_why = ev.trace_why = why
+        ev.threads_why = ev.fr_why = ev.trace_why = ev.steps_why = why
     ev.seconds = time.monotonic() - start
     return ev
 

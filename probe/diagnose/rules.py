@@ -204,6 +204,9 @@ def progress_of(a: RankEvidence, b: RankEvidence) -> Dict[str, Any]:
         out["ran"] = (cb - ca) >= CPU_RAN_S or not same_stack
     else:
         out["ran"] = not same_stack
+    from probe.diagnose import progress as steps
+
+    steps.merge(a, b, out)  # the step counter (torch.steps): steps made, trace or not
     return out
 
 
@@ -289,6 +292,13 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         if stall is not None:
             verdicts.append(stall)
 
+    # 4b. By the step counter, trace or not: a rank that stopped stepping while others advance; no step for long.
+    from probe.diagnose import progress as steps
+
+    verdicts += steps.stopped(first, last, answering, progress, window, who, command)
+    if not verdicts:
+        verdicts += steps.stalled(last, answering, progress, window, who, command)
+
     # 5. Lock waits.
     for r in answering:
         a = first.ranks.get(r)
@@ -303,10 +313,15 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         straggler = _straggler(last, answering, who, command)
         if straggler is not None:
             verdicts.append(straggler)
+        else:  # without the trace: ranks whose own steps are slower, where no collective keeps them in step
+            verdicts += steps.slow_steps(last, answering, who, command)
 
     unavailable = _unavailable(last, answering, who)
     if not verdicts:
-        verdicts.append(_healthy(last, answering, progress, window, who, command))
+        verdicts.append(steps.healthy(last, answering, progress, window, who, command)
+                        or _healthy(last, answering, progress, window, who, command))
+    steps.annotate(verdicts, last, answering, progress, who, command)
+    unavailable += steps.unavailable(last, answering, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)
     verdicts.sort(key=lambda v: -STATUSES.index(v.status))
     return Report(status, verdicts, unavailable, window, 2, progress)

@@ -1,0 +1,333 @@
+"""Progress from the step counter (``torch.steps``): whether each rank makes optimizer steps, at what rate,
+and how long a step takes, on every torch job, with or without the trace.
+
+* the evidence: one query per look (:data:`STEPS_SQL`), kept as ``RankEvidence.steps`` (rows) or
+  ``steps_why``;
+* :func:`merge`: what a rank's counter did between two looks (``progress_of`` calls it);
+* the rules, called by ``rules.judge``: a rank whose counter stopped while others advance (:func:`stopped`);
+  no step on any rank for long (:func:`stalled`; the ranks behind in steps, if some are, apart from those
+  ahead); ranks whose own steps are slower (:func:`slow_steps`: only where the ranks are not kept in step,
+  since a collective every step makes every rank's step time the slowest one's); healthy with the rate
+  (:func:`healthy`); and the counter's reading added to the other verdicts (:func:`annotate`).
+
+A step time here is a whole iteration (one step's end to the next one's): under a collective every step
+(DDP, an all_reduce of the loss) it is the same on every rank, straggler or not; which rank computes
+longest is for the trace to say, and the verdicts say so rather than guess.
+"""
+
+import statistics
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from probe.diagnose.evidence import RankEvidence, Sample
+from probe.errors import ProbeError, TorchNotLoaded
+
+__all__ = ["STEPS_SQL", "collect_steps", "merge", "stopped", "stalled", "slow_steps", "healthy", "annotate",
+           "unavailable"]
+
+STEPS_SQL = ("SELECT optimizer, steps, last_step_age_s AS last_age, step_time_last_s AS step_last, "
+             "step_time_median_s AS step_s, step_times FROM torch.steps")
+"""Each optimizer's steps counted, seconds since its last one, its last and median step time."""
+
+STOP_FLOOR_S = 2.0  # a rank's counter stopped for less is no stop, whatever else
+STOP_STEPS = 10.0  # ... nor one stopped for less than this many of its step times
+STALL_FLOOR_S = 10.0
+STALL_STEPS = 10.0
+SLOW_RATIO = 1.5
+SLOW_FLOOR_S = 0.02
+CPU_RAN_S = 0.02
+
+Who = Callable[[Sequence[int]], str]
+Commands = Callable[[Optional[Sequence[int]], str], str]
+
+
+def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, Any]]], client: Any) -> None:
+    """One rank's counter, into ``ev.steps`` (rows, maybe none) or ``ev.steps_why``; never raises."""
+    if ev.fr_why == "torch is not loaded":
+        ev.steps_why = ev.fr_why
+        return
+    try:
+        ev.steps = query(client, STEPS_SQL)
+        if not ev.steps:
+            ev.steps_why = "no optimizer has made a step since probe began counting"
+    except TorchNotLoaded as exc:
+        ev.steps_why = "torch is not loaded" if "torch.optim" not in exc.message else "it has no optimizer"
+    except ProbeError as exc:
+        ev.steps_why = exc.message
+    except Exception as exc:  # a surprise in the reading: said, not guessed
+        ev.steps_why = "%s: %s" % (type(exc).__name__, exc)
+
+
+def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
+    """The rank's main optimizer: the one whose last step is the most recent (None: no step counted)."""
+    rows = [r for r in (ev.steps or ()) if isinstance(r.get("steps"), int)] if ev is not None else []
+    if not rows or ev is None or ev.state != "answering":
+        return None
+    return min(rows, key=lambda r: float(r.get("last_age") or 0.0))
+
+
+def merge(a: RankEvidence, b: RankEvidence, out: Dict[str, Any]) -> None:
+    """Steps made between the two looks (every optimizer's), into ``out`` (``optimizer_steps``,
+    ``optimizer_step``: the main optimizer's count; ``stepped`` set where some step was made)."""
+    if a.steps is None or b.steps is None or a.state != "answering" or b.state != "answering":
+        return
+    before = {r.get("optimizer"): r.get("steps") for r in a.steps}
+    made = 0
+    for row in b.steps:
+        now, then = row.get("steps"), before.get(row.get("optimizer"))
+        if isinstance(now, int):
+            made += max(0, now - then) if isinstance(then, int) else now  # counted since the first look
+    main = counter(b)
+    out["optimizer_steps"] = made
+    if main is not None:
+        out["optimizer_step"] = main["steps"]
+        out["step_s"] = main.get("step_s")
+    out["stepped"] = bool(out.get("stepped")) or made > 0
+
+
+def _age(ev: RankEvidence) -> Optional[float]:
+    main = counter(ev)
+    return float(main["last_age"]) if main is not None and main.get("last_age") is not None else None
+
+
+def _step_s(ev: RankEvidence) -> Optional[float]:
+    main = counter(ev)
+    value = main.get("step_s") if main is not None else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def _counted(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]]) -> List[int]:
+    return [r for r in answering if "optimizer_steps" in progress[r] and counter(last.ranks[r]) is not None]
+
+
+def _ran(progress: Dict[str, Any]) -> bool:
+    return bool(progress.get("ran")) if progress.get("cpu") is None else float(progress["cpu"]) >= CPU_RAN_S
+
+
+def steps_text(last: Sample, ranks: Sequence[int], who: Who) -> str:
+    """``rank 1 at step 52, its last 8.1 s ago; ranks 0,2 at step 53, ...``: ranks grouped by their count."""
+    groups: Dict[int, List[int]] = {}
+    for r in ranks:
+        main = counter(last.ranks[r])
+        if main is not None:
+            groups.setdefault(int(main["steps"]), []).append(r)
+    parts = []
+    for steps, rs in sorted(groups.items()):
+        ages = [_age(last.ranks[r]) or 0.0 for r in rs]
+        parts.append("%s at step %d, the last %s ago" % (who(rs), steps, _span(min(ages), max(ages))))
+    return "; ".join(parts)
+
+
+def _span(low: float, high: float) -> str:
+    return "%.1f s" % low if abs(high - low) < 0.05 else "%.1f-%.1f s" % (low, high)
+
+
+def _rows(last: Sample, ranks: Sequence[int]) -> List[Dict[str, Any]]:
+    out = []
+    for r in ranks:
+        main = counter(last.ranks[r])
+        if main is not None:
+            out.append(dict(rank=r, optimizer=main.get("optimizer"), steps=main.get("steps"),
+                            last_age=main.get("last_age"), step_s=main.get("step_s")))
+    return out
+
+
+def _command(command: Commands, ranks: Optional[Sequence[int]] = None) -> str:
+    return command(ranks, "query \"SELECT optimizer, steps, last_step_age_s, step_time_median_s FROM torch.steps\"")
+
+
+def _where(ev: RankEvidence) -> Any:
+    from probe.diagnose.rules import _main, where_of
+
+    thread, key = _main(ev)
+    return where_of(key, thread) if key else None
+
+
+def stopped(first: Sample, last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]],
+            window: float, who: Who, command: Commands) -> List[Any]:
+    """Ranks whose counter stopped (no step in the window, the last one long ago) while others advance:
+    one verdict for them; the advancing ranks are not blamed (they do not wait: they step)."""
+    from probe.diagnose.rules import Evidence, Verdict, where_text
+
+    counted = _counted(last, answering, progress)
+    advancing = [r for r in counted if progress[r]["optimizer_steps"] > 0]
+    if not advancing:
+        return []
+    pace = statistics.median([_step_s(last.ranks[r]) or 0.0 for r in advancing])
+    still = []
+    for r in counted:
+        age = _age(last.ranks[r])
+        own = _step_s(last.ranks[r]) or 0.0
+        if progress[r]["optimizer_steps"] == 0 and age is not None and age >= max(
+                STOP_FLOOR_S, STOP_STEPS * max(pace, own)):
+            still.append(r)
+    if not still:
+        return []
+    running = [r for r in still if _ran(progress[r])]
+    rate = min(progress[r]["optimizer_steps"] for r in advancing) / window if window > 0 else 0.0
+    where = _where(last.ranks[still[0]])
+    summary = "%s make%s no optimizer step (%s) while %s advance%s (%.1f steps/s)" % (
+        who(still), "s" if len(still) == 1 else "", steps_text(last, still, who), who(advancing),
+        "s" if len(advancing) == 1 else "", rate)
+    evidence = [Evidence("step counter: %s; %s (%.3f s a step)" % (steps_text(last, still, who),
+                                                                   steps_text(last, advancing, who), pace),
+                         _command(command), still + advancing, _rows(last, still + advancing)),
+                Evidence("%s: %s%s" % (who(still[:1]), where_text(where), "; its main thread runs (CPU gained)"
+                                       if running else "; its main thread gained no CPU over %.1f s" % window),
+                         command(still, "backtrace"), still)]
+    status = "degraded" if running and len(running) == len(still) else "stuck"
+    return [Verdict("no_step", status, summary, still, [], where, evidence,
+                    ["see what %s does: %s" % (who(still), command(still[:1], "backtrace --native")),
+                     "its locals: %s" % command(still[:1], "eval --frame MainThread:0 \"sorted(locals())\"")])]
+
+
+def stalled(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]], window: float,
+            who: Who, command: Commands) -> List[Any]:
+    """No step on any rank for long (at least ``STALL_FLOOR_S`` and ``STALL_STEPS`` step times): stuck when
+    no main thread runs, else degraded (an evaluation, a checkpoint, a loop that makes no step). Ranks
+    behind in steps are named apart from those ahead."""
+    from probe.diagnose.rules import Evidence, Verdict, where_text
+
+    counted = _counted(last, answering, progress)
+    if not counted or len(counted) != len(answering) or any(progress[r].get("stepped") for r in answering):
+        return []
+    for r in counted:
+        age, own = _age(last.ranks[r]), _step_s(last.ranks[r]) or 0.0
+        if age is None or age < max(STALL_FLOOR_S, STALL_STEPS * own):
+            return []
+    counts = {r: int(counter(last.ranks[r])["steps"]) for r in counted}  # type: ignore[index]
+    low = min(counts.values())
+    behind = sorted(r for r, c in counts.items() if c == low)
+    ahead = sorted(r for r, c in counts.items() if c > low)
+    running = [r for r in counted if _ran(progress[r])]
+    ages = [_age(last.ranks[r]) or 0.0 for r in counted]
+    step_s = max(_step_s(last.ranks[r]) or 0.0 for r in counted)
+    culprit = behind if ahead else counted
+    where = _where(last.ranks[culprit[0]])
+    summary = "no optimizer step on %s for %.0f s (a step took %.2f s before)" % (who(counted), min(ages), step_s)
+    if ahead:
+        summary += "; %s %s behind (step %d, the others %s)" % (
+            who(behind), "is" if len(behind) == 1 else "are", low,
+            "/".join(str(c) for c in sorted(set(counts.values()) - {low})))
+    evidence = [Evidence("step counter: %s" % steps_text(last, counted, who), _command(command), counted,
+                         _rows(last, counted)),
+                Evidence("%s: %s" % (who(culprit[:1]), where_text(where)), command(culprit, "backtrace"), culprit)]
+    if running:
+        evidence.append(Evidence("%s: the main thread runs (CPU gained in %.1f s): an evaluation, a checkpoint, a "
+                                 "loop that makes no step?" % (who(running), window),
+                                 command(running, "backtrace"), running))
+    status = "degraded" if running else "stuck"
+    return [Verdict("stalled", status, summary, culprit, ahead, where, evidence,
+                    ["see where every rank is: %s" % command(None, "backtrace")])]
+
+
+def slow_steps(last: Sample, answering: List[int], who: Who, command: Commands) -> List[Any]:
+    """Ranks whose own step time is well above the others': only possible where no collective keeps the
+    ranks in step every step, so there it is the rank's own iterations that are slower."""
+    from probe.diagnose.rules import Evidence, Verdict
+
+    times = {r: t for r in answering for t in [_step_s(last.ranks[r])] if t is not None and t > 0}
+    if len(times) < 2:
+        return []
+    if len(times) == 2:
+        base = min(times.values())
+    else:
+        base = statistics.median(times.values())
+    slow = sorted(r for r, t in times.items() if t > SLOW_RATIO * base and t - base > SLOW_FLOOR_S)
+    if not slow or len(slow) * 2 > len(times):
+        return []
+    others = sorted(set(times) - set(slow))
+    summary = "slow steps: %s take%s %.3f s a step, %s %.3f s (median of the last 64): %s own iterations are " \
+              "slower (no collective keeps the ranks in step)" % (
+                  who(slow), "s" if len(slow) == 1 else "", max(times[r] for r in slow), who(others),
+                  statistics.median(times[r] for r in others), "its" if len(slow) == 1 else "their")
+    evidence = [Evidence("step counter: median step time %s" % ", ".join(
+        "%s %.3f s" % (who([r]), t) for r, t in sorted(times.items(), key=lambda kv: -kv[1])[:6]),
+        _command(command), sorted(times), [dict(rank=r, step_s=round(t, 4)) for r, t in sorted(times.items())])]
+    return [Verdict("slow_steps", "degraded", summary, slow, [], _where(last.ranks[slow[0]]), evidence,
+                    ["where its time goes, per module: %s" % command(slow[:1], "trace start"),
+                     "its stacks: %s" % command(slow[:1], "backtrace")])]
+
+
+def spread_evidence(last: Sample, ranks: Sequence[int], who: Who, command: Commands) -> Optional[Any]:
+    """The step time across ranks, where it is about equal: what it does and does not say."""
+    from probe.diagnose.rules import Evidence
+
+    times = [t for r in ranks for t in [_step_s(last.ranks[r])] if t is not None]
+    if not times:
+        return None
+    text = "step time %s on %s (median of the last 64 steps)" % (_span3(min(times), max(times)), who(ranks))
+    if len(times) >= 2:
+        text += ("; about equal across ranks, as a collective every step makes it: a straggler would slow them "
+                 "all alike, and only the trace tells whose compute is long (%s)" % command(None, "trace start"))
+    return Evidence(text, _command(command), list(ranks))
+
+
+def _span3(low: float, high: float) -> str:
+    return "%.3f s" % low if high - low < 0.0005 else "%.3f-%.3f s" % (low, high)
+
+
+def healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]], window: float,
+            who: Who, command: Commands) -> Optional[Any]:
+    """Healthy by the counter, where no rank has the trace (that verdict says the same with its own steps):
+    every rank made steps (the rate), or no step in the window but none stopped for long."""
+    from probe.diagnose.rules import Evidence, Verdict
+
+    if not answering or any(last.ranks[r].trace for r in answering):
+        return None
+    counted = _counted(last, answering, progress)
+    if not counted:
+        return None
+    made = {r: progress[r]["optimizer_steps"] for r in counted}
+    rate = min(made.values()) / window if window > 0 else 0.0
+    evidence = [Evidence("step counter: %d-%d optimizer steps in %.1f s on %s (about %.1f steps/s); %s" % (
+        min(made.values()), max(made.values()), window, who(counted), rate, steps_text(last, counted, who)),
+        _command(command), counted, _rows(last, counted))]
+    spread = spread_evidence(last, counted, who, command)
+    if spread is not None:
+        evidence.append(spread)
+    uncounted = sorted(set(answering) - set(counted))
+    if uncounted:
+        evidence.append(Evidence("%s: no step counted (%s)" % (who(uncounted), last.ranks[uncounted[0]].steps_why
+                                                               or "no optimizer"), None, uncounted))
+    if all(made[r] > 0 for r in counted) and not uncounted:
+        step_s = [t for r in counted for t in [_step_s(last.ranks[r])] if t is not None]
+        summary = "healthy: steps advance on %s (%.1f steps/s%s)" % (
+            who(answering), rate, "; %.3f s a step" % max(step_s) if step_s else "")
+        return Verdict("healthy", "healthy", summary, [], [], None, evidence, [])
+    idle = sorted(r for r in counted if made[r] == 0)
+    summary = "no trouble found on %s; no optimizer step in the %.1f s watched on %s (%s)" % (
+        who(answering), window, who(idle) if idle else who(uncounted), steps_text(last, idle, who) if idle
+        else "none counted")
+    return Verdict("healthy", "healthy", summary, [], [], None, evidence, [])
+
+
+def annotate(verdicts: List[Any], last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]],
+             who: Who, command: Commands) -> None:
+    """Add the counter's reading to verdicts made from other evidence (a hang, a rank that cannot answer,
+    the trace's healthy): the ranks they name, or every rank for a healthy one."""
+    from probe.diagnose.rules import Evidence
+
+    counted = _counted(last, answering, progress)
+    if not counted:
+        return
+    for verdict in verdicts:
+        if verdict.kind in ("no_step", "stalled", "slow_steps") or any(
+                e.text.startswith("step counter:") for e in verdict.evidence):
+            continue
+        named = sorted(set(verdict.culprits) | set(verdict.victims)) or (
+            counted if verdict.status == "healthy" else [])
+        shown = [r for r in named if r in counted]
+        if not shown:
+            continue
+        made = [progress[r]["optimizer_steps"] for r in shown]
+        verdict.evidence.append(Evidence("step counter: %s; %d-%d steps in the window" % (
+            steps_text(last, shown, who), min(made), max(made)), _command(command), shown, _rows(last, shown)))
+
+
+def unavailable(last: Sample, answering: List[int], who: Who) -> List[str]:
+    reasons: Dict[str, List[int]] = {}
+    for r in answering:
+        why = getattr(last.ranks[r], "steps_why", None)
+        if why and why != "torch is not loaded":
+            reasons.setdefault(why, []).append(r)
+    return ["step counter: %s on %s" % (why, who(rs)) for why, rs in sorted(reasons.items())]
