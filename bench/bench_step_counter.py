@@ -1,0 +1,105 @@
+"""The step counter's cost (``torch.steps``): a small CPU training loop with and without the agent's
+optimizer post-step hook.
+
+    python bench/bench_step_counter.py [--rounds 15] [--steps 200] [--calls 200000]
+
+In one process (CPU, one intra-op thread): an MLP (4 x Linear(256) + ReLU, batch 32) trained with SGD.
+Blocks of ``--steps`` steps alternate (A B B A ...): without probe's hook, and with it registered as the
+agent registers it (``probe.agent.placement._after_step`` through torch's global
+``register_optimizer_step_post_hook``; removed again after its block, which only this bench does).
+Each step is timed in CPU time of the training thread (``time.thread_time``; wall time on a shared
+machine swings by tens of per cent). A block's figure is its median step; the ratio is a "with" block
+over the mean of the "without" blocks on either side, median over rounds with its IQR. Beside it, the
+hook's own cost: ``--calls`` calls of ``_after_step`` on one optimizer in a loop, ns a call (min of 5).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from typing import Any, List
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _common import Summary, header, table  # noqa: E402
+
+
+def _loop(torch: Any) -> Any:
+    torch.manual_seed(0)
+    layers: List[Any] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(256, 256), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    data = torch.randn(32, 256)
+
+    def block(steps: int) -> float:
+        times = []
+        for _ in range(steps):
+            start = time.thread_time()
+            loss = model(data).pow(2).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            times.append(time.thread_time() - start)
+        return statistics.median(times)
+    return block, optimizer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--calls", type=int, default=200000)
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    from torch.optim import optimizer as optim_module
+
+    from probe.agent import placement
+    from probe.tables.torch import steps as counter
+
+    header("The step counter (torch.steps): a CPU training loop with and without the optimizer post-step hook",
+           ["torch %s, 1 intra-op thread; %d rounds of %d-step blocks, without / with interleaved (A B B A)"
+            % (torch.__version__, args.rounds, args.steps)])
+    block, optimizer = _loop(torch)
+    block(args.steps)  # warm-up
+    ratios, off, on = [], [], []
+    for i in range(args.rounds):
+        order = ("off", "on", "on", "off") if i % 2 == 0 else ("on", "off", "off", "on")
+        got = {"off": [], "on": []}  # type: dict
+        for what in order:
+            handle = optim_module.register_optimizer_step_post_hook(placement._after_step) if what == "on" else None
+            try:
+                got[what].append(block(args.steps))
+            finally:
+                if handle is not None:
+                    handle.remove()
+        base = statistics.mean(got["off"])
+        ratios += [t / base for t in got["on"]]
+        off += got["off"]
+        on += got["on"]
+    calls = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            placement._after_step(optimizer, (), {})
+        calls.append((time.perf_counter() - start) / args.calls)
+    r, a, b = Summary.of(ratios), Summary.of(off), Summary.of(on)
+    print(table([["without probe", str(a.n), "%.1f" % (a.median * 1e6), "%.1f-%.1f" % (a.q1 * 1e6, a.q3 * 1e6),
+                  "%.1f-%.1f" % (a.low * 1e6, a.high * 1e6)],
+                 ["with the step counter", str(b.n), "%.1f" % (b.median * 1e6), "%.1f-%.1f" % (b.q1 * 1e6, b.q3 * 1e6),
+                  "%.1f-%.1f" % (b.low * 1e6, b.high * 1e6)]],
+                ["median step (CPU)", "blocks", "median us", "IQR us", "min-max us"]))
+    print()
+    print("with / without (per round, neighbouring blocks): median %.4f, IQR %.4f-%.4f, min-max %.4f-%.4f"
+          % (r.median, r.q1, r.q3, r.low, r.high))
+    print("the hook alone: %.0f ns a call (min of 5 x %d calls; median %.0f ns)"
+          % (min(calls) * 1e9, args.calls, statistics.median(calls) * 1e9))
+    print("counted: %s steps (the 'with' blocks and the calls alone)" % [c.steps for c in counter._counters.values()])
+
+
+if __name__ == "__main__":
+    main()
