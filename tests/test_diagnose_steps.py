@@ -3,12 +3,15 @@ healthy job's step rate, a rank that stops stepping, ranks whose own steps are s
 evidence made by hand."""
 
 import json
+import signal
+import subprocess
+import sys
 import time
 
 from probe.client.results import Frame
 from probe.diagnose.evidence import RankEvidence, Sample
 from probe.diagnose.rules import EXIT_CODES, judge
-from procs import run_cli, scaled
+from procs import run_cli, scaled, target_env
 from test_cluster import needs_torchrun, torchrun_job
 
 HEALTHY, DEGRADED, STUCK = (EXIT_CODES[s] for s in ("healthy", "degraded", "stuck"))
@@ -84,6 +87,17 @@ def test_without_the_trace_healthy_20_times_then_a_rank_that_stops_stepping_and_
             assert "steps/s" in result.out.splitlines()[0] and "progress unknown" not in result.out, result.out
         report = json.loads(_diagnose(master, "--json").out)
         assert all(p["optimizer_steps"] > 0 for p in report["progress"].values()), report["progress"]
+
+        # --watch without the trace: each round says how many steps each rank made since the last.
+        watch = subprocess.Popen([sys.executable, "-m", "probe", "--deadline", "4", master, "diagnose", "--watch", "0.5",
+                                  "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=target_env(probe=False))
+        try:
+            rounds = [json.loads(watch.stdout.readline()) for _ in range(2)]
+        finally:
+            watch.send_signal(signal.SIGINT)
+            watch.communicate(timeout=30)
+        assert any("ranks 0-1 made" in line for line in rounds[1]["changes"]), rounds[1]["changes"]
 
         # Rank 1 sleeps between steps, outside any collective; rank 0 waits for it in all_reduce. Rank 1 is
         # named, rank 0 is not blamed, and the step counter says both stopped at one step.

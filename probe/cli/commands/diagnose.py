@@ -173,13 +173,15 @@ def _changes(before: Any, now: Any) -> List[str]:
     moved, still = [], []
     for rank, p in sorted(now.progress.items()):
         old = before.progress.get(rank, {})
-        if p.get("step") is not None and old.get("step") is not None:
-            (moved if p["step"] > old["step"] else still).append((rank, p["step"] - old["step"]))
+        for key in ("step", "optimizer_step"):  # the trace's step, else the step counter's (no trace needed)
+            if p.get(key) is not None and old.get(key) is not None:
+                (moved if p[key] > old[key] else still).append((rank, p[key] - old[key]))
+                break
     if moved:
         steps = [d for _, d in moved]
         lines.append("%s made %d-%d steps" % (ranks_word([r for r, _ in moved]), min(steps), max(steps)))
     if still:
         lines.append("no step on %s (no progress)" % ranks_word([r for r, _ in still]))
     if not moved and not still:
-        lines.append("steps unknown without the trace")
+        lines.append("steps unknown: no rank has made an optimizer step that probe saw")
     return lines
