@@ -70,6 +70,8 @@ class RankEvidence:
     fr_why: Optional[str] = None
     trace: Optional[Dict[str, Any]] = None
     trace_why: Optional[str] = None
+    training: Optional[Dict[str, Any]] = None  # data loader workers, NaN/Inf (probe.diagnose.training)
+    memory: Optional[Dict[str, Any]] = None  # RSS readings, where memory is, OOM kills (probe.diagnose.memory)
     steps: Optional[List[Dict[str, Any]]] = None  # the step counter's rows (probe.diagnose.progress)
     steps_why: Optional[str] = None
     seconds: float = 0.0
@@ -115,7 +117,8 @@ class RankEvidence:
                            for name, key in self.stacks().items()} if self.frames is not None else None,
                 "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
                 "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why,
-                "steps": self.steps, "steps_why": self.steps_why}
+                "steps": self.steps, "steps_why": self.steps_why,
+                "training": self.training, "memory": self.memory}
 
 
 @dataclass
@@ -243,6 +246,11 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     else:
         why = "its agent cannot answer (%s)" % ev.state.replace("_", " ")
         ev.threads_why = ev.fr_why = ev.trace_why = ev.steps_why = why
+    from probe.diagnose import memory, training
+
+    if ev.state == "answering":
+        training.gather(client, ev, _query)
+    memory.gather(client, ev, _query)
     ev.seconds = time.monotonic() - start
     return ev
 

@@ -222,7 +222,9 @@ def needs_longer_look(first: Sample, last: Sample) -> bool:
             return True
         if lock_waits(a, b):
             return True
-    return False
+    from probe.diagnose import memory
+
+    return memory.rising(first, last)
 
 
 def lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
@@ -316,7 +318,13 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         else:  # without the trace: ranks whose own steps are slower, where no collective keeps them in step
             verdicts += steps.slow_steps(last, answering, who, command)
 
+    # Data loader stall, NaN/Inf, memory growth (and the OOM killer on a dead rank's verdict).
+    from probe.diagnose import memory, training
+
+    verdicts += training.judge(first, last, answering, progress, window, who, command)
+    verdicts += memory.judge(first, last, answering, verdicts, who, command)
     unavailable = _unavailable(last, answering, who)
+    unavailable += training.unavailable(last, answering, who) + memory.unavailable(last, answering, who)
     if not verdicts:
         verdicts.append(steps.healthy(last, answering, progress, window, who, command)
                         or _healthy(last, answering, progress, window, who, command))

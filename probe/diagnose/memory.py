@@ -1,0 +1,229 @@
+"""The memory verdicts of ``probe diagnose``: growth over the looks, and the OOM killer for a dead rank.
+
+Evidence, per rank and per look (:func:`gather`; reads only, bounded):
+
+* one query, the process's RSS (``process.info``), kept with the readings of the earlier looks of this
+  diagnose run (and of earlier rounds of ``--watch``): a slope over several readings, not one;
+* once a reading is well above the one before, once per process: where its memory is (``torch.memory``:
+  the live CPU tensors' bytes, the CUDA caching allocator's allocated and reserved bytes) and its largest
+  holders (``torch.tensors`` grouped by kind, owner, shape): two scans of the garbage collector's objects,
+  each bounded by the table's own budget;
+* for a dead process of this host: the kernel log's line of the OOM killer naming its pid (where
+  ``dmesg`` is readable), and its cgroup's ``memory.events`` ``oom_kill`` counter.
+"""
+
+import os
+import re
+import subprocess
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["gather", "judge", "unavailable", "rising", "oom_evidence"]
+
+MB = 1024 * 1024
+RISE_TRIGGER = 8 * MB  # a reading this far above the one before: look again, and read where the memory is
+GROWTH_FLOOR = 16 * MB  # growth is said only above this over the readings ...
+MIN_READINGS = 3  # ... over at least this many readings ...
+MIN_SPAN_S = 2.0  # ... spanning this long, each above the one before
+RSS_SQL = "SELECT rss FROM process.info"
+SPLIT_SQL = "SELECT device, allocated_bytes, reserved_bytes, rss_bytes, tensors, complete FROM torch.memory"
+HOLDERS_SQL = """\
+SELECT kind, owner, shape, device, requires_grad, n, bytes FROM (
+  SELECT kind, owner, shape, device, requires_grad, count(*) AS n, CAST(sum(bytes) AS BIGINT) AS bytes
+  FROM torch.tensors GROUP BY ALL)
+QUALIFY row_number() OVER (ORDER BY bytes DESC) <= 4 OR row_number() OVER (ORDER BY n DESC) <= 2
+ORDER BY bytes DESC LIMIT 6"""
+
+_HISTORY: Dict[Tuple[str, Optional[int], int], List[Tuple[float, int]]] = {}
+_SPLIT: Dict[Tuple[str, Optional[int], int], Dict[str, Any]] = {}
+
+
+def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]]) -> None:
+    """This look's memory evidence into ``ev.memory``; never raises."""
+    from probe.errors import ProbeError
+
+    out: Dict[str, Any] = {}
+    key = (ev.host, ev.pid, ev.rank)
+    if ev.state == "dead":
+        if client.target.is_local and ev.pid is not None:
+            out["oom"] = oom_evidence(ev.pid)
+        ev.memory = out
+        return
+    if ev.state != "answering":
+        return
+    try:
+        rows = query(client, RSS_SQL)
+        rss = rows[0]["rss"] if rows else None
+    except ProbeError as exc:
+        out["why"] = exc.message
+        rss = None
+    history = _HISTORY.setdefault(key, [])
+    if isinstance(rss, int):
+        history.append((time.monotonic(), rss))
+        del history[:-30]
+        if len(history) >= 2 and rss - history[-2][1] >= RISE_TRIGGER and key not in _SPLIT \
+                and ev.fr_why != "torch is not loaded":
+            split: Dict[str, Any] = {}
+            for name, sql in (("split", SPLIT_SQL), ("holders", HOLDERS_SQL)):
+                try:
+                    split[name] = query(client, sql)
+                except ProbeError as exc:
+                    split[name + "_why"] = exc.message
+            _SPLIT[key] = split
+    out["readings"] = list(history)
+    out.update(_SPLIT.get(key, {}))
+    ev.memory = out
+
+
+def oom_evidence(pid: int) -> Dict[str, Any]:
+    """What this host says of an OOM kill of ``pid``: the kernel log's line, the cgroup's oom_kill counter."""
+    out: Dict[str, Any] = {}
+    try:
+        log = subprocess.run(["dmesg"], capture_output=True, text=True, timeout=2).stdout
+        pattern = re.compile(r"(Killed process %d\b|oom-kill:.*\bpid=%d\b)" % (pid, pid))
+        lines = [line.strip() for line in log.splitlines() if pattern.search(line)]
+        if lines:
+            out["kernel_log"] = lines[-1][:300]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    for source in ("/proc/%d/cgroup" % pid, "/proc/self/cgroup"):
+        try:
+            with open(source) as handle:
+                path = next((line.split(":", 2)[2].strip() for line in handle if line.startswith("0::")), None)
+        except OSError:
+            continue
+        if path is None:
+            continue
+        events = os.path.join("/sys/fs/cgroup", path.lstrip("/"), "memory.events")
+        try:
+            with open(events) as handle:
+                counters = dict(line.split() for line in handle if len(line.split()) == 2)
+            out["cgroup"] = path
+            out["oom_kill"] = int(counters.get("oom_kill", 0))
+            out["cgroup_is_its_own"] = source != "/proc/self/cgroup"
+        except (OSError, ValueError):
+            pass
+        break
+    return out
+
+
+# -- judging ------------------------------------------------------------------------------------------
+
+
+def _readings(ev: Any) -> List[Tuple[float, int]]:
+    return list((getattr(ev, "memory", None) or {}).get("readings") or [])
+
+
+def rising(first: Any, last: Any) -> bool:
+    """Whether some rank's last reading is well above the one before: then look longer before judging."""
+    for ev in last.ranks.values():
+        readings = _readings(ev)
+        if len(readings) >= 2 and readings[-1][1] - readings[-2][1] >= RISE_TRIGGER:
+            return True
+    return False
+
+
+def _slope(readings: List[Tuple[float, int]]) -> float:
+    n = len(readings)
+    mt = sum(t for t, _ in readings) / n
+    mv = sum(v for _, v in readings) / n
+    den = sum((t - mt) ** 2 for t, _ in readings)
+    return sum((t - mt) * (v - mv) for t, v in readings) / den if den else 0.0
+
+
+def _growth(readings: List[Tuple[float, int]]) -> Optional[Dict[str, float]]:
+    """RSS growth over the readings, or None where they do not show a steady rise."""
+    if len(readings) < 2 or readings[-1][1] - readings[0][1] < GROWTH_FLOOR:
+        return None
+    return {"rise": readings[-1][1] - readings[0][1], "span": readings[-1][0] - readings[0][0],
+            "slope": _slope(readings), "n": len(readings),
+            "steady": all(b[1] > a[1] for a, b in zip(readings, readings[1:]))}
+
+
+def _mb(value: Any) -> str:
+    return "%.0f MB" % (value / MB) if isinstance(value, (int, float)) else "?"
+
+
+def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who: Callable[[Sequence[int]], str],
+          command: Any) -> List[Any]:
+    from probe.diagnose.rules import Evidence, Verdict
+
+    out = []
+    for r in answering:
+        ev = last.ranks[r]
+        growth = _growth(_readings(ev))
+        if growth is None or growth["n"] < MIN_READINGS or growth["span"] < MIN_SPAN_S or not growth["steady"]:
+            continue
+        memory = ev.memory or {}
+        readings = _readings(ev)
+        rss_now = readings[-1][1]
+        summary = "memory grows on %s: RSS +%s in %.1f s (%.1f MB/s over %d looks), now %s" % (
+            who([r]), _mb(growth["rise"]), growth["span"], growth["slope"] / MB, growth["n"], _mb(rss_now))
+        evidence = [Evidence("RSS at each look: %s" % ", ".join(_mb(v) for _, v in readings[-8:]),
+                             command([r], "query \"SELECT rss FROM process.info\""), [r],
+                             [{"seconds": round(t - readings[0][0], 2), "rss": v} for t, v in readings])]
+        split = memory.get("split") or []
+        cpu = next((row for row in split if row.get("device") == "cpu"), None)
+        if cpu is not None:
+            tensors = cpu.get("allocated_bytes") or 0
+            parts = ["torch CPU tensors %s" % _mb(tensors)]
+            for row in split:
+                if row.get("device") != "cpu":
+                    parts.append("%s allocator: %s allocated, %s reserved (device memory, not in RSS)" % (
+                        row.get("device"), _mb(row.get("allocated_bytes")), _mb(row.get("reserved_bytes"))))
+            parts.append("the rest %s (Python objects, autograd graphs' saved tensors, allocator arenas, native "
+                         "libraries; Python objects alone are not counted cheaply)" % _mb(max(0, (cpu.get(
+                             "rss_bytes") or rss_now) - tensors)))
+            evidence.append(Evidence("where it is: RSS %s = %s" % (_mb(cpu.get("rss_bytes") or rss_now),
+                                                                   "; ".join(parts)),
+                                     command([r], "query \"SELECT * FROM torch.memory\""), [r], split))
+        elif memory.get("split_why"):
+            evidence.append(Evidence("where it is: not known (%s)" % memory["split_why"], None, [r]))
+        holders = memory.get("holders") or []
+        if holders:
+            graphs = [h for h in holders if h.get("kind") == "tensor" and h.get("requires_grad") and (h.get("n") or 0) >= 50]
+            top = sorted(holders, key=lambda h: -(h.get("bytes") or 0))[:3]
+            text = "; ".join("%s %s %s x%s %s" % (h.get("kind"), h.get("owner") or "", h.get("shape"), h.get("n"),
+                                                   _mb(h.get("bytes"))) for h in top)
+            if graphs:
+                g = max(graphs, key=lambda h: h.get("n") or 0)
+                summary += "; largest holder: %d tensors %s with requires_grad (not parameters), each keeping its " \
+                           "autograd graph and the activations it saved" % (g.get("n"), g.get("shape"))
+                text = "%d tensors of shape %s with requires_grad (not parameters: results kept with their autograd " \
+                       "graph, e.g. losses kept without .item() or .detach()); by bytes: %s" % (g.get("n"), g.get("shape"), text)
+            else:
+                summary += "; largest holder: %s" % text.split(";")[0]
+            evidence.append(Evidence("torch.tensors by kind, owner and shape: %s" % text, command(
+                [r], "query \"SELECT kind, owner, shape, requires_grad, count(*) AS n, sum(bytes) AS bytes FROM "
+                     "torch.tensors GROUP BY ALL ORDER BY bytes DESC LIMIT 10\""), [r], holders))
+        elif memory.get("holders_why"):
+            evidence.append(Evidence("its largest holders: not known (%s)" % memory["holders_why"], None, [r]))
+        out.append(Verdict("memory_growth", "degraded", summary, [r], [], None, evidence, [
+            "watch it go on: %s" % command([r], "diagnose --watch 10"),
+            "what holds the tensors: %s" % command([r], "query \"SELECT * FROM torch.tensors ORDER BY bytes DESC "
+                                                        "LIMIT 20\"")]))
+    for verdict in verdicts:  # a dead rank: the OOM killer, where this host's records say so
+        if verdict.kind != "dead":
+            continue
+        for r in verdict.culprits:
+            oom = ((getattr(last.ranks.get(r), "memory", None) or {}).get("oom")) or {}
+            if oom.get("kernel_log"):
+                verdict.summary += " (the OOM killer, by the kernel log)"
+                verdict.evidence.append(Evidence("kernel log: %s" % oom["kernel_log"], "dmesg | grep -i oom", [r]))
+            elif oom.get("oom_kill") and "signal 9" in (last.ranks[r].why or ""):
+                verdict.evidence.append(Evidence(
+                    "%s cgroup %s: memory.events counts oom_kill %d: the OOM killer has killed in it (SIGKILL, as "
+                    "this rank got)" % ("its" if oom.get("cgroup_is_its_own") else "this host's (probe's own)",
+                    oom.get("cgroup"), oom["oom_kill"]), "cat /sys/fs/cgroup%s/memory.events" % oom.get("cgroup"),
+                    [r], [oom]))
+    return out
+
+
+def unavailable(last: Any, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:
+    out = []
+    for r in answering:
+        growth = _growth(_readings(last.ranks[r]))
+        if growth is not None and (growth["n"] < MIN_READINGS or growth["span"] < MIN_SPAN_S):
+            out.append("memory growth: not enough samples: RSS +%s in %.1f s over %d looks on %s (`diagnose --watch "
+                       "5` looks again)" % (_mb(growth["rise"]), growth["span"], growth["n"], who([r])))
+    return out
