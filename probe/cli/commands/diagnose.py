@@ -26,15 +26,19 @@ def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> Non
 
     \b
     TARGET: a pid (one process), or a job: the master's HOST:PROBE_PORT, slurm:JOBID, --hosts FILE, -t
-    several times. Every rank's stacks (read from outside where it cannot answer), threads' CPU, the Flight
-    Recorder's last collectives and the trace's steps are read twice, a second apart (and again after 3 s
-    where a rank showed no sign of life), within --deadline; nothing is run in the program, no collective.
-    The verdict comes first: a dead rank, one that cannot answer (GIL held in C, stopped), a collective hang
-    (the ranks that did not issue it, apart from those waiting in it), a stall, a lock wait, a straggler,
-    or healthy. Then the evidence, each with the probe command that shows it in full, then what to do.
+    several times. Every rank's stacks (read from outside where it cannot answer), threads' CPU, the
+    optimizer step counter, the Flight Recorder's last collectives, the trace's steps, anomalies and RSS are
+    read twice, a second apart (and again after 3 s where a rank showed no sign of life or its memory
+    rose), within --deadline; nothing is run in the program, no collective. The verdict comes first: a dead
+    rank (the OOM killer where the kernel says so), one that cannot answer (GIL held in C, stopped), a
+    collective hang (the ranks that did not issue it, apart from those waiting in it), a rank that makes no
+    step, a data loader stall (which worker), a stall, a lock wait, a NaN (where it came in), memory that
+    grows, a straggler, or healthy (steps a second). Then the evidence, each with the probe command that
+    shows it in full, then what to do.
     \b
-    Exit status: 0 healthy, 10 degraded (a straggler, a rank that gave no evidence), 11 stuck (a hang, a
-    rank that cannot run), 12 a rank is dead; probe's own codes (2, 3, 4...) where no diagnosis could be made.
+    Exit status: 0 healthy, 10 degraded (a straggler, a NaN, memory growth, a rank that gave no evidence),
+    11 stuck (a hang, a rank that cannot run), 12 a rank is dead; probe's own codes (2, 3, 4...) where no
+    diagnosis could be made.
     """
     from probe.diagnose.engine import diagnose as run, sampler_for
 
