@@ -10,9 +10,10 @@ listening sockets (TCP for the direct path, the unix socket at ``probe._paths.so
 made-up pid for its node helper) served by a small single-threaded server (a few processes, many ranks
 each) that speaks the two endpoints the fan-out uses, ``GET /v1/backtrace`` and ``POST /v1/query``,
 with canned answers: 3 threads of 12 frames, one rank in 64 with another main-thread stack; one row for
-the query. What that leaves out: the agents' own work (a real agent spends ~4 ms of CPU a query, and
-its interpreter shares the GIL with the program), their memory, and the GIL-held or dead rank (the
-tests cover those). The client is the real one (``probe.client.cluster``, discovery included).
+the query (with ``Live``, used by bench_diagnose.py: rows made per SQL text for ``probe diagnose``'s queries,
+advancing with wall time as a job making steps would). What that leaves out: the agents' own work (a real
+agent spends ~4 ms of CPU a query, and its interpreter shares the GIL with the program), their memory,
+and the GIL-held or dead rank (the tests cover those). The client is the real one (``probe.client.cluster``, discovery included).
 
 NODE HELPERS: real ``probe.host.helper.Helper`` objects serving HTTP on their own TCP listener (the
 same listener class as the agent's), several to a process; only their member list is simulated (the
@@ -48,7 +49,7 @@ PID_BASE = 100000  # above /proc/sys/kernel/pid_max here: no live process has th
 # -- canned answers -------------------------------------------------------------------------------
 
 
-def _stack(main_tail: str) -> Dict[str, Any]:
+def _stack(main_tail: str, main_line: int = 100) -> Dict[str, Any]:
     frames, threads = [], []
     names = [("MainThread", True, ["<module>", "main", "train", "step", "forward", "backward", "allreduce",
                                    "wait", "_wait", "poll", "select", main_tail]),
@@ -60,7 +61,8 @@ def _stack(main_tail: str) -> Dict[str, Any]:
         chain = []
         for depth, func in enumerate(reversed(funcs)):  # innermost first
             chain.append(len(frames))
-            frames.append([func, "/opt/venv/lib/python3.11/site-packages/trainer/%s.py" % name, 100 + depth, None])
+            line = (main_line if is_main and depth == 0 else 100) + depth
+            frames.append([func, "/opt/venv/lib/python3.11/site-packages/trainer/%s.py" % name, line, None])
         threads.append([1000 + tid, name, 2000 + tid, is_main, chain])
     return {"frames": frames, "threads": threads}
 
@@ -69,11 +71,74 @@ BACKTRACES = [json.dumps(_stack("recv")).encode(), json.dumps(_stack("straggler"
 QUERY = json.dumps({"columns": [{"name": "threads", "type": "BIGINT"}], "rows": [[3]], "truncated": False}).encode()
 
 
-def _answer(rank: int, head: bytes) -> bytes:
+class Live:
+    """Answers of a HEALTHY, PROGRESSING job (``probe diagnose``'s bench): every rank steps its optimizer every
+    ``STEP_S`` seconds of wall time since ``t0`` (the same count on every rank, as under DDP), its threads gain
+    CPU as the time goes, its main thread's innermost line moves with the step; the Flight Recorder, the trace
+    and torch.anomalies are empty (off), its RSS flat. Rows are made per SQL text, for the queries
+    ``probe.diagnose`` sends (any other SQL gets the canned row)."""
+
+    STEP_S = 0.1
+
+    def __init__(self, t0: float) -> None:
+        from probe.diagnose import evidence, memory, progress, training
+
+        self.t0 = t0
+        self.stacks = [[json.dumps(_stack(tail, 100 + k)).encode() for k in range(4)] for tail in ("recv", "straggler")]
+        self.by_sql = {evidence.THREADS_SQL: self.threads, evidence.FR_SQL: self.fr, evidence.TRACE_SQL: self.trace,
+                       progress.STEPS_SQL: self.steps, training.ANOMALIES_SQL: self.anomalies,
+                       memory.RSS_SQL: self.rss}
+
+    def backtrace(self, rank: int) -> bytes:
+        return self.stacks[rank % 64 == 7][int((time.time() - self.t0) / self.STEP_S) % 4]
+
+    def query(self, rank: int, body: bytes) -> bytes:
+        try:
+            make = self.by_sql.get(json.loads(body)["sql"])
+        except (ValueError, KeyError, TypeError):
+            make = None
+        if make is None:
+            return QUERY
+        columns, rows = make(rank, time.time() - self.t0)
+        return json.dumps({"columns": [{"name": n, "type": t} for n, t in columns], "rows": rows,
+                           "truncated": False}).encode()
+
+    def threads(self, rank: int, age: float) -> Any:
+        return ([("thread_id", "BIGINT"), ("thread_name", "VARCHAR"), ("is_main", "BOOLEAN"), ("is_agent", "BOOLEAN"),
+                 ("cpu", "DOUBLE")],
+                [[1000, "MainThread", True, False, 0.9 * age], [1001, "pin_memory", False, False, 0.05 * age],
+                 [1002, "probe-agent", False, True, 0.01 * age]])
+
+    def fr(self, rank: int, age: float) -> Any:
+        return [(n, "VARCHAR") for n in ("pg", "pg_desc", "last_seq", "last_op", "last_done", "last_age", "period",
+                                         "call_site", "entries")], []
+
+    def trace(self, rank: int, age: float) -> Any:  # an aggregate over the empty trace: one row of NULLs
+        names = ("step", "last_age", "entries", "compute", "top_module", "step_s")
+        return [(n, "DOUBLE") for n in names], [[None, None, 0, None, None, None]]
+
+    def steps(self, rank: int, age: float) -> Any:
+        count = int(age / self.STEP_S)
+        return ([("optimizer", "VARCHAR"), ("steps", "BIGINT"), ("last_age", "DOUBLE"), ("step_last", "DOUBLE"),
+                 ("step_s", "DOUBLE"), ("step_times", "INTEGER")],
+                [["SGD@0x7f3a5c0e1d90", count, age - count * self.STEP_S, self.STEP_S, self.STEP_S, min(count, 64)]])
+
+    def anomalies(self, rank: int, age: float) -> Any:
+        return [(n, "VARCHAR") for n in ("step", "module", "stage", "kind", "shape", "loss", "total", "last_step",
+                                         "last_loss")], []
+
+    def rss(self, rank: int, age: float) -> Any:
+        return [("rss", "BIGINT")], [[2 * 1024 ** 3 + rank * 4096]]
+
+
+LIVE: Any = None  # a Live where the agents answer as a progressing job (role ``agents FIRST COUNT T0``)
+
+
+def _answer(rank: int, head: bytes, request: bytes = b"") -> bytes:
     if head.startswith(b"GET /v1/backtrace"):
-        body = BACKTRACES[rank % 64 == 7]
+        body = BACKTRACES[rank % 64 == 7] if LIVE is None else LIVE.backtrace(rank)
     elif head.startswith(b"POST /v1/query"):
-        body = QUERY
+        body = QUERY if LIVE is None else LIVE.query(rank, request)
     else:
         body = b'{"error": {"code": "not_found", "message": "a simulated agent serves backtrace and query only"}}'
         return b"HTTP/1.1 404 Not Found\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
@@ -146,7 +211,7 @@ def role_agents(first: int, count: int) -> None:
                 conn.setblocking(True)  # type: ignore[union-attr]
                 conn.settimeout(2.0)  # type: ignore[union-attr]
                 try:
-                    conn.sendall(_answer(rank, head))  # type: ignore[union-attr]
+                    conn.sendall(_answer(rank, head, bytes(buf[end + 4:end + 4 + length])))  # type: ignore[union-attr]
                 except OSError:
                     pass
             elif chunk:
@@ -231,8 +296,9 @@ class Job:
     """Simulated agents (unless canned) and node helpers for ``world`` ranks, ``per_node`` a node."""
 
     def __init__(self, world: int, per_node: int, canned: bool, runtime: str, agent_procs: int, helper_procs: int,
-                 env: Dict[str, str]) -> None:
+                 env: Dict[str, str], live: bool = False) -> None:
         self.world, self.per_node = world, per_node
+        live_args = [repr(time.time())] if live else []  # the agents answer as a progressing job (Live)
         self.procs: List[subprocess.Popen] = []
         ports = [20000 + r % 40000 for r in range(world)]  # canned: never connected to
         try:
@@ -240,7 +306,7 @@ class Job:
                 ports = []
                 step = -(-world // agent_procs)
                 for first in range(0, world, step):
-                    proc = self._start(["agents", str(first), str(min(step, world - first))], env)
+                    proc = self._start(["agents", str(first), str(min(step, world - first)), *live_args], env)
                     line = proc.stdout.readline().split()  # type: ignore[union-attr]
                     assert line and line[0] == "AGENTS", line
                     ports.extend(int(p) for p in line[1:])
@@ -362,6 +428,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.role:
         if args.role[0] == "agents":
+            if len(args.role) > 3:
+                global LIVE
+                LIVE = Live(float(args.role[3]))
             role_agents(int(args.role[1]), int(args.role[2]))
         else:
             role_helpers(args.role[1])
