@@ -12,8 +12,8 @@ from probe.tables.torch.discovery import find_models, find_optimizers
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
 
 NAME = "torch.optimizers"
-DESCRIPTION = ("Each optimizer found (probe.watch, __main__, then the garbage collector) and each of its "
-               "param groups: class, learning rate and the other hyperparameters, as they are now.")
+DESCRIPTION = ("Each optimizer found (probe.watch, __main__, the main thread's frames, then the garbage collector) "
+               "and each of its param groups: class, learning rate and the other hyperparameters, as they are now.")
 _HYPER = " NULL when the group has none (or it is a CUDA tensor: reading it would synchronise the device)."
 COLUMNS = (
     Column("optimizer", "VARCHAR", "Its watch() name, the expression that reaches it (optimizer, trainer.optimizer), "

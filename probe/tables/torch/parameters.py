@@ -12,8 +12,8 @@ __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "BUDGET_S"]
 BUDGET_S = 5.0
 
 NAME = "torch.parameters"
-DESCRIPTION = ("Every parameter of every model found (probe.watch, __main__, then the garbage collector): "
-               "shape, dtype, device, and the L2 norm of its value and gradient, with NaN/Inf flags.")
+DESCRIPTION = ("Every parameter of every model found (probe.watch, __main__, the main thread's frames, then the garbage "
+               "collector): shape, dtype, device, and the L2 norm of its value and gradient, with NaN/Inf flags.")
 _STATS = ("; NULL on a CUDA tensor (reading it would synchronise the device), on a DTensor's remote shards, "
           "and past the table's time budget (%.0f s, see note)" % BUDGET_S)
 COLUMNS = (
