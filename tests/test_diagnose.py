@@ -149,12 +149,15 @@ def test_one_job_healthy_slow_straggler_skipped_collective_stopped_gil_and_kille
             watch.communicate(timeout=30)
         assert rounds[0]["changes"] is None and any("made" in line for line in rounds[1]["changes"]), rounds[1]
 
-        # A merely slow job (2.5 s steps on every rank) is not called hung.
+        # A merely slow job (2.5 s steps on every rank) is not called hung. The ranks take the order at their
+        # next step each: until both have made two slow steps, the trace may still show one rank's slow
+        # step beside the other's quick one (a passing straggler, degraded): never stuck, never dead.
         control.write_text("slow 0\n")
-        time.sleep(3)
+        time.sleep(scaled(6))
         for _ in range(3):
             result = _diagnose(master)
-            assert result.code == HEALTHY, (result.code, result.out)
+            assert result.code in (HEALTHY, DEGRADED) and "hang" not in result.out.splitlines()[0], (
+                result.code, result.out)
 
         # A straggler: rank 1 sleeps 0.15 s more in Block.forward every step.
         control.write_text("straggle 1\n")
