@@ -33,6 +33,8 @@ sys.path.insert(0, HERE)
 
 from procs import scaled  # noqa: E402
 
+from probe.reader.proc import children  # noqa: E402
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("srun", "sbatch", "scontrol", "squeue", "sinfo", "scancel")
 _PR_SET_PDEATHSIG = 1
@@ -304,7 +306,7 @@ class _Keeper:
                     popen.wait(5)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            left = _children(os.getpid())
+            left = children(os.getpid())
             if not left:
                 break
             for pid in left:
@@ -315,21 +317,6 @@ class _Keeper:
             time.sleep(0.05)
             self.reap()
         self.reap()
-
-
-def _children(pid: int) -> List[int]:
-    found: List[int] = []
-    try:
-        tasks = os.listdir("/proc/%d/task" % pid)
-    except OSError:
-        return found
-    for tid in tasks:
-        try:
-            with open("/proc/%d/task/%s/children" % (pid, tid)) as handle:
-                found.extend(int(p) for p in handle.read().split())
-        except OSError:
-            pass
-    return found
 
 
 def _keep(directory: str, node: str, timeout: float, nodes: int) -> int:

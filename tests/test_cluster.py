@@ -80,7 +80,7 @@ def _kill_job(launcher: subprocess.Popen) -> None:
     """Kill a torchrun launcher and its ranks, and reap it. The ranks first: torchrun starts each in its own
     session, so the launcher's group is not theirs; while the launcher lives they are its children, and
     their pids cannot be reused."""
-    from probe.host.members import _children
+    from probe.reader.proc import children as _children
 
     for pid in _children(launcher.pid):
         try:

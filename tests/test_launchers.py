@@ -15,6 +15,7 @@ from typing import Dict, List
 import pytest
 
 from probe import _paths, _rank
+from probe.reader import proc
 from procs import Proc, run_cli, scaled, target_env, wait_for_socket
 from test_torchrun import _free_port_pair
 
@@ -53,14 +54,6 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _children(pid: int) -> List[int]:
-    found: List[int] = []
-    for tid in os.listdir("/proc/%d/task" % pid):
-        with open("/proc/%d/task/%s/children" % (pid, tid)) as handle:
-            found.extend(int(p) for p in handle.read().split())
-    return found
-
-
 def _kill(pids: List[int]) -> None:
     for pid in pids:
         try:
@@ -73,7 +66,7 @@ def test_mp_spawn_ranks_get_tcp_and_their_rank_from_torch_distributed_and_the_pa
     port = _free_port_pair()  # PROBE_PORT: the ranks' ports are port and port + 1
     env = target_env(PROBE_PORT="127.0.0.1:%d" % port)
     parent = target_factory("mp_spawn_ranks.py", str(_free_port_pair()), env=env, timeout=60)
-    children = _children(parent.pid)
+    children = proc.children(parent.pid)
     try:
         ranks: Dict[int, int] = {}  # from the "RANK <rank> <pid>" lines, before READY or after
         pending = list(parent.lines)
@@ -100,7 +93,7 @@ def test_mp_spawn_ranks_get_tcp_and_their_rank_from_torch_distributed_and_the_pa
             assert text.code == 0 and "rank %d/2 (from torch.distributed)" % rank in text.out, text.out
 
         # multiprocessing's resource tracker (a child of the parent that is no rank) serves no TCP.
-        for pid in set(_children(parent.pid)) - set(ranks.values()):
+        for pid in set(proc.children(parent.pid)) - set(ranks.values()):
             if os.path.exists(_paths.socket_path(pid)):
                 assert _health(pid)["tcp"] is None
     finally:

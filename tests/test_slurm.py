@@ -55,33 +55,43 @@ def srun_job(slurm: SlurmCluster, ntasks: int, timeout: float = 60.0, **env: str
                              sys.executable, RANK], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=job_env,
                             start_new_session=True)
     try:
-        output = Proc(srun, "srun")
-        pids: Dict[int, int] = {}
-        local: Dict[int, int] = {}
-        deadline = time.monotonic() + scaled(timeout)
-        while len(pids) < ntasks:
-            try:
-                line = output.read_line(max(deadline - time.monotonic(), 0.1))
-            except (TimeoutError, RuntimeError) as exc:
-                raise AssertionError("the tasks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
-            output.lines.append(line)
-            if line.startswith("READY"):
-                _, pid, rank, local_rank = line.split()
-                pids[int(rank)] = int(pid)
-                local[int(rank)] = int(local_rank)
+        pids, local = _ready_tasks(Proc(srun, "srun"), ntasks, timeout)
         jobs = slurm.running_jobs()
         assert len(jobs) == 1, jobs
         yield Job(jobs[0], port, pids, local)
     finally:
-        slurm.run("scancel", "--name=probe-test")
+        _end_srun(slurm, srun, "probe-test")
+
+
+def _ready_tasks(output: Proc, ntasks: int, timeout: float) -> Tuple[Dict[int, int], Dict[int, int]]:
+    """Rank -> pid and rank -> local rank, once every task printed ``READY PID RANK LOCAL_RANK``."""
+    pids: Dict[int, int] = {}
+    local: Dict[int, int] = {}
+    deadline = time.monotonic() + scaled(timeout)
+    while len(pids) < ntasks:
         try:
-            srun.wait(scaled(15))
-        except subprocess.TimeoutExpired:
-            os.killpg(srun.pid, signal.SIGKILL)
-            srun.wait(10)
-        for stream in (srun.stdout, srun.stderr):
-            if stream:
-                stream.close()
+            line = output.read_line(max(deadline - time.monotonic(), 0.1))
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError("the tasks did not start: %s; lines so far: %r" % (exc, output.lines)) from None
+        output.lines.append(line)
+        if line.startswith("READY"):
+            _, pid, rank, local_rank = line.split()
+            pids[int(rank)] = int(pid)
+            local[int(rank)] = int(local_rank)
+    return pids, local
+
+
+def _end_srun(slurm: SlurmCluster, srun: "subprocess.Popen[bytes]", name: str) -> None:
+    """Cancel the job by name, then make sure srun ended (killed if it would not) and is reaped."""
+    slurm.run("scancel", "--name=%s" % name)
+    try:
+        srun.wait(scaled(15))
+    except subprocess.TimeoutExpired:
+        os.killpg(srun.pid, signal.SIGKILL)
+        srun.wait(10)
+    for stream in (srun.stdout, srun.stderr):
+        if stream:
+            stream.close()
 
 
 def _until(check: Callable[[], Optional[T]], seconds: float, what: str) -> T:
@@ -291,13 +301,7 @@ def test_slurm_jobid_on_two_nodes_asks_each_nodes_helper_and_names_a_node_whose_
                                                              PROBE_HELPER_LINGER_S="3")))
             stopped = None
             try:
-                output = Proc(srun, "srun")
-                pids = {}
-                while len(pids) < 4:
-                    line = output.read_line(60)
-                    output.lines.append(line)
-                    if line.startswith("READY"):
-                        pids[int(line.split()[2])] = int(line.split()[1])
+                pids, _ = _ready_tasks(Proc(srun, "srun"), 4, 60)
                 job_id = slurm.running_jobs()[0]
                 target = "slurm:%s:%d" % (job_id, port)
                 env = slurm.env(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path), PROBE_TOKEN=token))
@@ -318,15 +322,7 @@ def test_slurm_jobid_on_two_nodes_asks_each_nodes_helper_and_names_a_node_whose_
             finally:
                 if stopped is not None:
                     os.kill(stopped, signal.SIGCONT)
-                slurm.run("scancel", "--name=probe-two")
-                try:
-                    srun.wait(scaled(15))
-                except subprocess.TimeoutExpired:
-                    os.killpg(srun.pid, signal.SIGKILL)
-                    srun.wait(10)
-                for stream in (srun.stdout, srun.stderr):
-                    if stream:
-                        stream.close()
+                _end_srun(slurm, srun, "probe-two")
     except SlurmUnavailable as exc:
         pytest.skip("no two-node Slurm here: %s" % exc)
 

@@ -58,28 +58,6 @@ def _environ(pid: int) -> Dict[bytes, bytes]:
     return out
 
 
-def _children(pid: int) -> List[int]:
-    """Direct children of ``pid``: /proc/PID/task/*/children, else a scan of every /proc/N/stat."""
-    found: List[int] = []
-    try:
-        for tid in os.listdir("/proc/%d/task" % pid):
-            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as handle:
-                found.extend(int(p) for p in handle.read().split())
-        return found
-    except (OSError, ValueError):
-        pass
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open("/proc/%s/stat" % name, "rb") as handle:
-                    stat = handle.read()
-                if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
-                    found.append(int(name))
-            except (OSError, ValueError, IndexError):
-                continue
-    return found
-
-
 MAX_CANDIDATES = 4096
 
 
@@ -197,7 +175,7 @@ class Members:
         whose GIL a C call took before it could register is listed all the same."""
         host = node_host()
         with self._lock:
-            for pid in (_children(self.parent) if self.children else self._agents()):
+            for pid in (proc.children(self.parent) if self.children else self._agents()):
                 if any(k["pid"] == pid for k in self._known.values()):
                     continue
                 env = _environ(pid)

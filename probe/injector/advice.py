@@ -18,6 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 from probe.errors import Forbidden
 from probe.injector.target import expected_socket_path, target_environ
+from probe.reader import proc
 
 __all__ = ["another_users", "command_line", "old_python", "probe_requested", "autostart_installed",
            "agent_elsewhere", "launcher", "launcher_advice", "gil_kept_in_c", "MIN_VERSION"]
@@ -204,21 +205,6 @@ def launcher(pid: int) -> bool:
     return False
 
 
-def _children(pid: int) -> List[int]:
-    found: List[int] = []
-    try:
-        tasks = os.listdir("/proc/%d/task" % pid)
-    except OSError:
-        return found
-    for task in tasks:
-        try:
-            with open("/proc/%d/task/%s/children" % (pid, task)) as handle:
-                found.extend(int(c) for c in handle.read().split())
-        except (OSError, ValueError):
-            continue
-    return sorted(found)
-
-
 def _node_helper_port(argv: List[str]) -> Optional[Tuple[str, int]]:
     """(host, PROBE_PORT) of a node helper's command line (``python -m probe.host --port P --host H``)."""
     if "probe.host" not in argv[:4] or "--port" not in argv:
@@ -263,7 +249,7 @@ def launcher_advice(pid: int) -> Optional[Tuple[str, str]]:
             again = command_line(pid, "backtrace", target=address).replace(
                 "probe %s " % address, "probe %s --all-ranks " % address, 1)
             return message, "its ranks: `probe %s ranks`; on all of them at once: `%s`" % (address, again)
-    ranks = ", ".join(str(c) for c in _children(pid)[:8])
+    ranks = ", ".join(str(c) for c in proc.children(pid)[:8])
     return message, ("start the job as `PROBE=1 PROBE_PORT=PORT torchrun ...` to reach every rank through "
                      "`probe HOST:PORT ranks`; or give a rank's pid%s" % (" (its children: %s)" % ranks if ranks else ""))
 

@@ -2,9 +2,9 @@
 context switches, and whether ptrace (which outside reading needs) is allowed. Stdlib only."""
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
-__all__ = ["state", "comm", "thread_names", "voluntary_switches", "ptrace_denied_reason", "STATE_WORDS"]
+__all__ = ["state", "comm", "thread_names", "voluntary_switches", "ptrace_denied_reason", "children", "STATE_WORDS"]
 
 STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
                "t": "stopped by a debugger", "Z": "a zombie (exited, not reaped)", "X": "dead", "I": "idle"}
@@ -88,3 +88,26 @@ def ptrace_denied_reason(pid: int) -> Tuple[str, str]:
         return ("another debugger is attached to it", "detach that debugger first")
     return ("the kernel refused ptrace (a container without CAP_SYS_PTRACE?)",
             "run probe with sudo, or give its container CAP_SYS_PTRACE")
+
+
+def children(pid: int) -> List[int]:
+    """Direct children of ``pid``: /proc/PID/task/*/children (every thread's), else a scan of every
+    /proc/N/stat where the kernel lacks that file; empty where ``pid`` is gone."""
+    found: List[int] = []
+    try:
+        for tid in os.listdir("/proc/%d/task" % pid):
+            with open("/proc/%d/task/%s/children" % (pid, tid), "rb") as handle:
+                found.extend(int(p) for p in handle.read().split())
+        return sorted(found)
+    except FileNotFoundError:
+        if not os.path.exists("/proc/%d" % pid):
+            return []
+    except (OSError, ValueError):
+        pass
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            fields = _stat_fields("/proc/%s/stat" % name)
+            if fields and len(fields) > 1 and fields[1] == str(pid):
+                found.append(int(name))
+    return sorted(found)
