@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from procs import REPO, scaled, spawn, target_env
+from procs import REPO, run_cli, scaled, spawn, target_env
+from test_cluster import needs_torchrun, torchrun_job
 
 _WRITER = r"""
 import sys
@@ -100,3 +101,92 @@ def test_a_live_process_evidence_round_trips_and_is_judged_alike():
     kept = judge(Sample({0: back[0]}, 1, True, back[0].at), Sample({0: back[1]}, 1, True, back[1].at), cmd)
     assert kept.as_json() == live.as_json()
     assert live.status == "healthy", live.as_json()
+
+
+def _modes(directory):
+    """Every file's and directory's mode under ``directory`` (itself included)."""
+    out = {str(directory): stat.S_IMODE(os.stat(directory).st_mode)}
+    for base, dirs, files in os.walk(directory):
+        for name in dirs + files:
+            out[os.path.join(base, name)] = stat.S_IMODE(os.stat(os.path.join(base, name)).st_mode)
+    return out
+
+
+def test_snapshot_of_a_pid_then_snapshots_lists_it(tmp_path):
+    root = tmp_path / "snaps"
+    empty = run_cli("snapshots", str(root))
+    assert empty.code == 0 and "no snapshot in %s" % root in empty.out and "probe TARGET snapshot" in empty.out
+    proc = spawn("idle.py")
+    try:
+        made = run_cli(str(proc.pid), "snapshot", "--dir", str(root), timeout=scaled(60))
+    finally:
+        proc.kill()
+    assert made.code == 0, made.err
+    (snap,) = os.listdir(root)
+    assert snap.startswith("pid%d-" % proc.pid) and "snapshot %s written to %s" % (snap, root / snap) in made.out
+    assert "recorded: rank 0 (1 of 1)" in made.out
+    assert sorted(os.listdir(root / snap)) == ["meta-%s.json" % os.uname().nodename, "rank-00000.json"]
+    modes = _modes(root)
+    assert all(m == (0o700 if os.path.isdir(p) else 0o600) for p, m in modes.items()), modes
+
+    listed = run_cli("snapshots", str(root))
+    assert listed.code == 0, listed.err
+    line = next(x for x in listed.out.splitlines() if x.startswith(snap))
+    assert "pid%d" % proc.pid in line and "complete" in line and line.endswith("by hand"), listed.out
+    (info,) = [json.loads(x) for x in run_cli("snapshots", str(root), "--json").out.splitlines()]
+    assert info["id"] == snap and info["ranks"] == [0] and info["complete"] and info["bytes"] > 1000
+
+    from probe.snapshot import record
+
+    rec = record.read_rank(str(root / snap / "rank-00000.json"))
+    stacks = record.evidence_from_json(rec["evidence"][1]).stacks()
+    assert any(f[0] == "data_loader_wait" for key in stacks.values() for f in key), stacks
+    assert {"python.backtrace", "python.threads", "python.locals", "process.info"} <= set(rec["tables"])
+
+    # A process whose agent cannot answer (a C call holds the GIL): its stacks read from outside are recorded.
+    proc = spawn("gil_sum.py")
+    try:
+        made = run_cli(str(proc.pid), "snapshot", "--dir", str(root), "--json", timeout=scaled(60))
+    finally:
+        proc.kill()
+    assert made.code == 0, made.err
+    answer = json.loads(made.out)
+    rec = record.read_rank(os.path.join(answer["path"], "rank-00000.json"))
+    assert [e["state"] for e in rec["evidence"]] == ["gil_held", "gil_held"]
+    assert any(row[5] == "<module>" and row[6].endswith("gil_sum.py") for row in rec["tables"]["python.backtrace"]["rows"])
+    assert "its agent cannot answer" in rec["missing"]["python.locals"]
+    assert len(run_cli("snapshots", str(root), "--json").out.splitlines()) == 2
+
+
+@needs_torchrun
+def test_snapshot_of_a_two_rank_job_records_both_ranks_owner_only_without_the_token(tmp_path):
+    from probe import _paths
+    from probe.snapshot import record
+
+    root = tmp_path / "snaps"
+    with torchrun_job("dist_hang.py", 2, timeout=180, HANG_SKIP_RANK="1", TORCH_FR_BUFFER_SIZE="2000") as (port, pids):
+        made = run_cli("127.0.0.1:%d" % port, "--deadline", str(scaled(30)), "snapshot", "--dir", str(root), "--json",
+                       timeout=scaled(120))
+        with open(_paths.job_token_path(port)) as handle:
+            token = handle.read().strip()
+    assert made.code == 0, made.out + made.err
+    answer = json.loads(made.out)
+    assert answer["ranks"] == [0, 1] and answer["failed"] == {} and answer["job"] == "port%d" % port
+    snap = root / answer["id"]
+    assert sorted(os.listdir(snap)) == ["meta-%s.json" % os.uname().nodename, "rank-00000.json", "rank-00001.json"]
+    modes = _modes(root)
+    assert all(m == (0o700 if os.path.isdir(p) else 0o600) for p, m in modes.items()), modes
+    assert len(token) >= 16
+    for name in os.listdir(snap):
+        assert token not in (snap / name).read_text(), name
+
+    funcs = {}
+    for rank in (0, 1):
+        rec = record.read_rank(str(snap / record.rank_file_name(rank)))
+        assert rec["rank"] == rank and rec["pid"] == pids[rank] and rec["reason"] == "by hand"
+        rows = rec["tables"]["python.backtrace"]["rows"]
+        funcs[rank] = {row[5] for row in rows}
+        assert "torch.flight_recorder" in rec["tables"] or "torch.flight_recorder" in rec["missing"]
+        assert [record.evidence_from_json(e).state for e in rec["evidence"]] == ["answering", "answering"]
+    assert "train_step" in funcs[0] and "load_next_batch" not in funcs[0]
+    assert "load_next_batch" in funcs[1] and "train_step" not in funcs[1]

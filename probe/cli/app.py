@@ -35,6 +35,8 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
     "diagnose": ("diagnose", "diagnose"),
+    "snapshot": ("snapshot", "snapshot"),
+    "snapshots": ("snapshots", "snapshots"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
                       "--hosts", "--deadline", "--max-in-flight"}
@@ -67,9 +69,9 @@ class _Commands(click.Group):
                 formatter.write_dl(rows)
 
 
-_NO_TARGET = {"list"}
+_NO_TARGET = {"list", "snapshots"}
 """Commands that take no target; every other one is ``probe TARGET COMMAND ...``."""
-_NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject", "diagnose"}
+_NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject", "diagnose", "snapshot"}
 """Commands without positional arguments: a target written after them is understood as one."""
 _LOOKS_LIKE_TARGET = re.compile(r"\d+|(?:unix|core):.+|\[?[\w.\-:]+\]?:\d+")
 

@@ -217,9 +217,10 @@ def write_rank(snapshot_dir: str, record: Dict[str, Any]) -> str:
 
 
 def write_meta(snapshot_dir: str, meta: Dict[str, Any]) -> str:
-    """Write a node's meta (``meta-<host>.json``: job, host, reason, started, ended, ranks recorded, ranks
-    that could not be, ...) into ``snapshot_dir``, atomically; its path. Written last: a snapshot
-    directory with its meta is complete."""
+    """Write a node's meta (``meta-<host>.json``) into ``snapshot_dir``, atomically; its path. Written last:
+    a snapshot directory with its meta is complete. Keys: ``job``, ``host``, ``reason``, ``started`` and
+    ``ended`` (epoch s), ``ranks`` (recorded, a list), ``failed`` ({rank as text: why it could not be}),
+    ``hang_after_s`` (the watch's), ``probe_version``; ``format`` is added."""
     meta = dict(meta)
     meta.setdefault("format", META_FORMAT)
     meta.setdefault("host", socket.gethostname())

@@ -24,13 +24,13 @@ import re
 import shutil
 import socket
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from probe.errors import UsageError
 from probe.snapshot.record import read_meta, read_rank
 
 __all__ = ["SnapshotInfo", "snapshot_root", "new_snapshot_dir", "list_snapshots", "resolve", "clean", "GROUP_WINDOW_S",
-           "job_id", "snapshot_id"]
+           "job_id", "snapshot_id", "save_snapshot"]
 
 GROUP_WINDOW_S = 120.0
 KEEP = 20
@@ -325,3 +325,33 @@ def clean(root: str, job: str) -> None:
                 shutil.rmtree(path, ignore_errors=True)
     except Exception:  # cleanup is a courtesy: never the reason a record fails
         pass
+
+
+# -- writing a snapshot --------------------------------------------------------------------------------
+
+
+def save_snapshot(root: str, job: str, reason: str, records: List[Dict[str, Any]], started: float,
+                  **meta: Any) -> Tuple[str, Dict[str, Any]]:
+    """Write a node's records as one snapshot: a new directory under ``root``, each rank's file, then the
+    meta (last: a directory with its meta is complete), then :func:`clean` for ``job``. ``meta``: more
+    for the meta file (``hang_after_s``...). Returns the directory and the meta written."""
+    import probe
+    from probe.snapshot.record import is_recorded, write_meta, write_rank
+
+    path = new_snapshot_dir(root, job, started)
+    ranks, failed = [], {}
+    size = 0
+    for record in records:
+        written = write_rank(path, record)
+        size += os.path.getsize(written)
+        if is_recorded(record):
+            ranks.append(record["rank"])
+        else:
+            failed[str(record["rank"])] = str((record.get("missing") or {}).get("evidence")
+                                              or record["evidence"][-1].get("why") or "no stacks could be read")
+    info = dict(meta, job=job, host=socket.gethostname(), reason=reason, started=started, ended=time.time(),
+                ranks=sorted(ranks), failed=failed, probe_version=probe.__version__)
+    size += os.path.getsize(write_meta(path, info))
+    clean(root, job)
+    info["bytes"] = size
+    return path, info

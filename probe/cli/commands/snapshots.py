@@ -1,0 +1,74 @@
+"""``probe snapshots [DIR]``: what was recorded: job, when, why, ranks, size, complete or not."""
+
+import json
+import time
+from typing import Any, List, Optional
+
+import click
+
+from probe.cli.context import CliContext, pass_cli
+from probe.cli.options import TEXT, output_format
+from probe.cli.output import emit, say
+
+
+@click.command("snapshots")
+@click.argument("directory", required=False, metavar="[DIR]")
+@output_format(*TEXT, json_help="one object a snapshot")
+@pass_cli
+def snapshots(cli: CliContext, directory: Optional[str], fmt: Optional[str]) -> None:
+    """List the snapshots recorded in DIR: id, job, when (UTC, and how long ago), why, ranks, size, complete.
+
+    \b
+    DIR: default $PROBE_SNAPSHOT_DIR, else the runtime directory's snapshots/. Read one with
+    `probe snapshot:DIR/ID diagnose` (or backtrace, query ...). A snapshot is incomplete while a node is
+    still writing it, or where a node died before it finished.
+    """
+    from probe.snapshot.store import list_snapshots, snapshot_root
+
+    root = snapshot_root(directory)
+    found = list_snapshots(root)
+    if fmt == "json":
+        for info in found:
+            emit(json.dumps(info.as_json()))
+        return
+    if not found:
+        say("no snapshot in %s" % root)
+        say("(snapshots go to --dir DIR, else $PROBE_SNAPSHOT_DIR, else the runtime directory's snapshots/; "
+            "`probe TARGET snapshot` records one now)")
+        return
+    for line in render(found, root, time.time()):
+        say(line)
+
+
+def size_text(size: int) -> str:
+    for unit, scale in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if size >= scale:
+            return "%.1f %s" % (size / scale, unit)
+    return "%d B" % size
+
+
+def age_text(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return "%.0f %s ago" % (seconds / scale, unit)
+    return "%.0f s ago" % seconds
+
+
+def render(found: List[Any], root: str, now: float) -> List[str]:
+    """A table: newest last, as they were recorded."""
+    from probe.client.cluster import compact_ranks
+
+    rows = [("ID", "JOB", "WHEN (UTC)", "AGE", "RANKS", "SIZE", "STATE", "WHY")]
+    for info in found:
+        ranks = compact_ranks(info.ranks) if info.ranks else "none"
+        if info.failed:
+            ranks += " (not %s)" % compact_ranks(sorted(info.failed))
+        rows.append((info.id, info.job, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.when)),
+                     age_text(now - info.when), ranks, size_text(info.bytes),
+                     "complete" if info.complete else "incomplete", info.reason or "?"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    out = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1] for row in rows]
+    out.append("(%d snapshot%s in %s; read one: probe snapshot:%s/ID diagnose)" % (
+        len(found), "" if len(found) == 1 else "s", root, root))
+    return out
