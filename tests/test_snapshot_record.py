@@ -190,3 +190,51 @@ def test_snapshot_of_a_two_rank_job_records_both_ranks_owner_only_without_the_to
         assert [record.evidence_from_json(e).state for e in rec["evidence"]] == ["answering", "answering"]
     assert "train_step" in funcs[0] and "load_next_batch" not in funcs[0]
     assert "load_next_batch" in funcs[1] and "train_step" not in funcs[1]
+
+
+def test_store_groups_one_jobs_nodes_bounds_a_record_and_cleans_up_by_the_rule(tmp_path, monkeypatch):
+    from probe.snapshot import capture, record, store
+
+    root = str(tmp_path / "snaps")
+    now = time.time()
+
+    def save(job, started, ranks, reason="stall"):
+        records = [capture.failed_record(job, r, "h", 100 + r, reason, "test") for r in ranks]
+        for rec in records:  # stacks, so that each rank counts as recorded
+            rec["tables"]["python.backtrace"] = {"columns": [["func", "VARCHAR"]], "rows": [["f"]], "truncated": False}
+        return store.save_snapshot(root, job, reason, records, started)[0]
+
+    # Two nodes of one job recording the same stall 30 s apart: one snapshot; another job's stays apart.
+    first = save("j1", now - 100, [0, 1])
+    second = save("j1", now - 70, [2, 3])
+    save("j2", now - 90, [0])
+    listed = store.list_snapshots(root)
+    assert [(s.job, s.ranks, s.complete) for s in listed] == [("j1", [0, 1, 2, 3], True), ("j2", [0], True)]
+    assert [os.path.basename(f) for f in store.resolve(first)] == ["rank-%05d.json" % r for r in range(4)]
+    assert store.resolve(second) == store.resolve(first)
+
+    # A record over PROBE_SNAPSHOT_MAX_RANK_BYTES is cut, the biggest table first, and says so.
+    monkeypatch.setenv("PROBE_SNAPSHOT_MAX_RANK_BYTES", str(100 * 1024))
+    big = capture.failed_record("j3", 0, "h", 1, "test", "test")
+    big["tables"]["python.locals"] = {"columns": [["v", "VARCHAR"]], "rows": [["x" * 100]] * 5000, "truncated": False}
+    path = record.write_rank(str(tmp_path), big)
+    assert os.path.getsize(path) <= 100 * 1024
+    back = record.read_rank(path)
+    assert back["tables"]["python.locals"]["truncated"] and "bounded" in back["missing"]["python.locals"]
+
+    # Cleanup: this host's snapshots of the job beyond the newest KEEP, and any older than MAX_AGE_DAYS;
+    # a directory holding anything but probe's files is never removed.
+    monkeypatch.setenv("PROBE_SNAPSHOT_KEEP", "2")
+    monkeypatch.setenv("PROBE_SNAPSHOT_MAX_AGE_DAYS", "1")
+    old, foreign = (store.new_snapshot_dir(root, "j2", now - days * 86400) for days in (3, 4))
+    for path in (old, foreign):
+        record.write_rank(path, capture.failed_record("j2", 0, "h", 1, "test", "test"))
+        record.write_meta(path, {"job": "j2", "started": now - 3 * 86400, "ranks": [], "failed": {"0": "test"}})
+    with open(os.path.join(foreign, "notes.txt"), "w") as handle:
+        handle.write("someone's own file")
+    for k in range(3):
+        save("j1", now - 50 + 10 * k, [0])
+    left = sorted(os.listdir(root))
+    assert not os.path.exists(old) and os.path.exists(foreign)
+    assert sorted(d for d in left if d.startswith("j1-")) == sorted(
+        store.snapshot_id("j1", now - 50 + 10 * k) for k in (1, 2)), left

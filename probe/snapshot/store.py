@@ -251,7 +251,11 @@ def _info(group: List[_Dir]) -> SnapshotInfo:
 
 
 def list_snapshots(root: str) -> List[SnapshotInfo]:
-    """The snapshots under ``root``, oldest first (a missing directory holds none)."""
+    """The snapshots under ``root``, oldest first (a missing directory holds none; a snapshot's own
+    directory lists itself)."""
+    here = _scan(root) if os.path.isdir(root) else None
+    if here is not None and (here.rank_files or here.metas):
+        return [_info([here])]
     return sorted((_info(g) for g in _groups(_dirs(root))), key=lambda s: (s.when, s.id))
 
 
