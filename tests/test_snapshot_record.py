@@ -116,7 +116,7 @@ def test_snapshot_of_a_pid_then_snapshots_lists_it(tmp_path):
     root = tmp_path / "snaps"
     empty = run_cli("snapshots", str(root))
     assert empty.code == 0 and "no snapshot in %s" % root in empty.out and "probe TARGET snapshot" in empty.out
-    proc = spawn("idle.py")
+    proc = spawn("secret_locals.py", ["--password", "s3cr3t-on-argv"])
     try:
         made = run_cli(str(proc.pid), "snapshot", "--dir", str(root), timeout=scaled(60))
     finally:
@@ -140,8 +140,14 @@ def test_snapshot_of_a_pid_then_snapshots_lists_it(tmp_path):
 
     rec = record.read_rank(str(root / snap / "rank-00000.json"))
     stacks = record.evidence_from_json(rec["evidence"][1]).stacks()
-    assert any(f[0] == "data_loader_wait" for key in stacks.values() for f in key), stacks
+    assert [f[0] for f in stacks["MainThread"]][-3:] == ["wait_here", "main", "<module>"], stacks
     assert {"python.backtrace", "python.threads", "python.locals", "process.info"} <= set(rec["tables"])
+    names = {row[7] for row in rec["tables"]["python.locals"]["rows"]}
+    assert {"api_key", "url"} <= names  # the locals are there, their secrets masked
+    text = (root / snap / "rank-00000.json").read_text()
+    for secret in ("4f9a2b7c1d8e6f3a", "hunter2hunter2", "s3cr3t-on-argv"):
+        assert secret not in text, secret
+    assert "trainer:********@data.example.com" in text
 
     # A process whose agent cannot answer (a C call holds the GIL): its stacks read from outside are recorded.
     proc = spawn("gil_sum.py")

@@ -103,6 +103,8 @@ def _tables(client: Any, last: Any, record: Dict[str, Any]) -> None:
         rows = [list(r) for r in answer.rows]
         if name == "python.locals":
             rows = _masked_locals(answer.columns, rows)
+        elif name == "process.info":  # masked by the agent, unless it was told to show secrets: not on disk
+            rows = _masked_column(answer.columns, rows, "cmdline")
         tables[name] = _bounded([[n, t] for n, t in answer.columns], rows, bool(answer.truncated), name)
 
 
@@ -118,6 +120,18 @@ def _masked_locals(columns: Sequence[Tuple[str, str]], rows: List[List[Any]]) ->
     for row in rows:
         if isinstance(row[at_value], str):
             row[at_value] = mask_env_value(str(row[at_name]), row[at_value])[0]
+    return rows
+
+
+def _masked_column(columns: Sequence[Tuple[str, str]], rows: List[List[Any]], column: str) -> List[List[Any]]:
+    from probe.tables.redact import mask_text
+
+    names = [n for n, _ in columns]
+    if column in names:
+        at = names.index(column)
+        for row in rows:
+            if isinstance(row[at], str):
+                row[at] = mask_text(row[at])
     return rows
 
 
@@ -143,8 +157,10 @@ def _crash_text(client: Any, pid: Optional[int]) -> Optional[str]:
         found = crash.dead_record(pid)
         if found is None:
             return None
+        from probe.tables.redact import mask_text
+
         with open(found.path, "r", encoding="utf-8", errors="replace") as handle:
-            return handle.read(256 * 1024)
+            return mask_text(handle.read(256 * 1024))  # its command line, as process.info shows it
     except Exception:  # no record, or one that cannot be read: nothing to copy
         return None
 
