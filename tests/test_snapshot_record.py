@@ -186,16 +186,19 @@ def test_snapshot_of_a_two_rank_job_records_both_ranks_owner_only_without_the_to
     for name in os.listdir(snap):
         assert token not in (snap / name).read_text(), name
 
-    funcs = {}
+    funcs, last_seq = {}, {}
     for rank in (0, 1):
         rec = record.read_rank(str(snap / record.rank_file_name(rank)))
         assert rec["rank"] == rank and rec["pid"] == pids[rank] and rec["reason"] == "by hand"
         rows = rec["tables"]["python.backtrace"]["rows"]
         funcs[rank] = {row[5] for row in rows}
-        assert "torch.flight_recorder" in rec["tables"] or "torch.flight_recorder" in rec["missing"]
+        fr = rec["tables"]["torch.flight_recorder"]
+        seq = [n for n, _ in fr["columns"]].index("collective_seq_id")
+        last_seq[rank] = max(row[seq] for row in fr["rows"])
         assert [record.evidence_from_json(e).state for e in rec["evidence"]] == ["answering", "answering"]
     assert "train_step" in funcs[0] and "load_next_batch" not in funcs[0]
     assert "load_next_batch" in funcs[1] and "train_step" not in funcs[1]
+    assert last_seq[0] == last_seq[1] + 1, last_seq  # rank 1 never issued the all_reduce rank 0 waits in
 
 
 def test_store_groups_one_jobs_nodes_bounds_a_record_and_cleans_up_by_the_rule(tmp_path, monkeypatch):

@@ -70,7 +70,8 @@ def render(path: str, meta: Any, total: int) -> List[str]:
 
     out = ["snapshot %s written to %s" % (os.path.basename(path), path)]
     ranks = meta["ranks"]
-    out.append("  recorded: %s (%d of %d)" % ("rank " + compact_ranks(ranks) if ranks else "no rank", len(ranks), total))
+    shown = ("rank %s" if len(ranks) == 1 else "ranks %s") % compact_ranks(ranks) if ranks else "no rank"
+    out.append("  recorded: %s (%d of %d)" % (shown, len(ranks), total))
     for rank, why in sorted(meta["failed"].items(), key=lambda kv: int(kv[0])):
         out.append("  not recorded: rank %s: %s" % (rank, why))
     out.append("  size: %s in %.1f s" % (size_text(meta["bytes"]), meta["ended"] - meta["started"]))
