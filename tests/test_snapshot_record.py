@@ -84,6 +84,11 @@ def test_a_live_process_evidence_round_trips_and_is_judged_alike():
         for _ in range(2):
             looks.append(collect(client, 0, "h", proc.pid))
             time.sleep(1.0)
+        from probe.snapshot.capture import capture_rank
+
+        # A record taken in a process that looked before (the node helper's watch) keeps only its own readings.
+        rec = capture_rank(client, 0, "h", proc.pid, "test", "j")
+        assert [len(e["memory"]["readings"]) for e in rec["evidence"]] == [1, 2], rec["evidence"]
     finally:
         proc.kill()
     back = [record.evidence_from_json(json.loads(json.dumps(record.evidence_to_json(ev)))) for ev in looks]

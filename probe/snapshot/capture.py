@@ -50,7 +50,7 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
             if wait > 0:
                 time.sleep(wait)
             last = collect(client, rank, host, pid)
-        looks = [_look(first), _look(last)]
+        looks = [_look(first, start), _look(last, start)]
     except Exception as exc:  # collect never raises; a bug here must not cost the other ranks their records
         return failed_record(job, rank, host, pid, reason, "%s: %s" % (type(exc).__name__, exc), recorded_at)
     record = new_record(job, rank, host, pid, reason, recorded_at, looks)
@@ -64,9 +64,14 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
     return _scrub(record, [s for s in (list(secrets) + [getattr(client, "_token", None) or ""]) if len(s) >= 6])
 
 
-def _look(ev: Any) -> Dict[str, Any]:
+def _look(ev: Any, since: Optional[float] = None) -> Dict[str, Any]:
+    """A look as the record keeps it; ``since``: RSS readings older than this capture are left out (a process
+    that records again and again, the node helper's watch, keeps each rank's readings between records)."""
     out = evidence_to_json(ev)
     out["wall_at"] = time.time() - (time.monotonic() - ev.at)
+    memory = out.get("memory")
+    if since is not None and isinstance(memory, dict) and isinstance(memory.get("readings"), list):
+        memory["readings"] = [r for r in memory["readings"] if isinstance(r, list) and r and r[0] >= since]
     return out
 
 
