@@ -63,7 +63,8 @@ def test_rules_memory_growth_needs_a_steady_rise_over_enough_looks_and_the_oom_k
     two = {"readings": [(0.0, 500 * mb), (1.0, 560 * mb)]}  # a rise, but two looks a second apart
     report = judge(Sample({0: _ev(0)}, 1, True, at=0.0), Sample({0: _ev(0, memory=two)}, 1, True, at=1.0), cmd)
     assert report.status == "healthy" and any("not enough samples" in line for line in report.unavailable)
-    steady = {"readings": [(0.0, 500 * mb), (1.0, 530 * mb), (3.0, 590 * mb)]}
+    steady = {"readings": [(0.0, 500 * mb), (1.0, 530 * mb), (3.0, 590 * mb)],
+              "tensors": [(1.0, 30 * mb, 530 * mb), (3.0, 85 * mb, 590 * mb)]}  # the live tensors grew with it
     report = judge(Sample({0: _ev(0)}, 1, True, at=0.0), Sample({0: _ev(0, memory=steady)}, 1, True, at=3.0), cmd)
     assert report.verdicts[0].kind == "memory_growth" and "30.0 MB/s" in report.verdicts[0].summary
     warmup = {"readings": [(0.0, 500 * mb), (1.0, 560 * mb), (3.0, 560 * mb)]}  # rose once, then flat

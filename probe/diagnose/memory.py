@@ -7,7 +7,9 @@ Evidence, per rank and per look (:func:`gather`; reads only, bounded):
 * once a reading is well above the one before, once per process: where its memory is (``torch.memory``:
   the live CPU tensors' bytes, the CUDA caching allocator's allocated and reserved bytes) and its largest
   holders (``torch.tensors`` grouped by kind, owner, shape): two scans of the garbage collector's objects,
-  each bounded by the table's own budget;
+  each bounded by the table's own budget; at the next look ``torch.memory`` once more, to see whether the
+  live tensors grew with RSS (a program's RSS also rises for seconds and falls back as the allocator keeps
+  and returns freed memory: over a few seconds that looks like a leak, tensors that grow do not);
 * for a dead process of this host: the kernel log's line of the OOM killer naming its pid (where
   ``dmesg`` is readable), and its cgroup's ``memory.events`` ``oom_kill`` counter.
 """
@@ -25,6 +27,9 @@ RISE_TRIGGER = 8 * MB  # a reading this far above the one before: look again, an
 GROWTH_FLOOR = 16 * MB  # growth is said only above this over the readings ...
 MIN_READINGS = 3  # ... over at least this many readings ...
 MIN_SPAN_S = 2.0  # ... spanning this long, each above the one before
+LONG_SPAN_S = 10.0  # RSS alone is growth only over this long; shorter, the live tensors must grow with it:
+TENSOR_SHARE = 0.25  # ... by this share of RSS's rise between the two readings of the tensors ...
+TENSOR_FLOOR = 4 * MB  # ... and at least this much
 RSS_SQL = "SELECT rss FROM process.info"
 SPLIT_SQL = "SELECT device, allocated_bytes, reserved_bytes, rss_bytes, tensors, complete FROM torch.memory"
 HOLDERS_SQL = """\
@@ -36,6 +41,15 @@ ORDER BY bytes DESC LIMIT 6"""
 
 _HISTORY: Dict[Tuple[str, Optional[int], int], List[Tuple[float, int]]] = {}
 _SPLIT: Dict[Tuple[str, Optional[int], int], Dict[str, Any]] = {}
+_TENSORS: Dict[Tuple[str, Optional[int], int], List[Tuple[float, int, int]]] = {}  # (when, CPU tensors, RSS)
+
+
+def _cpu_tensors(rows: Any) -> Optional[int]:
+    """The live CPU tensors' bytes of a ``torch.memory`` reading, where the scan was complete."""
+    row = next((r for r in rows or () if r.get("device") == "cpu"), None)
+    if row is None or row.get("complete") is False or not isinstance(row.get("allocated_bytes"), int):
+        return None
+    return int(row["allocated_bytes"])
 
 
 def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]]) -> None:
@@ -61,8 +75,8 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     if isinstance(rss, int):
         history.append((time.monotonic(), rss))
         del history[:-30]
-        if len(history) >= 2 and rss - history[-2][1] >= RISE_TRIGGER and key not in _SPLIT \
-                and ev.fr_why != "torch is not loaded":
+        torch = ev.fr_why != "torch is not loaded"
+        if len(history) >= 2 and rss - history[-2][1] >= RISE_TRIGGER and key not in _SPLIT and torch:
             split: Dict[str, Any] = {}
             for name, sql in (("split", SPLIT_SQL), ("holders", HOLDERS_SQL)):
                 try:
@@ -70,9 +84,25 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                 except ProbeError as exc:
                     split[name + "_why"] = exc.message
             _SPLIT[key] = split
+            _tensors_reading(key, split.get("split"), rss)
+        elif key in _SPLIT and len(_TENSORS.get(key, ())) == 1 and torch:  # the look after: did the tensors grow?
+            try:
+                rows = query(client, SPLIT_SQL)
+                _SPLIT[key]["split"] = rows
+                _tensors_reading(key, rows, rss)
+            except ProbeError:
+                pass
     out["readings"] = list(history)
     out.update(_SPLIT.get(key, {}))
+    if key in _TENSORS:
+        out["tensors"] = list(_TENSORS[key])
     ev.memory = out
+
+
+def _tensors_reading(key: Tuple[str, Optional[int], int], rows: Any, rss: int) -> None:
+    value = _cpu_tensors(rows)
+    if value is not None:
+        _TENSORS.setdefault(key, []).append((time.monotonic(), value, rss))
 
 
 def oom_evidence(pid: int) -> Dict[str, Any]:
@@ -140,6 +170,27 @@ def _growth(readings: List[Tuple[float, int]]) -> Optional[Dict[str, float]]:
             "steady": all(b[1] > a[1] for a, b in zip(readings, readings[1:]))}
 
 
+def _assess(ev: Any) -> Tuple[Optional[Dict[str, float]], str]:
+    """A rank's RSS growth and what it amounts to: ``tensors`` (a steady rise, and the live CPU tensors grew
+    with it), ``long`` (a steady rise over ``LONG_SPAN_S`` or more, whatever the tensors did), ``short`` (a
+    steady rise too short to tell from the allocator's keeping of freed memory, the tensors not growing or
+    not known), ``few`` (too few readings), or ``""`` (no growth)."""
+    growth = _growth(_readings(ev))
+    if growth is None:
+        return None, ""
+    if growth["n"] < MIN_READINGS or growth["span"] < MIN_SPAN_S:
+        return growth, "few"
+    if not growth["steady"]:
+        return growth, ""
+    tensors = (getattr(ev, "memory", None) or {}).get("tensors") or []
+    if len(tensors) >= 2:
+        (t1, b1, r1), (t2, b2, r2) = tensors[0], tensors[-1]
+        growth.update(tensors=b2 - b1, tensors_rss=r2 - r1, tensors_span=t2 - t1)
+        if b2 - b1 >= max(TENSOR_FLOOR, TENSOR_SHARE * (r2 - r1)):
+            return growth, "tensors"
+    return growth, "long" if growth["span"] >= LONG_SPAN_S else "short"
+
+
 def _mb(value: Any) -> str:
     return "%.0f MB" % (value / MB) if isinstance(value, (int, float)) else "?"
 
@@ -151,8 +202,8 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
     out = []
     for r in answering:
         ev = last.ranks[r]
-        growth = _growth(_readings(ev))
-        if growth is None or growth["n"] < MIN_READINGS or growth["span"] < MIN_SPAN_S or not growth["steady"]:
+        growth, kind = _assess(ev)
+        if growth is None or kind not in ("tensors", "long"):
             continue
         memory = ev.memory or {}
         readings = _readings(ev)
@@ -162,6 +213,18 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
         evidence = [Evidence("RSS at each look: %s" % ", ".join(_mb(v) for _, v in readings[-8:]),
                              command([r], "query \"SELECT rss FROM process.info\""), [r],
                              [{"seconds": round(t - readings[0][0], 2), "rss": v} for t, v in readings])]
+        if "tensors" in growth:
+            summary += ("; torch CPU tensors grew with it (%+.0f MB in %.1f s)" % (
+                growth["tensors"] / MB, growth["tensors_span"]) if kind == "tensors" else "; not in torch CPU tensors")
+            seen = memory["tensors"]
+            text = "torch CPU tensors at two looks %.1f s apart: %s -> %s, while RSS rose %+.0f MB" % (
+                growth["tensors_span"], _mb(seen[0][1]), _mb(seen[-1][1]), growth["tensors_rss"] / MB)
+            if kind != "tensors":
+                text += ": the growth is elsewhere (Python objects, native memory), steady over %.0f s" % growth["span"]
+            evidence.append(Evidence(text, command([r], "query \"SELECT device, allocated_bytes, rss_bytes FROM "
+                                                        "torch.memory\""), [r],
+                                     [{"seconds": round(t - seen[0][0], 2), "cpu_tensor_bytes": b, "rss": v}
+                                      for t, b, v in seen]))
         split = memory.get("split") or []
         cpu = next((row for row in split if row.get("device") == "cpu"), None)
         if cpu is not None:
@@ -222,8 +285,14 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
 def unavailable(last: Any, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:
     out = []
     for r in answering:
-        growth = _growth(_readings(last.ranks[r]))
-        if growth is not None and (growth["n"] < MIN_READINGS or growth["span"] < MIN_SPAN_S):
+        growth, kind = _assess(last.ranks[r])
+        if kind == "few":
             out.append("memory growth: not enough samples: RSS +%s in %.1f s over %d looks on %s (`diagnose --watch "
                        "5` looks again)" % (_mb(growth["rise"]), growth["span"], growth["n"], who([r])))
+        elif kind == "short":
+            tensors = ("its torch CPU tensors did not grow with it (%+.0f MB)" % (growth["tensors"] / MB)
+                       if "tensors" in growth else "its torch CPU tensors not read twice")
+            out.append("memory growth: RSS +%s in %.1f s on %s, but %s: too short a look to tell a leak from the "
+                       "allocator keeping freed memory (`diagnose --watch 5` looks for longer)" % (
+                           _mb(growth["rise"]), growth["span"], who([r]), tensors))
     return out

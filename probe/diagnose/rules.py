@@ -330,9 +330,25 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
                         or _healthy(last, answering, progress, window, who, command))
     steps.annotate(verdicts, last, answering, progress, who, command)
     unavailable += steps.unavailable(last, answering, who)
+    _cause_first(verdicts, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)
     verdicts.sort(key=lambda v: -STATUSES.index(v.status))
     return Report(status, verdicts, unavailable, window, 2, progress)
+
+
+def _cause_first(verdicts: List[Verdict], who: Callable[[Sequence[int]], str]) -> None:
+    """A collective hang whose culprit waits for its own data loader: the loader stall is the cause, so it is
+    put first (the sort after keeps that order among equals) and the hang says so."""
+    for hang in [v for v in verdicts if v.kind == "collective_hang"]:
+        causes = [v for v in verdicts if v.kind == "loader_stall" and set(v.culprits) & set(hang.culprits)]
+        if not causes:
+            continue
+        stalled = sorted({r for v in causes for r in v.culprits} & set(hang.culprits))
+        hang.summary += "; %s waits for %s DataLoader worker instead (the data loader stall)" % (
+            who(stalled), "its" if len(stalled) == 1 else "their")
+        for cause in causes:
+            verdicts.remove(cause)
+            verdicts.insert(verdicts.index(hang), cause)
 
 
 def _cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], who: Callable[[Sequence[int]], str],
