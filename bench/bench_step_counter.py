@@ -10,7 +10,9 @@ agent registers it (``probe.agent.placement._after_step`` through torch's global
 Each step is timed in CPU time of the training thread (``time.thread_time``; wall time on a shared
 machine swings by tens of per cent). A block's figure is its median step; the ratio is a "with" block
 over the mean of the "without" blocks on either side, median over rounds with its IQR. Beside it, the
-hook's own cost: ``--calls`` calls of ``_after_step`` on one optimizer in a loop, ns a call (min of 5).
+hook's own cost: ``--calls`` calls of ``_after_step`` on one optimizer in a loop, ns a call (min of 5), with
+its progress file written (``progress-<pid>.bin``, made on the first call as in an agent) and, interleaved,
+without (the file switched off): what the file adds to a step.
 """
 
 import argparse
@@ -81,12 +83,19 @@ def main() -> None:
         ratios += [t / base for t in got["on"]]
         off += got["off"]
         on += got["on"]
-    calls = []
-    for _ in range(5):
+    # The hook alone, with its progress file written (as in an agent) and without (the file off), interleaved.
+    calls, unwritten = [], []
+    has_file = hasattr(counter, "_progress")
+    for i in range(10 if has_file else 5):
+        written = not has_file or i % 2 == 0
+        if has_file and not written:
+            saved, counter._progress = counter._progress, False
         start = time.perf_counter()
         for _ in range(args.calls):
             placement._after_step(optimizer, (), {})
-        calls.append((time.perf_counter() - start) / args.calls)
+        (calls if written else unwritten).append((time.perf_counter() - start) / args.calls)
+        if has_file and not written:
+            counter._progress = saved
     r, a, b = Summary.of(ratios), Summary.of(off), Summary.of(on)
     print(table([["without probe", str(a.n), "%.1f" % (a.median * 1e6), "%.1f-%.1f" % (a.q1 * 1e6, a.q3 * 1e6),
                   "%.1f-%.1f" % (a.low * 1e6, a.high * 1e6)],
@@ -96,8 +105,13 @@ def main() -> None:
     print()
     print("with / without (per round, neighbouring blocks): median %.4f, IQR %.4f-%.4f, min-max %.4f-%.4f"
           % (r.median, r.q1, r.q3, r.low, r.high))
-    print("the hook alone: %.0f ns a call (min of 5 x %d calls; median %.0f ns)"
-          % (min(calls) * 1e9, args.calls, statistics.median(calls) * 1e9))
+    print("the hook alone: %.0f ns a call (min of 5 x %d calls; median %.0f ns, max %.0f)"
+          % (min(calls) * 1e9, args.calls, statistics.median(calls) * 1e9, max(calls) * 1e9))
+    if has_file:
+        print("the hook alone without writing the progress file: %.0f ns a call (min of 5; median %.0f ns, max %.0f)"
+              % (min(unwritten) * 1e9, statistics.median(unwritten) * 1e9, max(unwritten) * 1e9))
+        print("  its file: %s" % (counter._where[0] or "none (could not be made)"))
+        counter.remove_progress()
     print("counted: %s steps (the 'with' blocks and the calls alone)" % [c.steps for c in counter._counters.values()])
 
 

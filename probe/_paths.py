@@ -19,7 +19,7 @@ from probe.errors import UsageError
 __all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
-           "node_log_path"]
+           "node_log_path", "progress_path"]
 
 STALE_AFTER_S = 2.0
 """A socket file younger than this is never taken for stale: an agent binds its socket before it listens."""
@@ -115,6 +115,12 @@ def process_start_ticks(pid: str = "self") -> int:
 def crash_record_path(pid: int, ticks: int) -> str:
     """The file where the agent of process ``pid`` (started at ``ticks``) leaves its last stacks."""
     return os.path.join(runtime_dir(), "%d-%d.crash" % (pid, ticks))
+
+
+def progress_path(pid: int) -> str:
+    """The small file where the agent of process ``pid`` keeps its optimizer step count and the time of its
+    last step (``probe.tables.torch.steps``), for its node's helper to read without its GIL."""
+    return os.path.join(runtime_dir(), "progress-%d.bin" % pid)
 
 
 def job_token_path(port: int) -> str:

@@ -12,6 +12,7 @@ import importlib.util
 import os
 import secrets
 import stat
+import sys
 import threading
 import time
 from typing import Any, List, Optional
@@ -146,6 +147,7 @@ class Agent:
             except OSError:
                 pass
         self._owned_files = []
+        _remove_progress()
 
     def forget_after_fork(self) -> None:
         """In a forked child: drop the parent's listening sockets; leave its files alone."""
@@ -246,6 +248,16 @@ def _count_steps(listener: Any) -> None:
         from probe.tables.torch import steps
 
         listener.add_check(steps.watch)
+    except Exception:
+        pass
+
+
+def _remove_progress() -> None:
+    """The step counter's progress file (made on the first optimizer step) goes with the socket."""
+    steps = sys.modules.get("probe.tables.torch.steps")
+    try:
+        if steps is not None:
+            steps.remove_progress()
     except Exception:
         pass
 

@@ -533,6 +533,9 @@ def start_in_launcher(probe_port: str) -> None:
             token, token_file = job_token(base)
             helper = Helper(base, token, token_file)
             helper.serve(host)
+            from probe.host import watch
+
+            watch.start(helper)  # the stall watch (PROBE_SNAPSHOT=0: none)
             if binds_every_interface(host) and helper.tcp_address:
                 _say("probe: the host helper serves TCP on every interface (%s; token required)" % helper.tcp_address)
             if token_file:

@@ -53,6 +53,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     token, token_file = job_token(args.port)
     helper = Helper(args.port, token, token_file, kind="node")
     helper.serve(args.host)
+    from probe.host import watch
+
+    watch.start(helper)  # PROBE_SNAPSHOT=0: none
     _say("probe: node helper %d for PROBE_PORT=%d: unix %s, TCP %s" % (
         os.getpid(), args.port, _paths.node_socket_path(args.port), helper.tcp_address or "none"))
     started = last_alive = time.monotonic()

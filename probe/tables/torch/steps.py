@@ -11,19 +11,25 @@ agent's accept thread looks for it at each wake (a dict lookup), and a read of t
 too. ``PROBE_STEP_COUNTER=0`` leaves it out. Per step it costs one call of a few attribute updates
 (``bench/bench_step_counter.py``); memory is bounded (``MAX_OPTIMIZERS`` counters of ``RING`` floats).
 Runs in the target: stdlib only, never raises into the training loop.
+
+The progress file: each step also goes into ``<runtime dir>/progress-<pid>.bin`` (``PROGRESS``: 64 bytes,
+made on the first step, mode 0600, mapped into memory and written in place: no syscall a step; removed by
+the agent at exit), which the node helper's watch (``probe.host.watch``) reads without this process's GIL.
 """
 
 import os
+import struct
 import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from probe.errors import ProbeError, TorchNotLoaded
 from probe.tables.spec import Column
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "watch", "arm", "RING", "MAX_OPTIMIZERS"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "watch", "arm", "RING", "MAX_OPTIMIZERS",
+           "PROGRESS", "Progress", "read_progress", "remove_progress"]
 
 NAME = "torch.steps"
 DESCRIPTION = ("Optimizer steps counted as they happen (the agent's optimizer post-step hook; no trace needed): "
@@ -76,17 +82,25 @@ _counters: Dict[int, _Counter] = {}
 
 def count(optimizer: Any) -> None:
     """One step of ``optimizer`` has ended (called by the post-step hook on the training thread)."""
+    global _total
     try:
         now = _clock()
         key = id(optimizer)
         counter = _counters.get(key)
+        took = 0.0
         if counter is None or (counter.ref is not None and counter.ref() is not optimizer):
             counter = _new(optimizer, key, now)
         elif counter.steps:
-            counter.ring[counter.times % RING] = now - counter.last
+            took = now - counter.last
+            counter.ring[counter.times % RING] = took
             counter.times += 1
         counter.steps += 1
         counter.last = now
+        _total += 1
+        if _progress:
+            _write_step(_progress, 16, _total, now, took)
+        elif _progress is None:
+            _open_progress(now, took)
     except BaseException:
         pass
 
@@ -98,6 +112,108 @@ def _new(optimizer: Any, key: int, now: float) -> _Counter:
         _counters.pop(stalest.key, None)
     _counters[key] = counter
     return counter
+
+
+# -- the progress file ----------------------------------------------------------------------------
+#
+# 64 bytes, little-endian: magic "probeprg", version (u32), pid (u32), steps of every optimizer together
+# (i64), when the last step ended (f64, time.monotonic(): CLOCK_MONOTONIC, one clock for every process of
+# the host), that step's time (f64, from the same optimizer's step before; 0 for its first), when the
+# first step ended (f64, monotonic), the process's start time in clock ticks (u64: with the pid, which
+# process wrote it), 8 bytes reserved. A step writes bytes 16-40 in place.
+
+PROGRESS = struct.Struct("<8sIIqdddQ8x")
+PROGRESS_MAGIC = b"probeprg"
+PROGRESS_VERSION = 1
+_write_step = struct.Struct("<qdd").pack_into
+_total = 0
+_progress: Any = None  # the mapped file; None before the first step; False where there is none (cannot be, off)
+
+
+class Progress(NamedTuple):
+    """What a progress file says (``read_progress``)."""
+
+    pid: int
+    steps: int
+    last: float  # time.monotonic() of the last step's end
+    step_time: float  # that step's time (0: not known)
+    first: float  # time.monotonic() of the first step's end
+    start_ticks: int
+
+
+def _open_progress(now: float, took: float) -> None:
+    """Make this process's progress file (on its first step; once: a failure leaves it off)."""
+    global _progress
+    _progress = False
+    import mmap
+
+    from probe import _paths
+
+    pid = os.getpid()
+    try:
+        ticks = _paths.process_start_ticks()
+    except (OSError, ValueError):
+        ticks = 0
+    path = _paths.progress_path(pid)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, PROGRESS.size)
+        mapped = mmap.mmap(fd, PROGRESS.size)
+    finally:
+        os.close(fd)
+    PROGRESS.pack_into(mapped, 0, PROGRESS_MAGIC, PROGRESS_VERSION, pid, _total, now, took, now, ticks)
+    _progress = mapped
+    _where[0], _where[1] = path, pid
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_forget_progress)
+
+
+_where: List[Any] = [None, 0]  # the file's path and the pid that made it
+
+
+def _forget_progress() -> None:
+    """In a forked child (a DataLoader worker): the parent's file is not ours to write."""
+    global _progress
+    _progress = False
+
+
+def remove_progress() -> None:
+    """At the agent's exit: no more writes, and the file goes (only in the process that made it)."""
+    global _progress
+    mapped, _progress = _progress, False
+    path, pid = _where
+    if not path or pid != os.getpid():
+        return
+    _where[0] = None
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+    if mapped:
+        try:
+            mapped.close()
+        except (BufferError, ValueError, OSError):
+            pass
+
+
+def read_progress(path: str) -> Optional[Progress]:
+    """The progress file at ``path``; None where it is missing, short, or not one (its magic and version)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        raw = os.pread(fd, PROGRESS.size, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) < PROGRESS.size:
+        return None
+    magic, version, pid, steps, last, took, first, ticks = PROGRESS.unpack(raw)
+    if magic != PROGRESS_MAGIC or version != PROGRESS_VERSION:
+        return None
+    return Progress(pid, steps, last, took, first, ticks)
 
 
 # -- putting the hook in ----------------------------------------------------------------------------

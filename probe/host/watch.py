@@ -1,0 +1,454 @@
+"""The stall watch (issue 21): a node helper notices that its ranks stopped making steps and records every
+one of them, before a watchdog or the scheduler ends the job.
+
+A daemon thread of the node's helper (``python -m probe.host``, or torchrun's launcher), so it needs no GIL
+of any rank. Every ``POLL_S`` it reads the progress file of each rank it has (``progress-<pid>.bin``, which
+the rank's step counter writes in place at every optimizer step: ``probe.tables.torch.steps``): a few small
+reads a second, nothing asked of any rank while steps advance.
+
+The rule. A stall is no rank of the node advancing its step counter for ``hang_after`` seconds:
+``PROBE_HANG_AFTER`` where set; otherwise ``max(PROBE_HANG_MIN (default 60), 5 x the longest recent step
+time)``, at most 300, so that a slow job is not taken for a hung one and the record comes well before
+the usual watchdog timeouts (NCCL's 10 minutes). Until a rank's second step its step time is taken to be
+the time from its start to its first step. Before any rank's first step nothing is recorded, unless
+``PROBE_HANG_AFTER`` is set (then a job that never steps is recorded too). Where steps stopped for half
+of ``hang_after``, and again at ``hang_after``, each rank whose agent answers is asked where its Flight
+Recorder is (its newest entry and its newest completed one): an entry that moved between the two is
+progress (a long evaluation or a checkpoint that still makes collectives), and the wait starts again. One
+record per stall: the next needs progress in between. ``PROBE_SNAPSHOT=0`` turns the watch off.
+
+The record: ``probe.snapshot.capture.capture_members`` for every rank of the node (a rank whose agent
+cannot answer is read from outside), each written into a new directory of ``store.snapshot_root()``
+(``PROBE_SNAPSHOT_DIR``), the node's meta last, then ``store.clean``. A rank of that stall that dies
+afterwards (the watchdog's SIGABRT, the launcher's SIGTERM) has its crash record's text copied into its
+record file (``crash``), rewritten atomically, when the watch sees it dead (in torchrun's launcher, also
+at the launcher's exit). Said in ``node-PORT.log``. Nothing here may take the helper down: every look is
+caught at its boundary.
+"""
+
+import collections
+import math
+import os
+import socket
+import threading
+import time
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+from probe import _paths
+from probe._stderr import say as _say
+
+__all__ = ["Watch", "start", "hang_after_rule", "POLL_S", "HANG_MIN_S", "HANG_CAP_S", "STEP_FACTOR"]
+
+POLL_S = 1.0
+HANG_MIN_S = 60.0
+HANG_CAP_S = 300.0
+STEP_FACTOR = 5.0
+RECENT = 256  # step times kept per rank (one a look at most: the last few minutes of a job stepping)
+CAPTURE_DEADLINE_S = 60.0
+FR_TIMEOUT_S = 3.0
+CRASH_TEXT_BYTES = 256 * 1024
+FOLLOW_DEATHS_S = 1800.0  # how long after a record a rank's death is still copied into it
+_FR_SQL = ("SELECT max(record_id) AS newest, max(CASE WHEN state = 'completed' THEN record_id END) AS done "
+           "FROM torch.flight_recorder")
+
+
+def _number(name: str) -> Optional[float]:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) and value > 0 else None
+
+
+def enabled() -> bool:
+    return os.environ.get("PROBE_SNAPSHOT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def hang_after_rule(fixed: Optional[float], minimum: float, longest_step: float) -> float:
+    """``fixed`` where given; else max(``minimum``, STEP_FACTOR x ``longest_step``), at most HANG_CAP_S
+    (never below ``minimum``)."""
+    if fixed is not None:
+        return fixed
+    return max(minimum, min(HANG_CAP_S, STEP_FACTOR * longest_step))
+
+
+def _ticks_per_s() -> float:
+    try:
+        return float(os.sysconf("SC_CLK_TCK"))
+    except (ValueError, OSError):
+        return 100.0
+
+
+class _Rank:
+    """What the watch knows of one rank's process."""
+
+    __slots__ = ("rank", "pid", "ticks", "steps", "moved", "first_seen", "times", "startup")
+
+    def __init__(self, rank: int, pid: int, now: float) -> None:
+        self.rank = rank
+        self.pid = pid
+        try:
+            self.ticks = _paths.process_start_ticks(str(pid))
+        except (OSError, ValueError, IndexError):
+            self.ticks = 0
+        self.steps = 0
+        self.moved = now  # when its counter last moved (its own clock: CLOCK_MONOTONIC, the host's)
+        self.first_seen = now
+        self.times: Deque[float] = collections.deque(maxlen=RECENT)
+        self.startup = 0.0  # start of the process to its first step: the step time until a real one is known
+
+    def look(self, now: float) -> None:
+        from probe.tables.torch.steps import read_progress
+
+        found = read_progress(_paths.progress_path(self.pid))
+        if found is None or found.pid != self.pid or (found.start_ticks and self.ticks
+                                                      and found.start_ticks != self.ticks):
+            return  # not made yet, or a file of an earlier process with this pid
+        if found.steps == self.steps:
+            return
+        self.steps = found.steps
+        self.moved = found.last if now - 1e6 < found.last <= now + 1.0 else now  # another clock: when seen
+        if found.step_time > 0:
+            self.times.append(found.step_time)
+        elif not self.times and self.ticks and not self.startup:
+            since_start = found.first - self.ticks / _ticks_per_s()
+            if 0 < since_start < 1e6:
+                self.startup = since_start
+
+    def longest_step(self) -> float:
+        return max(self.times) if self.times else self.startup
+
+
+class _Recorded:
+    """A stall recorded: where, and the ranks whose deaths are still to be copied into it."""
+
+    def __init__(self, directory: str, files: Dict[int, str], ranks: Dict[int, _Rank], at: float) -> None:
+        self.directory = directory
+        self.files = files  # pid -> its rank file
+        self.ranks = ranks  # pid -> the rank (its start ticks name its crash record)
+        self.at = at
+
+
+class Watch:
+    """The watch of one helper (``helper.members``, ``helper.base_port``, ``helper.kind``)."""
+
+    def __init__(self, helper: Any) -> None:
+        self.helper = helper
+        self.fixed = _number("PROBE_HANG_AFTER")
+        minimum = _number("PROBE_HANG_MIN")
+        self.minimum = HANG_MIN_S if minimum is None else minimum
+        self.poll = _number("PROBE_WATCH_POLL_S") or POLL_S
+        self.ranks: Dict[int, _Rank] = {}  # pid -> rank
+        self.recorded: Optional[_Recorded] = None  # the last record, while its ranks may still die
+        self.stalled_since: Optional[float] = None  # the progress time of the stall already recorded
+        self.baseline: Optional[Tuple[float, Dict[int, Any]]] = None  # (progress time, Flight Recorder marks)
+        self.fr_moved = 0.0
+        self.records = 0
+        self._complained: Dict[str, bool] = {}
+        self._lock = threading.Lock()  # one look at a time (the thread's, and the exit hook's)
+
+    # -- the thread -------------------------------------------------------------------------------
+
+    def start(self) -> "Watch":
+        thread = threading.Thread(target=self._run, name="probe-watch", daemon=True)
+        thread.start()
+        if self.helper.kind == "launcher":  # torchrun exits right after its last rank: copy the deaths first
+            import atexit
+
+            atexit.register(self._at_exit)
+        return self
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.poll)
+            try:
+                self.look()
+            except BaseException as exc:  # noqa: BLE001 -- the watch never takes its helper down
+                self._once("look", "probe: the stall watch failed a look: %s: %s" % (type(exc).__name__, exc))
+
+    def _at_exit(self) -> None:
+        """At the launcher's exit (its ranks stopped): the deaths not copied yet, for at most 3 s."""
+        try:
+            deadline = time.monotonic() + 3.0
+            while self.recorded is not None and time.monotonic() < deadline:
+                if self._lock.acquire(timeout=0.5):
+                    try:
+                        members = self.helper.members.scan()
+                        self._copy_deaths(members)
+                        for member in members:
+                            if self._dead(member):
+                                _forget(self.ranks.pop(member.pid, None))
+                    finally:
+                        self._lock.release()
+                time.sleep(0.1)
+        except BaseException:  # noqa: BLE001 -- at exit: nothing more to do
+            pass
+
+    # -- one look ---------------------------------------------------------------------------------
+
+    def look(self) -> Optional[str]:
+        """Read every rank's progress; record where the node stalled. Returns the snapshot written, if any."""
+        with self._lock:
+            return self._look()
+
+    def _look(self) -> Optional[str]:
+        now = time.monotonic()
+        members = self.helper.members.scan()
+        if self.recorded is not None:
+            self._copy_deaths(members)
+        live: List[_Rank] = []
+        for member in members:
+            if self._dead(member):
+                _forget(self.ranks.pop(member.pid, None))
+                continue
+            seen = self.ranks.get(member.pid)
+            if seen is None:
+                seen = self.ranks[member.pid] = _Rank(member.rank, member.pid, now)
+            seen.rank = member.rank
+            seen.look(now)
+            live.append(seen)
+        known = {m.pid for m in members}
+        for pid in [p for p in self.ranks if p not in known]:
+            del self.ranks[pid]
+        if not live:
+            self.baseline = None
+            return None
+        stepped = [r for r in live if r.steps]
+        if not stepped and self.fixed is None:
+            return None  # before the first step: nothing to compare with
+        progress = max(max(r.moved if r.steps else r.first_seen for r in live), self.fr_moved)
+        if self.stalled_since is not None:
+            if progress <= self.stalled_since:
+                return None  # this stall is recorded already
+            self.stalled_since = None
+            self.recorded = None  # progress since: the ranks of that record are no longer dying of it
+        hang_after = self.hang_after(live)
+        stalled = now - progress
+        if self.baseline is not None and self.baseline[0] != progress:
+            self.baseline = None
+        if stalled < hang_after / 2:
+            return None
+        if self.baseline is None:
+            self.baseline = (progress, self._fr_marks(members))
+            if stalled < hang_after:
+                return None
+        if stalled < hang_after:
+            return None
+        marks = self._fr_marks(members)
+        if any(pid in self.baseline[1] and self.baseline[1][pid] != mark for pid, mark in marks.items()):
+            self.fr_moved = time.monotonic()  # collectives go on: progress, though no step
+            self.baseline = None
+            return None
+        self.stalled_since = progress
+        self.baseline = None
+        why = ("no step for %.0f s" % stalled if stepped else "no step since the ranks started, %.0f s" % stalled)
+        return self.record(members, "stall: %s (hang_after %.0f s)" % (why, hang_after), hang_after)
+
+    def hang_after(self, live: List[_Rank]) -> float:
+        return hang_after_rule(self.fixed, self.minimum, max((r.longest_step() for r in live), default=0.0))
+
+    @staticmethod
+    def _dead(member: Any) -> bool:
+        return member.state == "dead"
+
+    def _fr_marks(self, members: List[Any]) -> Dict[int, Any]:
+        """Each answering rank's Flight Recorder: (its newest entry, its newest completed one); none where
+        the rank cannot answer or keeps no recorder."""
+        from probe.client.client import Client
+        from probe.client.targets import parse_target
+
+        marks: Dict[int, Any] = {}
+        deadline = time.monotonic() + 2 * FR_TIMEOUT_S
+        for member in members:
+            if member.state != "running" or time.monotonic() > deadline:
+                continue
+            try:
+                client = Client(parse_target(str(member.pid)), None, FR_TIMEOUT_S)
+                rows = client.query_rows(_FR_SQL, timeout=FR_TIMEOUT_S)
+                if client.note is None and rows.rows:
+                    marks[member.pid] = tuple(rows.rows[0])
+            except Exception:  # noqa: BLE001 -- no answer: no mark
+                continue
+        return marks
+
+    # -- recording --------------------------------------------------------------------------------
+
+    def record(self, members: List[Any], reason: str, hang_after: Optional[float]) -> Optional[str]:
+        """Record every rank of ``members`` into a new snapshot directory; its path (None where it failed)."""
+        from probe.client.client import Client
+        from probe.client.targets import parse_target
+        from probe.snapshot import capture, record, store
+
+        started = time.time()
+        job = self._job(members)
+        root = store.snapshot_root()
+        try:
+            directory = store.new_snapshot_dir(root, job, started)
+        except Exception as exc:  # noqa: BLE001
+            self._log("probe: stall on this node (%s); cannot record it: %s" % (reason, getattr(exc, "message", exc)))
+            return None
+        self._log("probe: stall on this node (%s); recording ranks %s into %s"
+                  % (reason, ",".join(str(m.rank) for m in members), directory))
+        pairs = [(Client(parse_target(str(m.pid)), None, CAPTURE_DEADLINE_S / 2), m) for m in members]
+        secrets = [self.helper._token.decode("utf-8")] if getattr(self.helper, "_token", None) else []
+        records = capture.capture_members(pairs, reason, job, CAPTURE_DEADLINE_S, secrets=secrets)
+        files: Dict[int, str] = {}
+        failed: Dict[str, str] = {}
+        for member, rec in zip(members, records):
+            try:
+                files[member.pid] = record.write_rank(directory, rec)
+            except Exception as exc:  # noqa: BLE001 -- this rank's file only
+                failed[str(member.rank)] = "not written: %s" % getattr(exc, "message", exc)
+                continue
+            if not record.is_recorded(rec):
+                failed[str(member.rank)] = str((rec.get("missing") or {}).get("evidence") or "no stacks could be read")
+        ended = time.time()
+        from probe import __version__
+
+        record.write_meta(directory, {
+            "job": job, "host": socket.gethostname(), "reason": reason, "started": started, "ended": ended,
+            "ranks": sorted(m.rank for m in members if str(m.rank) not in failed), "failed": failed,
+            "hang_after_s": hang_after, "by": "watch", "helper_pid": os.getpid(), "probe_version": __version__})
+        store.clean(root, job)
+        self.records += 1
+        self.recorded = _Recorded(directory, files, {p: r for p, r in self.ranks.items() if p in files}, time.monotonic())
+        for member in members:  # a rank dead before the watch first saw it: no start ticks known
+            if member.pid in files and member.pid not in self.recorded.ranks:
+                self.recorded.ranks[member.pid] = _Rank(member.rank, member.pid, time.monotonic())
+        self._log("probe: stall recorded in %s: %d rank(s) in %.1f s%s"
+                  % (directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
+        return directory
+
+    def _copy_deaths(self, members: List[Any]) -> None:
+        """Copy the crash record of each rank of the last record that has died since into its record file."""
+        recorded = self.recorded
+        if recorded is None:
+            return
+        if time.monotonic() - recorded.at > FOLLOW_DEATHS_S:
+            self.recorded = None
+            return
+        from probe.snapshot import record
+
+        for member in members:
+            path = recorded.files.get(member.pid)
+            if path is None or not self._dead(member):
+                continue
+            del recorded.files[member.pid]
+            text = self._crash_text(recorded.ranks.get(member.pid), member.pid)
+            if text is None:
+                continue
+            try:
+                rec = record.read_rank(path)
+                if rec.get("crash"):
+                    continue
+                rec["crash"] = text
+                rec["died"] = True
+                record.write_rank(recorded.directory, rec)
+                self._log("probe: rank %d (process %d) died after the stall was recorded; its crash record is "
+                          "copied into %s" % (member.rank, member.pid, path))
+            except Exception as exc:  # noqa: BLE001
+                self._log("probe: cannot copy rank %d's crash record into %s: %s"
+                          % (member.rank, path, getattr(exc, "message", exc)))
+        if not recorded.files:
+            self.recorded = None
+
+    @staticmethod
+    def _crash_text(seen: Optional[_Rank], pid: int) -> Optional[str]:
+        path = None
+        if seen is not None and seen.ticks:
+            path = _paths.crash_record_path(pid, seen.ticks)
+        else:
+            from probe.reader import crash
+
+            found = crash.dead_record(pid)
+            path = found.path if found is not None else None
+        if path is None:
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as handle:
+            return handle.read(CRASH_TEXT_BYTES).decode("utf-8", "replace")
+
+    def _job(self, members: List[Any]) -> str:
+        """The job's name in the snapshot's id: the Slurm job id or torchelastic's run id a rank was started
+        with, else ``port<PROBE_PORT>``."""
+        from probe.snapshot import store
+
+        for member in members:
+            env = _environ(member.pid, (b"SLURM_JOB_ID", b"TORCHELASTIC_RUN_ID"))
+            if env:
+                return store.job_id(env.get(b"SLURM_JOB_ID", b"").decode("ascii", "replace") or None,
+                                    env.get(b"TORCHELASTIC_RUN_ID", b"").decode("ascii", "replace") or None,
+                                    self.helper.base_port)
+        return store.job_id(os.environ.get("SLURM_JOB_ID"), os.environ.get("TORCHELASTIC_RUN_ID"),
+                            self.helper.base_port)
+
+    # -- saying -----------------------------------------------------------------------------------
+
+    def _log(self, line: str) -> None:
+        """Into ``node-PORT.log``: a node helper's stderr is that file; torchrun's launcher also says it on
+        its own stderr."""
+        _say(line)
+        if self.helper.kind != "node":
+            try:
+                fd = os.open(_paths.node_log_path(self.helper.base_port),
+                             os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    os.write(fd, (line + "\n").encode("utf-8", "replace"))
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+
+    def _once(self, key: str, line: str) -> None:
+        if not self._complained.get(key):
+            self._complained[key] = True
+            self._log(line)
+
+
+def _forget(seen: Optional[_Rank]) -> None:
+    """A rank that died: its progress file goes where its agent could not remove it (SIGKILL, SIGTERM, a
+    crash), if it is still that very process's (its pid and start time)."""
+    if seen is None or not seen.ticks:
+        return
+    from probe.tables.torch.steps import read_progress
+
+    path = _paths.progress_path(seen.pid)
+    found = read_progress(path)
+    if found is not None and found.pid == seen.pid and found.start_ticks == seen.ticks:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _environ(pid: int, keys: Tuple[bytes, ...]) -> Dict[bytes, bytes]:
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and name in keys and value:
+            out[name] = value
+    return out
+
+
+def start(helper: Any) -> Optional[Watch]:
+    """The helper's watch, started (None where ``PROBE_SNAPSHOT=0`` or it cannot start); never raises."""
+    try:
+        if not enabled():
+            return None
+        watch = Watch(helper).start()
+        helper.watch = watch
+        return watch
+    except BaseException as exc:  # noqa: BLE001
+        _say("probe: no stall watch in process %d: %s" % (os.getpid(), exc))
+        return None

@@ -1,0 +1,168 @@
+"""The stall watch (issue 21): a rank's step counter kept in its progress file, and the node helper that
+reads those files, noticing that the ranks stopped stepping and recording them before the process group's
+timeout ends the job; a healthy and a slow job are recorded never. Real torchrun gloo jobs on the CPU
+(tests/targets/snap_train.py), each in a runtime and snapshot directory of its own."""
+
+import os
+import stat
+import subprocess
+import time
+from typing import Dict, List, Tuple
+
+from probe import _paths
+from probe.snapshot import record, store
+from probe.tables.torch.steps import read_progress
+from procs import TARGETS, Proc, run_cli, scaled, spawn, target_env
+from test_torchrun import _free_port_pair
+from torch_job import TORCHRUN, _free_port, ready_lines, stop_launcher
+
+PG_TIMEOUT_S = 45
+
+
+def _until(check, timeout: float, what: str):
+    deadline = time.monotonic() + scaled(timeout)
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, "timed out waiting for %s" % what
+        time.sleep(0.1)
+
+
+def _dirs(tmp_path, name: str) -> Tuple[str, str, str]:
+    run = str(tmp_path / name / "run")
+    os.makedirs(run, 0o700)
+    return run, str(tmp_path / name / "snaps"), str(tmp_path / name / "control")
+
+
+def _torchrun(tmp_path, name: str, run: str, **env: str) -> Tuple[subprocess.Popen, Proc]:
+    """A 2-rank torchrun job of snap_train.py with an agent a rank and PROBE_PORT (torchrun's launcher is
+    the node's helper); its stderr goes to a file beside the job's directories."""
+    err = open(str(tmp_path / name / "stderr"), "wb")
+    try:
+        launcher = subprocess.Popen([TORCHRUN, "--nproc_per_node=2", "--master_port=%d" % _free_port(),
+                                     os.path.join(TARGETS, "snap_train.py")], stdout=subprocess.PIPE, stderr=err,
+                                    env=target_env(PROBE_PORT=str(_free_port_pair()), PROBE_RUNTIME_DIR=run, **env),
+                                    start_new_session=True)
+    finally:
+        err.close()
+    return launcher, Proc(launcher, "torchrun (%s)" % name)
+
+
+def _ranks(output: Proc) -> Dict[int, int]:
+    return {int(words[2]): int(words[1]) for words in ready_lines(output, 2, time.monotonic() + scaled(90))}
+
+
+def _stderr(tmp_path, name: str) -> str:
+    try:
+        with open(str(tmp_path / name / "stderr"), "rb") as handle:
+            return handle.read().decode("utf-8", "replace")[-4000:]
+    except OSError:
+        return ""
+
+
+def test_a_rank_keeps_its_step_count_in_a_progress_file_that_goes_at_exit(tmp_path):
+    run, _, control = _dirs(tmp_path, "one")
+    proc = spawn("snap_train.py", env=target_env(PROBE_RUNTIME_DIR=run, SNAP_CONTROL=control), wait_socket=False)
+    try:
+        path = os.path.join(run, "progress-%d.bin" % proc.pid)
+        first = _until(lambda: read_progress(path), 20, "the progress file")
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        second = _until(lambda: (lambda p: p if p and p.steps > first.steps else None)(read_progress(path)), 10,
+                        "the step count to move")
+        assert second.pid == proc.pid and second.start_ticks == _paths.process_start_ticks(str(proc.pid)), second
+        assert second.first <= first.last < second.last <= time.monotonic(), (first, second)  # the host's clock
+        assert 0 < second.step_time < 5, second
+        with open(control, "w") as handle:
+            handle.write("exit\n")
+        assert proc.popen.wait(scaled(20)) == 0
+        assert not os.path.exists(path), "the agent left its progress file behind at exit"
+    finally:
+        proc.kill()
+
+
+def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the_job(tmp_path):
+    run, snaps, control = _dirs(tmp_path, "hang")
+    launcher, output = _torchrun(tmp_path, "hang", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="5",
+                                 PG_TIMEOUT_S=str(PG_TIMEOUT_S), SNAP_CONTROL=control)
+    try:
+        ranks = _ranks(output)
+        with open(control, "w") as handle:
+            handle.write("skip 1\n")
+        skipped = time.time()
+        # rank 0 waits in all_reduce until gloo's timeout raises there; torchrun then stops rank 1 (SIGTERM)
+        code = launcher.wait(scaled(PG_TIMEOUT_S + 60))
+        ended = time.time()
+    finally:
+        stop_launcher(launcher)
+    assert code != 0, "the job was meant to die of its process group's timeout"
+    deaths = {}
+    for rank, pid in ranks.items():
+        name = next((n for n in os.listdir(run) if n.startswith("%d-" % pid) and n.endswith(".crash")), None)
+        assert name, "rank %d left no crash record: %s" % (rank, _stderr(tmp_path, "hang"))
+        deaths[rank] = os.stat(os.path.join(run, name)).st_mtime
+
+    found = store.list_snapshots(snaps)
+    assert len(found) == 1, (found, _stderr(tmp_path, "hang"))
+    snap = found[0]
+    assert snap.complete and snap.ranks == [0, 1] and not snap.failed, snap
+    assert snap.reason.startswith("stall: no step for"), snap
+    meta = _meta(snap)
+    # recorded (meta written last) after the stall began and before any rank died of it
+    assert skipped < meta["started"] < meta["ended"] < min(min(deaths.values()), ended), (skipped, meta, deaths)
+    assert meta["hang_after_s"] == 5.0 and meta["ranks"] == [0, 1], meta
+
+    records = {r: record.read_rank(os.path.join(snap.path, "rank-%05d.json" % r)) for r in (0, 1)}
+    for rank, rec in records.items():
+        assert rec["pid"] == ranks[rank] and rec["recorded_at"] < deaths[rank], rec
+    main = {r: [row[5] for row in rec["tables"]["python.backtrace"]["rows"] if row[3]] for r, rec in records.items()}
+    assert "load_next_batch" in main[1] and "sync_loss" not in main[1], main
+    assert "sync_loss" in main[0], main
+    # each rank's death, after the record, is copied into it: rank 0's timeout, rank 1's SIGTERM (its stacks)
+    assert "Uncaught exception" in (records[0]["crash"] or "") and "Timed out" in records[0]["crash"], records[0]["crash"]
+    assert "sigterm stacks" in (records[1]["crash"] or "") and "load_next_batch" in records[1]["crash"], records[1]["crash"]
+    assert not [n for n in os.listdir(run) if n.startswith("progress-")], os.listdir(run)
+
+    listed = run_cli("snapshots", snaps, env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
+    assert listed.code == 0 and snap.id in listed.out and "complete" in listed.out, listed
+    with open(os.path.join(run, [n for n in os.listdir(run) if n.startswith("node-") and n.endswith(".log")][0])) as log:
+        assert "stall recorded in %s" % snap.path in log.read()
+
+
+def _recorded(snaps: str) -> List[store.SnapshotInfo]:
+    return store.list_snapshots(snaps)
+
+
+def _meta(snap: store.SnapshotInfo) -> Dict[str, object]:
+    return record.read_meta(next(os.path.join(snap.path, n) for n in os.listdir(snap.path) if n.startswith("meta-")))
+
+
+def test_a_healthy_and_a_slow_job_are_not_recorded_and_the_slow_one_waits_five_steps(tmp_path):
+    jobs = {}
+    try:
+        for name, step in (("healthy", "0.02"), ("slow", "2.5")):
+            run, snaps, control = _dirs(tmp_path, name)
+            launcher, output = _torchrun(tmp_path, name, run, PROBE_SNAPSHOT_DIR=snaps, SNAP_CONTROL=control,
+                                         PROBE_HANG_MIN="5" if name == "healthy" else "3", STEP_SLEEP=step)
+            jobs[name] = (launcher, output, snaps, control)
+        for job in jobs.values():
+            _ranks(job[1])
+        watched = time.monotonic()
+        while time.monotonic() - watched < 40:
+            for name, (launcher, _, snaps, _) in jobs.items():
+                assert launcher.poll() is None, "the %s job died: %s" % (name, _stderr(tmp_path, name))
+                assert not _recorded(snaps), "the %s job was recorded: %s" % (name, _recorded(snaps))
+            time.sleep(1)
+
+        # The slow job's hang_after came from its step time (5 x ~2.5 s), not from PROBE_HANG_MIN (3 s): a
+        # real stall of it is recorded, after that long.
+        launcher, _, snaps, control = jobs["slow"]
+        with open(control, "w") as handle:
+            handle.write("skip 1\n")
+        found = _until(lambda: [s for s in _recorded(snaps) if s.complete], 60, "the slow job's stall recorded")
+        meta = _meta(found[0])
+        assert 12 <= meta["hang_after_s"] <= 30, meta
+        assert not _recorded(jobs["healthy"][2])
+    finally:
+        for launcher, _, _, _ in jobs.values():
+            stop_launcher(launcher)
