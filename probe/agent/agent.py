@@ -42,6 +42,8 @@ class Agent:
         self.tcp_error: Optional[str] = None
         """Why the agent serves no TCP although asked to (bind failed, unusable token file); else None."""
         self._token: Optional[bytes] = None
+        self.credentials = _unix_only(options.unix_scope, self.pid)
+        """Who may do what (``probe.agent.scopes``): the tokens TCP takes, the unix socket owner's scope."""
         self._owned_files: List[str] = []
         self._listeners: List[Listener] = []
         self._engine: Any = None
@@ -101,6 +103,7 @@ class Agent:
                                      hint="give each process its own port, or PROBE_LISTEN=%s:0 for any free one"
                                      % ("[%s]" % host if ":" in host else host)) from None
             self._token = self._make_or_read_token().encode("utf-8")
+            self.credentials = self._scoped_credentials()
         except (ProbeError, OSError, ValueError) as exc:
             if tcp is not None:
                 tcp.close()
@@ -187,18 +190,39 @@ class Agent:
         self._owned_files.append(path)
         return token
 
-    def authorize(self, request: Request) -> None:
-        """The unix socket's peer was checked at accept; TCP needs ``Authorization: Bearer <token>``."""
-        if request.transport == "unix":
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if self._token is None or scheme.lower() != "bearer" or not value:
+    def _scoped_credentials(self) -> Any:
+        """The full token (eval) and the control and read tokens where the target gave them: each from its
+        variable or file (a file may be readable by others, never writable: it is meant to be handed out)."""
+        from probe.agent.scopes import CONTROL, EVAL, READ, Credentials
+
+        tokens = [(self._token or b"", EVAL, "full token")]
+        files = {EVAL: self.token_file or ""}
+        for scope, token, path, by in ((CONTROL, self.options.control_token, self.options.control_token_file,
+                                        "control token"),
+                                       (READ, self.options.read_token, self.options.read_token_file, "read token")):
+            if not token and path:
+                try:
+                    token = _token_from_file(path, shared=True)
+                    files[scope] = path
+                except ProbeError as exc:
+                    _say("probe: the agent in process %d takes no %s: %s" % (self.pid, by, exc))
+                    continue
+            if not token:
+                continue
+            if any(hmac.compare_digest(token.encode("utf-8"), known) for known, _, _ in tokens):
+                _say("probe: the agent in process %d takes no %s: it is the same as a stronger token" % (self.pid, by))
+                continue
+            tokens.append((token.encode("utf-8"), scope, by))
+        return Credentials(tokens, self.credentials.unix_scope, files)
+
+    def authorize(self, request: Request) -> Any:
+        """The request's grant (``probe.agent.scopes.Grant``): the unix socket's peer was checked at accept
+        and has the unix scope; TCP needs ``Authorization: Bearer <token>`` of one of our tokens."""
+        if request.transport != "unix" and self._token is None:
             raise Unauthorized("this agent requires a token on TCP",
                                hint="pass --token-file FILE with the agent's token (on its host: %s)"
                                % (self.token_file or "the file given to the agent"))
-        if not hmac.compare_digest(value.strip().encode("utf-8"), self._token):
-            raise Unauthorized("the token was refused", hint="check --token / --token-file against the agent's token file")
+        return self.credentials.grant(request.transport, request.headers)
 
     # -- SQL --------------------------------------------------------------------------------------
 
@@ -302,12 +326,25 @@ def _write_new(path: str, token: str, dir_fd: Optional[int] = None) -> None:
         os.close(fd)
 
 
-def _token_from_file(path: str) -> str:
+def _unix_only(unix_scope: str, pid: int) -> Any:
+    """Credentials before TCP is set up: the unix socket owner's scope (``PROBE_UNIX_SCOPE``); a value
+    that is no scope gives read, the least, and says so."""
+    from probe.agent.scopes import READ, Credentials, parse_scope
+
+    try:
+        return Credentials([], parse_scope(unix_scope, "PROBE_UNIX_SCOPE"))
+    except ValueError as exc:
+        _say("probe: the agent in process %d: %s; its unix socket gives read only" % (pid, exc))
+        return Credentials([], READ)
+
+
+def _token_from_file(path: str, shared: bool = False) -> str:
     """The token in the explicit token file ``path``; made and written there (0600) when it is missing.
 
     The file is read only when it is a regular file (no symbolic link, anywhere on the path, unless it
     belongs to us or root) of our own that nobody else can read or write; otherwise ``UsageError`` with
     the fix. Ranks of one job may share it: one creates it (complete, in one step), the others read it.
+    ``shared``: others may read the file (never write it): a read or control token meant to be handed out.
     """
     try:
         dir_fd, name = _paths.open_parent_dir(path)
@@ -317,7 +354,7 @@ def _token_from_file(path: str) -> str:
     try:
         for _ in range(2):
             try:
-                return _read_token_at(path, dir_fd, name)
+                return _read_token_at(path, dir_fd, name, shared)
             except FileNotFoundError:
                 pass
             token = secrets.token_urlsafe(32)
@@ -330,7 +367,7 @@ def _token_from_file(path: str) -> str:
         os.close(dir_fd)
 
 
-def _read_token_at(path: str, dir_fd: int, name: str) -> str:
+def _read_token_at(path: str, dir_fd: int, name: str, shared: bool = False) -> str:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, dir_fd=dir_fd)
@@ -351,7 +388,7 @@ def _read_token_at(path: str, dir_fd: int, name: str) -> str:
         if info.st_uid != uid:
             raise UsageError("the token file %s belongs to uid %d, not to this process's user (uid %d)"
                              % (path, info.st_uid, uid), hint="use a token file of your own (mode 600)")
-        if stat.S_IMODE(info.st_mode) & 0o077:
+        if stat.S_IMODE(info.st_mode) & (0o022 if shared else 0o077):
             raise UsageError("the token file %s is open to other users (mode %04o)"
                              % (path, stat.S_IMODE(info.st_mode)), hint="chmod 600 %s" % path)
         token = os.read(fd, 4096).decode("utf-8", "replace").strip()

@@ -39,6 +39,7 @@ class Request:
     headers: Dict[str, str]
     body: bytes
     transport: str  # "unix" or "tcp"
+    peer: str = ""  # who sent it: "uid U pid P" (unix, SO_PEERCRED) or "HOST:PORT" (TCP); for the audit trail
 
     def json(self) -> Dict[str, object]:
         """The body as a JSON object; a clear ``bad_request`` for anything else.

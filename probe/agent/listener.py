@@ -314,11 +314,13 @@ class Listener:
             conn.settimeout(READ_TIMEOUT_S)
             if self.transport == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            elif not _peer_is_owner(conn):
+            creds = None if self.transport == "tcp" else _peer_creds(conn)
+            if self.transport != "tcp" and (creds is None or creds[1] != os.getuid()):
                 send(conn, Response.error(Forbidden("only the owner of this process may connect")))
                 return
             try:
                 request = read_request(conn, self.transport)
+                request.peer = _peer_name(conn, creds)
             except ProbeError as exc:
                 send(conn, Response.error(exc))
                 _linger(conn, LINGER_S, LINGER_BYTES)  # still evictable meanwhile: it holds a slot
@@ -384,14 +386,25 @@ def _peer_gone(conn: socket.socket) -> bool:
             pass
 
 
-def _peer_is_owner(conn: socket.socket) -> bool:
-    """SO_PEERCRED: the connecting process must run as our uid (the file mode already says so)."""
+def _peer_creds(conn: socket.socket) -> "Optional[Tuple[int, int, int]]":
+    """SO_PEERCRED of a unix peer: (pid, uid, gid); None where it cannot be read. The connecting process
+    must run as our uid (the file mode already says so)."""
     try:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     except (OSError, AttributeError):
-        return False
-    _pid, uid, _gid = struct.unpack("3i", creds)
-    return uid == os.getuid()
+        return None
+    return struct.unpack("3i", creds)
+
+
+def _peer_name(conn: socket.socket, creds: "Optional[Tuple[int, int, int]]") -> str:
+    """Who sent a request, for the audit trail: ``uid U pid P`` on the unix socket, ``HOST:PORT`` on TCP."""
+    if creds is not None:
+        return "uid %d pid %d" % (creds[1], creds[0])
+    try:
+        host, port = conn.getpeername()[:2]
+    except (OSError, ValueError, TypeError):
+        return "?"
+    return "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
 
 
 def _has_input(conn: socket.socket) -> bool:

@@ -25,6 +25,18 @@ class AgentOptions:
     """The TCP token; None: take it from ``token_file`` or make one and write it to the token file."""
     token_file: Optional[str] = None
     """Where to read (if it exists) or write the TCP token; default: beside the unix socket."""
+    read_token: Optional[str] = None
+    """A token that gives the read scope on TCP (``PROBE_READ_TOKEN``); see ``probe.agent.scopes``."""
+    read_token_file: Optional[str] = None
+    """The file of the read token (``PROBE_READ_TOKEN_FILE``): read, or made (0600) when missing."""
+    control_token: Optional[str] = None
+    """A token that gives the control scope on TCP (``PROBE_CONTROL_TOKEN``)."""
+    control_token_file: Optional[str] = None
+    """The file of the control token (``PROBE_CONTROL_TOKEN_FILE``)."""
+    unix_scope: str = "eval"
+    """What the unix socket's owner may do: ``eval`` (everything), ``control`` or ``read`` (``PROBE_UNIX_SCOPE``)."""
+    audit_reads: bool = False
+    """Record read requests in the audit trail too (``PROBE_AUDIT_READS=1``); control and eval always are."""
     eval_enabled: bool = True
     """False makes the agent read-only: eval requests are refused."""
     show_secrets: bool = False
@@ -65,6 +77,11 @@ class AgentOptions:
             from probe import _paths
 
             values["token_file"] = _paths.job_token_path(probe_port_binding(env)[1])
+        for name in ("read_token", "read_token_file", "control_token", "control_token_file", "unix_scope"):
+            if env.get("PROBE_" + name.upper()):
+                values[name] = env["PROBE_" + name.upper()]
+        if "PROBE_AUDIT_READS" in env:
+            values["audit_reads"] = env["PROBE_AUDIT_READS"].strip().lower() not in _FALSE
         if "PROBE_EVAL" in env:
             values["eval_enabled"] = env["PROBE_EVAL"].strip().lower() not in _FALSE
         if "PROBE_SHOW_SECRETS" in env:

@@ -6,9 +6,10 @@ import importlib.util
 import json
 import math
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import probe
+from probe.agent import scopes
 from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
@@ -225,6 +226,7 @@ def evaluate(agent: "Agent", request: Request) -> Response:
     frame = parse_frame(body["frame"]) if body.get("frame") is not None else None
     wait = min(_optional_seconds(body, "wait") or (10.0 if place == "main" else 60.0), _MAX_WAIT)
     outcome = run_snippet(code, timeout, place, frame, _job_id(body), wait, ceilings.eval_output)
+    _note_outcome(request, outcome)
     answer = outcome.to_json_dict()
     answer["limits"] = {"timeout_s": timeout, "timeout_ceiling_s": max(ceilings.eval_timeout, agent.options.eval_timeout),
                         "max_output": ceilings.eval_output, "stdout_dropped": outcome.stdout_dropped,
@@ -233,6 +235,55 @@ def evaluate(agent: "Agent", request: Request) -> Response:
 
 
 _MAX_WAIT = 600.0  # seconds a snippet may wait for the main thread or a step
+
+
+def _note_outcome(request: Request, outcome: Any) -> None:
+    """What came of a snippet, for the audit trail: ok, error, or interrupted (Ctrl-C, its time limit)."""
+    error = outcome.error or ""
+    if outcome.timed_out or error.startswith(("EvalInterrupted", "KeyboardInterrupt")):
+        request.__dict__["outcome"] = ("interrupted", error.strip().splitlines()[-1] if error.strip() else "time limit")
+    elif error:
+        request.__dict__["outcome"] = ("error", error.strip().splitlines()[-1])
+
+
+def torch_lr(agent: "Agent", request: Request) -> Response:
+    """One step of ``probe T lr`` (``probe.client.lr``): ``{"what": "plan"|"change"|"readback", "args": [...],
+    "on": "agent"|"step", "wait": S}``. The agent writes the snippet itself from checked values, so that a
+    learning-rate change needs the control scope, not eval's."""
+    if not agent.options.eval_enabled:
+        raise EvalDisabled("probe lr changes the target through eval, and the agent refuses it: eval is switched off "
+                           "in this agent (it was started with --no-eval or PROBE_EVAL=0)",
+                           hint="restart the target with eval enabled to change its learning rate")
+    body = request.json()
+    what, args, place = body.get("what"), body.get("args"), body.get("on", "agent")
+    if what not in ("plan", "change", "readback") or not isinstance(args, list) or place not in ("agent", "step"):
+        raise BadRequest("give {\"what\": \"plan\"|\"change\"|\"readback\", \"args\": [...], \"on\": \"agent\"|\"step\"}")
+    if what == "readback":
+        if len(args) != 1 or isinstance(args[0], bool) or not isinstance(args[0], int):
+            raise BadRequest("readback takes one whole number, the change's token")
+    else:
+        value, groups, optimizer, base = (list(args) + [None, None, False])[:4] if len(args) <= 4 else (None,) * 4
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise BadRequest("the learning rate must be a finite number")
+        if groups is not None and not (isinstance(groups, list) and all(
+                isinstance(g, int) and not isinstance(g, bool) and 0 <= g < 1 << 20 for g in groups)):
+            raise BadRequest("groups must be a list of group numbers")
+        if optimizer is not None and not (isinstance(optimizer, str) and len(optimizer) <= 200):
+            raise BadRequest("optimizer must be a name")
+        if not isinstance(base, bool):
+            raise BadRequest("base must be true or false")
+        args = [float(value), groups, optimizer, base]
+    code = "print(__import__('probe.tables.torch.lr', fromlist=['answer']).answer(%s))" % ", ".join(
+        repr(a) for a in [what] + args)
+    from probe.agent.evaluator import run_snippet
+
+    wait = min(_optional_seconds(body, "wait") or 60.0, _MAX_WAIT)
+    timeout = min(_optional_seconds(body, "timeout") or 20.0, 120.0)
+    outcome = run_snippet(code, timeout, place, None, _job_id(body), wait, _ceilings().eval_output)
+    _note_outcome(request, outcome)
+    if outcome.error is None and '"error": {' in (outcome.stdout or ""):
+        request.__dict__["outcome"] = ("error", outcome.stdout.strip().splitlines()[-1][:300])
+    return Response.json(outcome.to_json_dict())
 
 
 def _require_eval(agent: "Agent") -> None:
@@ -408,6 +459,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("POST", "/v1/eval"): evaluate,
     ("POST", "/v1/torch/checkpoint"): torch_checkpoint,
     ("POST", "/v1/torch/trace"): torch_trace,
+    ("POST", "/v1/torch/lr"): torch_lr,
     ("POST", "/v1/eval/interrupt"): interrupt_eval,
     ("POST", "/v1/query/interrupt"): interrupt_query,
     ("POST", "/v1/complete"): complete,
@@ -417,19 +469,38 @@ _EXACT: Dict[Tuple[str, str], Route] = {
 
 
 class Dispatcher:
-    """Authorises, routes, and converts every failure into an error response."""
+    """Authorises (the token's scope against the route's, ``probe.agent.scopes``), records control and
+    eval requests in the audit trail (``probe.agent.audit``), routes, and converts every failure into an
+    error response."""
 
     def __init__(self, agent: "Agent") -> None:
         self._agent = agent
+        self._audit_reads = bool(getattr(agent.options, "audit_reads", False))
 
     def __call__(self, request: Request) -> Response:
+        audit: Any = None
         try:
-            self._agent.authorize(request)
-            return self._route(request)(self._agent, request)
+            grant = self._agent.authorize(request)
+            route = self._route(request)
+            path = request.path.split("?", 1)[0]
+            body = _once(request)
+            need = scopes.needed(scopes.AGENT_ROUTES, request.method, path, body)
+            if need > scopes.READ or self._audit_reads or grant.scope < need:
+                audit = _Audited(request, path, grant, need, body)  # before it runs (or its refusal)
+            if grant.scope < need:
+                raise self._agent.credentials.refuse(grant, need, audit.command)
+            response = route(self._agent, request)
         except ProbeError as exc:
+            if audit is not None:
+                audit.done(exc)
             return Response.error(exc)
         except Exception as exc:  # a bug of ours: report it, keep serving
+            if audit is not None:
+                audit.done(exc)
             return Response.error(InternalError("internal error: %s: %s" % (type(exc).__name__, exc)))
+        if audit is not None:
+            audit.done(None)
+        return response
 
     def _route(self, request: Request) -> Route:
         path = request.path.split("?", 1)[0]
@@ -441,3 +512,69 @@ class Dispatcher:
         if any(p == path for (_, p) in _EXACT):
             raise BadRequest("method %s is not allowed on %s" % (request.method, path))
         raise NotFound("no such endpoint: %s %s" % (request.method, path[:200]))
+
+
+def _once(request: Request) -> Callable[[], Dict[str, Any]]:
+    """``request.json`` parsed at most once by whoever asks first (the scope, the audit record)."""
+    parsed: List[Dict[str, Any]] = []
+
+    def body() -> Dict[str, Any]:
+        if not parsed:
+            parsed.append(request.json())
+        return parsed[0]
+
+    return body
+
+
+class _Audited:
+    """One request in the audit trail: its start written at once, its end by :meth:`done`; never raises."""
+
+    def __init__(self, request: Request, path: str, grant: Any, need: int, body: Callable[[], Dict[str, Any]]) -> None:
+        self.request = request
+        self.started = time.monotonic()
+        self.refused = grant.scope < need
+        self.need, self.grant = need, grant
+        self.seq = 0
+        self.trail: Any = None
+        self.command = path
+        try:
+            from probe.agent.audit import trail
+
+            self.command = scopes.command_of(path, body)
+            self.trail = trail()
+            if self.refused:
+                return  # one record, written by done() with the refusal's words
+            fields = body() if request.method == "POST" else {}
+            code, detail = _audit_fields(path, fields)
+            self.seq = self.trail.begin(scopes.NAMES[need], grant.by, request.peer, self.command, detail, code)
+        except Exception:
+            self.trail = None
+
+    def done(self, exc: Optional[BaseException]) -> None:
+        if self.trail is None:
+            return
+        try:
+            if self.refused:
+                self.trail.refused(scopes.NAMES[self.need], self.grant.by, self.request.peer, self.command,
+                                   getattr(exc, "message", None) or str(exc))
+                return
+            outcome, error = self.request.__dict__.get("outcome") or ("ok", None)
+            if exc is not None:
+                outcome, error = "error", getattr(exc, "message", None) or "%s: %s" % (type(exc).__name__, exc)
+            self.trail.end(self.seq, self.command, outcome, error, self.started)
+        except Exception:
+            pass
+
+
+def _audit_fields(path: str, body: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Any]]:
+    """What of a request goes into its audit record: (code, detail)."""
+    if path == "/v1/eval":
+        return (body.get("code") if isinstance(body.get("code"), str) else None,
+                {k: body.get(k) for k in ("on", "frame", "id", "timeout")})
+    if path == "/v1/torch/checkpoint":
+        exprs = [e for key in ("models", "optimizers") for e in (body.get(key) or []) if isinstance(e, str)]
+        return ("\n".join(exprs) if exprs else None,
+                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent")})
+    if path == "/v1/complete":
+        return (body.get("text") if isinstance(body.get("text"), str) else None, {"frame": body.get("frame")})
+    return None, {k: v for k, v in body.items() if k not in ("code",)}

@@ -3,7 +3,8 @@
     from probe.client.lr import change_lr
     done = change_lr(probe.connect("4242"), 0.05)      # {"optimizer", "groups", "schedulers", "readback", ...}
 
-Three snippets through eval (so it needs eval enabled in the agent): a check on the agent's thread
+Three steps through the agent's lr route (the control scope; eval enabled in the agent; an older agent
+takes them as eval snippets): a check on the agent's thread
 (no optimizer, a group out of range: said at once, nothing waits), the change on the training thread
 right after the next optimizer step (see ``probe.tables.torch.lr`` for what it scales), and the
 read-back right after the step that follows, which says whether the change held.
@@ -13,7 +14,8 @@ import json
 from typing import Any, Dict, Optional, Sequence
 
 from probe.client.client import Client
-from probe.errors import EvalError, Forbidden, Timeout, error_from_code
+from probe.client.results import EvalResult
+from probe.errors import EvalError, Forbidden, NotFound, Timeout, error_from_code
 
 __all__ = ["change_lr", "DEFAULT_STEP_WAIT_S"]
 
@@ -54,12 +56,20 @@ def change_lr(client: Client, value: float, groups: Optional[Sequence[int]] = No
 
 
 def _run(client: Client, what: str, args: Sequence[Any], on: str, wait: Optional[float]) -> Dict[str, Any]:
-    code = "print(__import__(%r, fromlist=['answer']).answer(%s))" % (_MODULE, ", ".join(map(repr, (what,) + tuple(args))))
+    """One step in the target: through the agent's own lr route (the control scope suffices), or as an
+    eval snippet where the agent is older and has none."""
+    body: Dict[str, Any] = {"what": what, "args": list(args), "on": on, "timeout": _SNIPPET_S}
+    if wait is not None:
+        body["wait"] = wait
+    socket_wait = client._answer_wait(_SNIPPET_S, 30.0)
+    if on != "agent" and not client.fixed_timeout:
+        socket_wait = max(socket_wait, (wait or 60.0) + _SNIPPET_S + 5.0)
     try:
-        result = client.eval(code, timeout=_SNIPPET_S, on=on, wait=wait)
-    except Forbidden as exc:  # eval switched off (the agent says so): the same refusal, in this command's words
-        raise type(exc)("probe lr changes the target through eval, and the agent refuses it: %s" % exc.message,
-                        hint="restart the target with eval enabled to change its learning rate") from exc
+        raw = client._json("POST", "/v1/torch/lr", body, timeout=socket_wait)
+        result = EvalResult(raw.get("stdout", ""), raw.get("stderr", ""), raw.get("value"), raw.get("error"),
+                            bool(raw.get("timed_out")), raw.get("limits"))
+    except NotFound:  # an agent older than the route
+        result = _run_as_eval(client, what, args, on, wait)
     if not result.ok:
         first = (result.error or "").strip().splitlines()
         raise EvalError("the learning-rate %s failed in the target: %s" % (what, first[-1] if first else "timed out"))
@@ -72,3 +82,12 @@ def _run(client: Client, what: str, args: Sequence[Any], on: str, wait: Optional
     if isinstance(error, dict):
         raise error_from_code(str(error.get("code")), str(error.get("message")), error.get("hint") or None)
     return answer
+
+
+def _run_as_eval(client: Client, what: str, args: Sequence[Any], on: str, wait: Optional[float]) -> EvalResult:
+    code = "print(__import__(%r, fromlist=['answer']).answer(%s))" % (_MODULE, ", ".join(map(repr, (what,) + tuple(args))))
+    try:
+        return client.eval(code, timeout=_SNIPPET_S, on=on, wait=wait)
+    except Forbidden as exc:  # eval switched off (the agent says so): the same refusal, in this command's words
+        raise type(exc)("probe lr changes the target through eval, and the agent refuses it: %s" % exc.message,
+                        hint="restart the target with eval enabled to change its learning rate") from exc

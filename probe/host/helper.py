@@ -23,7 +23,6 @@ forgotten ``PROBE_HELPER_FORGET_S`` seconds (default 300) after its last report;
 as ``unreported`` once its report is older than ``NODE_STALE_S``.
 """
 
-import hmac
 import json
 import math
 import os
@@ -35,7 +34,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from probe import _paths
 from probe.agent.http import Request, Response
-from probe.errors import BadRequest, Forbidden, NotFound, ProbeError, Unauthorized
+from probe.errors import BadRequest, Forbidden, NotFound, ProbeError
 from probe.host.members import Members, node_host
 from probe._stderr import say as _say
 
@@ -170,12 +169,19 @@ class Helper:
             return Response.error(ProbeError("host helper error: %s: %s" % (type(exc).__name__, exc)))
 
     def _authorize(self, request: Request) -> None:
+        """The job's tokens with their scopes (``probe.agent.scopes``), as the ranks take them: the full
+        token, and the read and control tokens of this process's environment; the unix peer (checked by the
+        listener) has every scope. Every route the helper serves is a read but a node's report (full token)."""
+        from probe.agent.scopes import HELPER_ROUTES, check, helper_credentials
+
         if request.transport == "unix":
             return  # the listener checked the peer's uid
-        scheme, _, value = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode("utf-8"), self._token):
-            raise Unauthorized("the host helper requires the job's token",
-                               hint="pass --token-file FILE (on the master host: %s)" % (self.token_file or "?"))
+        credentials = self.__dict__.get("_credentials")
+        if credentials is None:
+            credentials = self.__dict__["_credentials"] = helper_credentials(self._token, self.token_file)
+        path = request.path.split("?", 1)[0]
+        check(credentials, HELPER_ROUTES, request.method, path, request.transport, request.headers, request.json,
+              "the host helper")
 
     def _route(self, request: Request) -> Response:
         path = request.path.split("?", 1)[0]
