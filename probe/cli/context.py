@@ -65,8 +65,13 @@ class CliContext:
         if not targets:
             raise UsageError("no target given", hint="give the master's HOST:PROBE_PORT, -t several times, or --hosts FILE")
         deadline = self.deadline or min(DEFAULT_DEADLINE, self.timeout)
-        cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
-                              self.token_file, self.timeout, deadline, self.max_in_flight)
+        if len(targets) == 1 and not self.hosts and targets[0].strip().startswith("snapshot:"):
+            from probe.snapshot.target import connect_record_all  # the ranks as recorded
+
+            cluster = connect_record_all(targets[0], deadline, self.max_in_flight)
+        else:
+            cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
+                                  self.token_file, self.timeout, deadline, self.max_in_flight)
         for line in cluster.left_out:  # members the host helper listed in a form that cannot be used
             say("probe: " + visible(line), err=True)
         if cluster.left_out:  # ranks (or a node's) not asked: whatever the others answer is partial

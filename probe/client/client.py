@@ -815,4 +815,8 @@ def connect(target: Optional[str] = None, token: Optional[str] = None, token_fil
     if not target:
         raise UsageError("no target given", hint="give a pid, HOST:PORT or unix:PATH, or set PROBE_TARGET")
     parsed = parse_target(str(target))
+    if parsed.snapshot is not None:  # a record, read here: no agent, no token
+        from probe.snapshot.target import connect_record
+
+        return connect_record(parsed.label)  # type: ignore[return-value]
     return Client(parsed, _read_token(token, token_file) if parsed.core is None else None, timeout, wait, executable)

@@ -1,6 +1,6 @@
 """What a target string means: a pid on this host, ``host:port``, ``unix:PATH``, or ``core:PATH`` (a core
 file, read from outside: there is no agent to ask). ``slurm:JOBID`` names a whole job: only commands across
-ranks take it (``probe.client.slurm``)."""
+ranks take it (``probe.client.slurm``). ``snapshot:PATH``: a job's ranks as recorded (``probe.snapshot.target``)."""
 
 import os
 from typing import NamedTuple, Optional
@@ -17,6 +17,7 @@ class Target(NamedTuple):
     address: Address
     pid: Optional[int] = None
     core: Optional[str] = None  # the path of a core file: no agent, stacks only
+    snapshot: Optional[str] = None  # the path of a snapshot (or of torch's Flight Recorder dumps): a record
 
     @property
     def is_tcp(self) -> bool:
@@ -41,6 +42,12 @@ def parse_target(text: str) -> Target:
         if not path:
             raise UsageError("core: target needs a path", hint="e.g. core:./core.1234")
         return Target(text, UnixAddress(os.devnull), None, os.path.abspath(path))
+    if text.startswith("snapshot:"):
+        path = text[len("snapshot:"):]
+        if not path:
+            raise UsageError("snapshot: target needs a path", hint="e.g. snapshot:DIR/<id> (`probe snapshots DIR` "
+                                                                   "lists them), or torch's Flight Recorder dumps")
+        return Target(text, UnixAddress(os.devnull), None, None, path)
     if text.startswith("slurm:"):
         raise UsageError("%s names every rank of a Slurm job, not one process" % text,
                          hint="probe %s ranks, probe %s --all-ranks COMMAND, or --ranks N COMMAND" % (text, text))

@@ -43,18 +43,25 @@ def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> Non
     from probe.diagnose.engine import diagnose as run, sampler_for
 
     target, single, command = _target(cli)
+    recorded = getattr(target, "recorded", None)  # snapshot:PATH: the looks it recorded are the samples
+    if recorded is not None and watch is not None:
+        raise UsageError("--watch looks again and again, and a snapshot does not change", hint="leave out --watch")
     deadline = cli.deadline or min(10.0, cli.timeout)
     as_json = fmt == "json"
     previous = None
     code = 0
     try:
         while True:
-            report = run(sampler_for(target, single), deadline, command)
+            report = recorded.judge(command) if recorded is not None else run(sampler_for(target, single), deadline,
+                                                                              command)
             code = report.exit_code
             if as_json:
                 emit(json.dumps(dict(report.as_json(), target=_shown_target(cli), single=single,
-                                     changes=_changes(previous, report) if previous is not None else None)))
+                                     changes=_changes(previous, report) if previous is not None else None,
+                                     **({"record": recorded.about()} if recorded is not None else {}))))
             else:
+                if recorded is not None:
+                    say(visible(recorded.about_line()))
                 if watch is not None:
                     say("== %s  %s" % (time.strftime("%H:%M:%S"), visible(_shown_target(cli))))
                     if previous is not None:
@@ -87,7 +94,8 @@ def _target(cli: CliContext) -> Tuple[Any, bool, Callable[[Optional[Sequence[int
 
     targets = list(cli.targets)
     quoted = " ".join(shlex.quote(t) for t in targets)
-    job = cli.is_cluster or len(targets) > 1 or (len(targets) == 1 and targets[0].strip().startswith("slurm:"))
+    job = cli.is_cluster or len(targets) > 1 or (len(targets) == 1 and
+                                                 targets[0].strip().startswith(("slurm:", "snapshot:")))
     if not job and len(targets) == 1:
         try:
             parsed = parse_target(targets[0])
