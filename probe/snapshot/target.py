@@ -369,6 +369,9 @@ class RecordClient:
     def _json(self, *args: Any, **kwargs: Any) -> Any:
         raise self._refuse("this request")
 
+    def _answer_wait(self, *args: Any, **kwargs: Any) -> Any:  # how lr and other snippets start
+        raise self._refuse("lr")
+
 
 _SQL_TYPES = {"bool": "BOOLEAN", "double": "DOUBLE", "float": "DOUBLE", "halffloat": "DOUBLE", "string": "VARCHAR",
               "large_string": "VARCHAR"}
