@@ -211,8 +211,35 @@ def test_a_skipped_collective_without_the_flight_recorder_is_found_from_the_stac
         assert alone.code in (DEGRADED, STUCK) and "waits in all_reduce" in alone.out, alone.out
 
 
-def test_two_threads_in_a_lock_cycle_are_named_with_where_each_waits(target_factory):
+def test_two_threads_in_a_lock_cycle_are_named_with_where_each_waits_and_who_holds_what(target_factory):
     proc = target_factory("lock_cycle.py")
-    result = _expect(str(proc.pid), STUCK, "audit, transfer wait for a lock", "a deadlock if each holds")
+    result = _expect(str(proc.pid), STUCK, "audit, transfer wait for a lock", "a deadlock: thread audit waits for "
+                     "ledger_lock, held by thread transfer; thread transfer waits for audit_lock, held by thread audit")
     assert "thread transfer at `with audit_lock:`" in result.out and "thread audit at `with ledger_lock:`" in result.out
+    assert "held by thread audit, inside `with audit_lock:` (" in result.out  # where it took it
     assert "torch is not loaded" in result.out  # said, not guessed
+    report = json.loads(_diagnose(str(proc.pid), "--json").out)
+    rows = [row for piece in report["verdicts"][0]["evidence"] for row in piece["rows"]]
+    assert sorted((r["thread"], r["lock"], r["holder"]) for r in rows) == [
+        ("audit", "ledger_lock", "transfer"), ("transfer", "audit_lock", "audit")], rows
+
+
+def test_the_thread_that_keeps_an_rlock_the_main_thread_waits_for_is_named(target_factory):
+    proc = target_factory("lock_rlock.py")
+    result = _expect(str(proc.pid), STUCK, "MainThread waits for a lock", "MainThread waits for registry_lock, held "
+                     "by thread refresher in refresh (")
+    assert "holder unknown" not in result.out and "what thread refresher does while holding it" in result.out
+
+
+def test_rules_a_lock_whose_holder_the_stacks_do_not_show_is_said_unknown(tmp_path):
+    source = tmp_path / "job.py"
+    source.write_text("import threading, time\nlock = threading.Lock()\n\ndef hold():\n    lock.acquire()\n"
+                      "    time.sleep(100)\n\ndef work():\n    with lock:\n        pass\n")
+    path = str(source)
+    waiter = _frames(("work", path, 9, "with lock:"))
+    other = [Frame(2, "other", 2, False, 0, "hold", path, 6, "time.sleep(100)")]  # took it by acquire()
+    ev = [_rank(0, waiter + other, at=t) for t in (0.0, 3.0)]
+    report = judge(Sample({0: ev[0]}, 1, True, at=0.0), Sample({0: ev[1]}, 1, True, at=3.0), _cmd)
+    verdict = report.verdicts[0]
+    assert verdict.kind == "lock_wait" and "the holder of lock unknown" in verdict.summary, verdict.summary
+    assert "holder unknown: no thread's stack is inside a `with lock:` block" in verdict.evidence[0].text

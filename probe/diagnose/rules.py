@@ -542,20 +542,68 @@ def _stall(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any
 
 def _lock_verdict(ev: RankEvidence, waits: List[Tuple[str, Any]], window: float,
                   who: Callable[[Sequence[int]], str], command: Commands) -> Verdict:
+    from probe.diagnose import locks
+
     names = [n for n, _ in waits]
     main = "MainThread" in names
     name, key = waits[0]
     where = where_of(key, name)
     several = len(waits) > 1
-    summary = "%s: %s wait%s for a lock%s (no CPU, the same stack over %.1f s)" % (
-        who([ev.rank]), ", ".join(names), "" if several else "s", "; a deadlock if each holds what another waits for"
-        if several else "", window)
-    evidence = [Evidence("thread %s at `%s`: %s" % (n, k[0][3], where_text(where_of(k, n))),
-                         command([ev.rank], "backtrace"), [ev.rank]) for n, k in waits]
+    held = {str(row["thread"]): row for row in locks.holders(ev.stacks(), waits)}
+    cycle = _lock_cycle(held)
+    if cycle:
+        detail = "; a deadlock: %s (holders by their stacks)" % "; ".join(
+            "thread %s waits for %s, held by thread %s" % (n, held[n]["lock"], held[n]["holder"]) for n in cycle)
+    else:
+        known = [row for row in held.values() if row.get("holder") is not None]
+        detail = "".join("; %s waits for %s, held by thread %s in %s (%s:%s) (by its stack)" % (
+            row["thread"], row["lock"], row["holder"], row["holder_func"], _short(str(row["holder_file"])),
+            row["holder_line"]) for row in known)
+        if several:
+            detail += "; a deadlock if each holds what another waits for"
+        if len(known) < len(held):
+            detail += "; the holder of %s unknown (a threading.Lock records no owner)" % ", ".join(
+                str(row["lock"] or "the lock") for row in held.values() if row.get("holder") is None)
+    summary = "%s: %s wait%s for a lock (no CPU, the same stack over %.1f s)%s" % (
+        who([ev.rank]), ", ".join(names), "" if several else "s", window, detail)
+    evidence = []
+    for n, k in waits:
+        row = held[n]
+        if row.get("holder") is not None:
+            said = "held by thread %s, inside `with %s:` (%s:%s), now at %s (%s:%s)" % (
+                row["holder"], row["lock"], _short(str(row["holder_file"])), row["holder_with_line"], row["holder_func"],
+                _short(str(row["holder_file"])), row["holder_line"])
+        else:
+            said = "holder unknown: %s" % row.get("why")
+        evidence.append(Evidence("thread %s at `%s`: %s; %s" % (n, k[0][3], where_text(where_of(k, n)), said),
+                                 command([ev.rank], "backtrace"), [ev.rank], [dict(row)]))
+    holders = sorted({str(row["holder"]) for row in held.values() if row.get("holder") is not None} - set(cycle or ()))
+    if cycle:
+        nexts = ["take the locks in one order in every thread (%s: each thread holds one and waits for the next)"
+                 % " -> ".join(str(held[n]["lock"]) for n in cycle)]
+    elif holders:
+        nexts = ["what %s does while holding it: %s" % (", ".join("thread %s" % h for h in holders), command(
+            [ev.rank], "backtrace"))]
+    else:
+        nexts = ["which thread holds it: look for the thread inside that lock's `with` block: %s"
+                 % command([ev.rank], "backtrace")]
+    nexts.append("its locals (the lock objects): %s" % command([ev.rank], "eval --frame %s:0 \"sorted(locals())\"" % name))
     return Verdict("lock_wait", "stuck" if main or several else "degraded", summary, [ev.rank], [], where, evidence,
-                   ["which thread holds it: look for the thread inside that lock's `with` block: %s"
-                    % command([ev.rank], "backtrace"),
-                    "its locals (the lock objects): %s" % command([ev.rank], "eval --frame %s:0 \"sorted(locals())\"" % name)])
+                   nexts)
+
+
+def _lock_cycle(held: Dict[str, Dict[str, Any]]) -> Optional[List[str]]:
+    """Waiting threads each holding the lock the next one waits for, back to the first; or None."""
+    for start in sorted(held):
+        seen = [start]
+        while True:
+            nxt = held[seen[-1]].get("holder")
+            if nxt == start and len(seen) > 1:
+                return seen
+            if nxt is None or nxt not in held or nxt in seen:
+                break
+            seen.append(str(nxt))
+    return None
 
 
 def _straggler(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
