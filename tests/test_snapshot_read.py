@@ -119,6 +119,8 @@ def test_a_recorded_job_reads_as_it_was_after_its_ranks_are_killed(recorded: Dic
                                 "--merge", "SELECT rank, max(collective_seq_id) AS seq FROM result GROUP BY rank "
                                            "ORDER BY rank", "--json").out)
     assert merged == rows, (merged, rows)
+    tables = run_cli(target, "tables")
+    assert all(name in tables.out for name in ("python.backtrace", "python.locals", "torch.flight_recorder")), tables.out
     ranks = run_cli(target, "ranks", "--json")
     assert [r["rank"] for r in json.loads(ranks.out)] == [0, 1], ranks.out
 

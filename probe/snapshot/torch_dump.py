@@ -33,6 +33,8 @@ __all__ = ["MAX_DUMP_BYTES", "load_dump", "dump_files", "looks_like_dumps", "rec
 
 MAX_DUMP_BYTES = 256 * 1024 * 1024
 """A dump bigger than this is refused (2000 entries with their stacks take a few MB)."""
+MAX_ENTRIES = 100_000
+"""Entries read from one dump at most, the newest (a pickle can repeat one entry cheaply)."""
 
 REASON = "torch Flight Recorder dump"
 
@@ -166,7 +168,8 @@ def looks_like_dumps(path_text: str) -> bool:
 def _entries(dump: Dict[str, Any]) -> Tuple[List[Dict[str, Any]], int]:
     """The entries that are dicts, with plain fields (a group as a pair); how many were left out."""
     out, bad = [], 0
-    for entry in dump.get("entries") or ():
+    entries = dump.get("entries") or []
+    for entry in entries[-MAX_ENTRIES:]:
         if not isinstance(entry, dict):
             bad += 1
             continue
@@ -270,6 +273,8 @@ def records(path_text: str) -> List[Dict[str, Any]]:
             ("process.info", "process facts"))}
         if bad + unread:
             said["torch.flight_recorder"] = "%d entries of the dump could not be read, left out" % (bad + unread)
+        if len(dump.get("entries") or ()) > MAX_ENTRIES:
+            said["torch.flight_recorder"] = "the newest %d entries of %d kept" % (MAX_ENTRIES, len(dump["entries"]))
         missing[rank] = said
     summary = fr_summary(rows_by_rank, dumped_at)
     out = []
