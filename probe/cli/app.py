@@ -37,6 +37,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "diagnose": ("diagnose", "diagnose"),
     "snapshot": ("snapshot", "snapshot"),
     "snapshots": ("snapshots", "snapshots"),
+    "audit": ("audit", "audit"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
                       "--hosts", "--deadline", "--max-in-flight"}

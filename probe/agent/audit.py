@@ -1,0 +1,345 @@
+"""The audit trail: who asked this process to do what, recorded before it runs and with its outcome after.
+
+Every control and eval request (eval and REPL input, checkpoint, debug start and stop, trace changes and
+export, learning-rate changes, interrupts) and every refused one is written as two JSON lines (one for
+a refusal) to ``audit-PID-TICKS.jsonl`` in the runtime directory, beside the agent's socket:
+
+    {"seq": 3, "phase": "start", "time": 1764090000.123, "pid": 4242, "scope": "eval", "by": "full token",
+     "peer": "10.0.0.5:51234", "command": "eval", "detail": {...}, "code": "...", "code_sha256": "...",
+     "code_bytes": 27}
+    {"seq": 3, "phase": "end", "time": ..., "pid": 4242, "command": "eval", "outcome": "ok" | "error" |
+     "interrupted" | "refused", "error": "...", "elapsed_ms": 1.9}
+
+The file is the owner's only (0600), opened with O_APPEND, and each record is one ``os.write``, so that
+records of concurrent requests never interleave. It is bounded: past ``PROBE_AUDIT_MAX_BYTES`` (1 MB) it
+is renamed to ``.1`` (the older ``.1`` to ``.2``; ``PROBE_AUDIT_KEEP`` such files, default 2) and a new
+one begun. It stays when the process ends, for a post-mortem (``probe PID audit`` reads it); the trails of
+processes that no longer run are pruned to the newest ``KEEP_DEAD`` when a new trail is begun.
+Reads (queries, backtraces) are recorded only with ``PROBE_AUDIT_READS=1``.
+
+Nothing here raises into the target: a trail that cannot be written says so once on stderr.
+Stdlib only.
+"""
+
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from probe import _paths
+from probe._stderr import say as _say
+
+__all__ = ["AuditLog", "trail", "records", "actions", "trail_files", "MAX_SNIPPET", "NAME", "COLUMNS", "DESCRIPTION",
+           "EXAMPLE", "rows"]
+
+MAX_SNIPPET = 4096  # bytes of a snippet kept in a record (its sha256 and length are of the whole)
+MAX_DETAIL = 1024  # characters of a detail value
+MAX_BYTES = 1 << 20
+KEEP = 2
+KEEP_DEAD = 32  # trails of processes that no longer run, kept in the runtime directory
+_NAME = re.compile(r"^audit-(\d+)-(\d+)\.jsonl(\.\d+)?$")
+_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def trail_path(pid: int, ticks: int) -> str:
+    return os.path.join(_paths.runtime_dir(), "audit-%d-%d.jsonl" % (pid, ticks))
+
+
+def _env_int(name: str, default: int, low: int) -> int:
+    try:
+        return max(low, int(os.environ.get(name, "") or default))
+    except ValueError:
+        return default
+
+
+class AuditLog:
+    """The trail of one process (re-made in a forked child that serves requests: its own file)."""
+
+    def __init__(self, path: Optional[str] = None, max_bytes: Optional[int] = None, keep: Optional[int] = None) -> None:
+        self._fixed = path
+        self._path: Optional[str] = None
+        self._path_pid = -1
+        self.max_bytes = max_bytes if max_bytes is not None else _env_int("PROBE_AUDIT_MAX_BYTES", MAX_BYTES, 4096)
+        self.keep = keep if keep is not None else _env_int("PROBE_AUDIT_KEEP", KEEP, 1)
+        self._lock = threading.Lock()
+        self._fd = -1
+        self._pid = -1
+        self._size = 0
+        self._seq = 0
+        self._failed = False
+
+    @property
+    def path(self) -> str:
+        """This process's trail file (``audit-PID-TICKS.jsonl``, unless one was given)."""
+        if self._fixed is not None:
+            return self._fixed
+        if self._path is None or self._path_pid != os.getpid():
+            try:
+                ticks = _paths.process_start_ticks()
+            except (OSError, ValueError):
+                ticks = 0
+            self._path, self._path_pid = trail_path(os.getpid(), ticks), os.getpid()
+        return self._path
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def begin(self, scope: str, by: str, peer: str, command: str, detail: Optional[Dict[str, Any]] = None,
+              code: Optional[str] = None) -> int:
+        """Record an action about to run; its number, for :meth:`end`."""
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        record: Dict[str, Any] = {"seq": seq, "phase": "start", "time": round(time.time(), 6), "pid": os.getpid(),
+                                  "scope": scope, "by": by, "peer": peer, "command": command}
+        if detail:
+            record["detail"] = {k: _bounded(v) for k, v in detail.items() if v is not None}
+        if code is not None:
+            raw = code.encode("utf-8", "surrogatepass")
+            record["code"] = raw[:MAX_SNIPPET].decode("utf-8", "ignore")
+            record["code_sha256"] = hashlib.sha256(raw).hexdigest()
+            record["code_bytes"] = len(raw)
+        self.write(record)
+        return seq
+
+    def end(self, seq: int, command: str, outcome: str, error: Optional[str], started: float) -> None:
+        record = {"seq": seq, "phase": "end", "time": round(time.time(), 6), "pid": os.getpid(), "command": command,
+                  "outcome": outcome, "elapsed_ms": round((time.monotonic() - started) * 1000.0, 3)}
+        if error:
+            record["error"] = error[:MAX_DETAIL]
+        self.write(record)
+
+    def refused(self, scope: str, by: str, peer: str, command: str, error: str) -> None:
+        with self._lock:
+            self._seq += 1
+            seq = self._seq
+        self.write({"seq": seq, "phase": "refused", "time": round(time.time(), 6), "pid": os.getpid(), "scope": scope,
+                    "by": by, "peer": peer, "command": command, "outcome": "refused", "error": error[:MAX_DETAIL]})
+
+    def write(self, record: Dict[str, Any]) -> None:
+        """One line, one ``os.write`` on an O_APPEND descriptor; never raises."""
+        try:
+            line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._open()
+                if self._size + len(line) > self.max_bytes and self._size > 0:
+                    self._rotate()
+                if self._fd < 0:
+                    return
+                os.write(self._fd, line)
+                self._size += len(line)
+        except Exception as exc:
+            if not self._failed:
+                self._failed = True
+                _say("probe: the audit trail %s cannot be written: %s" % (self._path, exc))
+
+    def _open(self) -> None:
+        if self._fd >= 0 and self._pid != os.getpid():
+            self._fd = -1  # the parent's descriptor, inherited across fork: the parent's trail, not ours
+        path = self.path
+        self._pid = os.getpid()
+        first = not os.path.exists(path)
+        if first:
+            _prune_dead(os.path.dirname(path))
+        self._fd = os.open(path, _FLAGS, 0o600)
+        info = os.fstat(self._fd)
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            os.close(self._fd)
+            self._fd = -1
+            raise OSError("%s is not a file of this user's alone (mode %04o)" % (path, info.st_mode & 0o7777))
+        self._size = info.st_size
+
+    def _rotate(self) -> None:
+        path = self.path
+        for index in range(self.keep, 0, -1):
+            older = "%s.%d" % (path, index)
+            try:
+                if index == self.keep:
+                    os.unlink(older)
+                else:
+                    os.rename(older, "%s.%d" % (path, index + 1))
+            except OSError:
+                pass
+        os.rename(path, path + ".1")
+        os.close(self._fd)
+        self._fd = -1
+        self._fd = os.open(path, _FLAGS | os.O_EXCL, 0o600)
+        self._size = 0
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd >= 0 and self._pid == os.getpid():
+                try:
+                    os.close(self._fd)
+                except OSError:
+                    pass
+            self._fd, self._pid = -1, -1
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, (int, float, bool)) or value is None:
+        return value
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text[:MAX_DETAIL]
+
+
+def _prune_dead(directory: str) -> None:
+    """Keep the trails of the newest ``KEEP_DEAD`` processes that no longer run; remove the older ones."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    dead: Dict[Tuple[int, int], float] = {}
+    for name in names:
+        match = _NAME.match(name)
+        if not match:
+            continue
+        key = (int(match.group(1)), int(match.group(2)))
+        if key in dead or _alive(*key):
+            continue
+        try:
+            dead[key] = os.stat(os.path.join(directory, name)).st_mtime
+        except OSError:
+            continue
+    for pid, ticks in sorted(dead, key=dead.__getitem__, reverse=True)[KEEP_DEAD:]:
+        for name in names:
+            if name.startswith("audit-%d-%d.jsonl" % (pid, ticks)):
+                try:
+                    os.unlink(os.path.join(directory, name))
+                except OSError:
+                    pass
+
+
+def _alive(pid: int, ticks: int) -> bool:
+    try:
+        return _paths.process_start_ticks(str(pid)) == ticks
+    except (OSError, ValueError):
+        return False
+
+
+_trail: Optional[AuditLog] = None
+_trail_lock = threading.Lock()
+
+
+def trail() -> AuditLog:
+    """This process's trail (made on first use)."""
+    global _trail
+    if _trail is None:
+        with _trail_lock:
+            if _trail is None:
+                _trail = AuditLog()
+    return _trail
+
+
+# -- reading ----------------------------------------------------------------------------------------
+
+def trail_files(pid: int, directory: Optional[str] = None) -> List[str]:
+    """The files of the newest trail of process ``pid`` in ``directory`` (the runtime directory), oldest
+    first; [] when there is none."""
+    directory = directory or _paths.runtime_dir()
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    trails: Dict[int, List[Tuple[int, str]]] = {}
+    for name in names:
+        match = _NAME.match(name)
+        if match and int(match.group(1)) == pid:
+            trails.setdefault(int(match.group(2)), []).append((int((match.group(3) or ".0")[1:]), name))
+    if not trails:
+        return []
+    newest = trails[max(trails)]
+    return [os.path.join(directory, name) for _, name in sorted(newest, reverse=True)]
+
+
+def records(paths: List[str]) -> Iterator[Dict[str, Any]]:
+    """The records of the files ``paths`` (in order); a line that is not a JSON object is skipped."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError:
+            continue
+        try:
+            with os.fdopen(fd, "rb") as handle:
+                data = handle.read(64 << 20)
+        except OSError:
+            continue
+        for line in data.splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield record
+
+
+def actions(paths: List[str]) -> List[Dict[str, Any]]:
+    """One entry per action: its start record with the outcome of its end (``running`` where none came
+    yet, ``unknown`` when the process is gone), in the order they began."""
+    out: List[Dict[str, Any]] = []
+    by_seq: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
+    for record in records(paths):
+        key = (record.get("pid"), record.get("seq"))
+        phase = record.get("phase")
+        if phase in ("start", "refused"):
+            entry = dict(record)
+            entry.pop("phase", None)
+            entry.setdefault("outcome", None)
+            by_seq[key] = entry
+            out.append(entry)
+        elif phase == "end" and key in by_seq:
+            entry = by_seq[key]
+            entry.update(outcome=record.get("outcome"), error=record.get("error"), elapsed_ms=record.get("elapsed_ms"),
+                         ended=record.get("time"))
+    return out
+
+
+# -- the table probe.audit --------------------------------------------------------------------------
+
+NAME = "probe.audit"
+DESCRIPTION = ("This process's audit trail: every control and eval request (eval and REPL input, checkpoint, debug "
+               "start/stop, trace start/stop/export, lr change, interrupts) and every refused one, with who asked "
+               "and what came of it; reads too where the target set PROBE_AUDIT_READS=1. Also `probe T audit`.")
+
+
+def _columns() -> Tuple[Any, ...]:
+    from probe.tables.spec import Column
+
+    return (
+        Column("time", "TIMESTAMP", "When the request was taken (UTC), before it ran."),
+        Column("seq", "BIGINT", "The action's number in this process's trail."),
+        Column("pid", "BIGINT", "The process that served it."),
+        Column("scope", "VARCHAR", "The scope the request needed: read, control or eval."),
+        Column("granted_by", "VARCHAR", "What gave the asker a scope: full token, control token, read token, "
+                                        "unix socket owner."),
+        Column("peer", "VARCHAR", "Who asked: 'uid U pid P' on the unix socket, HOST:PORT on TCP."),
+        Column("command", "VARCHAR", "eval, repl, checkpoint, debug start, trace start, lr, ..."),
+        Column("detail", "VARCHAR", "The request's options as JSON (path, thread, port, trace options, ...)."),
+        Column("code", "VARCHAR", "The snippet or expressions, cut at 4 KB."),
+        Column("code_sha256", "VARCHAR", "sha256 of the whole snippet (hex)."),
+        Column("code_bytes", "BIGINT", "Length of the whole snippet in bytes."),
+        Column("outcome", "VARCHAR", "ok, error, interrupted, refused; NULL while it runs."),
+        Column("error", "VARCHAR", "What went wrong (the error's first words)."),
+        Column("elapsed_ms", "DOUBLE", "How long it ran."),
+    )
+
+
+COLUMNS = _columns()
+EXAMPLE = "SELECT time, peer, command, outcome, code FROM probe.audit ORDER BY time DESC LIMIT 20"
+
+
+def rows() -> Iterator[Tuple[Any, ...]]:
+    import datetime
+
+    for entry in actions(trail_files(os.getpid())):
+        when = entry.get("time")
+        stamp = (datetime.datetime.fromtimestamp(when, datetime.timezone.utc).replace(tzinfo=None)
+                 if isinstance(when, (int, float)) else None)
+        detail = entry.get("detail")
+        yield (stamp, entry.get("seq"), entry.get("pid"), entry.get("scope"), entry.get("by"), entry.get("peer"),
+               entry.get("command"), json.dumps(detail) if detail else None, entry.get("code"),
+               entry.get("code_sha256"), entry.get("code_bytes"), entry.get("outcome"), entry.get("error"),
+               entry.get("elapsed_ms"))
