@@ -3,10 +3,11 @@
 What torch 2.13 writes: ``FlightRecorder::dump`` pickles one dict a process (``version``, ``pg_config``,
 ``pg_status``, ``entries``, ``comm_lib_version``; each entry the same keys ``_dump_fr_trace_json`` gives,
 which ``torch.flight_recorder`` reads live). torch's ``DebugInfoWriter`` writes it to
-``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (default ``/tmp/nccl_trace_rank_<rank>``), and only ProcessGroupNCCL's
-watchdog calls it, on a collective's timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``, on by default there). A
-gloo process group records into the same recorder but dumps nothing on its timeout: a job on gloo writes
-the same bytes itself, ``torch._C._distributed_c10d._dump_fr_trace()``, to that name.
+``$TORCH_FR_DUMP_TEMP_FILE<rank>`` (default ``${XDG_CACHE_HOME:-~/.cache}/torch/comm_lib_trace_rank_<rank>``),
+and only ProcessGroupNCCL's watchdog calls it, on a collective's timeout (``TORCH_NCCL_DUMP_ON_TIMEOUT``,
+on by default there). A gloo process group records into the same recorder but dumps nothing on its
+timeout: a job on gloo writes the same bytes itself, ``torch._C._distributed_c10d._dump_fr_trace()``, to
+that name.
 
 Reading is safe for a file from anywhere: the pickle may hold plain containers and scalars only (dict,
 list, tuple, set, str, bytes, int, float, bool, None). Any class, global, reduce, persistent id or
