@@ -69,6 +69,9 @@ class CliContext:
             from probe.snapshot.target import connect_record_all  # the ranks as recorded
 
             cluster = connect_record_all(targets[0], deadline, self.max_in_flight)
+        elif any(t.strip().startswith("snapshot:") for t in targets):
+            raise UsageError("a snapshot is read alone, not beside other targets",
+                             hint="give one snapshot:PATH, without -t or --hosts")
         else:
             cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
                                   self.token_file, self.timeout, deadline, self.max_in_flight)
