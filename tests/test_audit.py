@@ -114,6 +114,13 @@ def test_a_refused_request_is_recorded_with_its_peer_and_the_table_shows_the_tra
     assert text.code == 0 and "refused" in text.out and "[eval]" in text.out, text.out
 
 
+def test_repl_input_is_recorded_as_repl(idle):
+    done = run_cli(str(idle.pid), "repl", input="repl_case_31 = 6 * 7\nrepl_case_31\n")
+    assert "42" in done.out, done.out
+    actions = [a for a in _audit_json(str(idle.pid), "-n", "1000") if "repl_case_31" in (a.get("code") or "")]
+    assert [(a["command"], a["outcome"]) for a in actions] == [("repl", "ok"), ("repl", "ok")], actions
+
+
 def test_reads_are_recorded_when_the_target_asks(tmp_path):
     with running("idle.py", env=target_env(PROBE_AUDIT_READS="1")) as proc:
         run_cli(str(proc.pid), "query", "SELECT 'read-case-10' AS x")

@@ -546,6 +546,8 @@ class _Audited:
                 return  # one record, written by done() with the refusal's words
             fields = body() if request.method == "POST" else {}
             code, detail = _audit_fields(path, fields)
+            if path == "/v1/eval" and fields.get("origin") == "repl":
+                self.command = "repl"  # the REPL's input (the client says so; the scope is eval's either way)
             self.seq = self.trail.begin(scopes.NAMES[need], grant.by, request.peer, self.command, detail, code)
         except Exception:
             self.trail = None

@@ -439,21 +439,22 @@ class Client:
             transport.release(response)  # read: no longer an answer in flight
 
     def eval(self, code: str, timeout: Optional[float] = None, on: str = "agent", frame: Optional[str] = None,
-             wait: Optional[float] = None, eval_id: Optional[str] = None) -> EvalResult:
+             wait: Optional[float] = None, eval_id: Optional[str] = None, origin: Optional[str] = None) -> EvalResult:
         """Run ``code`` in the target's ``__main__``; printed output, final value (``value``: its ``repr()``, a
         string, see :class:`EvalResult`) and any traceback.
 
         ``on``: ``"agent"`` (the agent's own thread, concurrent with the program), ``"main"`` (the main
         thread, which waits while it runs) or ``"step"`` (right after the next optimizer step); ``wait``
         bounds the wait for that thread. ``frame``: ``"THREAD:DEPTH"`` evaluates in that frame's
-        namespace. ``eval_id`` names the run for :meth:`interrupt_eval`.
+        namespace. ``eval_id`` names the run for :meth:`interrupt_eval`. ``origin``: what the target's audit
+        trail calls the command (``"repl"``; default ``eval``).
         """
         body: Dict[str, Any] = {"code": code}
         if timeout is not None:
             body["timeout"] = timeout
         if on != "agent":
             body["on"] = on
-        for key, value in (("frame", frame), ("wait", wait), ("id", eval_id)):
+        for key, value in (("frame", frame), ("wait", wait), ("id", eval_id), ("origin", origin)):
             if value is not None:
                 body[key] = value
         socket_wait = self._answer_wait(timeout, 30.0)

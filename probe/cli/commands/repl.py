@@ -72,7 +72,7 @@ class RemoteConsole(code.InteractiveConsole):
 
         def send(index: int, client: Client) -> None:
             try:
-                results[index] = client.eval(source, timeout=self.timeout, eval_id=eval_id, **self.where)
+                results[index] = client.eval(source, timeout=self.timeout, eval_id=eval_id, origin="repl", **self.where)
             except ProbeError as exc:
                 results[index] = exc
             except Exception as exc:  # a bug of ours: show it, keep the console
@@ -94,7 +94,8 @@ class RemoteConsole(code.InteractiveConsole):
 
         cluster: Any = self.cluster
         try:
-            answers = cluster.map(lambda c: c.eval(source, timeout=self.timeout, eval_id=eval_id, **self.where))
+            answers = cluster.map(lambda c: c.eval(source, timeout=self.timeout, eval_id=eval_id, origin="repl",
+                                                       **self.where))
         except KeyboardInterrupt:
             self.write("\nKeyboardInterrupt: %s\n" % stopped_on_ranks(cluster, "eval", eval_id))
             return False
