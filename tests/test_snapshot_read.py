@@ -152,3 +152,29 @@ def test_a_dump_file_that_could_run_code_is_refused_before_it_is_unpickled(tmp_p
     assert result.code == 2 and "is refused: its pickle uses STACK_GLOBAL" in result.err, (result.code, result.err)
     result = run_cli("snapshot:%s" % (tmp_path / "cut_"), "query", "SELECT 1")
     assert result.code == 2 and "is not a Flight Recorder dump that can be read" in result.err, result.err
+
+
+def _nccl_dump(path: Any, last: int, done_upto: int) -> None:
+    """A dump of the form torch's recorder gives for NCCL (JSON here): collectives 1..``last``, each with its
+    CUDA events' times, completed up to ``done_upto``, the rest started and not finished."""
+    now = time.time_ns()
+    entries = [{"record_id": s - 1, "pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": s,
+                "p2p_seq_id": 0, "op_id": s, "profiling_name": "nccl:all_reduce", "is_p2p": False,
+                "time_created_ns": now - (60 - s) * 10**9, "time_discovered_started_ns": now - (60 - s) * 10**9 + 10**6,
+                "time_discovered_completed_ns": now - (60 - s) * 10**9 + 10**7 if s <= done_upto else None,
+                "state": "completed" if s <= done_upto else "started", "retired": s <= done_upto, "timeout_ms": 600000,
+                "frames": [{"name": "train_step", "filename": "/job/train.py", "line": 40}]} for s in range(1, last + 1)]
+    path.write_text(json.dumps({"version": "2.10", "entries": entries, "pg_config": {}}))
+
+
+def test_dumps_of_a_collective_that_every_rank_issued_and_none_finished_say_so(tmp_path: Any) -> None:
+    _nccl_dump(tmp_path / "nccl_trace_rank_0", 7, 6)
+    _nccl_dump(tmp_path / "nccl_trace_rank_1", 7, 6)
+    result = run_cli("snapshot:%s" % tmp_path, "diagnose")
+    assert result.code == STUCK and "STUCK: collective stuck in process group 0 (default_pg): ranks 0-1 issued " \
+        "nccl:all_reduce #7 and none finished it" in result.out, (result.code, result.out, result.err)
+    assert "rank 1 issued its last collective, #7 (nccl:all_reduce), at /job/train.py:40 train_step" in result.out
+    _nccl_dump(tmp_path / "nccl_trace_rank_1", 6, 6)  # rank 1 never issued #7
+    result = run_cli("snapshot:%s" % tmp_path, "diagnose")
+    assert result.code == STUCK and "rank 1 did not issue nccl:all_reduce #7; rank 0 waits in it" in result.out, \
+        result.out

@@ -73,8 +73,8 @@ class Snapshot:
         for rank in chosen:
             first, last = self.evidence(rank)
             for ev in (first, last):
-                if ev.state == "recorded":  # a torch dump's rank: judged on what it holds (its Flight
-                    ev.state = "answering"  # Recorder; no stacks, no threads), as a rank that answered that
+                if ev.state == "recorded":  # a torch dump's rank holds its Flight Recorder alone: the rules
+                    ev.state = "answering"  # read it as a rank whose evidence is that (no stacks, no threads)
             firsts[rank], lasts[rank] = first, last
             if last.at > first.at:  # the same host's monotonic clock for one rank's two looks
                 window = max(window, last.at - first.at)
@@ -89,6 +89,9 @@ class Snapshot:
         report = judge(first, last, lambda rs, rest: _LIVE + command(rs, rest) if _needs_live(rest, self.torch)
                        else command(rs, rest))
         report.samples = looks
+        if self.torch and report.status == "healthy":  # one look, no stacks: say what the dumps do show
+            report.verdicts = [_dumps_verdict(last, command)]
+            report.status = report.verdicts[0].status
         locals_kept = any("python.locals" in (r.get("tables") or {}) for r in self.records.values())
         for verdict in report.verdicts:  # what only a live process can do is left out of a record's advice
             if self.torch:  # no stacks in a dump: where each rank last issued a collective, from its recorder
@@ -148,6 +151,37 @@ def _call_sites(sample: Any, ranks: Sequence[int]) -> List[Any]:
                 out.append(Evidence("rank %d issued its last collective, #%s (%s), at %s" % (
                     rank, row.get("last_seq"), row.get("last_op"), own[0]), None, [rank]))
     return out
+
+
+def _dumps_verdict(sample: Any, command: Any) -> Any:
+    """Where no rank of torch's dumps is behind another: each group's last collective issued by every rank
+    and finished (no hang in them), or finished by none (the collective itself hangs)."""
+    from probe.diagnose.rules import Evidence, Verdict, ranks_word
+
+    groups: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    for rank, ev in sample.ranks.items():
+        for row in ev.fr or ():
+            groups.setdefault(str(row.get("pg")), {})[rank] = row
+    fr_cmd = command(None, "query \"SELECT pg, max(collective_seq_id) AS last FROM torch.flight_recorder GROUP BY 1\"")
+    ranks = sorted(sample.ranks)
+    for pg, rows in sorted(groups.items()):
+        seqs = {int(r["last_seq"]) for r in rows.values()}
+        if len(rows) < 2 or len(seqs) != 1 or any(r.get("last_done") for r in rows.values()):
+            continue
+        row = rows[min(rows)]
+        desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
+        ages = [float(r["last_age"]) for r in rows.values() if r.get("last_age") is not None]
+        summary = ("collective stuck in process group %s%s: %s issued %s #%d and none finished it; no rank is "
+                   "missing from it: the collective itself hangs (the network, a device), or a rank without a dump"
+                   % (pg, desc, ranks_word(sorted(rows)), row.get("last_op"), seqs.pop()))
+        evidence = [Evidence("Flight Recorder dumps, group %s: not done on any rank%s" % (
+            pg, ", issued %.1f-%.1f s before each dump" % (min(ages), max(ages)) if ages else ""), fr_cmd, sorted(rows))]
+        return Verdict("collective_stuck", "stuck", summary, [], sorted(rows), None, evidence, [])
+    lasts = ", ".join("group %s #%s" % (pg, max(int(r["last_seq"]) for r in rows.values()))
+                      for pg, rows in sorted(groups.items()))
+    summary = "no rank behind another in the dumps of %s%s" % (
+        ranks_word(ranks), " (last collectives: %s, finished)" % lasts if lasts else ": they hold no collective")
+    return Verdict("healthy", "healthy", summary, [], [], None, [Evidence("Flight Recorder dumps", fr_cmd, ranks)], [])
 
 
 def _utc(when: float) -> str:
