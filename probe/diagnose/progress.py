@@ -24,7 +24,7 @@ from probe.errors import ProbeError, TorchNotLoaded
 __all__ = ["STEPS_SQL", "collect_steps", "merge", "stopped", "stalled", "slow_steps", "healthy", "annotate",
            "unavailable"]
 
-STEPS_SQL = ("SELECT optimizer, steps, last_step_age_s AS last_age, step_time_last_s AS step_last, "
+STEPS_SQL = ("SELECT optimizer, optimizer_id, steps, last_step_age_s AS last_age, step_time_last_s AS step_last, "
              "step_time_median_s AS step_s, step_times FROM torch.steps")
 """Each optimizer's steps counted, seconds since its last one, its last and median step time."""
 
@@ -70,10 +70,10 @@ def merge(a: RankEvidence, b: RankEvidence, out: Dict[str, Any]) -> None:
     ``optimizer_step``: the main optimizer's count; ``stepped`` set where some step was made)."""
     if a.steps is None or b.steps is None or a.state != "answering" or b.state != "answering":
         return
-    before = {r.get("optimizer"): r.get("steps") for r in a.steps}
+    before = {_id(r): r.get("steps") for r in a.steps}
     made = 0
     for row in b.steps:
-        now, then = row.get("steps"), before.get(row.get("optimizer"))
+        now, then = row.get("steps"), before.get(_id(row))
         if isinstance(now, int):
             made += max(0, now - then) if isinstance(then, int) else now  # counted since the first look
     main = counter(b)
@@ -82,6 +82,11 @@ def merge(a: RankEvidence, b: RankEvidence, out: Dict[str, Any]) -> None:
         out["optimizer_step"] = main["steps"]
         out["step_s"] = main.get("step_s")
     out["stepped"] = bool(out.get("stepped")) or made > 0
+
+
+def _id(row: Dict[str, Any]) -> Any:
+    """An optimizer's identity across looks: its id (its name may be found between two looks)."""
+    return row.get("optimizer_id") or row.get("optimizer")
 
 
 def _age(ev: RankEvidence) -> Optional[float]:

@@ -35,7 +35,10 @@ NAME = "torch.steps"
 DESCRIPTION = ("Optimizer steps counted as they happen (the agent's optimizer post-step hook; no trace needed): "
                "per optimizer, steps, how long ago the last ended, and step times over the last 64 steps.")
 COLUMNS = (
-    Column("optimizer", "VARCHAR", "The optimizer: its class name and address, e.g. SGD@0x7f3a5c0e1d90."),
+    Column("optimizer", "VARCHAR", "The optimizer, named as torch.optimizers names it (joins its optimizer column: "
+                                   "the same search, run again at most every 30 s while one is not found); its "
+                                   "optimizer_id until it is found."),
+    Column("optimizer_id", "VARCHAR", "Its class name and address, e.g. SGD@0x7f3a5c0e1d90: the same for its life."),
     Column("class", "VARCHAR", "Its class, e.g. torch.optim.sgd.SGD."),
     Column("steps", "BIGINT", "Steps it made since probe began counting (see counted_for_s)."),
     Column("last_step_age_s", "DOUBLE", "Seconds since its last step ended."),
@@ -59,7 +62,7 @@ _clock = time.monotonic
 
 
 class _Counter:
-    __slots__ = ("ref", "key", "label", "cls", "steps", "first", "last", "ring", "times")
+    __slots__ = ("ref", "key", "label", "name", "cls", "steps", "first", "last", "ring", "times")
 
     def __init__(self, optimizer: Any, key: int, now: float) -> None:
         try:
@@ -69,6 +72,7 @@ class _Counter:
         kind = type(optimizer)
         self.key = key
         self.label = "%s@0x%x" % (kind.__name__, key)
+        self.name: Optional[str] = None  # torch.optimizers' name for it, once found (_name_counters)
         self.cls = "%s.%s" % (kind.__module__, kind.__qualname__)
         self.steps = 0
         self.first = now
@@ -285,11 +289,35 @@ def rows() -> List[Tuple[Any, ...]]:
         raise TorchNotLoaded("torch is not loaded in the target (it has not imported torch, and probe never "
                              "imports it)", hint="torch.* tables answer once the program has run `import torch`")
     arm()
+    _name_counters()
     now = _clock()
     out = []
     for counter in sorted(list(_counters.values()), key=lambda c: c.last, reverse=True):
         out.append(_row(counter, now))
     return out
+
+
+_naming = {"next": 0.0}
+
+
+def _name_counters() -> None:
+    """Name the counters as torch.optimizers does (its search: probe.watch, __main__, the main thread's frames,
+    the garbage collector), so that the tables join on ``optimizer``; a table read, never the hook. Once a
+    counter is named its name stays; while a live one is not, the search runs again at most every _RETRY_S."""
+    unnamed = [c for c in list(_counters.values()) if c.name is None and c.ref is not None and c.ref() is not None]
+    if not unnamed or _clock() < _naming["next"]:
+        return
+    _naming["next"] = _clock() + _RETRY_S
+    try:
+        from probe.tables.torch.discovery import find_optimizers
+
+        found = {id(o): (n, o) for n, o in find_optimizers(sys.modules["torch"])}
+    except Exception:  # the search's surprise leaves the counters with their ids
+        return
+    for counter in unnamed:
+        name, optimizer = found.get(counter.key, (None, None))
+        if name is not None and counter.ref() is optimizer:
+            counter.name = name
 
 
 def _row(counter: _Counter, now: float) -> Tuple[Any, ...]:
@@ -301,5 +329,5 @@ def _row(counter: _Counter, now: float) -> Tuple[Any, ...]:
         mid = len(recent) // 2
         median = recent[mid] if len(recent) % 2 else (recent[mid - 1] + recent[mid]) / 2
     alive = True if counter.ref is None else counter.ref() is not None
-    return (counter.label, counter.cls, counter.steps, now - counter.last, last, median,
+    return (counter.name or counter.label, counter.label, counter.cls, counter.steps, now - counter.last, last, median,
             recent[0] if recent else None, recent[-1] if recent else None, seen, now - counter.first, alive)
