@@ -52,7 +52,20 @@ def test_rules_equal_step_times_blame_no_rank_and_a_stall_names_the_rank_behind(
     # No optimizer anywhere: progress unknown, said so.
     bare = [RankEvidence(r, "h", 100 + r, frames=[], steps_why="it has no optimizer") for r in range(2)]
     report = judge(_sample(bare, 0.0), _sample(bare, 1.0), _cmd)
-    assert report.status == "healthy" and "progress unknown" in report.verdicts[0].summary
+    summary = report.verdicts[0].summary
+    assert report.status == "healthy" and summary.endswith(
+        "no optimizer step counted (it has no optimizer): progress unknown"), summary
+    assert "without the trace" not in summary
+
+
+def test_a_torch_process_without_an_optimizer_is_healthy_with_no_step_counted_and_progress_unknown(target_factory):
+    proc = target_factory("no_optimizer.py")
+    result = _diagnose(str(proc.pid))
+    headline = result.out.splitlines()[0]
+    assert result.code == HEALTHY and headline == (
+        "HEALTHY: no trouble found on process %d; no optimizer step counted (no optimizer has made a step since "
+        "probe began counting): progress unknown" % proc.pid), (result.code, result.out, result.err)
+    assert "progress unknown: no optimizer step counted" in result.out and "without the trace" not in result.out
 
 
 def _diagnose(target, *args):

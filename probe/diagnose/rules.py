@@ -14,8 +14,8 @@ order of weight:
 5. a lock wait: a thread that stayed at ``with ...lock`` / ``.acquire(`` over the window, gaining no CPU;
 6. a straggler: a rank whose own compute per step (forward self time in the trace) is well above the
    others' median; not the ranks that wait for it in collectives;
-7. otherwise healthy: steps advancing (trace, Flight Recorder), or, without either, the main threads
-   running and "progress unknown without the trace".
+7. otherwise healthy: steps advancing (trace, Flight Recorder, the step counter), or, without any, the main
+   threads running and "no optimizer step counted ...: progress unknown".
 """
 
 import re
@@ -669,9 +669,10 @@ def _healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, A
         if traced:
             summary += " (%.1f steps/s)" % (min(progress[r]["steps"] for r in traced) / window if window else 0.0)
         return Verdict("healthy", "healthy", summary, [], [], None, evidence, [])
+    uncounted = _uncounted(last, answering)
     if not traced and not fr:
-        evidence.append(Evidence("progress unknown without the trace: neither steps (the trace) nor collectives "
-                                 "(the Flight Recorder) are recorded", command(None, "trace start"), answering))
+        evidence.append(Evidence("progress unknown: %s; neither the trace's steps nor the Flight Recorder's "
+                                 "collectives are recorded" % uncounted, command(None, "trace start"), answering))
     cpu = [progress[r].get("cpu") for r in ran if progress[r].get("cpu") is not None]
     if ran:
         evidence.append(Evidence("%s: the main thread ran in the %.1f s watched%s" % (
@@ -681,10 +682,16 @@ def _healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, A
     if idle:
         evidence.append(Evidence("%s: the main thread neither ran nor moved in %.1f s, and nothing else says it is "
                                  "stuck" % (who(idle), window), command(idle, "backtrace"), idle))
-    summary = "no trouble found on %s%s" % (who(answering), "; progress unknown without the trace" if not traced and
+    summary = "no trouble found on %s%s" % (who(answering), "; %s: progress unknown" % uncounted if not traced and
                                             not fr else "; no step completed in the %.1f s watched" % window)
     return Verdict("healthy", "healthy", summary, [], [], None, evidence,
                    ["steps and a straggler's compute per rank: %s" % command(None, "trace start")] if not traced else [])
+
+
+def _uncounted(last: Sample, answering: List[int]) -> str:
+    """Why the step counter counted no optimizer step, in the words of its evidence."""
+    whys = sorted({str(last.ranks[r].steps_why) for r in answering if last.ranks[r].steps_why})
+    return "no optimizer step counted%s" % (" (%s)" % "; ".join(whys) if whys else "")
 
 
 def _unavailable(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:
