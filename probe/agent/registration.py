@@ -1,7 +1,7 @@
 """A rank tells its node's helper who it is, under any launcher (``PROBE_PORT`` set).
 
-One daemon thread per rank. Until the rank knows its number it looks every half second for two minutes,
-then every two seconds (the launcher's variables, or ``torch.distributed`` once the program initialised
+One daemon thread per rank. Until the rank knows its number it looks every tenth of a second for two
+minutes, then every two seconds (the launcher's variables, or ``torch.distributed`` once the program initialised
 it: ``probe._rank.current``, which never imports torch); once registered, every two seconds it checks
 that nothing changed: its identity, and the helper
 (``node-PORT.sock``, the same file). A change costs one small request over the unix socket. Where no
@@ -27,7 +27,9 @@ from probe._threads import daemon_thread
 
 __all__ = ["start"]
 
-UNKNOWN_WAKE_S = 0.5  # while the rank does not know its number yet, for its first UNKNOWN_FAST_S
+UNKNOWN_WAKE_S = 0.1  # while the rank does not know its number yet, for its first UNKNOWN_FAST_S: a rank that
+# only torch.distributed numbers (Lightning's ddp, mp.spawn) is listed this soon after init_process_group; at
+# 0.5 s a job asked right after its first steps was often answered without it (about 20 us a look)
 UNKNOWN_FAST_S = 120.0  # then every KNOWN_WAKE_S: a process that never becomes a rank (mp.spawn's parent)
 KNOWN_WAKE_S = 2.0
 SPAWN_AGAIN_S = 10.0  # a helper that did not come up is started again no sooner than this
