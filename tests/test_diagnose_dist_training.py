@@ -112,6 +112,10 @@ def test_rules_a_short_rise_of_rss_is_growth_only_where_the_tensors_grow_with_it
     assert grew.verdicts[0].kind == "memory_growth", grew.verdicts[0].summary
     assert "torch CPU tensors grew with it (+8 MB in 2.0 s)" in grew.verdicts[0].summary
 
+    # Tensors read before these readings (an earlier record's, the watch records again and again): not used.
+    stale = report(rss, [(-60.0, 20 * MB, 300 * MB), (-58.0, 28 * MB, 310 * MB)])
+    assert stale.status == "healthy", stale.verdicts[0].summary
+
     # RSS alone, steady over a long look (--watch rounds): growth, said to be elsewhere than in tensors.
     long = [(float(t), (400 + 3 * t) * MB) for t in range(0, 13, 2)]
     steady = report(long, [(0.0, 1 * MB, 400 * MB), (2.0, 1 * MB, 406 * MB)])

@@ -182,7 +182,8 @@ def _assess(ev: Any) -> Tuple[Optional[Dict[str, float]], str]:
         return growth, "few"
     if not growth["steady"]:
         return growth, ""
-    tensors = (getattr(ev, "memory", None) or {}).get("tensors") or []
+    since = _readings(ev)[0][0]  # tensors read before these readings (an earlier record's) say nothing of them
+    tensors = [t for t in (getattr(ev, "memory", None) or {}).get("tensors") or [] if t[0] >= since]
     if len(tensors) >= 2:
         (t1, b1, r1), (t2, b2, r2) = tensors[0], tensors[-1]
         growth.update(tensors=b2 - b1, tensors_rss=r2 - r1, tensors_span=t2 - t1)
@@ -216,7 +217,7 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
         if "tensors" in growth:
             summary += ("; torch CPU tensors grew with it (%+.0f MB in %.1f s)" % (
                 growth["tensors"] / MB, growth["tensors_span"]) if kind == "tensors" else "; not in torch CPU tensors")
-            seen = memory["tensors"]
+            seen = [t for t in memory["tensors"] if t[0] >= readings[0][0]]
             text = "torch CPU tensors at two looks %.1f s apart: %s -> %s, while RSS rose %+.0f MB" % (
                 growth["tensors_span"], _mb(seen[0][1]), _mb(seen[-1][1]), growth["tensors_rss"] / MB)
             if kind != "tensors":
