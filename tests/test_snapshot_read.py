@@ -178,3 +178,18 @@ def test_dumps_of_a_collective_that_every_rank_issued_and_none_finished_say_so(t
     result = run_cli("snapshot:%s" % tmp_path, "diagnose")
     assert result.code == STUCK and "rank 1 did not issue nccl:all_reduce #7; rank 0 waits in it" in result.out, \
         result.out
+
+
+def test_a_recorded_lock_cycle_reads_stuck_as_it_did_live(target_factory: Any, tmp_path: Any) -> None:
+    """The lock-wait rule wants the same stack over 2 s and more: the record looks again at 3 s where the
+    second look showed no sign of life, as diagnose does live."""
+    proc = target_factory("lock_cycle.py")
+    made = run_cli(str(proc.pid), "snapshot", "--dir", str(tmp_path), "--json", timeout=scaled(60))
+    proc.kill()
+    assert made.code == 0, made.err
+    target = "snapshot:" + json.loads(made.out)["path"]
+    result = run_cli(target, "diagnose")
+    assert result.code == STUCK, (result.out, result.err)
+    lines = result.out.splitlines()
+    assert lines[0].startswith("RECORD: a record of process %d, written " % proc.pid), lines[0]
+    assert lines[1].startswith("STUCK: process %d: audit, transfer wait for a lock" % proc.pid), result.out

@@ -50,6 +50,7 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
             if wait > 0:
                 time.sleep(wait)
             last = collect(client, rank, host, pid)
+            last = _longer_look(client, rank, host, pid, first, last)
         looks = [_look(first, start), _look(last, start)]
     except Exception as exc:  # collect never raises; a bug here must not cost the other ranks their records
         return failed_record(job, rank, host, pid, reason, "%s: %s" % (type(exc).__name__, exc), recorded_at)
@@ -62,6 +63,22 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
         record["crash"] = _crash_text(client, pid)
     record["seconds"] = round(time.monotonic() - start, 3)
     return _scrub(record, [s for s in (list(secrets) + [getattr(client, "_token", None) or ""]) if len(s) >= 6])
+
+
+def _longer_look(client: Any, rank: int, host: str, pid: Optional[int], first: Any, last: Any) -> Any:
+    """As diagnose does: where the rank showed no sign of life in the second (a stuck rank and a slow one
+    look alike for a second; the rules call a wait a hang or a lock wait only over 2 s), look again at 3 s
+    from the first look and keep that look instead."""
+    from probe.diagnose.engine import LONGER_S
+    from probe.diagnose.evidence import Sample, collect
+    from probe.diagnose.rules import needs_longer_look
+
+    if last.state != "answering" or not needs_longer_look(Sample({rank: first}, 1), Sample({rank: last}, 1)):
+        return last
+    wait = LONGER_S - (time.monotonic() - first.at)
+    if wait > 0:
+        time.sleep(wait)
+    return collect(client, rank, host, pid)
 
 
 def _look(ev: Any, since: Optional[float] = None) -> Dict[str, Any]:

@@ -79,7 +79,8 @@ class Snapshot:
             if last.at > first.at:  # the same host's monotonic clock for one rank's two looks
                 window = max(window, last.at - first.at)
                 looks = 2
-        return Sample(firsts, len(chosen), False, 0.0), Sample(lasts, len(chosen), False, window), looks
+        single = len(chosen) == 1 and str(self.records[chosen[0]].get("job") or "").startswith("pid")  # one process
+        return Sample(firsts, len(chosen), single, 0.0), Sample(lasts, len(chosen), single, window), looks
 
     def judge(self, command: Any, ranks: Optional[Sequence[int]] = None) -> Any:
         """``diagnose``'s report on the recorded looks, judged by the same rules as a live job."""
@@ -123,6 +124,9 @@ class Snapshot:
         ago = max(0.0, time.time() - about["recorded_at"])
         what = ("torch Flight Recorder dumps of rank%s %s (no stacks in them)" if self.torch else
                 "a record of rank%s %s") % ("" if len(self.ranks) == 1 else "s", compact_ranks(self.ranks))
+        record = self.records[self.ranks[0]]
+        if len(self.ranks) == 1 and str(record.get("job") or "").startswith("pid") and record.get("pid"):
+            what = "a record of process %s" % record["pid"]
         why = "" if self.torch else ", %s" % "; ".join(about["reasons"] or ["reason not said"])
         return ("RECORD: %s, written %s (%s ago)%s; the ranks may be gone since: this is what they were then"
                 % (what, about["recorded_utc"], _ago(ago), why))
