@@ -33,7 +33,7 @@ def parse_target(text: str) -> Target:
     """``"4242"`` -> the agent of pid 4242; ``"node7:9700"``; ``"[::1]:9700"``; ``"unix:/path/x.sock"``."""
     text = text.strip()
     if not text:
-        raise UsageError("empty target", hint="give a pid, HOST:PORT, unix:PATH or core:PATH")
+        raise UsageError("empty target", hint="give a pid, HOST:PORT, unix:PATH, core:PATH or snapshot:PATH")
     if text.isdigit():
         pid = int(text)
         return Target(text, UnixAddress(_paths.socket_path(pid)), pid)
@@ -59,4 +59,4 @@ def parse_target(text: str) -> Target:
     host, sep, port = text.rpartition(":")
     if sep and port.isdigit() and host:
         return Target(text, TcpAddress(host.strip("[]"), int(port)))
-    raise UsageError("cannot understand target %r" % text, hint="give a pid, HOST:PORT, unix:PATH or core:PATH")
+    raise UsageError("cannot understand target %r" % text, hint="give a pid, HOST:PORT, unix:PATH, core:PATH or snapshot:PATH")
