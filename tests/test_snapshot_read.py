@@ -140,6 +140,8 @@ def test_torch_flight_recorder_dumps_of_a_job_without_agents_name_the_rank_that_
         assert lines[0].startswith("RECORD: torch Flight Recorder dumps of ranks 0-1"), lines[0]
         assert lines[1].startswith("STUCK: " + HANG) and "rank 0 waits in it" in lines[1], result.out
         assert "rank 1 issued its last collective, #" in result.out and "sync_loss" in result.out, result.out
+    alone = run_cli("snapshot:" + os.path.join(recorded["dumps"], "fr_0"), "diagnose")  # one rank's dump: no verdict
+    assert alone.code == EXIT_CODES["degraded"] and "DEGRADED: only rank 0's dump" in alone.out, alone.out
     rows = json.loads(run_cli("snapshot:" + recorded["dumps"], "query", "SELECT rank, max(collective_seq_id) AS seq "
                               "FROM torch.flight_recorder GROUP BY rank ORDER BY rank", "--json").out)
     assert [r["rank"] for r in rows] == [0, 1] and rows[0]["seq"] == rows[1]["seq"] + 1, rows

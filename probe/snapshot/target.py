@@ -183,6 +183,11 @@ def _dumps_verdict(sample: Any, command: Any) -> Any:
         return Verdict("collective_stuck", "stuck", summary, [], sorted(rows), None, evidence, [])
     lasts = ", ".join("group %s #%s" % (pg, max(int(r["last_seq"]) for r in rows.values()))
                       for pg, rows in sorted(groups.items()))
+    if len(ranks) < 2:
+        return Verdict("unknown", "degraded", "only %s's dump: its last collectives are %s; the other ranks' dumps tell "
+                       "whether one of them did not issue it" % (ranks_word(ranks), lasts or "none"), [], [], None,
+                       [Evidence("Flight Recorder dump", fr_cmd, ranks)],
+                       ["read every rank's dump at once: snapshot:DIR (the directory) or snapshot:PREFIX"])
     summary = "no rank behind another in the dumps of %s%s" % (
         ranks_word(ranks), " (last collectives: %s, finished)" % lasts if lasts else ": they hold no collective")
     return Verdict("healthy", "healthy", summary, [], [], None, [Evidence("Flight Recorder dumps", fr_cmd, ranks)], [])

@@ -111,8 +111,12 @@ _NUMBERED = re.compile(r"^(.*?)([0-9]+)$")
 
 def dump_files(path_text: str) -> Dict[int, str]:
     """rank -> file, for ``snapshot:PATH`` where PATH is a directory of dumps (named ``<prefix><rank>``, one
-    prefix) or the prefix itself (``/tmp/fr_`` for ``/tmp/fr_0``, ``/tmp/fr_1``...). UsageError where none."""
+    prefix), the prefix itself (``/tmp/fr_`` for ``/tmp/fr_0``, ``/tmp/fr_1``...) or one dump. UsageError
+    where none."""
     path = os.path.abspath(os.path.expanduser(path_text))
+    one = _NUMBERED.match(os.path.basename(path))
+    if os.path.isfile(path) and one is not None:  # one rank's dump
+        return {int(one.group(2)): path}
     if os.path.isdir(path):
         directory, prefixes = path, _by_prefix(path, None)
         if len(prefixes) > 1:
