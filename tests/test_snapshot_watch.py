@@ -83,10 +83,14 @@ def test_a_rank_keeps_its_step_count_in_a_progress_file_that_goes_at_exit(tmp_pa
 
 def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the_job(tmp_path):
     run, snaps, control = _dirs(tmp_path, "hang")
+    # PROBE_HANG_MIN: however slow the start on a loaded machine, no record before the first step
     launcher, output = _torchrun(tmp_path, "hang", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="5",
-                                 PG_TIMEOUT_S=str(PG_TIMEOUT_S), SNAP_CONTROL=control)
+                                 PROBE_HANG_MIN="600", PG_TIMEOUT_S=str(PG_TIMEOUT_S), SNAP_CONTROL=control)
     try:
         ranks = _ranks(output)
+        files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
+        # steps counted (the step counter comes in once the program has imported torch.optim)
+        _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
         with open(control, "w") as handle:
             handle.write("skip 1\n")
         skipped = time.time()

@@ -11,11 +11,13 @@ The rule. A stall is no rank of the node advancing its step counter for ``hang_a
 time)``, at most 300, so that a slow job is not taken for a hung one and the record comes well before
 the usual watchdog timeouts (NCCL's 10 minutes). Until a rank's second step its step time is taken to be
 the time from its start to its first step. Before any rank's first step nothing is recorded, unless
-``PROBE_HANG_AFTER`` is set (then a job that never steps is recorded too). Where steps stopped for half
-of ``hang_after``, and again at ``hang_after``, each rank whose agent answers is asked where its Flight
-Recorder is (its newest entry and its newest completed one): an entry that moved between the two is
-progress (a long evaluation or a checkpoint that still makes collectives), and the wait starts again. One
-record per stall: the next needs progress in between. ``PROBE_SNAPSHOT=0`` turns the watch off.
+``PROBE_HANG_AFTER`` is set: then a job that makes no first step for max(``PROBE_HANG_AFTER``,
+``PROBE_HANG_MIN``) seconds is recorded too (a start-up, imports and data loading, takes longer than a
+step; the step counter also comes in only once the program has imported torch.optim). Where steps
+stopped for half of ``hang_after``, and again at ``hang_after``, each rank whose agent answers is asked
+where its Flight Recorder is (its newest entry and its newest completed one): an entry that moved between
+the two is progress (a long evaluation or a checkpoint that still makes collectives), and the wait starts
+again. One record per stall: the next needs progress in between. ``PROBE_SNAPSHOT=0`` turns the watch off.
 
 The record: ``probe.snapshot.capture.capture_members`` for every rank of the node (a rank whose agent
 cannot answer is read from outside), each written into a new directory of ``store.snapshot_root()``
@@ -225,7 +227,7 @@ class Watch:
                 return None  # this stall is recorded already
             self.stalled_since = None
             self.recorded = None  # progress since: the ranks of that record are no longer dying of it
-        hang_after = self.hang_after(live)
+        hang_after = self.hang_after(live) if stepped else max(self.fixed or 0.0, self.minimum)
         stalled = now - progress
         if self.baseline is not None and self.baseline[0] != progress:
             self.baseline = None
