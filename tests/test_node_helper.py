@@ -58,8 +58,8 @@ def ranks_of(tmp_path, count: int, script: str = "rank_states.py", **extra: str)
     runtime = str(tmp_path / "run")
     os.mkdir(runtime, 0o700)
     port = _free_ports(count)
-    env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
-                     SLURM_NTASKS=str(count), SLURM_NODEID="0", **extra)
+    env = target_env(**dict(dict(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
+                                 SLURM_NTASKS=str(count), SLURM_NODEID="0"), **extra))
     procs: Dict[int, Proc] = {}
     job: Dict[str, object] = {"port": port, "runtime": runtime, "env": target_env(probe=False, PROBE_RUNTIME_DIR=runtime),
                               "ranks": procs}
@@ -118,6 +118,21 @@ def test_ranks_of_no_known_launcher_start_one_helper_and_are_listed_read_and_nam
         assert partial.code == 7, (partial.code, partial.err)
         assert [r["rank"] for r in json.loads(partial.out)] == [0]
         assert "rank 1 (" in partial.err and "exited" in partial.err, partial.err
+
+
+def test_a_rank_not_registered_yet_is_named_and_the_answer_is_partial(tmp_path):
+    """Rank 0 of a job of 2 is up; rank 1 has not registered (under Lightning's ddp a rank learns its
+    number only in init_process_group, and registers a moment later). A command across ranks asks again
+    for a moment, then names rank 1 as not listed and exits 7: it never answers for fewer ranks in silence."""
+    with ranks_of(tmp_path, 1, SLURM_NTASKS="2") as job:
+        master = "127.0.0.1:%d" % job["port"]
+        _until(lambda: run_cli(master, "ranks", "-f", "json", env=job["env"]).out.strip().startswith("["), 30,
+               "rank 0 listed")  # type: ignore[arg-type]
+        partial = run_cli(master, "--all-ranks", "query", "SELECT pid FROM process.info", "-f", "json",
+                          env=job["env"])  # type: ignore[arg-type]
+        assert partial.code == 7, (partial.code, partial.err)
+        assert [r["rank"] for r in json.loads(partial.out)] == [0], partial.out
+        assert "rank 1 of the job's 2 is not listed by its helpers" in partial.err, partial.err
 
 
 def _is_helper_of(pid: int, port: int) -> bool:

@@ -583,7 +583,7 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
         port = getattr(parsed.address, "port", None)
         if secret is None and port is not None:
             secret = _job_token(port)
-        found = discover(targets, secret, min(timeout, deadline))
+        found = _discover_whole(targets, secret, min(timeout, deadline))
         if not found.members:
             raise ProbeError("the host helper at %s knows no rank yet (the job is starting?)" % targets,
                              hint="retry in a moment")
@@ -593,6 +593,44 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
         raise UsageError("no targets given")
     cluster = Cluster(members, secret, timeout, deadline, max_in_flight)
     return _numbered_by_their_ranks(cluster)
+
+
+WHOLE_LIST_S = 1.5
+"""How long a listing that lacks ranks of the job's world size is asked for again: a rank registers with
+its node's helper a moment after it learns its rank (under Lightning's ddp, only from
+``init_process_group``), so a command run just then would otherwise ask fewer ranks and say nothing."""
+
+
+def _discover_whole(target: str, secret: Optional[str], timeout: float) -> Discovered:
+    """The helper's listing, asked again every 0.1 s for up to ``WHOLE_LIST_S`` while it lists no rank or
+    fewer ranks than the world size its members report; the ranks still missing then are said in
+    ``left_out`` (the command exits 7: its answer is partial)."""
+    import time
+
+    give_up = time.monotonic() + min(WHOLE_LIST_S, timeout)
+    while True:
+        found = discover(target, secret, timeout)
+        missing = _unlisted(found.members)
+        if (found.members and not missing) or time.monotonic() >= give_up:
+            break
+        time.sleep(0.1)
+    if found.members and missing:
+        size = max(m.world_size or 0 for m in found.members)
+        line = ("rank%s %s of the job's %d %s not listed by its helpers (not registered yet: starting, or on a "
+                "node whose helper is not known); the answer covers the listed ranks only"
+                % ("s" if len(missing) > 1 else "", compact_ranks(missing), size, "are" if len(missing) > 1 else "is"))
+        found = found._replace(left_out=list(found.left_out) + [line])
+    return found
+
+
+def _unlisted(members: Sequence[Member]) -> List[int]:
+    """The ranks below the largest world size the members report that no member is (capped: a world size
+    is the members' word, not trusted to size a list)."""
+    sizes = [m.world_size for m in members if isinstance(m.world_size, int) and 0 < m.world_size <= MAX_RANKS]
+    if not sizes:
+        return []
+    listed = {m.rank for m in members}
+    return [r for r in range(max(sizes)) if r not in listed]
 
 
 RANK_ASK_S = 2.0  # how long a listed target may take to say its rank
