@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from probe.client.results import Frame
 from probe.errors import AgentBlocked, ConnectError, ProbeError, ProcessDead, Timeout, TorchNotLoaded
 
-__all__ = ["RankEvidence", "Sample", "collect", "sample_job", "sample_one", "FR_SQL", "TRACE_SQL",
+__all__ = ["RankEvidence", "Sample", "collect", "forget", "sample_job", "sample_one", "FR_SQL", "TRACE_SQL",
            "THREADS_SQL"]
 
 THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_user IS NULL THEN NULL "
@@ -253,6 +253,16 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     memory.gather(client, ev, _query)
     ev.seconds = time.monotonic() - start
     return ev
+
+
+def forget(host: str, pid: Optional[int], rank: int) -> None:
+    """Drop what the looks of this process kept of one rank (RSS readings, the memory split, the
+    parameters read after a NaN): a long-lived reader (the node helper's watch, which records again at the
+    next stall) starts each recording afresh, and keeps nothing of ranks long gone."""
+    from probe.diagnose import memory, training
+
+    memory.forget((host, pid, rank))
+    training.forget((host, pid))
 
 
 def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,

@@ -99,6 +99,12 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     ev.memory = out
 
 
+def forget(key: Tuple[str, Optional[int], int]) -> None:
+    """Forget one rank's readings (``probe.diagnose.evidence.forget``)."""
+    for kept in (_HISTORY, _SPLIT, _TENSORS):
+        kept.pop(key, None)
+
+
 def _tensors_reading(key: Tuple[str, Optional[int], int], rows: Any, rss: int) -> None:
     value = _cpu_tensors(rows)
     if value is not None:

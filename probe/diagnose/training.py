@@ -33,6 +33,11 @@ PARAMS_SQL = ("SELECT model, name, has_nan, has_inf, grad_has_nan, grad_has_inf,
 _PARAMS_DONE: Dict[Tuple[str, Optional[int]], Dict[str, Any]] = {}  # once per process and diagnose run
 
 
+def forget(key: Tuple[str, Optional[int]]) -> None:
+    """Forget the parameters read after a NaN of one process (``probe.diagnose.evidence.forget``)."""
+    _PARAMS_DONE.pop(key, None)
+
+
 def loader_wait_of(key: Sequence[Tuple[str, str, int, str]]) -> Optional[Tuple[str, str, int, str]]:
     """The frame of a stack that waits in a multi-process DataLoader for a batch, or None."""
     for frame in key:

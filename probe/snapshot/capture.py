@@ -41,8 +41,9 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
     start = time.monotonic()
     recorded_at = time.time()
     try:
-        from probe.diagnose.evidence import collect
+        from probe.diagnose.evidence import collect, forget
 
+        forget(host, pid, rank)  # a record holds its own looks only, not an earlier stall's
         first = collect(client, rank, host, pid)
         last = first
         if first.state == "answering":
