@@ -178,3 +178,51 @@ def test_checkpoint_trace_and_debug_stop_are_recorded(tmp_path):
     assert start["outcome"] == "ok" and start["scope"] == "control" and json.loads(start["detail"])["every"] == 2
     assert by_command["trace stop"][0]["outcome"] == "ok"
     assert by_command["debug stop"][0]["scope"] == "control"
+
+
+def _wait_socket(runtime, pid: int) -> None:
+    deadline = time.monotonic() + scaled(20)
+    while not (runtime / ("%d.sock" % pid)).exists():
+        assert time.monotonic() < deadline, "no agent socket"
+        time.sleep(0.02)
+
+
+def test_a_trail_that_cannot_be_written_never_reaches_the_program(tmp_path):
+    from probe import _paths
+
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    with running("idle.py", env=target_env(PROBE_RUNTIME_DIR=str(runtime)), wait_socket=False) as proc:
+        _wait_socket(runtime, proc.pid)
+        # Something that is no file where the trail goes (it is opened on the first audited request).
+        os.mkdir(runtime / ("audit-%d-%d.jsonl" % (proc.pid, _paths.process_start_ticks(str(proc.pid)))))
+        env = target_env(probe=False, PROBE_RUNTIME_DIR=str(runtime))
+        for _ in range(2):
+            done = run_cli(str(proc.pid), "eval", "6 * 7", env=env)
+            assert done.code == 0 and done.out.strip() == "42", done
+        proc.popen.terminate()
+        proc.popen.wait(scaled(10))
+        err = proc.popen.stderr.read().decode()
+    assert err.count("the audit trail") == 1 and "cannot be written" in err, err
+
+
+def test_the_trails_of_dead_processes_are_pruned_to_the_newest(tmp_path):
+    runtime = tmp_path / "run"
+    runtime.mkdir(mode=0o700)
+    gone = 4190000  # above any pid a test machine hands out
+    for i in range(40):
+        path = runtime / ("audit-%d-%d.jsonl" % (gone + i, 1000 + i))
+        path.write_text("{}\n")
+        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))
+    for i, _why in ((39, "the newest one's rotated part stays"), (0, "the oldest one's goes with it")):
+        path = runtime / ("audit-%d-%d.jsonl.1" % (gone + i, 1000 + i))
+        path.write_text("{}\n")
+        os.utime(path, (1_700_000_000 + i - 1, 1_700_000_000 + i - 1))  # older than the file that followed it
+    with running("idle.py", env=target_env(PROBE_RUNTIME_DIR=str(runtime)), wait_socket=False) as proc:
+        _wait_socket(runtime, proc.pid)
+        run_cli(str(proc.pid), "eval", "1", env=target_env(probe=False, PROBE_RUNTIME_DIR=str(runtime)))
+        names = sorted(n for n in os.listdir(runtime) if n.startswith("audit-"))
+    dead = [n for n in names if not n.startswith("audit-%d-" % proc.pid)]
+    assert len([n for n in dead if n.endswith(".jsonl")]) == 32, dead
+    assert "audit-%d-1039.jsonl.1" % (gone + 39) in dead and "audit-%d-1000.jsonl.1" % gone not in dead
+    assert "audit-%d-1008.jsonl" % (gone + 8) in dead and "audit-%d-1007.jsonl" % (gone + 7) not in dead

@@ -198,10 +198,10 @@ def _prune_dead(directory: str) -> None:
         if not match:
             continue
         key = (int(match.group(1)), int(match.group(2)))
-        if key in dead or _alive(*key):
+        if key not in dead and _alive(*key):
             continue
         try:
-            dead[key] = os.stat(os.path.join(directory, name)).st_mtime
+            dead[key] = max(dead.get(key, 0.0), os.stat(os.path.join(directory, name)).st_mtime)
         except OSError:
             continue
     for pid, ticks in sorted(dead, key=dead.__getitem__, reverse=True)[KEEP_DEAD:]:
