@@ -325,8 +325,18 @@ def annotate(verdicts: List[Any], last: Sample, answering: List[int], progress: 
         if not shown:
             continue
         made = [progress[r]["optimizer_steps"] for r in shown]
-        verdict.evidence.append(Evidence("step counter: %s; %d-%d steps in the window" % (
-            steps_text(last, shown, who), min(made), max(made)), _command(command), shown, _rows(last, shown)))
+        verdict.evidence.append(Evidence("step counter: %s; %s between the looks" % (
+            steps_text(last, shown, who), _made_text(min(made), max(made))), _command(command), shown,
+            _rows(last, shown)))
+
+
+def _made_text(low: int, high: int) -> str:
+    """How many steps the ranks made between the looks: "no step", "3 steps", "2-5 steps"."""
+    if high == 0:
+        return "no step"
+    if low == high:
+        return "%d step%s" % (low, "" if low == 1 else "s")
+    return "%d-%d steps" % (low, high)
 
 
 def unavailable(last: Sample, answering: List[int], who: Who) -> List[str]:
