@@ -144,3 +144,15 @@ def test_small_built_values_and_rows_from_range_still_run(target):
     result = _query(target.pid, "SELECT len(range(10)) AS a, repeat('-', 80) AS b, printf('%5d', 7) AS c, "
                                 "count(*) AS d FROM range(1000000)")
     assert result.code == 0 and '"a": 10' in result.out and '"d": 1000000' in result.out, result.err
+
+
+def test_an_error_after_parsing_quotes_none_of_probes_own_wrapping(target):
+    """The row cap wraps each query in probe's own SQL; a binder's or catalog's error must not show that
+    text (it quoted "WITH ... AS MATERIALIZED (SELECT * FROM (...", a query the user never wrote)."""
+    for sql, said in (("SELECT nosuch FROM python.threads", 'column "nosuch" not found'),
+                      ("SELECT * FROM nosuch_table", "nosuch_table does not exist")):
+        result = _query(target.pid, sql)
+        assert result.code == 1 and said in result.err, result
+        assert "MATERIALIZED" not in result.err and "LINE 1" not in result.err, result.err
+    typo = _query(target.pid, "SELEC 1")  # a parse error quotes the user's own text, where it is useful
+    assert typo.code == 1 and "LINE 1: SELEC 1" in typo.err, typo

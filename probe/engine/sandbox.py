@@ -194,9 +194,11 @@ class Engine:
                     stop_now()  # its interrupt came first (the client's Ctrl-C while the query was on its way)
         watched = self._guard.enter(out_of_memory)
         start_rss = rss_bytes()
+        wrapped = False  # past parsing, DuckDB's messages quote the wrapped query (_wrapped), not the user's
         try:
             if parsed is None:
                 parsed = self._parse(cursor, sql)
+            wrapped = True
             tables = self._produce(parsed.names)
             for name, data in tables.items():
                 cursor.register(_hidden_name(name), data)
@@ -211,7 +213,7 @@ class Engine:
                 raise Timeout("query interrupted after %.1f s (the agent's query time limit)" % limit,
                               hint="narrow the query, or raise the limit with PROBE_QUERY_TIMEOUT") from None
             if isinstance(exc, self._duckdb.Error):
-                raise SQLError(_clean(exc)) from None
+                raise SQLError(_clean(exc, wrapped)) from None
             raise
         finally:
             self._guard.leave(watched)
@@ -537,6 +539,11 @@ def _kind(statement: Any) -> str:
     return str(statement.type).rsplit(".", 1)[-1]
 
 
-def _clean(exc: BaseException) -> str:
-    """DuckDB's message, without the Python class name it sometimes carries."""
-    return str(exc).strip()
+def _clean(exc: BaseException, wrapped: bool = False) -> str:
+    """DuckDB's message, without the Python class name it sometimes carries. ``wrapped``: the error came
+    from the query as probe wraps it, so the lines DuckDB quotes (``LINE 1: ...`` and a caret) show probe's
+    text, not the user's: they are left out."""
+    message = str(exc).strip()
+    if wrapped and "\nLINE " in message:
+        message = message.split("\nLINE ", 1)[0].strip()
+    return message
