@@ -78,3 +78,30 @@ def test_rules_memory_growth_needs_a_steady_rise_over_enough_looks_and_the_oom_k
         report = judge(Sample(dict(ranks), 2, at=0.0), Sample(dict(ranks), 2, at=1.0), cmd)
         dead = report.verdicts[0]
         assert dead.kind == "dead" and ("OOM killer" in dead.summary) == said, dead.summary
+
+
+def test_memorys_split_names_pythons_share_where_tracemalloc_counts_it(target_factory):
+    """Python's share of RSS is known where the job runs with PYTHONTRACEMALLOC=1 (process.info's
+    python_traced_bytes, read by the agent from the interpreter); without it the column is NULL and the split
+    says how to get it. The rule subtracts it from "the rest"."""
+    from procs import run_cli
+
+    traced = target_factory("idle.py", env=target_env(PYTHONTRACEMALLOC="1"))
+    plain = target_factory("idle.py")
+    sql = "SELECT python_traced_bytes AS py FROM process.info"
+    values = [json.loads(run_cli(str(p.pid), "query", sql, "-f", "json").out)[0]["py"] for p in (traced, plain)]
+    assert isinstance(values[0], int) and values[0] > 100_000 and values[1] is None, values
+
+    from probe.diagnose.evidence import Sample
+    from probe.diagnose.rules import judge
+
+    mb = 1024 * 1024
+    split = [{"device": "cpu", "allocated_bytes": 100 * mb, "rss_bytes": 600 * mb, "tensors": 10, "complete": True}]
+    for python, said in (([{"python_traced_bytes": 200 * mb}], "Python's allocators 200 MB (tracemalloc); the rest 300 MB"),
+                         (None, "Python objects are counted where the job runs with PYTHONTRACEMALLOC=1")):
+        memory = {"readings": [(0.0, 500 * mb), (1.0, 530 * mb), (3.0, 590 * mb)], "split": split, "python": python,
+                  "tensors": [(1.0, 30 * mb, 530 * mb), (3.0, 85 * mb, 590 * mb)]}
+        report = judge(Sample({0: _ev(0)}, 1, True, at=0.0), Sample({0: _ev(0, memory=memory)}, 1, True, at=3.0),
+                       lambda ranks, rest: "probe T %s" % rest)
+        where = next(e.text for e in report.verdicts[0].evidence if e.text.startswith("where it is"))
+        assert said in where, where

@@ -31,6 +31,7 @@ LONG_SPAN_S = 10.0  # RSS alone is growth only over this long; shorter, the live
 TENSOR_SHARE = 0.25  # ... by this share of RSS's rise between the two readings of the tensors ...
 TENSOR_FLOOR = 4 * MB  # ... and at least this much
 RSS_SQL = "SELECT rss FROM process.info"
+PYTHON_SQL = "SELECT python_traced_bytes FROM process.info"
 SPLIT_SQL = "SELECT device, allocated_bytes, reserved_bytes, rss_bytes, tensors, complete FROM torch.memory"
 HOLDERS_SQL = """\
 SELECT kind, owner, shape, device, requires_grad, n, bytes FROM (
@@ -78,7 +79,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
         torch = ev.fr_why != "torch is not loaded"
         if len(history) >= 2 and rss - history[-2][1] >= RISE_TRIGGER and key not in _SPLIT and torch:
             split: Dict[str, Any] = {}
-            for name, sql in (("split", SPLIT_SQL), ("holders", HOLDERS_SQL)):
+            for name, sql in (("split", SPLIT_SQL), ("holders", HOLDERS_SQL), ("python", PYTHON_SQL)):
                 try:
                     split[name] = query(client, sql)
                 except ProbeError as exc:
@@ -241,9 +242,15 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
                 if row.get("device") != "cpu":
                     parts.append("%s allocator: %s allocated, %s reserved (device memory, not in RSS)" % (
                         row.get("device"), _mb(row.get("allocated_bytes")), _mb(row.get("reserved_bytes"))))
-            parts.append("the rest %s (Python objects, autograd graphs' saved tensors, allocator arenas, native "
-                         "libraries; Python objects alone are not counted cheaply)" % _mb(max(0, (cpu.get(
-                             "rss_bytes") or rss_now) - tensors)))
+            python = next((row.get("python_traced_bytes") for row in memory.get("python") or ()), None)
+            if isinstance(python, int):
+                parts.append("Python's allocators %s (tracemalloc)" % _mb(python))
+                parts.append("the rest %s (autograd graphs' saved tensors, allocator arenas, native libraries)"
+                             % _mb(max(0, (cpu.get("rss_bytes") or rss_now) - tensors - python)))
+            else:
+                parts.append("the rest %s (Python objects, autograd graphs' saved tensors, allocator arenas, native "
+                             "libraries; Python objects are counted where the job runs with PYTHONTRACEMALLOC=1)"
+                             % _mb(max(0, (cpu.get("rss_bytes") or rss_now) - tensors)))
             evidence.append(Evidence("where it is: RSS %s = %s" % (_mb(cpu.get("rss_bytes") or rss_now),
                                                                    "; ".join(parts)),
                                      command([r], "query \"SELECT * FROM torch.memory\""), [r], split))

@@ -32,6 +32,10 @@ COLUMNS = (
     Column("num_fds", "INTEGER", "Open file descriptors."),
     Column("python_version", "VARCHAR", "Python version, e.g. '3.11.7'."),
     Column("executable", "VARCHAR", "Path of the Python interpreter."),
+    Column("python_traced_bytes", "BIGINT", "Bytes Python's allocators hold now (objects and the interpreter's own "
+                                            "memory), where tracemalloc traces: the program started with "
+                                            "PYTHONTRACEMALLOC=1 or -X tracemalloc (it slows allocation); NULL "
+                                            "otherwise: Python's share of RSS is not known cheaply without it."),
 )
 EXAMPLE = "SELECT pid, rss / 1e6 AS rss_mb, cpu_percent, num_threads FROM process.info"
 
@@ -44,15 +48,28 @@ def rows() -> Iterator[Tuple[Any, ...]]:
     python_version = "%d.%d.%d" % sys.version_info[:3]
     if proc is None:
         yield (os.getpid(), os.getppid(), socket.gethostname(), _cmdline(sys.argv), os.getcwd(), None, None,
-               None, None, None, threading.active_count(), _count_fds(), python_version, sys.executable)
+               None, None, None, threading.active_count(), _count_fds(), python_version, sys.executable,
+               _python_traced())
         return
     with proc.oneshot():
         mem = proc.memory_info()
         started = datetime.datetime.fromtimestamp(proc.create_time(), datetime.timezone.utc).replace(tzinfo=None)
         row = (proc.pid, proc.ppid(), socket.gethostname(), _cmdline(proc.cmdline()), proc.cwd(), proc.username(),
                started, mem.rss, mem.vms, _cpu_percent(proc), proc.num_threads(), proc.num_fds(),
-               python_version, sys.executable)
+               python_version, sys.executable, _python_traced())
     yield row
+
+
+def _python_traced() -> Optional[int]:
+    """What tracemalloc counts now, where it traces (a builtin module: nothing is imported); else None."""
+    try:
+        import _tracemalloc
+
+        if _tracemalloc.is_tracing():
+            return int(_tracemalloc.get_traced_memory()[0])
+    except Exception:  # an interpreter without it: said as not known
+        pass
+    return None
 
 
 def _cmdline(args: List[str]) -> str:
