@@ -81,7 +81,7 @@ def test_a_rank_keeps_its_step_count_in_a_progress_file_that_goes_at_exit(tmp_pa
         proc.kill()
 
 
-def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the_job(tmp_path):
+def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the_job_an_evaluation_never(tmp_path):
     run, snaps, control = _dirs(tmp_path, "hang")
     # PROBE_HANG_MIN: however slow the start on a loaded machine, no record before the first step
     launcher, output = _torchrun(tmp_path, "hang", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="5",
@@ -91,6 +91,13 @@ def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the
         files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
         # steps counted (the step counter comes in once the program has imported torch.optim)
         _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
+        # An evaluation: no optimizer step for 12 s, but collectives go on (the Flight Recorder moves): no stall.
+        with open(control, "w") as handle:
+            handle.write("eval\n")
+        evaluating = time.monotonic()
+        while time.monotonic() - evaluating < 12:
+            assert not store.list_snapshots(snaps), "recorded while collectives went on: %s" % _stderr(tmp_path, "hang")
+            time.sleep(0.5)
         with open(control, "w") as handle:
             handle.write("skip 1\n")
         skipped = time.time()
@@ -170,3 +177,29 @@ def test_a_healthy_and_a_slow_job_are_not_recorded_and_the_slow_one_waits_five_s
     finally:
         for launcher, _, _, _ in jobs.values():
             stop_launcher(launcher)
+
+
+def test_a_node_helper_of_its_own_records_its_ranks_and_copies_their_deaths(tmp_path):
+    """Ranks of no launcher probe knows (srun's variables) start `python -m probe.host`: its watch records."""
+    from test_node_helper import ranks_of
+
+    snaps, control = str(tmp_path / "snaps"), str(tmp_path / "control")
+    with ranks_of(tmp_path, 2, "snap_train.py", PROBE_HANG_AFTER="3", PROBE_HANG_MIN="600",
+                  PROBE_SNAPSHOT_DIR=snaps, SNAP_CONTROL=control) as job:
+        procs: Dict[int, Proc] = job["ranks"]  # type: ignore[assignment]
+        run = str(job["runtime"])
+        _until(lambda: all(read_progress(os.path.join(run, "progress-%d.bin" % p.pid)) for p in procs.values()), 30,
+               "the ranks' progress files")
+        with open(control, "w") as handle:
+            handle.write("skip 0\n")  # every process is its own "rank 0" of torch (no process group): all stop
+        found = _until(lambda: [s for s in store.list_snapshots(snaps) if s.complete], 60, "the stall recorded")
+        assert len(found) == 1 and found[0].ranks == [0, 1], found
+        for proc in procs.values():
+            proc.kill()  # SIGTERM: each dies with its stacks in its crash record
+        files = [os.path.join(found[0].path, "rank-%05d.json" % r) for r in (0, 1)]
+        _until(lambda: all(record.read_rank(f)["crash"] for f in files), 15, "the deaths copied into the records")
+        for f in files:
+            crash = record.read_rank(f)["crash"]
+            assert "sigterm stacks" in crash and "load_next_batch" in crash, crash
+        with open(os.path.join(run, "node-%d.log" % job["port"])) as log:
+            assert "stall recorded in %s" % found[0].path in log.read()

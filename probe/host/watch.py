@@ -47,12 +47,9 @@ HANG_CAP_S = 300.0
 STEP_FACTOR = 5.0
 RECENT = 256  # step times kept per rank (one a look at most: the last few minutes of a job stepping)
 CAPTURE_DEADLINE_S = 60.0
-FR_TIMEOUT_S = 3.0
+FR_TIMEOUT_S = 5.0
 CRASH_TEXT_BYTES = 256 * 1024
 FOLLOW_DEATHS_S = 1800.0  # how long after a record a rank's death is still copied into it
-_FR_SQL = ("SELECT max(record_id) AS newest, max(CASE WHEN state = 'completed' THEN record_id END) AS done "
-           "FROM torch.flight_recorder")
-
 
 def _number(name: str) -> Optional[float]:
     raw = os.environ.get(name, "").strip()
@@ -146,7 +143,8 @@ class Watch:
         self.ranks: Dict[int, _Rank] = {}  # pid -> rank
         self.recorded: Optional[_Recorded] = None  # the last record, while its ranks may still die
         self.stalled_since: Optional[float] = None  # the progress time of the stall already recorded
-        self.baseline: Optional[Tuple[float, Dict[int, Any]]] = None  # (progress time, Flight Recorder marks)
+        self.baseline: Optional[Tuple[float, Dict[int, Any], float, bool]] = None
+        """(progress time, each rank's Flight Recorder mark then, stalled seconds to compare at, asked again)"""
         self.fr_moved = 0.0
         self.records = 0
         self._complained: Dict[str, bool] = {}
@@ -233,20 +231,30 @@ class Watch:
             self.baseline = None
         if stalled < hang_after / 2:
             return None
-        if self.baseline is None:
-            self.baseline = (progress, self._fr_marks(members))
-            if stalled < hang_after:
-                return None
-        if stalled < hang_after:
+        if self.baseline is None:  # where each rank's Flight Recorder is, to compare with at hang_after
+            self.baseline = (progress, self._fr_marks(members), hang_after, False)
+            return None
+        _, before, due, again = self.baseline
+        if stalled < due:
             return None
         marks = self._fr_marks(members)
-        if any(pid in self.baseline[1] and self.baseline[1][pid] != mark for pid, mark in marks.items()):
+        if any(pid in before and before[pid] != mark for pid, mark in marks.items()):
             self.fr_moved = time.monotonic()  # collectives go on: progress, though no step
             self.baseline = None
             return None
+        if marks and not any(pid in before for pid in marks) and not again:
+            # no rank answered both times (the first answer of an agent may be slow): once more, half later
+            self.baseline = (progress, marks, due + hang_after / 2, True)
+            return None
         self.stalled_since = progress
         self.baseline = None
-        why = ("no step for %.0f s" % stalled if stepped else "no step since the ranks started, %.0f s" % stalled)
+        last_step = max((r.moved for r in stepped), default=0.0)
+        if not stepped:
+            why = "no step since the ranks started, %.0f s" % stalled
+        elif self.fr_moved > last_step:
+            why = "no step for %.0f s, no collective for %.0f s" % (now - last_step, stalled)
+        else:
+            why = "no step for %.0f s" % stalled
         return self.record(members, "stall: %s (hang_after %.0f s)" % (why, hang_after), hang_after)
 
     def hang_after(self, live: List[_Rank]) -> float:
@@ -257,24 +265,25 @@ class Watch:
         return member.state == "dead"
 
     def _fr_marks(self, members: List[Any]) -> Dict[int, Any]:
-        """Each answering rank's Flight Recorder: (its newest entry, its newest completed one); none where
-        the rank cannot answer or keeps no recorder."""
+        """Each answering rank's Flight Recorder: (its newest entry, its newest completed one), read as the
+        table's rows (no SQL engine in the rank), all ranks at once; none where the rank cannot answer or has
+        no torch."""
         from probe.client.client import Client
+        from probe.client.fanout import fan_out
         from probe.client.targets import parse_target
 
-        marks: Dict[int, Any] = {}
-        deadline = time.monotonic() + 2 * FR_TIMEOUT_S
-        for member in members:
-            if member.state != "running" or time.monotonic() > deadline:
-                continue
-            try:
-                client = Client(parse_target(str(member.pid)), None, FR_TIMEOUT_S)
-                rows = client.query_rows(_FR_SQL, timeout=FR_TIMEOUT_S)
-                if client.note is None and rows.rows:
-                    marks[member.pid] = tuple(rows.rows[0])
-            except Exception:  # noqa: BLE001 -- no answer: no mark
-                continue
-        return marks
+        asked = [m for m in members if m.state == "running"]
+
+        def mark(member: Any) -> Tuple[Any, Any]:
+            rows = Client(parse_target(str(member.pid)), None, FR_TIMEOUT_S).table_rows("torch.flight_recorder")
+            names = [name for name, _ in rows.columns]
+            at, state = names.index("record_id"), names.index("state")
+            ids = [row[at] for row in rows.rows if row[at] is not None]
+            done = [row[at] for row in rows.rows if row[at] is not None and row[state] == "completed"]
+            return max(ids, default=None), max(done, default=None)
+
+        outcomes = fan_out(asked, mark, 16, FR_TIMEOUT_S + 1.0)
+        return {m.pid: o.value for m, o in zip(asked, outcomes) if o.error is None}
 
     # -- recording --------------------------------------------------------------------------------
 

@@ -7,6 +7,8 @@ step a rank reads ``SNAP_CONTROL`` (a file; absent: no order), one order a line:
 
 - ``skip R``: rank R calls no collective any more and waits in ``load_next_batch`` (the others wait in
   their all_reduce until the process group's timeout ends them);
+- ``eval``: every rank makes no optimizer step, but goes on calling all_reduce (as an evaluation with
+  collectives does) while the order stands;
 - ``exit``: every rank leaves the loop and exits normally.
 """
 
@@ -60,6 +62,11 @@ def main() -> None:
             break
         if ["skip", str(rank)] in said:
             load_next_batch(rank)
+        if ["eval"] in said:
+            time.sleep(STEP_SLEEP)
+            if DISTRIBUTED:
+                sync_loss(torch.zeros(1))
+            continue
         time.sleep(STEP_SLEEP)
         loss = model(data).pow(2).mean()
         loss.backward()
