@@ -80,6 +80,22 @@ def test_a_rank_keeps_its_step_count_in_a_progress_file_that_goes_at_exit(tmp_pa
     finally:
         proc.kill()
 
+    # Killed without its exit hooks: the file stays, and goes with the stale socket at the next `probe list`.
+    os.unlink(control)
+    proc = spawn("snap_train.py", env=target_env(PROBE_RUNTIME_DIR=run, SNAP_CONTROL=control), wait_socket=False)
+    try:
+        path = os.path.join(run, "progress-%d.bin" % proc.pid)
+        _until(lambda: read_progress(path), 20, "the progress file")
+        proc.popen.kill()
+        proc.popen.wait(scaled(10))
+    finally:
+        proc.kill()
+    assert os.path.exists(path)
+    time.sleep(_paths.STALE_AFTER_S + 0.5)
+    listed = run_cli("list", env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
+    assert listed.code == 0, listed
+    assert not os.path.exists(path) and not os.path.exists(os.path.join(run, "%d.sock" % proc.pid)), os.listdir(run)
+
 
 def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the_job_an_evaluation_never(tmp_path):
     run, snaps, control = _dirs(tmp_path, "hang")

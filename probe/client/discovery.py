@@ -104,7 +104,7 @@ def _short_reason(exc: AgentBlocked) -> str:
 
 
 def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
-    for stale in (path, _paths.token_path(pid)) if with_token else (path,):
+    for stale in (path, _paths.token_path(pid), _paths.progress_path(pid)) if with_token else (path,):
         try:
             os.unlink(stale)
         except OSError:
