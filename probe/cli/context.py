@@ -4,14 +4,12 @@ from dataclasses import dataclass, field
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
-import click
-
 from probe.cli.output import say
 from probe.cli.render import visible
 from probe.client import Client, connect
 from probe.errors import ProbeError, UsageError
 
-__all__ = ["CliContext", "pass_cli", "each_target"]
+__all__ = ["CliContext", "each_target"]  # and pass_cli, made on first use (below)
 
 T = TypeVar("T")
 
@@ -113,7 +111,16 @@ class CliContext:
         self.exit_code = self.exit_code or exc.exit_code
 
 
-pass_cli = click.make_pass_decorator(CliContext)
+def __getattr__(name: str) -> Any:
+    """``pass_cli``, the click decorator that hands a command its ``CliContext``, made on first use: the
+    commands ``probe.cli.fast`` runs import no click."""
+    if name != "pass_cli":
+        raise AttributeError("module %r has no attribute %r" % (__name__, name))
+    import click
+
+    decorator = click.make_pass_decorator(CliContext)
+    globals()["pass_cli"] = decorator
+    return decorator
 
 
 def each_target(cli: CliContext, work: Callable[[Client], T]) -> Iterator[Tuple[Client, T]]:

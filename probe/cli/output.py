@@ -8,25 +8,25 @@ own output) goes through :func:`emit`, exact when piped and made visible only on
 exact either way: ``json.dumps`` writes every control character as ``\\u001b``.
 """
 
+import io
 import os
 import sys
-from typing import Any, List, Tuple
-
-import click
+from typing import Any, List, Optional, Tuple
 
 from probe.cli.render import render_csv, render_json, visible
 from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import UsageError
 
-__all__ = ["say", "emit", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows", "write_arrow", "wrote"]
+__all__ = ["say", "emit", "echo", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows",
+           "write_arrow", "wrote"]
 
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 def say(text: str = "", err: bool = False, nl: bool = True) -> None:
     """Print text for a person: control characters made visible (newlines and tabs kept)."""
-    click.echo(visible(text, lines=True), err=err, nl=nl)
+    echo(visible(text, lines=True), err=err, nl=nl)
 
 
 def emit(text: str, err: bool = False, nl: bool = True) -> None:
@@ -37,8 +37,45 @@ def emit(text: str, err: bool = False, nl: bool = True) -> None:
         terminal = stream.isatty()
     except (AttributeError, ValueError):
         terminal = False
-    # color=True: click would otherwise strip what looks like a colour code from text that is not for a terminal
-    click.echo(visible(text, lines=True) if terminal else text, err=err, nl=nl, color=True)
+    # color=True: echo would otherwise strip what looks like a colour code from text that is not for a terminal
+    echo(visible(text, lines=True) if terminal else text, err=err, nl=nl, color=True)
+
+
+def echo(text: str = "", err: bool = False, nl: bool = True, color: Optional[bool] = None) -> None:
+    """``click.echo(text, err=err, nl=nl, color=color)``, the same bytes, without importing click (the
+    commands run in loops import no click, see ``probe.cli.fast``): on a plain text stream whose encoding
+    is no ASCII, the text is written and flushed. Anything else goes to click itself: another stream (one
+    a test captures, an ASCII one click writes as UTF-8), and an ESC in text that click may strip of
+    colour codes (``color`` None, the stream no terminal)."""
+    stream = sys.stderr if err else sys.stdout
+    if stream is None:  # no standard stream at all: click prints nothing either
+        return
+    if (type(stream) is not io.TextIOWrapper or _ascii(stream.encoding)
+            or (color is None and "\x1b" in text and not _isatty(stream))):
+        import click
+
+        click.echo(text, err=err, nl=nl, color=color)
+        return
+    out = text + "\n" if nl else text
+    if out:
+        stream.write(out)
+    stream.flush()
+
+
+def _ascii(encoding: Optional[str]) -> bool:
+    import codecs
+
+    try:
+        return codecs.lookup(encoding or "ascii").name == "ascii"
+    except LookupError:
+        return False
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except Exception:
+        return False
 
 
 def print_rows(text: str, fmt: str) -> None:

@@ -1,30 +1,44 @@
 """``probe TARGET backtrace``: every thread's stack, innermost frame first."""
 
 import json
-from typing import Optional
+from typing import Any, Optional
 
-import click
-
-from probe.cli.context import CliContext, each_target, pass_cli
-from probe.cli.options import TEXT, output_format
+from probe.cli.commands import made_on_first_use
+from probe.cli.context import CliContext, each_target
 from probe.cli.output import emit, say
 from probe.cli.render import render_backtrace
 
 
-@click.command("backtrace")
-@click.option("--native", is_flag=True,
-              help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for "
-                   "tens of milliseconds).")
-@output_format(*TEXT, json_help="the frames as JSON rows, those of python.backtrace")
-@pass_cli
-def backtrace(cli: CliContext, native: bool, fmt: Optional[str]) -> None:
-    """Print the Python stack of every thread, like py-spy dump.
+def _command() -> Any:
+    import click
 
-    \b
-    The agent answers when it can. When it cannot (a C call holds the GIL, the process is stopped) the
-    stacks are read from outside the process within about a second, and a line on stderr says why; a
-    dead process shows the last stacks its agent recorded; TARGET may be core:PATH (a core file).
-    """
+    from probe.cli.context import pass_cli
+    from probe.cli.options import TEXT, output_format
+
+    @click.command("backtrace")
+    @click.option("--native", is_flag=True,
+                  help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for "
+                       "tens of milliseconds).")
+    @output_format(*TEXT, json_help="the frames as JSON rows, those of python.backtrace")
+    @pass_cli
+    def backtrace(cli: CliContext, native: bool, fmt: Optional[str]) -> None:
+        """Print the Python stack of every thread, like py-spy dump.
+
+        \b
+        The agent answers when it can. When it cannot (a C call holds the GIL, the process is stopped) the
+        stacks are read from outside the process within about a second, and a line on stderr says why; a
+        dead process shows the last stacks its agent recorded; TARGET may be core:PATH (a core file).
+        """
+        run(cli, native, fmt)
+
+    return backtrace
+
+
+__getattr__ = made_on_first_use("backtrace", _command)
+
+
+def run(cli: CliContext, native: bool = False, fmt: Optional[str] = None) -> None:
+    """The command (``probe.cli.fast`` calls it without click)."""
     as_json = fmt == "json"
     if cli.is_cluster:
         _across_ranks(cli, as_json, native)

@@ -3,24 +3,38 @@
 import json
 from typing import Any, Dict, Iterator, Optional
 
-import click
-
-from probe.cli.context import CliContext, each_target, pass_cli
-from probe.cli.options import TEXT, output_format
+from probe.cli.commands import made_on_first_use
+from probe.cli.context import CliContext, each_target
 from probe.cli.output import emit, say
 from probe.cli.render import render_unavailable, visible
 
 
-@click.command("health")
-@output_format(*TEXT, json_help="the agent's answer")
-@pass_cli
-def health(cli: CliContext, fmt: Optional[str]) -> None:
-    """Ask the agent who it is: pid, host, rank, Python, probe version, capabilities.
+def _command() -> Any:
+    import click
 
-    \b
-    When the agent cannot answer, says why instead (GIL held by which thread and where, stopped, dead
-    and how, a core file) and exits 5 (blocked) or 3 (dead).
-    """
+    from probe.cli.context import pass_cli
+    from probe.cli.options import TEXT, output_format
+
+    @click.command("health")
+    @output_format(*TEXT, json_help="the agent's answer")
+    @pass_cli
+    def health(cli: CliContext, fmt: Optional[str]) -> None:
+        """Ask the agent who it is: pid, host, rank, Python, probe version, capabilities.
+
+        \b
+        When the agent cannot answer, says why instead (GIL held by which thread and where, stopped, dead
+        and how, a core file) and exits 5 (blocked) or 3 (dead).
+        """
+        run(cli, fmt)
+
+    return health
+
+
+__getattr__ = made_on_first_use("health", _command)
+
+
+def run(cli: CliContext, fmt: Optional[str] = None) -> None:
+    """The command (``probe.cli.fast`` calls it without click)."""
     as_json = fmt == "json"
     for client, info in each_target(cli, lambda c: c.health()):
         if as_json:

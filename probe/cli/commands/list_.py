@@ -12,9 +12,8 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-import click
-
-from probe.cli.options import output_format
+from probe.cli.commands import made_on_first_use
+from probe.cli.output import echo
 from probe.cli.render import render_rows, terminal_width, text_width
 from probe.client.discovery import local_agents, remove_stale_files
 from probe.client.results import Rows
@@ -242,17 +241,33 @@ def _give_way(names: List[str], rows: List[List[str]], width: int) -> bool:
     return changed
 
 
-@click.command("list")
-@output_format("table", "json", json_help="the processes as JSON rows")
-@click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
-@click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
-@click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
-@click.option("--all", "show_all", is_flag=True,
-              help="Also the processes stopped on purpose (SIGTERM, Ctrl-C) more than an hour ago.")
-def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, show_all: bool) -> None:
-    """Local Python processes: those running an agent, those that could be attached, and those that
-    died with an agent (how, and when: their crash records are kept 7 days, the newest 20; one stopped
-    on purpose, by SIGTERM or Ctrl-C, is listed for an hour)."""
+def _command() -> Any:
+    import click
+
+    from probe.cli.options import output_format
+
+    @click.command("list")
+    @output_format("table", "json", json_help="the processes as JSON rows")
+    @click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
+    @click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
+    @click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
+    @click.option("--all", "show_all", is_flag=True,
+                  help="Also the processes stopped on purpose (SIGTERM, Ctrl-C) more than an hour ago.")
+    def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, show_all: bool) -> None:
+        """Local Python processes: those running an agent, those that could be attached, and those that
+        died with an agent (how, and when: their crash records are kept 7 days, the newest 20; one stopped
+        on purpose, by SIGTERM or Ctrl-C, is listed for an hour)."""
+        run(fmt, agents_only, vertical, wide, show_all)
+
+    return list_
+
+
+__getattr__ = made_on_first_use("list_", _command)
+
+
+def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = False, wide: bool = False,
+        show_all: bool = False) -> None:
+    """The command (``probe.cli.fast`` calls it without click)."""
     records: List[Dict[str, Any]] = []
     remove_stale_files()  # sockets and tokens of agents and host helpers that died without their exit hooks
     _remove_unused_package_dirs()
@@ -278,14 +293,14 @@ def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, sho
     note = ("%d process%s stopped on purpose (SIGTERM, Ctrl-C) over an hour ago %s not shown: probe list --all"
             % (hidden, "" if hidden == 1 else "es", "is" if hidden == 1 else "are")) if hidden else None
     if fmt == "json":
-        click.echo(json.dumps(records))
+        echo(json.dumps(records))
         if note:
-            click.echo(note, err=True)
+            echo(note, err=True)
         return
     if not records:
-        click.echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
+        echo("no agents found; start one with PROBE=1 in a process's environment, or `probe PID inject`")
         if note:
-            click.echo(note)
+            echo(note)
         return
     names = ["pid", "agent", "state", "rank", "python", "command", "reach"]
     if all(r["rank"] is None for r in records):
@@ -298,6 +313,6 @@ def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, sho
     if width and shorten and _give_way(names, cells, width):
         footer = "narrowed to fit; -x or --wide shows all"
     table = Rows(tuple((c, "") for c in names), cells)
-    click.echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
+    echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
     if note:
-        click.echo(note)
+        echo(note)

@@ -1,12 +1,10 @@
 """``probe TARGET query SQL``: run SQL against the target's tables."""
 
-import secrets
+import os
 from typing import Any, Callable, List, Optional
 
-import click
-
-from probe.cli.context import CliContext, each_target, pass_cli
-from probe.cli.options import TABLE, Seconds, output_format
+from probe.cli.commands import made_on_first_use
+from probe.cli.context import CliContext, each_target
 from probe.cli.output import check_writable, file_format, print_rows, say, write_arrow, write_rows, wrote
 from probe.cli.render import render_rows, terminal_width
 from probe.client import Client
@@ -14,34 +12,52 @@ from probe.client.results import Rows
 from probe.errors import ProbeError, UsageError
 
 
-@click.command("query")
-@click.argument("sql")
-@output_format(*TABLE, json_help="NaN and infinities are null in JSON", older_f=True)
-@click.option("-x", "--vertical", is_flag=True,
-              help="One column per line, each record in its block, values whole (psql's \\x).")
-@click.option("--wide", is_flag=True,
-              help="Cut no cell and do not fit the table to the terminal (pipe it to `less -S`).")
-@click.option("-o", "--output", type=click.Path(dir_okay=False),
-              help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
-@click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
-@click.option("--query-timeout", type=Seconds(0.001), help="Seconds the query may run in the agent.")
-@click.option("--native", is_flag=True,
-              help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
-@click.option("--merge", metavar="SQL",
-              help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`.")
-@pass_cli
-def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: bool, output: Optional[str],
-          max_rows: Optional[int], query_timeout: Optional[float], native: bool, merge: Optional[str] = None) -> None:
-    """Run one SELECT statement. Tables: see `probe TARGET tables`.
+def _command() -> Any:
+    import click
 
-    \b
-    When the agent cannot answer (GIL held, stopped, dead) or TARGET is core:PATH, SQL over
-    python.backtrace still runs, here, on the stacks read from outside; stderr says so.
+    from probe.cli.context import pass_cli
+    from probe.cli.options import TABLE, Seconds, output_format
 
-    \b
-    On a terminal the table is fitted to its width, the widest columns cut first (a cut cell ends
-    in "…"); -x prints one column per line with every value whole; --wide cuts nothing.
-    """
+    @click.command("query")
+    @click.argument("sql")
+    @output_format(*TABLE, json_help="NaN and infinities are null in JSON", older_f=True)
+    @click.option("-x", "--vertical", is_flag=True,
+                  help="One column per line, each record in its block, values whole (psql's \\x).")
+    @click.option("--wide", is_flag=True,
+                  help="Cut no cell and do not fit the table to the terminal (pipe it to `less -S`).")
+    @click.option("-o", "--output", type=click.Path(dir_okay=False),
+                  help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
+    @click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
+    @click.option("--query-timeout", type=Seconds(0.001), help="Seconds the query may run in the agent.")
+    @click.option("--native", is_flag=True,
+                  help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
+    @click.option("--merge", metavar="SQL",
+                  help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`.")
+    @pass_cli
+    def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: bool, output: Optional[str],
+              max_rows: Optional[int], query_timeout: Optional[float], native: bool, merge: Optional[str] = None) -> None:
+        """Run one SELECT statement. Tables: see `probe TARGET tables`.
+
+        \b
+        When the agent cannot answer (GIL held, stopped, dead) or TARGET is core:PATH, SQL over
+        python.backtrace still runs, here, on the stacks read from outside; stderr says so.
+
+        \b
+        On a terminal the table is fitted to its width, the widest columns cut first (a cut cell ends
+        in "…"); -x prints one column per line with every value whole; --wide cuts nothing.
+        """
+        run(cli, sql, fmt, vertical, wide, output, max_rows, query_timeout, native, merge)
+
+    return query
+
+
+__getattr__ = made_on_first_use("query", _command)
+
+
+def run(cli: CliContext, sql: str, fmt: Optional[str] = None, vertical: bool = False, wide: bool = False,
+        output: Optional[str] = None, max_rows: Optional[int] = None, query_timeout: Optional[float] = None,
+        native: bool = False, merge: Optional[str] = None) -> None:
+    """The command (``probe.cli.fast`` calls it without click)."""
     file_fmt = file_format(output) if output else None
     _refuse_conflicts(fmt, file_fmt, output, vertical, wide)
     if output:
@@ -62,7 +78,7 @@ def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: b
     if merge:
         raise UsageError("--merge runs over the rows of several ranks", hint="add --all-ranks or --ranks LIST")
     several = len(cli.targets) > 1
-    query_id = secrets.token_hex(8)
+    query_id = os.urandom(8).hex()  # as secrets.token_hex(8), without the hashlib that secrets imports
     running: List[Client] = []  # the clients whose query was sent (several targets run at once), for Ctrl-C
 
     def tracked(work: Callable[[Client], Any]) -> Callable[[Client], Any]:

@@ -1,26 +1,40 @@
 """``probe MASTER:PORT ranks``: every rank of the job, as the host helpers see them."""
 
-from typing import Optional
+from typing import Any, Optional
 
-import click
-
-from probe.cli.context import CliContext, pass_cli
-from probe.cli.options import TABLE, output_format
+from probe.cli.commands import made_on_first_use
+from probe.cli.context import CliContext
 from probe.cli.output import print_rows, say
 from probe.cli.render import render_rows
 
 
-@click.command("ranks")
-@output_format(*TABLE, json_help="the member list as JSON rows", older_f=True)
-@pass_cli
-def ranks(cli: CliContext, fmt: Optional[str]) -> None:
-    """List the job's ranks: rank, host, port, pid, state (running, silent, stopped, starting, dead).
+def _command() -> Any:
+    import click
 
-    \b
-    TARGET is the master's HOST:PROBE_PORT, whose node helper (port PROBE_PORT - 1) knows every node's
-    ranks, under any launcher; or slurm:JOBID[:PORT], whose nodes Slurm names. The ranks share one
-    token: stderr says where it is. Exit 7 where a node or a member was left out (stderr says which).
-    """
+    from probe.cli.context import pass_cli
+    from probe.cli.options import TABLE, output_format
+
+    @click.command("ranks")
+    @output_format(*TABLE, json_help="the member list as JSON rows", older_f=True)
+    @pass_cli
+    def ranks(cli: CliContext, fmt: Optional[str]) -> None:
+        """List the job's ranks: rank, host, port, pid, state (running, silent, stopped, starting, dead).
+
+        \b
+        TARGET is the master's HOST:PROBE_PORT, whose node helper (port PROBE_PORT - 1) knows every node's
+        ranks, under any launcher; or slurm:JOBID[:PORT], whose nodes Slurm names. The ranks share one
+        token: stderr says where it is. Exit 7 where a node or a member was left out (stderr says which).
+        """
+        run(cli, fmt)
+
+    return ranks
+
+
+__getattr__ = made_on_first_use("ranks", _command)
+
+
+def run(cli: CliContext, fmt: Optional[str] = None) -> None:
+    """The command (``probe.cli.fast`` calls it without click)."""
     cli.all_ranks = True
     cluster = cli.cluster()
     fmt = fmt or "table"
