@@ -16,7 +16,7 @@ from procs import TARGETS, Proc, run_cli, scaled, spawn, target_env
 from test_torchrun import _free_port_pair
 from torch_job import TORCHRUN, _free_port, ready_lines, stop_launcher
 
-PG_TIMEOUT_S = 45
+PG_TIMEOUT_S = 35
 
 
 def _until(check, timeout: float, what: str):
