@@ -226,3 +226,19 @@ def test_the_trails_of_dead_processes_are_pruned_to_the_newest(tmp_path):
     assert len([n for n in dead if n.endswith(".jsonl")]) == 32, dead
     assert "audit-%d-1039.jsonl.1" % (gone + 39) in dead and "audit-%d-1000.jsonl.1" % gone not in dead
     assert "audit-%d-1008.jsonl" % (gone + 8) in dead and "audit-%d-1007.jsonl" % (gone + 7) not in dead
+
+
+def test_the_control_token_changes_the_lr_and_the_change_is_recorded(tmp_path):
+    control = tmp_path / "control.token"
+    control.write_text("control-token-for-lr\n")
+    control.chmod(0o600)
+    port = _free_port()
+    env = target_env(PROBE_LISTEN="127.0.0.1:%d" % port, PROBE_CONTROL_TOKEN_FILE=str(control))
+    with running("lr_loop.py", str(tmp_path / "log"), "--sched", "lambda", env=env, timeout=120) as proc:
+        done = run_cli("127.0.0.1:%d" % port, "--token-file", str(control), "lr", "0.05", "--json")
+        assert done.code == 0, (done.code, done.err)
+        assert json.loads(done.out)["readback"]["stuck"], done.out
+        actions = [a for a in _audit_json(str(proc.pid)) if a["command"] == "lr"]
+    assert [a["outcome"] for a in actions] == ["ok", "ok", "ok"], actions  # plan, change, read-back
+    assert {a["scope"] for a in actions} == {"control"} and {a["granted_by"] for a in actions} == {"control token"}
+    assert json.loads(actions[1]["detail"])["what"] == "change" and "0.05" in actions[1]["detail"], actions[1]
