@@ -1,7 +1,7 @@
 """The stall watch (issue 21): how soon a stalled node is recorded, what the watch costs a job that makes
 progress, and how big a record is.
 
-    python bench/bench_watch.py [--ranks 8] [--runs 3] [--rounds 3] [--window 10]
+    python bench/bench_watch.py [--ranks 8] [--runs 3] [--rounds 3] [--window 10] [--stall-traced]
 
 Real torchrun gloo jobs on the CPU (``bench/targets/watch_train.py``: a small MLP, an all_reduce of the loss
 a step, one intra-op thread), ``PROBE=1`` and ``PROBE_PORT`` (torchrun's launcher is the node's helper and
@@ -146,13 +146,14 @@ def _look_cost(job: Job, looks: int = 30) -> List[float]:
     return out
 
 
-def stall_runs(base: str, ranks: int, runs: int) -> None:
+def stall_runs(base: str, ranks: int, runs: int, traced: bool = False) -> None:
     from probe.snapshot import record, store
     from probe.tables.torch.steps import read_progress
 
     noticed, recording, whole, sizes, looks = [], [], [], [], []
     for i in range(runs):
-        job = Job(base, "stall-%d" % i, ranks, PROBE_HANG_AFTER="5", PROBE_HANG_MIN="600", STEP_SLEEP="0.05")
+        job = Job(base, "stall-%d" % i, ranks, PROBE_HANG_AFTER="5", PROBE_HANG_MIN="600", STEP_SLEEP="0.05",
+                  **({"PROBE_TORCH_TRACE": "1"} if traced else {}))
         try:
             job.ready(ranks)
             deadline = time.monotonic() + 120
@@ -255,6 +256,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=float, default=10.0)
     parser.add_argument("--skip-stall", action="store_true")
+    parser.add_argument("--stall-traced", action="store_true", help="the stalled jobs run the torch trace "
+                        "(PROBE_TORCH_TRACE=1): their records hold its last rows")
     parser.add_argument("--skip-cost", action="store_true")
     args = parser.parse_args()
     import torch
@@ -266,7 +269,7 @@ def main() -> None:
             % (torch.__version__, os.cpu_count() or 0, os.getloadavg()[0])])
     try:
         if not args.skip_stall:
-            stall_runs(base, args.ranks, args.runs)
+            stall_runs(base, args.ranks, args.runs, args.stall_traced)
             print()
         if not args.skip_cost:
             cost_rounds(base, args.rounds, args.window)
