@@ -1,6 +1,5 @@
 """What every command shares: the targets, how to reach them, and how errors end the command."""
 
-from dataclasses import dataclass, field
 import os
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
@@ -14,26 +13,33 @@ __all__ = ["CliContext", "each_target"]  # and pass_cli, made on first use (belo
 T = TypeVar("T")
 
 
-@dataclass
 class CliContext:
-    targets: List[str] = field(default_factory=list)
-    token: Optional[str] = None
-    token_file: Optional[str] = None
-    timeout: float = 30.0
-    failures: int = 0
-    exit_code: int = 0
-    wait: Optional[float] = None
-    executable: Optional[str] = None
-    timeout_given: bool = False  # --timeout was given: it bounds every answer (else the work's own limit does)
-    all_ranks: bool = False
-    ranks: Optional[str] = None  # --ranks LIST
-    hosts: Optional[str] = None  # --hosts FILE
-    deadline: Optional[float] = None
-    max_in_flight: int = 32
-    via: str = "auto"  # --via: across ranks, through the node helpers or directly
-    _cluster: Optional[Any] = None
-    _labels: Dict[int, str] = field(default_factory=dict)  # id(client) -> "rank N (HOST:PORT)", across ranks
-    _members: Dict[int, Any] = field(default_factory=dict)  # id(client) -> its rank's Member, across ranks
+    """The command line's global options, and how the command is going (failures, exit code). A plain
+    class, not a dataclass: ``dataclasses`` imports ``inspect``, some 5 ms of every command's start-up."""
+
+    def __init__(self, targets: Optional[List[str]] = None, token: Optional[str] = None,
+                 token_file: Optional[str] = None, timeout: float = 30.0, failures: int = 0, exit_code: int = 0,
+                 wait: Optional[float] = None, executable: Optional[str] = None, timeout_given: bool = False,
+                 all_ranks: bool = False, ranks: Optional[str] = None, hosts: Optional[str] = None,
+                 deadline: Optional[float] = None, max_in_flight: int = 32, via: str = "auto") -> None:
+        self.targets: List[str] = [] if targets is None else targets
+        self.token = token
+        self.token_file = token_file
+        self.timeout = timeout
+        self.failures = failures
+        self.exit_code = exit_code
+        self.wait = wait
+        self.executable = executable
+        self.timeout_given = timeout_given  # --timeout was given: it bounds every answer (else the work's own limit does)
+        self.all_ranks = all_ranks
+        self.ranks = ranks  # --ranks LIST
+        self.hosts = hosts  # --hosts FILE
+        self.deadline = deadline
+        self.max_in_flight = max_in_flight
+        self.via = via  # --via: across ranks, through the node helpers or directly
+        self._cluster: Optional[Any] = None
+        self._labels: Dict[int, str] = {}  # id(client) -> "rank N (HOST:PORT)", across ranks
+        self._members: Dict[int, Any] = {}  # id(client) -> its rank's Member, across ranks
 
     def label(self, client: Client) -> str:
         """How output names a target: ``rank N (HOST:PORT)`` across ranks, else the target as written."""

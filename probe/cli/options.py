@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import click
 
-from probe.errors import UsageError
+from probe.cli.output import chosen_format
 
 __all__ = ["Seconds", "MAX_SECONDS", "output_format", "TEXT", "TABLE"]
 
@@ -52,13 +52,7 @@ def output_format(*formats: str, json_help: str = "", older_f: bool = False) -> 
     def decorate(command: Callable[..., Any]) -> Any:
         @functools.wraps(command)
         def run(*args: Any, **kwargs: Any) -> Any:
-            asked = [f for f in (kwargs.pop("fmt_given"), kwargs.pop("fmt_older", None)) if f is not None]
-            if kwargs.pop("as_json"):
-                asked.append("json")
-            if len(set(asked)) > 1:
-                raise UsageError("two output formats were asked for: %s" % " and ".join(dict.fromkeys(asked)),
-                                 hint="give one: --json, or -F FORMAT")
-            kwargs["fmt"] = asked[0] if asked else None
+            kwargs["fmt"] = chosen_format(kwargs.pop("fmt_given"), kwargs.pop("fmt_older", None), kwargs.pop("as_json"))
             return command(*args, **kwargs)
 
         exact = " and ".join(f for f in formats if f in ("json", "csv"))

@@ -18,7 +18,7 @@ from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import UsageError
 
-__all__ = ["say", "emit", "echo", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows",
+__all__ = ["say", "emit", "echo", "chosen_format", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows",
            "write_arrow", "wrote"]
 
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -76,6 +76,18 @@ def _isatty(stream: Any) -> bool:
         return bool(stream.isatty())
     except Exception:
         return False
+
+
+def chosen_format(given: Optional[str], older: Optional[str], as_json: bool) -> Optional[str]:
+    """The output format asked for by ``-F/--format`` (``given``), ``-f`` (``older``) and ``--json``; None
+    when none was. Two different ones are refused."""
+    asked = [f for f in (given, older) if f is not None]
+    if as_json:
+        asked.append("json")
+    if len(set(asked)) > 1:
+        raise UsageError("two output formats were asked for: %s" % " and ".join(dict.fromkeys(asked)),
+                         hint="give one: --json, or -F FORMAT")
+    return asked[0] if asked else None
 
 
 def print_rows(text: str, fmt: str) -> None:
