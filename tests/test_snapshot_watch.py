@@ -156,6 +156,35 @@ def test_a_rank_that_skips_an_all_reduce_is_recorded_before_the_timeout_ends_the
         assert "stall recorded in %s" % snap.path in log.read()
 
 
+def test_a_rank_that_aborts_before_any_stall_leaves_a_record_of_the_node(tmp_path):
+    """The watchdog's abort can come before hang_after (a process group timeout shorter than it): the rank's
+    death itself is recorded, with its crash record (faulthandler's stacks at SIGABRT) and what the other
+    rank showed, though torchrun ends the job at once."""
+    run, snaps, control = _dirs(tmp_path, "abort")
+    launcher, output = _torchrun(tmp_path, "abort", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600",
+                                 SNAP_CONTROL=control)
+    try:
+        ranks = _ranks(output)
+        files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
+        _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
+        time.sleep(2 * 1.0)  # two looks of the watch: it has seen both ranks alive
+        with open(control, "w") as handle:
+            handle.write("abort 1\n")
+        code = launcher.wait(scaled(60))
+    finally:
+        stop_launcher(launcher)
+    assert code != 0
+    found = _until(lambda: [s for s in _recorded(snaps) if s.complete], 10, "the death recorded")
+    assert len(found) == 1 and found[0].reason.startswith("rank 1 died: SIGABRT"), (found, _stderr(tmp_path, "abort"))
+    rec = record.read_rank(os.path.join(found[0].path, "rank-00001.json"))
+    assert "Fatal Python error: Aborted" in (rec["crash"] or ""), rec["crash"]
+    assert "main" in (rec["crash"] or "") and "snap_train.py" in rec["crash"], rec["crash"]
+    assert os.path.exists(os.path.join(found[0].path, "rank-00000.json"))
+    shown = run_cli("snapshot:%s" % found[0].path, "--ranks", "1", "backtrace",
+                    env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
+    assert shown.code == 0 and "snap_train.py" in shown.out, shown
+
+
 def _recorded(snaps: str) -> List[store.SnapshotInfo]:
     return store.list_snapshots(snaps)
 

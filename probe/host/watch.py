@@ -170,9 +170,18 @@ class Watch:
                 self._once("look", "probe: the stall watch failed a look: %s: %s" % (type(exc).__name__, exc))
 
     def _at_exit(self) -> None:
-        """At the launcher's exit (its ranks stopped): the deaths not copied yet, for at most 3 s."""
+        """At the launcher's exit (its ranks stopped): a death no record holds is recorded (what the crash
+        records kept), then the deaths not copied yet, for at most 3 s more."""
         try:
             deadline = time.monotonic() + 3.0
+            if self._lock.acquire(timeout=1.0):  # a rank that died unrecorded (its death ends the launcher)
+                try:
+                    members = self.helper.members.scan()
+                    died = self._died_uncovered(members)
+                    if died is not None:
+                        self._record_death(members, died)
+                finally:
+                    self._lock.release()
             while self.recorded is not None and time.monotonic() < deadline:
                 if self._lock.acquire(timeout=0.5):
                     try:
@@ -199,6 +208,9 @@ class Watch:
         members = self.helper.members.scan()
         if self.recorded is not None:
             self._copy_deaths(members)
+        died = self._died_uncovered(members)
+        if died is not None:
+            return self._record_death(members, died)
         live: List[_Rank] = []
         for member in members:
             if self._dead(member):
@@ -257,6 +269,42 @@ class Watch:
             why = "no step for %.0f s" % stalled
         return self.record(members, "stall: %s (hang_after %.0f s)" % (why, hang_after), hang_after)
 
+    def _died_uncovered(self, members: List[Any]) -> Optional[str]:
+        """Why a rank seen alive at an earlier look has died since, where no record holds it yet and its crash
+        record says it did not end cleanly (the watchdog's SIGABRT, a crash, an uncaught exception, SIGTERM
+        from a launcher or a scheduler's time limit); None otherwise (a clean exit leaves no crash record, a
+        Ctrl-C is a person's choice)."""
+        from probe.reader import crash
+
+        covered = set(self.recorded.ranks) if self.recorded is not None else set()
+        deaths = []
+        for member in members:
+            if not self._dead(member) or member.pid not in self.ranks or member.pid in covered:
+                continue
+            seen = self.ranks[member.pid]
+            found = crash.dead_record(member.pid)
+            if found is None or (seen.ticks and found.start_ticks != seen.ticks):
+                continue
+            if found.cause.startswith("uncaught exception: KeyboardInterrupt"):
+                continue
+            deaths.append((found.died_at or float("inf"), member.rank, found.cause))
+        if not deaths:
+            return None
+        _, rank, cause = min(deaths)  # the first to die: the others often die of its death (a closed connection)
+        return "rank %d died: %s" % (rank, cause)
+
+    def _record_death(self, members: List[Any], why: str) -> Optional[str]:
+        """Record the node at a rank's death, no stall recorded before it: what the ranks still alive show
+        (they may be ending too), and the dead one's crash record; the stall rule then waits for progress."""
+        live = [r for m in members if not self._dead(m) for r in [self.ranks.get(m.pid)] if r is not None]
+        self.stalled_since = max([r.moved if r.steps else r.first_seen for r in live] + [self.fr_moved, 0.0])
+        self.baseline = None
+        directory = self.record(members, why, None)
+        for member in members:  # a dead rank recorded here needs no second record
+            if self._dead(member):
+                _forget(self.ranks.pop(member.pid, None))
+        return directory
+
     def hang_after(self, live: List[_Rank]) -> float:
         return hang_after_rule(self.fixed, self.minimum, max((r.longest_step() for r in live), default=0.0))
 
@@ -294,15 +342,16 @@ class Watch:
         from probe.snapshot import capture, record, store
 
         started = time.time()
+        what = "stall" if reason.startswith("stall") else "a rank's death"
         job = self._job(members)
         root = store.snapshot_root()
         try:
             directory = store.new_snapshot_dir(root, job, started)
         except Exception as exc:  # noqa: BLE001
-            self._log("probe: stall on this node (%s); cannot record it: %s" % (reason, getattr(exc, "message", exc)))
+            self._log("probe: %s on this node (%s); cannot record it: %s" % (what, reason, getattr(exc, "message", exc)))
             return None
-        self._log("probe: stall on this node (%s); recording ranks %s into %s"
-                  % (reason, ",".join(str(m.rank) for m in members), directory))
+        self._log("probe: %s on this node (%s); recording ranks %s into %s"
+                  % (what, reason, ",".join(str(m.rank) for m in members), directory))
         pairs = [(Client(parse_target(str(m.pid)), None, CAPTURE_DEADLINE_S / 2), m) for m in members]
         secrets = [self.helper._token.decode("utf-8")] if getattr(self.helper, "_token", None) else []
         records = capture.capture_members(pairs, reason, job, CAPTURE_DEADLINE_S, secrets=secrets)
@@ -329,8 +378,8 @@ class Watch:
         for member in members:  # a rank dead before the watch first saw it: no start ticks known
             if member.pid in files and member.pid not in self.recorded.ranks:
                 self.recorded.ranks[member.pid] = _Rank(member.rank, member.pid, time.monotonic())
-        self._log("probe: stall recorded in %s: %d rank(s) in %.1f s%s"
-                  % (directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
+        self._log("probe: %s recorded in %s: %d rank(s) in %.1f s%s"
+                  % (what, directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
         return directory
 
     def _copy_deaths(self, members: List[Any]) -> None:

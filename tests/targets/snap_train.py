@@ -9,7 +9,8 @@ step a rank reads ``SNAP_CONTROL`` (a file; absent: no order), one order a line:
   their all_reduce until the process group's timeout ends them);
 - ``eval``: every rank makes no optimizer step, but goes on calling all_reduce (as an evaluation with
   collectives does) while the order stands;
-- ``exit``: every rank leaves the loop and exits normally.
+- ``exit``: every rank leaves the loop and exits normally;
+- ``abort R``: rank R calls ``os.abort()`` (SIGABRT, as torch's watchdog aborts a rank).
 """
 
 import os
@@ -62,6 +63,8 @@ def main() -> None:
             break
         if ["skip", str(rank)] in said:
             load_next_batch(rank)
+        if ["abort", str(rank)] in said:
+            os.abort()
         if ["eval"] in said:
             time.sleep(STEP_SLEEP)
             if DISTRIBUTED:
