@@ -1,0 +1,309 @@
+"""The page's HTTP server: the static files, and JSON gathered with the commands' own client calls.
+
+A ``ThreadingHTTPServer`` in the CLI process, bound to 127.0.0.1 unless asked otherwise. The job's
+token never leaves this process. Bound to a loopback address the page needs no token, and a request
+naming another host (``Host:``) is refused, so that a web site the browser visits cannot reach the
+server by a DNS name of its own that points here (DNS rebinding). Bound to any other address, every
+data request needs the page token (random, new each start, in the URL printed).
+
+Each gathering runs at most once at a time, whatever the number of tabs: a request that finds one
+under way waits for it and takes its answer, and an answer younger than the refresh interval is given
+again. What a gathering sends is bounded (see probe.page.data). Only reads are made: SQL, stacks,
+diagnose, and ``trace export`` (the control scope, as the command); no eval, no trace start or stop.
+"""
+
+import hmac
+import json
+import os
+import secrets
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable, Dict, Optional, Tuple
+from urllib.parse import parse_qs, urlsplit
+
+from probe.errors import ProbeError
+
+__all__ = ["PageServer", "is_loopback", "STATIC"]
+
+STATIC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "static")
+_FILES = {"/": ("index.html", "text/html; charset=utf-8"), "/index.html": ("index.html", "text/html; charset=utf-8"),
+          "/static/page.js": ("page.js", "text/javascript; charset=utf-8"),
+          "/static/page.css": ("page.css", "text/css; charset=utf-8")}
+_MAX_BODY = 64 * 1024
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+"""Nothing from elsewhere, no inline script: the page runs only the script shipped beside it."""
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+class _Once:
+    """A gathering run at most once at a time; an answer younger than ``ttl`` seconds is given again."""
+
+    def __init__(self, work: Callable[[], Any], ttl: float) -> None:
+        self.work = work
+        self.ttl = ttl
+        self.value: Any = None
+        self.at = 0.0
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        with self._lock:
+            if self.value is not None and time.monotonic() - self.at < self.ttl:
+                return self.value
+            try:
+                self.value = self.work()
+            except ProbeError as exc:
+                self.value = {"error": exc.message + (" -- %s" % exc.hint if exc.hint else "")}
+            self.at = time.monotonic()
+            return self.value
+
+    def peek(self) -> Any:
+        return self.value
+
+
+class PageServer:
+    """Serves ``source`` (a probe.page.data JobSource or ProcessSource) on ``host:port`` (0: a free port)."""
+
+    def __init__(self, source: Any, host: str = "127.0.0.1", port: int = 0, refresh: float = 5.0,
+                 steps: int = 50, token: Optional[str] = None) -> None:
+        from probe.page.data import StepHistory
+
+        self.source = source
+        self.refresh = refresh
+        self.loopback = is_loopback(host)
+        self.token = token if token is not None else (None if self.loopback else secrets.token_urlsafe(24))
+        self.history = StepHistory(steps)
+        ttl = max(1.0, refresh * 0.8)
+        self._diagnose = _Once(self._gather_diagnose, ttl)
+        self._overview = _Once(self._gather_overview, ttl)
+        self._metrics = _Once(lambda: self.source.metrics(self.history), ttl)
+        self._sql_lock = threading.Semaphore(2)  # SQL from the page: two at a time at most
+        self._export_lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.host = host
+
+    # -- what is gathered ------------------------------------------------------------------------
+
+    def _gather_diagnose(self) -> Dict[str, Any]:
+        from probe.page.data import diagnose_json
+
+        report, sample = self.source.diagnose()
+        return diagnose_json(report, sample, time.time())
+
+    def _gather_overview(self) -> Dict[str, Any]:
+        from probe.page.data import flame, grid_state, stack_groups
+
+        seen = self._diagnose.peek()
+        states = seen.get("states", {}) if isinstance(seen, dict) else {}
+        raw = self.source.overview()
+        groups = stack_groups(raw["threads"])
+        group_of = {r: g["group"] for g in groups for r in g["ranks"]}
+        failed = {f["rank"]: f["reason"] for f in raw["failures"]}
+        ranks = []
+        for member in raw["members"]:
+            rank = member["rank"]
+            look = states.get(str(rank), {})
+            state = grid_state(member.get("state"), look.get("state"))
+            if state == "running" and rank in failed:
+                state = "silent"  # it gave no stacks just now, whatever its node helper heard
+            ranks.append({"rank": rank, "host": member.get("host"), "pid": member.get("pid"), "state": state,
+                          "listed": member.get("state"), "group": group_of.get(rank),
+                          "why": failed.get(rank) or raw["outside"].get(str(rank)) or look.get("why") or ""})
+        return {"ranks": ranks, "groups": groups, "flame": flame(raw["threads"], raw["total"]),
+                "failures": raw["failures"], "total": raw["total"], "asked_directly": raw["asked_directly"],
+                "at": time.strftime("%H:%M:%S")}
+
+    def about(self) -> Dict[str, Any]:
+        return {"target": self.source.label, "single": self.source.single, "refresh_s": self.refresh,
+                "steps": self.history.steps, "backtrace": self.source.command(None, "backtrace"),
+                "diagnose": self.source.command(None, "diagnose").replace(" --all-ranks diagnose", " diagnose")}
+
+    def sql(self, body: Dict[str, Any]) -> Dict[str, Any]:
+        sql = body.get("sql")
+        if not isinstance(sql, str) or not sql.strip():
+            raise ProbeError("no SQL given")
+        rank = body.get("rank")
+        if rank not in (None, "") and not (isinstance(rank, int) or (isinstance(rank, str) and rank.isdigit())):
+            raise ProbeError("rank must be a number, or empty for every rank")
+        rank = None if rank in (None, "") else int(rank)
+        merge = body.get("merge") or None
+        if merge is not None and not isinstance(merge, str):
+            raise ProbeError("merge must be SQL text")
+        if not self._sql_lock.acquire(timeout=30):
+            raise ProbeError("two queries from the page are still running; try again once one ends")
+        try:
+            answer = self.source.sql(sql, rank, merge, 1000)
+        finally:
+            self._sql_lock.release()
+        rest = "query %s" % _quote(sql) + (" --merge %s" % _quote(merge) if merge else "")
+        answer["command"] = self.source.command([rank] if rank is not None else None, rest)
+        return answer
+
+    def export(self) -> Tuple[bytes, int]:
+        from probe.page.data import MAX_TRACE_EVENTS
+
+        with self._export_lock:
+            events, failures = self.source.trace_events()
+        doc: Dict[str, Any] = {"traceEvents": events[:MAX_TRACE_EVENTS], "displayTimeUnit": "ms"}
+        notes = []
+        if len(events) > MAX_TRACE_EVENTS:
+            notes.append("cut at %d events of %d" % (MAX_TRACE_EVENTS, len(events)))
+        notes += ["rank %s: %s" % (f["rank"], f["reason"]) for f in failures]
+        if notes:
+            doc["otherData"] = {"probe": "; ".join(notes)}
+        return json.dumps(doc).encode(), len(events)
+
+    # -- serving -------------------------------------------------------------------------------------
+
+    def urls(self) -> Dict[str, str]:
+        shown = self.host if ":" not in self.host else "[%s]" % self.host
+        if self.host in ("0.0.0.0", "::"):
+            import socket
+
+            shown = socket.gethostname()
+        url = "http://%s:%d/" % (shown, self.port)
+        if self.token:
+            url += "?token=" + self.token
+        return {"url": url}
+
+    def serve(self) -> None:
+        """Serve until Ctrl-C (KeyboardInterrupt), then close the socket; requests under way end with it."""
+        threading.Thread(target=self._diagnose.get, name="probe-page-first-look", daemon=True).start()
+        try:
+            self.httpd.serve_forever(poll_interval=0.2)
+        finally:
+            self.httpd.server_close()
+
+    def _allowed(self, handler: BaseHTTPRequestHandler, query: Dict[str, Any]) -> Optional[str]:
+        """Why this request is refused, or None."""
+        if self.loopback:
+            host = (handler.headers.get("Host") or "").lower()
+            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+            if host and not is_loopback(name.strip("[]")):
+                return "this page answers to 127.0.0.1 and localhost only (the request named %s)" % host[:100]
+            return None
+        given = handler.headers.get("X-Probe-Page-Token") or (query.get("token") or [""])[0]
+        if not self.token or not hmac.compare_digest(given.encode(), self.token.encode()):
+            return "the page token is missing or wrong: open the URL probe printed, with its ?token="
+        return None
+
+    def _handler(self) -> Any:
+        page = self
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "probe-page"
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the terminal is the user's
+                return
+
+            def _send(self, code: int, body: bytes, kind: str, extra: Optional[Dict[str, str]] = None) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.send_header("X-Content-Type-Options", "nosniff")
+                self.send_header("Content-Security-Policy", _CSP)
+                self.send_header("Referrer-Policy", "no-referrer")
+                for key, value in (extra or {}).items():
+                    self.send_header(key, value)
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(body)
+
+            def _json(self, value: Any, code: int = 200) -> None:
+                self._send(code, json.dumps(value, allow_nan=False, default=str).encode(),
+                           "application/json; charset=utf-8")
+
+            def _route(self, method: str) -> None:
+                parts = urlsplit(self.path)
+                query = parse_qs(parts.query)
+                path = parts.path
+                if method == "GET" and path in _FILES:
+                    name, kind = _FILES[path]
+                    with open(os.path.join(STATIC, name), "rb") as handle:
+                        self._send(200, handle.read(), kind)
+                    return
+                if path == "/favicon.ico":
+                    self._send(204, b"", "image/x-icon")
+                    return
+                if not path.startswith("/api/"):
+                    self._json({"error": "no such page: %s" % path[:200]}, 404)
+                    return
+                refused = page._allowed(self, query)
+                if refused:
+                    self._json({"error": refused}, 403)
+                    return
+                try:
+                    self._api(method, path, query)
+                except ProbeError as exc:
+                    self._json({"error": exc.message + (" -- %s" % exc.hint if exc.hint else "")}, 400)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+                except Exception as exc:  # a surprise in a gathering: said to the page, the server goes on
+                    self._json({"error": "%s: %s" % (type(exc).__name__, str(exc)[:500])}, 500)
+
+            def _api(self, method: str, path: str, query: Dict[str, Any]) -> None:
+                if method == "POST" and path == "/api/sql":
+                    if "application/json" not in (self.headers.get("Content-Type") or ""):
+                        raise ProbeError("send the query as JSON (Content-Type: application/json)")
+                    length = int(self.headers.get("Content-Length") or 0)
+                    if length > _MAX_BODY:
+                        raise ProbeError("a query of more than 64 KB")
+                    try:
+                        body = json.loads(self.rfile.read(length) or b"{}")
+                    except ValueError:
+                        raise ProbeError("the body is not JSON") from None
+                    self._json(page.sql(body if isinstance(body, dict) else {}))
+                    return
+                if method != "GET":
+                    self._json({"error": "%s is not served here" % method}, 405)
+                    return
+                if path == "/api/about":
+                    self._json(page.about())
+                elif path == "/api/diagnose":
+                    self._json(page._diagnose.get())
+                elif path == "/api/overview":
+                    self._json(page._overview.get())
+                elif path == "/api/metrics":
+                    self._json(page._metrics.get())
+                elif path == "/api/rank":
+                    value = (query.get("rank") or [""])[0]
+                    if not value.isdigit():
+                        raise ProbeError("rank=N is needed")
+                    self._json(page.source.rank(int(value)))
+                elif path == "/api/trace":
+                    body, count = page.export()
+                    self._send(200, body, "application/json", {
+                        "Content-Disposition": 'attachment; filename="probe-trace-%s.json"' % time.strftime("%Y%m%d-%H%M%S"),
+                        "X-Probe-Events": str(count)})
+                else:
+                    self._json({"error": "no such endpoint: %s" % path[:200]}, 404)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._route("GET")
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                self._route("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._route("POST")
+
+        return Handler
+
+
+def _quote(text: str) -> str:
+    import shlex
+
+    return shlex.quote(text)
