@@ -3,7 +3,6 @@ cannot import DuckDB or pyarrow (the agent still produces its tables' raw rows; 
 tables a query names), over stacks read from outside, and over a job's member list (``cluster.ranks``).
 """
 
-import datetime
 import re
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -115,6 +114,8 @@ def rows_of(table: Any) -> Rows:
 
 def _revive(columns: Any, row: Any) -> Any:
     """JSON carried timestamps as text; turn them back into datetimes for their declared type."""
+    import datetime  # here, not for every query the CLI runs
+
     out = list(row)
     for i, (_, sql_type) in enumerate(columns):
         if sql_type == "TIMESTAMP" and isinstance(out[i], str):

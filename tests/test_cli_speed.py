@@ -1,0 +1,127 @@
+"""The commands people run in loops import only what they need (issue 24): ``backtrace``, ``query``,
+``health``, ``list`` and ``ranks`` run without click, DuckDB, pyarrow, the diagnosis or the injector, and
+a command line read without click prints the same bytes, with the same exit code, as through click."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from procs import REPO, run_cli, scaled, spawn, target_env
+from test_node_helper import ranks_of
+
+from probe.cli.app import COMMANDS
+
+ALWAYS_HEAVY = {"click", "duckdb", "pyarrow", "probe.cli.group", "probe.cli.options", "probe.diagnose", "probe.snapshot",
+                "probe.engine", "probe.tables"}
+"""Modules none of these commands needs: click (their command lines are read without it), the SQL engine and
+Arrow (the agent runs the query), the diagnosis, snapshots."""
+HEAVY = ALWAYS_HEAVY | {"dataclasses", "inspect", "secrets", "hashlib", "datetime", "probe.injector", "probe.agent",
+                        "probe.reader", "probe.client.cluster"}
+"""What a plain answer over the unix socket (backtrace, query, health) needs none of."""
+
+_MODULES_AT_EXIT = """
+import atexit, sys
+OUT = sys.argv[1]
+def write():
+    with open(OUT, "w") as handle:
+        handle.write("\\n".join(sorted(sys.modules)))
+atexit.register(write)
+sys.argv = ["probe"] + sys.argv[2:]
+from probe.cli import main
+main()
+"""
+
+
+@pytest.fixture(scope="module")
+def idle():
+    proc = spawn("idle.py")
+    yield proc
+    proc.kill()
+
+
+def _modules(tmp_path, *args, env=None):
+    """The modules loaded by the real command ``probe ARGS`` when it exits, and its result."""
+    out = tmp_path / "modules.txt"
+    done = subprocess.run([sys.executable, "-c", _MODULES_AT_EXIT, str(out), *args], capture_output=True, text=True,
+                          timeout=60, env=env or target_env(probe=False), cwd=REPO)
+    return set(out.read_text().split()), done
+
+
+def _heavy(modules, heavy=HEAVY):
+    return sorted(m for m in modules if any(m == h or m.startswith(h + ".") for h in heavy))
+
+
+@pytest.mark.parametrize("args", [
+    ["backtrace"], ["backtrace", "--json"], ["query", "SELECT func, file, lineno FROM python.backtrace LIMIT 5"],
+    ["query", "SELECT 1 AS one", "-F", "csv"], ["health"], ["health", "--json"],
+])
+def test_a_command_run_in_loops_imports_only_what_it_needs(idle, tmp_path, args):
+    for _ in range(3):  # an agent whose heartbeat is late (a loaded machine) is looked at from outside first
+        modules, done = _modules(tmp_path, str(idle.pid), *args)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout
+        if not _heavy(modules):
+            break
+    assert _heavy(modules) == [], done.stdout[:200]
+
+
+def test_list_and_ranks_import_no_click_either(tmp_path):
+    """list reads /proc, crash records and the injector's scan; ranks asks the node helper: neither needs
+    click, the SQL engine or the diagnosis."""
+    modules, done = _modules(tmp_path, "list", "--agents-only")
+    assert done.returncode == 0, done.stderr
+    assert _heavy(modules, ALWAYS_HEAVY) == []
+    with ranks_of(tmp_path, 1) as job:
+        deadline = time.monotonic() + scaled(30)
+        while True:  # the node helper is the rank's to start
+            modules, done = _modules(tmp_path, "127.0.0.1:%d" % job["port"], "ranks", "--json", env=job["env"])
+            if done.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert done.returncode == 0, done.stderr
+        assert [r["rank"] for r in json.loads(done.stdout)] == [0]
+        assert _heavy(modules, ALWAYS_HEAVY | {"probe.injector", "dataclasses"}) == []
+
+
+def test_help_still_lists_every_command_with_its_summary(tmp_path):
+    modules, done = _modules(tmp_path, "--help")
+    assert done.returncode == 0
+    assert "click" in modules  # help is click's
+    listed = done.stdout.split("Commands:", 1)[1]
+    assert re.findall(r"^  (\S+) +\S", listed, re.M) == list(COMMANDS)
+
+
+@pytest.mark.parametrize("args", [
+    ["backtrace"], ["backtrace", "--json"], ["backtrace", "-F", "json", "-F", "text"], ["backtrace", "--json", "-F", "text"],
+    ["backtrace", "extra"], ["backtrace", "-F", "csv"], ["--timeout", "inf", "PID", "backtrace"],
+    ["--timeout", "0", "PID", "backtrace"], ["-t", "PID", "-t", "PID", "health"], ["-t", "PID", "-t", "999999", "health"],
+    ["health"], ["--token-file", "/", "PID", "health"],
+    ["query", "SELECT 1 AS a, 'x' AS b"], ["query", "SELECT 1 AS a", "-f", "json"], ["query", "-x", "SELECT 1 AS a"],
+    ["query", "SELECT 1 AS a", "--max-rows", "-1"], ["query", "SELECT 1 AS a", "--query-timeout", "nan"],
+    ["query", "SELECT 1 AS a", "--max-rows", "1", "--query-timeout", "5", "--wide"],
+    ["query", "SELECT '\x1b[31mred\u202e' AS s"], ["query", "SELECT '\x1b[31mred' AS s", "--json"],
+    ["query", "SELEC 1"], ["query"], ["query", "SELECT 1", "SELECT 2"],
+    ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],
+    ["999999", "backtrace"], ["999999", "query", "SELECT 1"], ["unix:/nonexistent", "health"], ["PID", "nosuch"],
+])
+def test_read_without_click_or_through_it_the_same_bytes(idle, args):
+    args = [str(idle.pid) if a == "PID" else a for a in args]
+    if str(idle.pid) not in args and not args[0].startswith(("999999", "unix:")) and "-t" not in args:
+        args = [str(idle.pid)] + args
+    env = target_env(probe=False, COLUMNS="100")
+    fast = run_cli(*args, env=env)
+    slow = run_cli(*args, env=dict(env, PROBE_CLI_FAST="0"))
+    assert (fast.code, fast.out, fast.err) == (slow.code, slow.out, slow.err)
+
+
+def test_the_fast_way_is_taken_only_where_it_reads_everything(idle, tmp_path):
+    """A command line with what the fast way does not read goes to click: its help, an across-ranks
+    option, an option written --opt=value."""
+    for args in (["backtrace", "--help"], ["--max-in-flight", "4", str(idle.pid), "backtrace"],
+                 [str(idle.pid), "query", "SELECT 1", "--format=json"]):
+        modules, done = _modules(tmp_path, *args)
+        assert "click" in modules, args
