@@ -111,7 +111,7 @@ def test_the_endpoints_answer_with_what_the_commands_say(job):
     def path_to(node, func):
         if node["func"] == func:
             return [node]
-        for kid in node["kids"]:
+        for kid in node.get("kids", []):
             found = path_to(kid, func)
             if found:
                 return [node] + found
@@ -119,7 +119,7 @@ def test_the_endpoints_answer_with_what_the_commands_say(job):
 
     loader = path_to(main["tree"], "load_next_batch")
     assert loader and (loader[-1]["ranks"], loader[-1]["n"]) == ("2", 1), loader
-    parted = [i for i, n in enumerate(loader) if n["departs"]]
+    parted = [i for i, n in enumerate(loader) if n.get("departs")]
     assert len(parted) == 1 and all(n["ranks"] == "2" for n in loader[parted[0]:]), loader  # marked where it departs
     assert path_to(main["tree"], "train_step")[-1]["ranks"] == "0-1,3"
 
@@ -215,27 +215,34 @@ def _browser():
     return (chromium, driver), None
 
 
-@needs_torchrun
-def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
-    found, why = _browser()
-    if found is None:
-        pytest.skip(why)
+def _chromium(found, tmp_path):
+    """A headless Chromium driven by selenium, the installed browser and driver named (nothing downloaded)."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
-    _, pids, url, _ = job
-    _until(lambda: _stuck(url), 60, "diagnose naming rank 2")  # the server's own answer first
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,2600",
                  "--user-data-dir=%s" % (tmp_path / "profile")):
         options.add_argument(flag)
-    service = Service(found[1], log_output=str(tmp_path / "chromedriver.log"))
-    browser = webdriver.Chrome(options=options, service=service)
+    browser = webdriver.Chrome(options=options, service=Service(found[1], log_output=str(tmp_path / "chromedriver.log")))
+    browser.set_page_load_timeout(scaled(60))
+    browser.set_script_timeout(scaled(60))
+    return browser
+
+
+@needs_torchrun
+def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
+    found, why = _browser()
+    if found is None:
+        pytest.skip(why)
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, pids, url, _ = job
+    _until(lambda: _stuck(url), 60, "diagnose naming rank 2")  # the server's own answer first
+    browser = _chromium(found, tmp_path)
     try:
-        browser.set_page_load_timeout(scaled(60))
         browser.get(url)
         wait = WebDriverWait(browser, scaled(60), poll_frequency=0.3)
 
@@ -273,3 +280,149 @@ def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
         assert not severe, severe
     finally:
         browser.quit()
+
+
+# -- 256 ranks: what a refresh moves stays bounded, and the page draws it quickly ---------------------------
+
+
+class _ManyRanks:
+    """A job of 256 ranks as the page's server receives it from a source: made here (no such job fits this
+    machine), through the same shaping and serving as a real one. Each rank has its own deep stack in a
+    thread of its own (more distinct stacks than the page draws), rank 77 stands apart in the main thread."""
+
+    single = False
+    label = "many:9700"
+
+    def __init__(self, ranks=256, steps=50):
+        self.ranks = ranks
+        self.steps = steps
+
+    def command(self, ranks, rest):
+        return "probe many:9700 %s" % rest
+
+    def diagnose(self):
+        from probe.diagnose.rules import Report, Verdict
+
+        verdict = Verdict("collective_hang", "stuck", "collective hang: rank 77 did not enter all_reduce", culprits=[77],
+                          victims=[r for r in range(self.ranks) if r != 77])
+        return Report("stuck", [verdict], [], 3.0, 2, {}), None
+
+    def overview(self):
+        main = (("all_reduce", "/x/c10d.py", 10), ("train_step", "/x/train.py", 20), ("main", "/x/train.py", 40))
+        odd = (("wait", "/x/threading.py", 331), ("load_next_batch", "/x/train.py", 29), ("main", "/x/train.py", 44))
+        threads = {"MainThread": {main: [r for r in range(self.ranks) if r != 77], odd: [77]},
+                   "worker": {tuple(("f%d" % d, "/x/w.py", r) for d in range(120)): [r] for r in range(self.ranks)}}
+        members = [{"rank": r, "host": "node%d" % (r // 8), "pid": 1000 + r, "state": "running"} for r in range(self.ranks)]
+        return {"members": members, "threads": threads, "outside": {}, "failures": [], "total": self.ranks,
+                "asked_directly": []}
+
+    def metrics(self, history):
+        trace = {r: [{"step": s, "step_s": 0.5 + (0.3 if r == 77 else 0) + s / 1000, "memory_mb": 1000 + r + s}
+                     for s in range(100, 100 + self.steps)] for r in range(self.ranks)}
+        return dict(history.update(trace, {}, {}, list(range(self.ranks))), queries=[])
+
+    def rank(self, rank):
+        return {"rank": rank, "threads": [], "process": {"pid": 1000 + rank}}
+
+    def sql(self, sql, rank, merge, max_rows):
+        return {"columns": [{"name": "rank", "type": "BIGINT"}], "rows": [[r] for r in range(self.ranks)],
+                "truncated": False, "total": self.ranks, "failures": []}
+
+    def trace_events(self):
+        return [], []
+
+
+@pytest.fixture
+def many_ranks_page():
+    import threading
+
+    from probe.page.server import PageServer
+
+    server = PageServer(_ManyRanks(), refresh=2.0, steps=50)
+    thread = threading.Thread(target=server.serve, daemon=True)
+    thread.start()
+    try:
+        yield "http://127.0.0.1:%d/" % server.port
+    finally:
+        server.httpd.shutdown()
+        thread.join(scaled(10))
+
+
+def test_a_refresh_of_256_ranks_moves_bounded_answers(many_ranks_page):
+    from probe.page.data import MAX_DEPTH, MAX_FRAMES, MAX_STACKS
+
+    url = many_ranks_page
+    raw = {path: _raw(url, path) for path in ("/api/overview", "/api/metrics", "/api/diagnose")}
+    overview, metrics = json.loads(raw["/api/overview"]), json.loads(raw["/api/metrics"])
+    assert len(overview["ranks"]) == 256 and [g["ranks"] for g in overview["groups"]][1] == [77]
+    worker = next(t for t in overview["flame"]["threads"] if t["thread"] == "worker")
+    assert worker["stacks"] == 256 and 0 < worker["stacks_drawn"] < MAX_STACKS  # cut by the frames sent in all
+
+    def depth(node):
+        return 1 + max([depth(k) for k in node.get("kids", [])] or [0])
+
+    def count(node):
+        return 1 + sum(count(k) for k in node.get("kids", []))
+
+    assert depth(worker["tree"]) == MAX_DEPTH + 2  # the thread, 80 frames, and "(40 frames more)"
+    assert sum(count(t["tree"]) for t in overview["flame"]["threads"]) <= MAX_FRAMES + 2 * MAX_DEPTH
+    assert len(metrics["series"]) == 256 and all(len(s["x"]) == 50 for s in metrics["series"])
+    sizes = {path: len(body) for path, body in raw.items()}
+    assert sizes["/api/overview"] < 300_000 and sizes["/api/metrics"] < 300_000, sizes
+
+
+def _raw(url, path):
+    with urllib.request.urlopen(url.rstrip("/") + path, timeout=scaled(30)) as response:
+        return response.read()
+
+
+def test_the_page_of_256_ranks_draws_a_refresh_quickly(many_ranks_page, tmp_path):
+    found, why = _browser()
+    if found is None:
+        pytest.skip(why)
+    browser = _chromium(found, tmp_path)
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        browser.get(many_ranks_page)
+        wait = WebDriverWait(browser, scaled(60), poll_frequency=0.3)
+        wait.until(lambda b: len(b.find_elements(By.CSS_SELECTOR, "#grid .cell")) == 256 and
+                   b.find_elements(By.CSS_SELECTOR, '#chart-step svg[data-kind="heat"]'))
+        assert browser.find_element(By.CSS_SELECTOR, '#grid .cell[data-rank="77"]').get_attribute("data-group") == "1"
+        browser.find_element(By.ID, "pause").click()  # no refresh of its own while one is timed
+        wait.until(lambda b: b.execute_script("return !busy"))
+        took = browser.execute_async_script(
+            "const done = arguments[0]; const t = performance.now(); refresh().then(() => done(performance.now() - t));")
+        assert took < scaled(3) * 1000, "a refresh of 256 ranks took %.0f ms" % took
+        shot = tmp_path / "page-256.png"
+        browser.save_screenshot(str(shot))
+        print("a refresh of 256 ranks: %.0f ms (answers given again from the server's cache); screenshot: %s" % (took, shot))
+    finally:
+        browser.quit()
+
+
+# -- the shaping, on readings made by hand ------------------------------------------------------------------
+
+
+def test_a_rank_state_is_the_worse_of_what_its_helper_lists_and_what_diagnose_saw():
+    from probe.page.data import grid_state
+
+    assert grid_state("running", "answering") == "running"
+    assert grid_state("running", "gil_held") == "gil_held"
+    assert grid_state("running", "stopped") == grid_state("stopped", None) == "stopped"
+    assert grid_state("silent", "answering") == grid_state("running", "no_answer") == grid_state("unreported", None) == "silent"
+    assert grid_state("dead", "answering") == grid_state("running", "dead") == "dead"
+
+
+def test_without_the_trace_the_step_counter_gives_a_point_a_step_and_rss_a_point_a_look():
+    from probe.page.data import StepHistory
+
+    history = StepHistory(3)
+    for steps in (5, 5, 6, 7, 8, 9):  # the same step seen twice is one point; only the last 3 are kept
+        out = history.update({}, {0: {"steps": steps, "step_s": 0.25}}, {0: 100.0 + steps, 1: 50.0}, [0, 1])
+    series = {s["rank"]: s for s in out["series"]}
+    assert series[0]["source"] == "counter" and series[0]["x"] == [7, 8, 9] and series[0]["memory_mb"] == [107, 108, 109]
+    assert series[1]["source"] == "memory" and series[1]["unit"] == "look" and series[1]["x"] == [4, 5, 6]
+    out = history.update({0: [{"step": 3, "step_s": 0.5, "memory_mb": 9.0}]}, {}, {}, [0])  # the trace wins; rank 1 gone
+    assert [(s["rank"], s["source"], s["x"]) for s in out["series"]] == [(0, "trace", [3])]

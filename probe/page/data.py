@@ -18,7 +18,7 @@ from probe.client.results import Frame, Rows, thread_stacks
 from probe.errors import ProbeError
 
 __all__ = ["JobSource", "ProcessSource", "flame", "stack_groups", "grid_state", "StepHistory", "cell",
-           "MAX_THREADS", "MAX_STACKS", "MAX_DEPTH", "MAX_ROWS", "TRACE_SQL", "COUNTER_SQL", "MEMORY_SQL"]
+           "MAX_THREADS", "MAX_STACKS", "MAX_DEPTH", "MAX_FRAMES", "MAX_ROWS", "TRACE_SQL", "COUNTER_SQL", "MEMORY_SQL"]
 
 MAX_THREADS = 8
 """Thread names drawn in the flame graph (MainThread first); the rest are counted, not drawn."""
@@ -26,6 +26,8 @@ MAX_STACKS = 64
 """Distinct stacks of one thread name drawn (the largest groups); the rest are counted."""
 MAX_DEPTH = 80
 """Frames of one stack drawn, from the outermost; deeper frames are cut (said in the frame's place)."""
+MAX_FRAMES = 2500
+"""Frames (flame graph nodes) sent in all, over every thread name: past it no further stack is drawn."""
 MAX_ROWS = 5000
 """Rows of a SQL answer sent to the page (each rank's own cap applies first)."""
 MAX_TRACE_EVENTS = 1_000_000
@@ -92,12 +94,19 @@ def stack_groups(threads: Dict[str, Dict[Key, List[int]]]) -> List[Dict[str, Any
 def flame(threads: Dict[str, Dict[Key, List[int]]], total: int) -> Dict[str, Any]:
     """Each thread name's stacks merged into one tree, outermost frame at the root, every frame with the
     ranks whose stack holds it. Where a node's ranks part ways, the children other than the largest are
-    marked ``departs`` (``>`` in ``--all-ranks backtrace``). Bounded by MAX_THREADS, MAX_STACKS, MAX_DEPTH."""
+    marked ``departs`` (``>`` in ``--all-ranks backtrace``). Bounded by MAX_THREADS, MAX_STACKS, MAX_DEPTH and
+    MAX_FRAMES (the largest groups drawn first)."""
     out: List[Dict[str, Any]] = []
     ordered = _ordered(threads)
+    budget = MAX_FRAMES
     for name, groups in ordered[:MAX_THREADS]:
         root: Dict[str, Any] = {"func": name, "file": "", "line": 0, "ranks": set(), "kids": {}}
+        drawn = 0
         for key, ranks in groups[:MAX_STACKS]:
+            if budget <= 0:
+                break
+            budget -= min(len(key), MAX_DEPTH + 1)  # at most: frames shared with a stack before cost nothing
+            drawn += 1
             node = root
             node["ranks"].update(ranks)
             frames = list(reversed(key))  # outermost first
@@ -109,17 +118,21 @@ def flame(threads: Dict[str, Dict[Key, List[int]]], total: int) -> Dict[str, Any
                 node = node["kids"].setdefault(("...", "", 0), {"func": "(%d frames more)" % (len(frames) - MAX_DEPTH),
                                                                 "file": "", "line": 0, "ranks": set(), "kids": {}})
                 node["ranks"].update(ranks)
-        out.append({"thread": name, "ranks_answered": len(root["ranks"]), "stacks": len(groups),
-                    "stacks_drawn": min(len(groups), MAX_STACKS), "tree": _plain(root, False)})
+        out.append({"thread": name, "ranks_answered": len({r for _, ranks in groups for r in ranks}), "stacks": len(groups),
+                    "stacks_drawn": drawn, "tree": _plain(root, False)})
     return {"threads": out, "threads_more": max(0, len(ordered) - MAX_THREADS), "total": total}
 
 
 def _plain(node: Dict[str, Any], departs: bool) -> Dict[str, Any]:
     kids = sorted(node["kids"].values(), key=lambda k: (-len(k["ranks"]), min(k["ranks"])))
     ranks = sorted(node["ranks"])
-    return {"func": str(node["func"]), "file": str(node["file"]), "line": node["line"], "n": len(ranks),
-            "ranks": compact_ranks(ranks), "departs": departs,
-            "kids": [_plain(k, i > 0) for i, k in enumerate(kids)]}
+    out: Dict[str, Any] = {"func": str(node["func"]), "file": str(node["file"]), "line": node["line"], "n": len(ranks),
+                           "ranks": compact_ranks(ranks)}
+    if departs:  # only where true, and kids only where there are: a 256-rank refresh carries thousands of frames
+        out["departs"] = True
+    if kids:
+        out["kids"] = [_plain(k, i > 0) for i, k in enumerate(kids)]
+    return out
 
 
 def frames_json(frames: Sequence[Frame]) -> List[Dict[str, Any]]:

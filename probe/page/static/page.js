@@ -186,12 +186,22 @@ function renderFlame(flame) {
                      label.length > chars ? label.slice(0, Math.max(1, chars - 1)) + "…" : label));
       }
       rects.push(g);
-      let offset = x;
-      for (const kid of node.kids) {
-        const kw = w * kid.n / node.n;
-        if (kw >= 0.5) place(kid, offset, kw, level + 1, minority || departs);
-        offset += kw;
+      // A frame as wide as its ranks; one where a few ranks depart is kept wide enough to see and point at
+      // (one rank of 256 would be a hair), taken from the largest.
+      const kids = node.kids || [];
+      const widths = kids.map(k => w * k.n / node.n);
+      for (let i = 1; i < kids.length; i++) {
+        const wanted = Math.min(8, w / (2 * kids.length));
+        if (widths[i] < wanted && widths[0] - (wanted - widths[i]) > wanted) {
+          widths[0] -= wanted - widths[i];
+          widths[i] = wanted;
+        }
       }
+      let offset = x;
+      kids.forEach((kid, i) => {
+        if (widths[i] >= 0.5) place(kid, offset, widths[i], level + 1, minority || departs);
+        offset += widths[i];
+      });
     };
     place(t.tree, 0, width, 0, false);
     const chart = svg("svg", {class: "flame", width, height: depth * row, viewBox: "0 0 " + width + " " + depth * row,
