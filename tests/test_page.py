@@ -167,6 +167,28 @@ def test_a_request_naming_another_host_is_refused_and_the_page_has_no_eval(job):
     assert "https://" not in script and "eval(" not in script
 
 
+@needs_torchrun
+def test_the_grid_says_which_rank_holds_its_gil_and_which_is_dead():
+    """tests/targets/rank_states.py: rank 1 keeps its GIL in a C call, rank 3 is killed, ranks 0 and 2 wait."""
+    with torchrun_job("rank_states.py", 4, extra=("--monitor-interval=60",), GIL_RANK="1") as (port, pids):
+        os.kill(pids[3], signal.SIGKILL)
+        proc, url = _serve("127.0.0.1:%d" % port, "page", "--refresh", "1")
+        try:
+            def states():
+                _get(url, "/api/diagnose")  # the grid takes the states of diagnose's last look
+                view = _get(url, "/api/overview")
+                got = {r["rank"]: r["state"] for r in view["ranks"]}
+                return view if got == {0: "running", 1: "gil_held", 2: "running", 3: "dead"} else None
+
+            view = _until(states, 60, "ranks 1 and 3 shown as GIL held and dead")
+            why = {r["rank"]: r["why"] for r in view["ranks"]}
+            assert "killed by signal 9" in why[3], why
+            assert view["groups"][0]["ranks"] == [0, 2]  # rank 1's stack, read from outside, is a group of its own
+            assert [g["ranks"] for g in view["groups"]][1:] == [[1]] and "hold_the_gil" in view["groups"][1]["top"]
+        finally:
+            _end(proc)
+
+
 def _address_not_loopback():
     try:
         words = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
