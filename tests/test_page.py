@@ -189,6 +189,29 @@ def test_the_grid_says_which_rank_holds_its_gil_and_which_is_dead():
             _end(proc)
 
 
+def test_one_process_without_the_trace_charts_the_step_counter(target_factory):
+    """probe PID page on a training loop (tests/targets/train.py, no trace): a point a step from torch.steps."""
+    target = target_factory("train.py", timeout=60)
+    proc, url = _serve(str(target.pid), "page", "--refresh", "1")
+    try:
+        def grown():
+            series = _get(url, "/api/metrics")["series"]
+            return series if series and len(series[0]["x"]) >= 3 else None
+
+        series = _until(grown, 30, "three steps charted")
+        assert series[0]["source"] == "counter" and series[0]["x"] == sorted(set(series[0]["x"])), series
+        assert all(v > 0 for v in series[0]["step_s"] + series[0]["memory_mb"]), series
+        report = _get(url, "/api/diagnose")
+        assert report["status"] == "healthy" and report["lines"][0].startswith("HEALTHY: "), report["lines"]
+        view = _get(url, "/api/overview")
+        assert [(r["rank"], r["pid"], r["state"]) for r in view["ranks"]] == [(0, target.pid, "running")]
+        with pytest.raises(urllib.error.HTTPError) as merge:
+            _post(url, "/api/sql", {"sql": "SELECT 1", "merge": "SELECT * FROM result"})
+        assert merge.value.code == 400 and "one process" in json.loads(merge.value.read())["error"]
+    finally:
+        _end(proc)
+
+
 def _address_not_loopback():
     try:
         words = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()

@@ -356,7 +356,7 @@ class ProcessSource:
 
     def overview(self) -> Dict[str, Any]:
         client = self.make()
-        member = {c: None for c in MEMBER_COLUMNS}
+        member: Dict[str, Any] = {c: None for c in MEMBER_COLUMNS}
         member.update(rank=0, host=socket.gethostname() if client.target.is_local else client.target.label,
                       pid=self._pid(client), state="running")
         try:
