@@ -125,3 +125,18 @@ def test_the_fast_way_is_taken_only_where_it_reads_everything(idle, tmp_path):
                  [str(idle.pid), "query", "SELECT 1", "--format=json"]):
         modules, done = _modules(tmp_path, *args)
         assert "click" in modules, args
+
+
+def test_the_fast_way_knows_every_global_option_of_the_click_group():
+    """A global option added to the group (probe/cli/group.py) is either read by probe.cli.fast, which then
+    makes the CliContext the group makes, or left to click: a command line that gives it, or an environment
+    that sets its variable, goes through click. Else the fast way would silently run without it."""
+    from probe.cli import fast
+    from probe.cli.group import cli
+
+    read = set(fast._GLOBAL) | {"--version", "-h", "--help"}
+    left = {"--all-ranks", "--ranks", "--hosts", "--deadline", "--max-in-flight", "--via", "--cacert", "--cert", "--key"}
+    given = {o for p in cli.params for o in p.opts + p.secondary_opts}
+    assert given <= read | left, "read or leave to click in probe/cli/fast.py: %s" % sorted(given - read - left)
+    variables = {v for p in cli.params for v in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])}
+    assert variables <= {"PROBE_TOKEN", "PROBE_TOKEN_FILE", "PROBE_VIA"} | set(fast._LEFT_TO_CLICK_ENV), variables

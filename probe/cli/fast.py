@@ -176,8 +176,14 @@ def _value(text: str, convert: Callable[[str], Any]) -> Any:
         return None
 
 
+_LEFT_TO_CLICK_ENV = ("PROBE_CACERT", "PROBE_CERT", "PROBE_KEY")
+"""Variables of global options not read here (TLS): where one is set, click reads the command line."""
+
+
 def _environment(options: Dict[str, Any]) -> bool:
     """The global options click reads from the environment, as it reads them; False where click must."""
+    if any(os.environ.get(variable) for variable in _LEFT_TO_CLICK_ENV):
+        return False
     for key, variable in (("token", "PROBE_TOKEN"), ("token_file", "PROBE_TOKEN_FILE")):
         if options[key] is None and os.environ.get(variable):  # click takes an empty variable as unset
             options[key] = os.environ[variable]
