@@ -37,15 +37,17 @@ if ! command -v mpirun >/dev/null 2>&1; then
   fi
 fi
 
-# A headless browser for tests/test_page.py (the page of `probe ... page`): Debian's Chromium and its driver,
-# driven by selenium (in the test extra); nothing is downloaded by selenium itself.
-if ! { { command -v chromium || command -v chromium-browser; } && command -v chromedriver; } >/dev/null 2>&1; then
+# Headless browsers for tests/test_page.py (the page of `probe ... page`): Debian's Chromium and its driver,
+# driven by selenium (in the test extra; nothing is downloaded by selenium itself), and Debian's Firefox ESR,
+# driven over its own Marionette protocol (Debian packages no geckodriver).
+if ! { { command -v chromium || command -v chromium-browser; } && command -v chromedriver && command -v firefox-esr; } \
+     >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    echo "tests/run.sh: installing chromium and chromium-driver (a headless browser for the page's tests)" >&2
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
-      || echo "tests/run.sh: could not install chromium and chromium-driver; the page's browser test will skip" >&2
+    echo "tests/run.sh: installing chromium, chromium-driver and firefox-esr (headless browsers for the page's tests)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver firefox-esr \
+      >/dev/null) || echo "tests/run.sh: could not install chromium, chromium-driver and firefox-esr; the page's browser tests will skip" >&2
   else
-    echo "tests/run.sh: no chromium with chromedriver, and not root with apt-get: the page's browser test will skip" >&2
+    echo "tests/run.sh: no chromium with chromedriver or no firefox-esr, and not root with apt-get: the page's browser tests will skip" >&2
   fi
 fi
 

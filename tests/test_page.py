@@ -327,6 +327,112 @@ def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
         browser.quit()
 
 
+class _Firefox:
+    """Firefox headless, driven over Marionette, its own remote protocol (JSON messages framed ``LENGTH:``):
+    Debian packages no geckodriver, and selenium would download one. Only the few commands used here."""
+
+    def __init__(self, binary, tmp_path):
+        import socket
+
+        with socket.socket() as probe_port:
+            probe_port.bind(("127.0.0.1", 0))
+            port = probe_port.getsockname()[1]
+        profile = tmp_path / "firefox-profile"
+        profile.mkdir()
+        (profile / "user.js").write_text("".join('user_pref("%s", %s);\n' % (k, json.dumps(v)) for k, v in {
+            "marionette.port": port, "browser.shell.checkDefaultBrowser": False,
+            "datareporting.policy.dataSubmissionEnabled": False, "toolkit.telemetry.reportingpolicy.firstRun": False,
+            "browser.startup.homepage_override.mstone": "ignore", "app.update.disabledForTesting": True}.items()))
+        self.log = open(tmp_path / "firefox.log", "wb")
+        self.popen = subprocess.Popen([binary, "--marionette", "--headless", "--no-remote", "--profile", str(profile),
+                                       "--width", "1400", "--height", "2600", "about:blank"],
+                                      stdout=self.log, stderr=subprocess.STDOUT)
+        self.id = 0
+        try:
+            deadline = time.monotonic() + scaled(60)
+            while True:
+                try:
+                    self.sock = socket.create_connection(("127.0.0.1", port), timeout=scaled(60))
+                    break
+                except OSError:
+                    if time.monotonic() > deadline or self.popen.poll() is not None:
+                        raise AssertionError("Firefox's Marionette did not listen within %.0f s" % scaled(60)) from None
+                    time.sleep(0.3)
+            self.stream = self.sock.makefile("rb")
+            self._read()  # its greeting
+            self.call("WebDriver:NewSession", {})
+        except BaseException:
+            self.quit()
+            raise
+
+    def _read(self):
+        length = b""
+        while not length.endswith(b":"):
+            byte = self.stream.read(1)
+            if not byte:
+                raise AssertionError("Firefox closed Marionette's connection")
+            length += byte
+        return json.loads(self.stream.read(int(length[:-1])))
+
+    def call(self, name, params):
+        self.id += 1
+        body = json.dumps([0, self.id, name, params]).encode()
+        self.sock.sendall(b"%d:%s" % (len(body), body))
+        _, _, error, result = self._read()
+        if error:
+            raise AssertionError("%s: %s" % (name, error))
+        return result.get("value") if isinstance(result, dict) else result
+
+    def js(self, script):
+        return self.call("WebDriver:ExecuteScript", {"script": script, "args": []})
+
+    def quit(self):
+        try:
+            if getattr(self, "sock", None) is not None:
+                self.call("Marionette:Quit", {"flags": ["eForceQuit"]})
+                self.popen.wait(scaled(20))
+        except (AssertionError, OSError, subprocess.TimeoutExpired):
+            pass
+        finally:
+            if self.popen.poll() is None:
+                self.popen.kill()
+                self.popen.wait(scaled(20))
+            if getattr(self, "sock", None) is not None:
+                self.sock.close()
+            self.log.close()
+
+
+@needs_torchrun
+def test_the_page_in_firefox_shows_the_hung_rank_apart(job, tmp_path):
+    import base64
+
+    binary = next((p for p in map(shutil.which, ("firefox-esr", "firefox")) if p), None)
+    if binary is None:
+        pytest.skip("no Firefox (Debian: apt-get install firefox-esr; tests/run.sh does)")
+    _, _, url, _ = job
+    _until(lambda: _stuck(url), 60, "diagnose naming rank 2")
+    firefox = _Firefox(binary, tmp_path)
+    try:
+        firefox.call("WebDriver:Navigate", {"url": url})
+        verdict = _until(lambda: (lambda t: t if t.startswith("STUCK") else None)(
+            firefox.js("return document.getElementById('verdict').textContent")), 60, "the verdict in Firefox")
+        assert "rank 2" in verdict, verdict
+        cells = _until(lambda: (lambda c: c if c and len(c) == 4 and c["2"][1] == "1" else None)(firefox.js(
+            "const out = {}; for (const c of document.querySelectorAll('#grid .cell'))"
+            " out[c.dataset.rank] = [c.dataset.group, c.dataset.culprit]; return out;")), 30, "the grid in Firefox")
+        assert cells["0"][0] == cells["1"][0] == cells["3"][0] != cells["2"][0], cells
+        assert firefox.js("return [...document.querySelectorAll('#flame g.frame[data-func=\"load_next_batch\"]')]"
+                          ".map(g => g.dataset.ranks)") == ["2"]
+        firefox.js("document.getElementById('sql-run').click()")
+        rows = _until(lambda: firefox.js("return document.getElementById('sql-status').dataset.rows"), 30, "SQL rows")
+        assert rows == "4", firefox.js("return document.getElementById('sql-status').textContent")
+        shot = tmp_path / "page-firefox.png"
+        shot.write_bytes(base64.b64decode(firefox.call("WebDriver:TakeScreenshot", {"full": True, "hash": False})))
+        print("the page's screenshot in Firefox: %s" % shot)
+    finally:
+        firefox.quit()
+
+
 # -- 256 ranks: what a refresh moves stays bounded, and the page draws it quickly ---------------------------
 
 
