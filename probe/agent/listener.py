@@ -13,8 +13,16 @@ old numbers. So each socket is known by its inode (``fstat``), not its number: t
 before every ``accept()`` (after its ``poll()``: a poll in progress keeps our old socket alive), a
 worker before it answers, and ``close()`` before it closes. A number that is no longer ours is let go
 (``detach``), never closed, and the listener listens again on a fresh socket at the same address.
+
+TLS: where ``PROBE_TLS_CERT`` and ``PROBE_TLS_KEY`` name a certificate and its key, every TCP listener
+(an agent's, a host helper's) speaks TLS, and ``PROBE_TLS_CLIENT_CA`` asks each client for a certificate
+signed by that CA (mutual TLS). The handshake happens on the connection's worker, within its slot's
+grace and ``READ_TIMEOUT_S``, never on the accept thread. A client that speaks the other way (plain
+HTTP to a TLS port, a TLS hello to a plain one) is answered a plain HTTP error at once, with the header
+``X-Probe-Tls`` saying what the port speaks, so that the client can say what to do.
 """
 
+import _socket
 import os
 import queue
 import select
@@ -22,11 +30,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+
+if TYPE_CHECKING:
+    import ssl
 
 from probe.agent import switch
 from probe.agent.http import Handler, Response, read_request, send
-from probe.errors import Busy, Forbidden, ProbeError
+from probe.errors import BadRequest, Busy, Forbidden, ProbeError, UsageError
 from probe._threads import daemon_thread
 from probe._stderr import say as _say
 
@@ -50,8 +61,9 @@ class Listener:
     """One listening socket, its accept thread, and worker threads (one per open connection, reused)."""
 
     def __init__(self, sock: socket.socket, transport: str, handler: Handler, name: str,
-                 remake: Optional[Callable[[], socket.socket]] = None) -> None:
+                 remake: Optional[Callable[[], socket.socket]] = None, tls: "Optional[ssl.SSLContext]" = None) -> None:
         self._sock = sock
+        self._tls = tls  # TCP only: each connection is wrapped on its worker
         self._ident = fd_identity(sock.fileno())
         self._remake = remake  # a fresh listening socket at the same address, should the program close ours
         self._checks: List[Callable[[], None]] = []  # called every wake of the accept thread
@@ -78,9 +90,14 @@ class Listener:
 
     @classmethod
     def tcp(cls, host: str, port: int, handler: Handler) -> "Listener":
+        tls = server_tls_from_env()  # first: a certificate that cannot be read binds no port
         sock = _listen_tcp(host, port)
         bound = int(sock.getsockname()[1])  # asked for port 0: listen again on the port we were given
-        return cls(sock, "tcp", handler, "probe-accept-tcp", lambda: _listen_tcp(host, bound))
+        return cls(sock, "tcp", handler, "probe-accept-tcp", lambda: _listen_tcp(host, bound), tls)
+
+    @property
+    def tls(self) -> bool:
+        return self._tls is not None
 
     @property
     def address(self) -> object:
@@ -261,7 +278,7 @@ class Listener:
                     continue
                 del self._reading[conn]
                 try:
-                    conn.shutdown(socket.SHUT_RD)
+                    _socket.socket.shutdown(conn, socket.SHUT_RD)  # the raw call: a TLS socket's own drops TLS
                 except OSError:
                     pass
                 return
@@ -314,6 +331,10 @@ class Listener:
             conn.settimeout(READ_TIMEOUT_S)
             if self.transport == "tcp":
                 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tls_conn = self._tls_or_refuse(conn)
+                if tls_conn is None:
+                    return
+                conn = tls_conn  # the plain socket was detached into it: closed below as conn
             creds = None if self.transport == "tcp" else _peer_creds(conn)
             if self.transport != "tcp" and (creds is None or creds[1] != os.getuid()):
                 send(conn, Response.error(Forbidden("only the owner of this process may connect")))
@@ -348,6 +369,47 @@ class Listener:
             _close(conn, ident)
             self._release()
 
+    def _tls_or_refuse(self, conn: socket.socket) -> Optional[socket.socket]:
+        """The connection to serve (wrapped in TLS, its handshake done, where this listener speaks TLS), or
+        None when it was answered already: a client that speaks plain HTTP to a TLS port or TLS to a plain
+        one gets a plain error naming what this port speaks; a failed handshake gets nothing."""
+        try:
+            first = _socket.socket.recv(conn, 1, socket.MSG_PEEK)  # waits at most READ_TIMEOUT_S
+        except OSError:
+            return None
+        hello = first == b"\x16"  # a TLS record of type handshake: no HTTP method starts so
+        if not first or hello == (self._tls is not None):
+            if not hello:
+                return conn
+            return self._handshake(conn)
+        speaks = "tls" if self._tls is not None else "plain"
+        error = BadRequest("this port speaks TLS: connect with TLS (probe --cacert CA.pem)" if self._tls is not None
+                           else "this port speaks plain HTTP, not TLS: connect without --cacert")
+        response = Response.error(error)
+        response.headers["X-Probe-Tls"] = speaks
+        send(conn, response)
+        _linger(conn, 0.0, 65536)
+        return None
+
+    def _handshake(self, conn: socket.socket) -> Optional[socket.socket]:
+        assert self._tls is not None
+        try:
+            tls = self._tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        except (OSError, ValueError):
+            return None
+        with self._reading_lock:  # the plain socket is detached now: track (and evict) the wrapped one
+            accepted = self._reading.pop(conn, None)
+            if accepted is not None:
+                self._reading[tls] = accepted
+        try:
+            tls.settimeout(READ_TIMEOUT_S)
+            tls.do_handshake()
+        except (OSError, ValueError, AttributeError):
+            self._untrack(tls)
+            _close(tls)
+            return None
+        return tls
+
     def _untrack(self, conn: socket.socket) -> bool:
         """The request phase is over; False when the connection had been evicted (or already untracked)."""
         with self._reading_lock:
@@ -374,7 +436,7 @@ def _peer_gone(conn: socket.socket) -> bool:
     timeout = conn.gettimeout()
     try:
         conn.setblocking(False)  # a socket with a timeout would wait for bytes, even with MSG_DONTWAIT
-        return conn.recv(1, socket.MSG_PEEK) == b""
+        return _socket.socket.recv(conn, 1, socket.MSG_PEEK) == b""  # raw: TLS sockets take no flags
     except (BlockingIOError, InterruptedError):
         return False
     except OSError:
@@ -508,3 +570,35 @@ def _listen_tcp(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def server_tls_from_env() -> "Optional[ssl.SSLContext]":
+    """The TLS context of this process's TCP listeners: ``PROBE_TLS_CERT`` and ``PROBE_TLS_KEY`` (PEM files;
+    the key may be in the certificate's file), and ``PROBE_TLS_CLIENT_CA`` for mutual TLS. None where
+    ``PROBE_TLS_CERT`` is unset (plain TCP). A file that cannot be used is a UsageError naming it: the
+    caller serves no TCP rather than plain TCP where TLS was asked for."""
+    cert = os.environ.get("PROBE_TLS_CERT")
+    key = os.environ.get("PROBE_TLS_KEY") or None
+    client_ca = os.environ.get("PROBE_TLS_CLIENT_CA") or None
+    if not cert:
+        if key or client_ca:
+            raise UsageError("PROBE_TLS_KEY or PROBE_TLS_CLIENT_CA is set without PROBE_TLS_CERT",
+                             hint="set PROBE_TLS_CERT to the listener's certificate (PEM)")
+        return None
+    import ssl  # only where TLS is asked for: the import costs a few ms
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot use PROBE_TLS_CERT=%s%s: %s" % (cert, " PROBE_TLS_KEY=%s" % key if key else "",
+                                                                 getattr(exc, "strerror", None) or exc)) from None
+    if client_ca:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot use PROBE_TLS_CLIENT_CA=%s: %s"
+                             % (client_ca, getattr(exc, "strerror", None) or exc)) from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context

@@ -39,7 +39,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "page": ("page", "page"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
-                      "--hosts", "--deadline", "--max-in-flight"}
+                      "--hosts", "--deadline", "--max-in-flight", "--cacert", "--cert", "--key"}
 _NO_TARGET = {"list", "snapshots"}
 """Commands that take no target; every other one is ``probe TARGET COMMAND ...``."""
 _NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject", "diagnose", "snapshot"}

@@ -83,11 +83,18 @@ def _usage_shows_target(command: click.Command) -> None:
 @click.option("--via", type=click.Choice(["auto", "helpers", "direct"]), default="auto", show_default=True,
               envvar="PROBE_VIA", help="Across ranks: ask each node's helper once, which asks its ranks (helpers), or "
                                        "every rank from here (direct); auto: through the helpers past 1024 ranks.")
+@click.option("--cacert", envvar="PROBE_CACERT", type=click.Path(dir_okay=False), metavar="PEM",
+              help="Speak TLS to TCP targets and helpers, trusting the certificates this CA signed (or $PROBE_CACERT).")
+@click.option("--cert", envvar="PROBE_CERT", type=click.Path(dir_okay=False), metavar="PEM",
+              help="Client certificate for agents that ask for one (mutual TLS; or $PROBE_CERT).")
+@click.option("--key", envvar="PROBE_KEY", type=click.Path(dir_okay=False), metavar="PEM",
+              help="The client certificate's key, where not in its file (or $PROBE_KEY).")
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],
         timeout: float, wait: Optional[float], executable: Optional[str], all_ranks: bool, ranks: Optional[str],
-        hosts: Optional[str], deadline: Optional[float], max_in_flight: int, via: str = "auto") -> None:
+        hosts: Optional[str], deadline: Optional[float], max_in_flight: int, via: str = "auto",
+        cacert: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None) -> None:
     """Ask a live Python process questions in SQL, and run Python in it.
 
     \b
@@ -104,6 +111,10 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
     from probe.client.wording import use_cli_words
 
     use_cli_words()  # the library's errors name this command's flags, not its API's parameters
+    if cacert or cert or key:
+        from probe.client import transport
+
+        transport.use_tls(cacert, cert, key)  # every TCP connection of this command, helpers' too
     ctx.obj = CliContext(list(targets), token, token_file, timeout, wait=wait, executable=executable,
                          all_ranks=all_ranks, ranks=ranks, hosts=hosts, deadline=deadline, max_in_flight=max_in_flight)
     ctx.obj.via = via

@@ -11,18 +11,26 @@ What comes back is bounded, since the other end may be no honest agent: an answe
 within the time given (a server that sends a byte now and then is cut off as one that sends nothing),
 one answer may hold at most ``MAX_RESPONSE_BYTES``, and the answers being received or parsed at once,
 across every target this process talks to, at most ``MAX_IN_FLIGHT_BYTES``.
+
+TLS: once ``use_tls`` was called (the CLI's ``--cacert``, ``--cert``, ``--key``), or where
+``PROBE_CACERT`` / ``PROBE_CERT`` / ``PROBE_KEY`` are set, every TCP connection of this process speaks
+TLS, verifying the other end's certificate against the CA and its name against the address's host; a
+process that serves TLS itself (``PROBE_TLS_CERT``, a host helper asking its ranks) falls back to
+``PROBE_TLS_CLIENT_CA`` as its CA and, for mutual TLS, to its own certificate as its client's.
+Unix sockets never use TLS.
 """
 
+import os
 import socket
 import threading
 import time
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from probe.client.wording import option
-from probe.errors import ConnectError, Timeout, TooLarge
+from probe.errors import ConnectError, Timeout, TooLarge, UsageError
 
 __all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response",
-           "release", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
+           "release", "use_tls", "tls_context", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
 
 MAX_RESPONSE_BYTES = 256 << 20
 """The largest answer taken from one target; a larger one is refused before its body is read. An agent
@@ -98,7 +106,108 @@ def _connect(address: Address, timeout: float, queue_wait: Optional[float] = Non
                                     else min(queue_wait, timeout))
     sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    context = tls_context()
+    if context is not None:
+        return _handshake(context, sock, address)
     return sock
+
+
+_tls: Any = None  # None: not looked yet; False: plain TCP; else the ssl.SSLContext
+_tls_words = ""  # how the CA was given, for the errors
+
+
+def use_tls(cacert: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None) -> None:
+    """Speak TLS on every TCP connection from now on: verify agents against ``cacert`` (PEM; the system's
+    CAs where None) and, given ``cert`` (and ``key``, where it is not in the same file), show that client
+    certificate to agents that ask for one (mutual TLS). Nothing given: as the environment says."""
+    global _tls, _tls_words
+    if cacert is None and cert is None and key is None:
+        _tls = None
+        return
+    _tls, _tls_words = _make_tls(cacert, cert, key), option("--cacert", "cacert=")
+
+
+def tls_context() -> Any:
+    """The client's ``ssl.SSLContext``, or None for plain TCP (see the module's docstring)."""
+    global _tls, _tls_words
+    if _tls is None:
+        env = os.environ
+        cacert, cert, key = env.get("PROBE_CACERT") or None, env.get("PROBE_CERT") or None, env.get("PROBE_KEY") or None
+        _tls_words = "$PROBE_CACERT"
+        if cacert is None and env.get("PROBE_TLS_CERT"):  # a process serving TLS, asking others of its job
+            cacert, _tls_words = env.get("PROBE_TLS_CLIENT_CA") or None, "$PROBE_CACERT in the job"
+        if cert is None and env.get("PROBE_TLS_CLIENT_CA") and env.get("PROBE_TLS_CERT"):
+            cert, key = env.get("PROBE_TLS_CERT"), env.get("PROBE_TLS_KEY") or None
+        _tls = _make_tls(cacert, cert, key) if (cacert or cert) else False
+    return _tls or None
+
+
+def _make_tls(cacert: Optional[str], cert: Optional[str], key: Optional[str]) -> Any:
+    import ssl  # only where TLS is used: the import costs a few ms of every command
+
+    try:
+        context = ssl.create_default_context(cafile=cacert)
+    except (OSError, ValueError) as exc:
+        raise UsageError("cannot read the CA file %s: %s" % (cacert, getattr(exc, "strerror", None) or exc)) from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    if cert or key:
+        try:
+            context.load_cert_chain(cert or key or "", key)
+        except (OSError, ValueError) as exc:
+            raise UsageError("cannot use the client certificate %s%s: %s" % (cert, " with key %s" % key if key else "",
+                                                                             getattr(exc, "strerror", None) or exc)) from None
+    context.cert_given = bool(cert or key)  # for the words of a refusal
+    return context
+
+
+def _handshake(context: Any, sock: socket.socket, address: "TcpAddress") -> socket.socket:
+    """``sock`` wrapped in TLS, its handshake done (within the socket's timeout); a refusal becomes a
+    ConnectError that says what to change."""
+    import ssl
+
+    try:
+        return context.wrap_socket(sock, server_hostname=address.host.strip("[]"))
+    except ssl.SSLCertVerificationError as exc:
+        sock.close()
+        raise ConnectError("the certificate of the agent at %s is not trusted: %s" % (address, exc.verify_message or exc),
+                           hint="give the CA that signed it (%s), and address the agent by a name its "
+                                "certificate holds" % _tls_words) from None
+    except ssl.SSLError as exc:
+        sock.close()
+        if exc.reason in ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"):
+            raise ConnectError("the agent at %s speaks plain TCP, not TLS" % (address,),
+                               hint="leave out %s (and $PROBE_CACERT)" % option("--cacert", "cacert=")) from None
+        raise ConnectError("TLS with the agent at %s failed: %s" % (address, _tls_reason(exc))) from None
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _is_tls_error(exc: BaseException) -> bool:
+    return type(exc).__module__ == "ssl" and not isinstance(exc, socket.timeout)
+
+
+def _tls_refused(address: "Address", exc: BaseException) -> ConnectError:
+    """A TLS error after the handshake: with TLS 1.3 an agent refuses a client certificate (or the lack of
+    one) only then, with an alert, or by closing the connection."""
+    return ConnectError("TLS with the agent at %s failed: %s" % (address, _tls_reason(exc)))
+
+
+def _tls_reason(exc: BaseException) -> str:
+    """An ssl error in words, saying what to do for the common refusals of mutual TLS."""
+    reason = str(getattr(exc, "reason", "") or exc)
+    cert, key = option("--cert", "cert="), option("--key", "key=")
+    if "CERTIFICATE_REQUIRED" in reason.upper():
+        return "it asks for a client certificate: give %s and %s" % (cert, key)
+    if "UNKNOWN_CA" in reason.upper() or "BAD_CERTIFICATE" in reason.upper():
+        return "it refused the client certificate (%s): give one signed by the CA it trusts" % reason.lower()
+    if "EOF" in reason.upper() or "ZERO_RETURN" in reason.upper():
+        if _tls and _tls.cert_given:
+            return ("it closed the connection right after the handshake: it may have refused the client "
+                    "certificate (give one signed by the CA it trusts)")
+        return ("it closed the connection right after the handshake: it may ask for a client certificate "
+                "(mutual TLS): give %s and %s" % (cert, key))
+    return reason
 
 
 def request(address: Address, method: str, path: str, body: Optional[bytes] = None,
@@ -149,6 +258,8 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
         raise Timeout("sending to %s timed out after %.1f s" % (address, timeout)) from None
     except OSError as exc:
         sock.close()
+        if _is_tls_error(exc):
+            raise _tls_refused(address, exc) from None
         raise ConnectError("connection to %s failed: %s" % (address, exc.strerror or exc)) from None
     except BaseException:
         sock.close()
@@ -173,6 +284,8 @@ def read_response(sock: socket.socket, address: Address, timeout: float,
         raise Timeout("no answer from %s within %.1f s" % (address, timeout),
                       hint="the agent may be busy; retry with a larger %s" % wait) from None
     except OSError as exc:
+        if _is_tls_error(exc):
+            raise _tls_refused(address, exc) from None
         raise ConnectError("connection to %s failed: %s" % (address, exc.strerror or exc)) from None
     finally:
         sock.close()
@@ -260,6 +373,9 @@ def _read_response(sock: socket.socket, address: Address, progress: _Progress) -
             raise ConnectError("%s sent an oversized response header" % (address,))
     head, rest = buf[:end], buf[end + 4:]
     status, headers = _parse_head(head, address)
+    if headers.get("x-probe-tls") == "tls":
+        raise ConnectError("the agent at %s speaks TLS: give %s" % (address, option("--cacert", "cacert=")),
+                           hint="the CA that signed its certificate (PEM; or $PROBE_CACERT)")
     # The agent always sends Content-Length: without it an answer cut short could pass for a whole one.
     raw_length = headers.get("content-length", "")
     if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 12):

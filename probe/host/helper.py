@@ -141,9 +141,12 @@ class Helper:
         from probe.agent.listener import Listener
 
         try:
-            tcp = Listener.tcp(host, self.port, self)
+            tcp = Listener.tcp(host, self.port, self)  # TLS where PROBE_TLS_CERT says so, as the ranks' agents
         except OSError as exc:
             self.tcp_error = exc.strerror or str(exc)
+            return False
+        except ProbeError as exc:  # a TLS certificate that cannot be used: no TCP rather than plain TCP
+            self.tcp_error = str(exc)
             return False
         self._listeners.append(tcp)
         tcp.start()
