@@ -15,8 +15,8 @@ from probe.cli.app import COMMANDS, cli
 from probe.cli.render_cluster import RankStacks, render_grouped_backtrace
 from probe.client.results import Frame
 
-NO_OUTPUT_FORMAT = {"repl", "debug", "trace export"}
-"""Commands that print no result a script could read: an interactive console, instructions, a file."""
+NO_OUTPUT_FORMAT = {"repl", "debug", "trace export", "mcp"}
+"""Commands that print no result a script could read: an interactive console, instructions, a file, the MCP protocol."""
 
 
 def _commands():

@@ -37,6 +37,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "snapshots": ("snapshots", "snapshots"),
     "audit": ("audit", "audit"),
     "page": ("page", "page"),
+    "mcp": ("mcp", "mcp"),
 }
 _GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
                       "--hosts", "--deadline", "--max-in-flight", "--cacert", "--cert", "--key"}
