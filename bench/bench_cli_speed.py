@@ -248,8 +248,10 @@ def report_threads(threads: int, results: Dict[str, List[float]]) -> Dict[str, A
             query = Summary.of(results[name]).median * 1000
             start = Summary.of(results[prefix + "python -c pass"]).median * 1000
             out[prefix + "query_ms"] = query
-            print("  %s: %.1f ms, %.1f ms over %spython -c pass (%.1f ms); goal <= %g ms: %s"
-                  % (name, query, query - start, prefix, start, GOAL_QUERY_MS, verdict(query <= GOAL_QUERY_MS)))
+            over = Summary.of(a - b for a, b in zip(results[name], results[prefix + "python -c pass"]))
+            print("  %s: %.1f ms (median); over %spython -c pass (%.1f ms) in the same round: median %.1f ms, IQR "
+                  "%.1f-%.1f ms; goal <= %g ms: %s" % (name, query, prefix, start, over.median * 1000, over.q1 * 1000,
+                                                      over.q3 * 1000, GOAL_QUERY_MS, verdict(query <= GOAL_QUERY_MS)))
     print()
     return out
 
@@ -269,18 +271,20 @@ def phases(runs: int, importtime_runs: int, clean: Optional[CleanSite]) -> None:
         runners = {name: (lambda a=argv, e=env: time_command([probe, *a], env=e)) for name, (argv, env) in commands.items()}
         runners["python -c pass"] = lambda: time_command([python, "-c", "pass"])
         results = interleave(runners, runs)
-        start = Summary.of(results["python -c pass"]).median
+        start = min(results["python -c pass"])  # the floor of each: under load a median mixes in others' work
         rows = []
         for name, (argv, env) in commands.items():
-            whole = Summary.of(results[name]).median
+            whole = min(results[name])
             took, heavy = imports(python, argv, env, importtime_runs)
             rows.append([name, "%.1f" % (whole * 1000), "%.1f" % (start * 1000), "%.1f" % (took * 1000),
                          "%.1f" % ((whole - start - took) * 1000), ", ".join(heavy) or "none"])
         from _common import table
 
-        print(table(rows, ["command", "whole ms", "python -c pass ms", "imports ms", "the rest ms",
+        print(table(rows, ["command", "whole ms (min)", "python -c pass ms (min)", "imports ms", "the rest ms",
                            "heavy modules loaded"]))
-    print("(the rest: the request and its answer, the output, the exit; the target's main thread blocked;"
+    print("(the floors: the least of the rounds, as noise only adds; imports: -X importtime's own times, which"
+          " add a little of their own; the rest: the request and its answer, the output, the exit; the target's main"
+          " thread blocked;"
           " list: 1 agent of ours among the machine's processes; ranks: a 1-rank job through its node helper)")
     print()
 
