@@ -7,6 +7,7 @@ import os
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -89,10 +90,21 @@ def test_a_tls_agent_answers_with_the_right_ca_and_refuses_a_wrong_one_or_plain_
         assert plain.code == 3, (plain.code, plain.err)
         assert "the agent at %s speaks TLS: give --cacert" % address in plain.err, plain.err
 
-        # and the agent still serves after all that
-        again = _cli(address, "--token-file", token, "--cacert", certs["ca"], "backtrace")
-        assert again.code == 0, again.err
-        assert "MainThread" in again.out
+        # and the agent still serves after all that, while clients hold handshakes half done: the handshake
+        # runs on each connection's worker, never on the accept thread
+        host, port = address.split(":")
+        stalled = [socket.create_connection((host, int(port)), timeout=scaled(10)) for _ in range(3)]
+        try:
+            for sock in stalled:
+                sock.sendall(b"\x16\x03\x01\x00")  # the start of a ClientHello, and no more
+            start = time.monotonic()
+            again = _cli(address, "--token-file", token, "--cacert", certs["ca"], "backtrace")
+            assert again.code == 0, again.err
+            assert "MainThread" in again.out
+            assert time.monotonic() - start < scaled(8)
+        finally:
+            for sock in stalled:
+                sock.close()
 
 
 def test_a_tls_client_on_a_plain_port_is_told_so(certs, tmp_path):
@@ -118,6 +130,14 @@ def test_mutual_tls_wants_a_client_certificate_signed_by_its_ca(certs, tmp_path)
         without = _cli(*base, "query", "SELECT 1")
         assert without.code == 3, (without.code, without.err)
         assert "client certificate" in without.err and "--cert" in without.err, without.err
+
+        # the audit trail names the client's certificate beside its address
+        ran = _cli(*base, "--cert", certs["client"], "--key", certs["client"][:-4] + ".key", "eval", "6 * 7")
+        assert ran.code == 0 and ran.out.strip() == "42", ran.err
+        trail = _cli(*base, "--cert", certs["client"], "--key", certs["client"][:-4] + ".key", "query",
+                     "SELECT peer FROM probe.audit WHERE command = 'eval'", "-f", "csv")
+        assert trail.code == 0, trail.err
+        assert "127.0.0.1:" in trail.out and "(CN=client)" in trail.out, trail.out
 
         stranger = _cli(*base, "--cert", certs["stranger"], "--key", certs["stranger"][:-4] + ".key", "query", "SELECT 1")
         assert stranger.code == 3, (stranger.code, stranger.err)

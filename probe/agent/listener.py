@@ -466,7 +466,22 @@ def _peer_name(conn: socket.socket, creds: "Optional[Tuple[int, int, int]]") -> 
         host, port = conn.getpeername()[:2]
     except (OSError, ValueError, TypeError):
         return "?"
-    return "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
+    name = "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
+    subject = _client_subject(conn)
+    return "%s (%s)" % (name, subject) if subject else name
+
+
+def _client_subject(conn: socket.socket) -> str:
+    """Under mutual TLS, who the client's certificate says it is (``CN=alice``); "" elsewhere."""
+    getpeercert = getattr(conn, "getpeercert", None)
+    if getpeercert is None:
+        return ""
+    try:
+        cert = getpeercert() or {}
+        names = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    except (OSError, ValueError, TypeError, AttributeError):
+        return ""
+    return "CN=%s" % names[0][:200] if names else ""
 
 
 def _has_input(conn: socket.socket) -> bool:
