@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from procs import REPO, running, scaled, target_env
+from test_node_helper import ranks_of
 
 mcp = pytest.importorskip("mcp", reason="the MCP Python SDK is not installed (pip install 'probe[mcp]', Python 3.10+)")
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
@@ -45,11 +46,11 @@ def _is_error(result) -> bool:
     return bool(getattr(result, "is_error", None) or getattr(result, "isError", None))
 
 
-def _session(args, calls):
+def _session(args, calls, env=None):
     """Start ``probe ARGS`` as an MCP server, run ``calls(session)`` (a coroutine function) on a fresh
     session, and return what it returns; bounded: the server is ended with the client."""
     params = StdioServerParameters(command=sys.executable, args=["-m", "probe", *args], cwd=REPO,
-                                   env=target_env(probe=False))
+                                   env=env or target_env(probe=False))
 
     async def main():
         async with stdio_client(params) as (read, write):
@@ -73,9 +74,10 @@ def test_the_tools_read_a_live_target_and_eval_is_off(target):
         schema = await session.call_tool("schema", {"table": "process.info"})
         refused = await session.call_tool("eval", {"code": "6 * 7"})
         missing = await session.call_tool("backtrace", {"target": "127.0.0.1:1"})
-        return tools, stacks, rows, long, tables, schema, refused, missing
+        listed = await session.call_tool("list_targets", {})
+        return tools, stacks, rows, long, tables, schema, refused, missing, listed
 
-    tools, stacks, rows, long, tables, schema, refused, missing = _session(
+    tools, stacks, rows, long, tables, schema, refused, missing, listed = _session(
         ["--token-file", full, "mcp", address, "--max-chars", "2000"], calls)
     assert tools == ["backtrace", "diagnose", "list_targets", "query", "ranks", "schema", "tables"]
     assert not _is_error(stacks) and "MainThread" in _text(stacks) and "data_loader_wait" in _text(stacks), _text(stacks)
@@ -85,6 +87,7 @@ def test_the_tools_read_a_live_target_and_eval_is_off(target):
     assert "probe." in _text(tables) and "pid" in _text(schema), (_text(tables), _text(schema))
     assert _is_error(refused) and "eval" in _text(refused), _text(refused)
     assert _is_error(missing) and "127.0.0.1:1" in _text(missing), _text(missing)
+    assert not _is_error(listed) and str(target["pid"]) in _text(listed), _text(listed)
 
 
 def test_eval_with_allow_eval_needs_the_eval_scope(target):
@@ -100,3 +103,24 @@ def test_eval_with_allow_eval_needs_the_eval_scope(target):
 
     _, refused = _session(["--token-file", files["read"], "mcp", "--allow-eval", address], calls)
     assert _is_error(refused) and "needs the eval scope" in _text(refused), _text(refused)
+
+
+def test_a_job_s_ranks_and_their_grouped_stacks(tmp_path):
+    with ranks_of(tmp_path, 2, GIL_RANK="none") as job:
+        master = "127.0.0.1:%d" % job["port"]
+
+        async def calls(session):
+            async def listed():
+                return await session.call_tool("ranks", {})
+
+            ranks = await listed()
+            for _ in range(int(scaled(30) / 0.5)):  # the node helper may still be gathering its ranks
+                if not _is_error(ranks) and _text(ranks).count("running") == 2:
+                    break
+                await asyncio.sleep(0.5)
+                ranks = await listed()
+            return ranks, await session.call_tool("backtrace", {"all_ranks": True})
+
+        ranks, stacks = _session(["mcp", master], calls, env=job["env"])
+        assert not _is_error(ranks) and _text(ranks).count("running") == 2, _text(ranks)
+        assert not _is_error(stacks) and "ranks 0-1 (2)" in _text(stacks), _text(stacks)
