@@ -174,13 +174,19 @@ def test_the_grid_says_which_rank_holds_its_gil_and_which_is_dead():
         os.kill(pids[3], signal.SIGKILL)
         proc, url = _serve("127.0.0.1:%d" % port, "page", "--refresh", "1")
         try:
+            seen = []
+
             def states():
                 _get(url, "/api/diagnose")  # the grid takes the states of diagnose's last look
                 view = _get(url, "/api/overview")
+                seen[:] = [[(r["rank"], r["state"], r["why"]) for r in view["ranks"]]]
                 got = {r["rank"]: r["state"] for r in view["ranks"]}
                 return view if got == {0: "running", 1: "gil_held", 2: "running", 3: "dead"} else None
 
-            view = _until(states, 60, "ranks 1 and 3 shown as GIL held and dead")
+            try:
+                view = _until(states, 60, "ranks 1 and 3 shown as GIL held and dead")
+            except AssertionError as exc:
+                raise AssertionError("%s; the grid said %r" % (exc, seen)) from None
             why = {r["rank"]: r["why"] for r in view["ranks"]}
             assert "killed by signal 9" in why[3], why
             assert view["groups"][0]["ranks"] == [0, 2]  # rank 1's stack, read from outside, is a group of its own
