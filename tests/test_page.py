@@ -250,6 +250,22 @@ def test_another_interface_needs_the_page_token_and_ctrl_c_ends_the_page(target_
         _end(proc)
 
 
+def test_a_taken_port_and_a_snapshot_are_refused_in_words(idle_target):
+    import socket
+
+    from procs import run_cli
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        result = run_cli(str(idle_target.pid), "page", "--port", str(port), timeout=scaled(60))
+    assert result.code == 2 and "cannot serve on 127.0.0.1:%d" % port in result.err, result
+    assert "--port" in result.err
+    result = run_cli("snapshot:/nowhere", "page", timeout=scaled(60))
+    assert result.code == 2 and "a snapshot does not change" in result.err, result
+
+
 # -- the page in a real browser ---------------------------------------------------------------------------
 
 
