@@ -114,6 +114,7 @@ def _connect(address: Address, timeout: float, queue_wait: Optional[float] = Non
 
 _tls: Any = None  # None: not looked yet; False: plain TCP; else the ssl.SSLContext
 _tls_words = ""  # how the CA was given, for the errors
+_tls_cert = [False]  # a client certificate was given: for the words of a refusal
 
 
 def use_tls(cacert: Optional[str] = None, cert: Optional[str] = None, key: Optional[str] = None) -> None:
@@ -125,6 +126,7 @@ def use_tls(cacert: Optional[str] = None, cert: Optional[str] = None, key: Optio
         _tls = None
         return
     _tls, _tls_words = _make_tls(cacert, cert, key), option("--cacert", "cacert=")
+    _tls_cert[0] = bool(cert or key)
 
 
 def tls_context() -> Any:
@@ -139,6 +141,7 @@ def tls_context() -> Any:
         if cert is None and env.get("PROBE_TLS_CLIENT_CA") and env.get("PROBE_TLS_CERT"):
             cert, key = env.get("PROBE_TLS_CERT"), env.get("PROBE_TLS_KEY") or None
         _tls = _make_tls(cacert, cert, key) if (cacert or cert) else False
+        _tls_cert[0] = bool(cert or key)
     return _tls or None
 
 
@@ -156,7 +159,6 @@ def _make_tls(cacert: Optional[str], cert: Optional[str], key: Optional[str]) ->
         except (OSError, ValueError) as exc:
             raise UsageError("cannot use the client certificate %s%s: %s" % (cert, " with key %s" % key if key else "",
                                                                              getattr(exc, "strerror", None) or exc)) from None
-    context.cert_given = bool(cert or key)  # for the words of a refusal
     return context
 
 
@@ -202,7 +204,7 @@ def _tls_reason(exc: BaseException) -> str:
     if "UNKNOWN_CA" in reason.upper() or "BAD_CERTIFICATE" in reason.upper():
         return "it refused the client certificate (%s): give one signed by the CA it trusts" % reason.lower()
     if "EOF" in reason.upper() or "ZERO_RETURN" in reason.upper():
-        if _tls and _tls.cert_given:
+        if _tls_cert[0]:
             return ("it closed the connection right after the handshake: it may have refused the client "
                     "certificate (give one signed by the CA it trusts)")
         return ("it closed the connection right after the handshake: it may ask for a client certificate "

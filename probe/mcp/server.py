@@ -33,8 +33,8 @@ def load_sdk() -> Any:
             from mcp.server.mcpserver import MCPServer as Server
             from mcp.server.mcpserver.exceptions import ToolError
         except ImportError:
-            from mcp.server.fastmcp import FastMCP as Server  # the SDK's v1
-            from mcp.server.fastmcp.exceptions import ToolError
+            from mcp.server.fastmcp import FastMCP as Server  # type: ignore[attr-defined,no-redef]  # the SDK's v1
+            from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
     except ImportError as exc:
         raise UsageError("probe mcp needs the MCP Python SDK (%s)" % exc,
                          hint="pip install 'probe[mcp]' (Python 3.10 or later)") from None
