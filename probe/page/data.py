@@ -35,9 +35,12 @@ MAX_TRACE_EVENTS = 1_000_000
 
 TRACE_SQL = ("SELECT step, max(time_offset + host_duration) AS step_s, max(allocated) AS memory_mb "
              "FROM python.torch_trace WHERE step >= (SELECT max(step) FROM python.torch_trace) - {n} "
-             "AND step < (SELECT max(step) FROM python.torch_trace) GROUP BY step ORDER BY step")
-"""Each rank's last N whole steps from the trace: a step's time (its first span's start to its last
-span's end, host time) and its memory (MB; the CUDA allocator's, RSS on a CPU-only rank)."""
+             "AND step < (SELECT max(step) FROM python.torch_trace) "
+             "AND step > (SELECT min(step) FROM python.torch_trace) GROUP BY step ORDER BY step")
+"""Each rank's last N whole steps from the trace: a step's time (from the end of the step before to its
+last span's end, host time) and its memory (MB; the CUDA allocator's, RSS on a CPU-only rank). Neither
+the newest step (under way) nor the oldest one held (it began when the trace did, or lost its first
+spans to the ring buffer) is whole."""
 COUNTER_SQL = "SELECT max(steps) AS steps, arg_max(step_time_last_s, steps) AS step_s FROM torch.steps"
 """The step counter (no trace needed): steps made and the last step's time, of the busiest optimizer."""
 MEMORY_SQL = "SELECT rss / 1e6 AS memory_mb FROM process.info"

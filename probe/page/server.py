@@ -46,24 +46,29 @@ def is_loopback(host: str) -> bool:
 
 
 class _Once:
-    """A gathering run at most once at a time; an answer younger than ``ttl`` seconds is given again."""
+    """A gathering run at most once at a time; an answer younger than ``ttl`` seconds, or than twice the
+    time the gathering took, is given again: whatever the refresh and the tabs, the page keeps the job
+    busy a third of the time at most (a diagnose of many ranks takes seconds)."""
 
     def __init__(self, work: Callable[[], Any], ttl: float) -> None:
         self.work = work
         self.ttl = ttl
         self.value: Any = None
         self.at = 0.0
+        self.took = 0.0
         self._lock = threading.Lock()
 
     def get(self) -> Any:
         with self._lock:
-            if self.value is not None and time.monotonic() - self.at < self.ttl:
+            if self.value is not None and time.monotonic() - self.at < max(self.ttl, 2 * self.took):
                 return self.value
+            start = time.monotonic()
             try:
                 self.value = self.work()
             except ProbeError as exc:
                 self.value = {"error": exc.message + (" -- %s" % exc.hint if exc.hint else "")}
             self.at = time.monotonic()
+            self.took = self.at - start
             return self.value
 
     def peek(self) -> Any:
