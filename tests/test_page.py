@@ -289,6 +289,8 @@ def _chromium(found, tmp_path):
 
     options = webdriver.ChromeOptions()
     options.binary_location = found[0]
+    options.add_experimental_option("prefs", {"download.default_directory": str(tmp_path / "downloads"),
+                                              "download.prompt_for_download": False})
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1400,2600",
                  "--user-data-dir=%s" % (tmp_path / "profile")):
         options.add_argument(flag)
@@ -338,6 +340,18 @@ def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
         rows = wait.until(lambda b: b.find_element(By.ID, "sql-status").get_attribute("data-rows"))
         assert rows == "4", browser.find_element(By.ID, "sql-status").text
         assert len(browser.find_elements(By.CSS_SELECTOR, "#sql-result tbody tr")) == 4
+        csv = browser.execute_script("return csvText(lastRows)").splitlines()  # what Download CSV saves
+        assert csv[0] == "rank,host,pid,rss_mb,cpu_percent,num_threads" and len(csv) == 5, csv
+        assert sorted(int(line.split(",")[2]) for line in csv[1:]) == sorted(pids.values())
+
+        browser.find_element(By.ID, "trace-export").click()
+        saved = wait.until(lambda b: (lambda t: t if "saved" in t or "error" in t else None)(
+            b.find_element(By.ID, "trace-status").text))
+        assert int(saved.split()[0]) > 0 and "events saved as probe-trace-" in saved, saved
+        name = saved.split(" saved as ")[1].split()[0]
+        exported = _until(lambda: (tmp_path / "downloads" / name).exists() and
+                          json.loads((tmp_path / "downloads" / name).read_text()), 30, "the trace's file")
+        assert {e["pid"] for e in exported["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
 
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#chart-step polyline[data-rank]"))
         shot = tmp_path / "page.png"

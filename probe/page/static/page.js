@@ -363,11 +363,14 @@ function csvCell(v) {
   return /[",\n\r]/.test(s) ? '"' + s.replace(/"/g, '""') + '"' : s;
 }
 
+function csvText(result) {
+  const lines = [result.columns.map(c => csvCell(c.name)).join(",")];
+  for (const r of result.rows) lines.push(r.map(csvCell).join(","));
+  return lines.join("\n") + "\n";
+}
+
 function downloadCsv() {
-  if (!lastRows) return;
-  const lines = [lastRows.columns.map(c => csvCell(c.name)).join(",")];
-  for (const r of lastRows.rows) lines.push(r.map(csvCell).join(","));
-  save(new Blob([lines.join("\n") + "\n"], {type: "text/csv"}), "probe-query.csv");
+  if (lastRows) save(new Blob([csvText(lastRows)], {type: "text/csv"}), "probe-query.csv");
 }
 
 function save(blob, name) {
