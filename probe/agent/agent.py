@@ -24,6 +24,20 @@ from probe.agent.options import AgentOptions, binds_every_interface, parse_hostp
 from probe.errors import ProbeError, SQLUnavailable, Unauthorized, UsageError
 from probe._stderr import say as _say
 
+
+
+def _quiet_s() -> float:
+    try:
+        value = float(os.environ.get("PROBE_SQL_QUIET") or 60.0)
+    except ValueError:
+        return 60.0
+    return value if value > 0 else float("inf")
+
+
+SQL_QUIET_S = _quiet_s()
+"""Seconds without a query after which DuckDB's database is closed and its memory handed back
+(``PROBE_SQL_QUIET``, default 60; 0: never)."""
+
 __all__ = ["Agent"]
 
 
@@ -48,6 +62,8 @@ class Agent:
         self._listeners: List[Listener] = []
         self._engine: Any = None
         self._engine_lock = threading.Lock()
+        self._engine_users = 0  # requests holding the engine now (see hold_engine)
+        self._engine_last_used = 0.0  # time.monotonic() when the last of them let go
 
     # -- life cycle -------------------------------------------------------------------------------
 
@@ -81,6 +97,7 @@ class Agent:
             unix.add_check(crash.check)
         _offer_step_boundary()
         _count_steps(unix)
+        unix.add_check(self.release_idle_engine)
         return self
 
     def _start_tcp(self, dispatcher: Any) -> None:
@@ -234,23 +251,60 @@ class Agent:
             return False
 
     def engine(self) -> Any:
-        """The engine, built on the first query (this is where DuckDB and pyarrow get imported)."""
+        """The engine, built on the first query (this is where DuckDB and pyarrow get imported). A request
+        that runs a query holds it with :meth:`hold_engine` instead, so that it is not released meanwhile."""
         if self._engine is not None:
             return self._engine
         with self._engine_lock:
-            if self._engine is None:
-                if not self.sql_available():
-                    raise SQLUnavailable("this process cannot import DuckDB and pyarrow, so it cannot run SQL "
-                                         "itself", hint="the probe client runs such queries on its side")
-                from probe.agent.limits import Ceilings
-                from probe.engine import Engine
+            return self._build_engine()
 
-                # The engine's own bounds are the ceilings; each request passes the limits it runs under.
-                ceilings = Ceilings.from_env()
-                self._engine = Engine(_produce_arrow, max_rows=max(self.options.max_rows, ceilings.max_rows),
-                                      timeout=max(self.options.query_timeout, ceilings.query_timeout),
-                                      memory_limit=self.options.memory_limit,
-                                      max_result_bytes=self.options.max_result_bytes)
+    def hold_engine(self) -> Any:
+        """The engine (built if need be), held until :meth:`let_go_engine`: it is not released meanwhile."""
+        with self._engine_lock:
+            engine = self._build_engine()
+            self._engine_users += 1
+            return engine
+
+    def let_go_engine(self) -> None:
+        with self._engine_lock:
+            self._engine_users -= 1
+            self._engine_last_used = time.monotonic()
+
+    def release_idle_engine(self) -> None:
+        """Close DuckDB's database once no query has used it for ``SQL_QUIET_S`` (called on the accept
+        thread at every wake) and hand the memory it freed back to the system; the next query that needs
+        DuckDB opens a fresh one (some 20 ms). The modules stay loaded: Python cannot unload them."""
+        if self._engine is None or self._engine_users or time.monotonic() - self._engine_last_used < SQL_QUIET_S:
+            return  # the usual case, decided without the lock
+        with self._engine_lock:
+            if self._engine is None or self._engine_users or time.monotonic() - self._engine_last_used < SQL_QUIET_S:
+                return
+            engine, self._engine = self._engine, None
+        try:
+            engine.close()  # no query holds it: nothing to interrupt or wait for
+            del engine
+            from probe.engine.memory import return_memory
+
+            return_memory()
+        except Exception:
+            pass
+
+    def _build_engine(self) -> Any:
+        """The engine, built if there is none; called with ``_engine_lock`` held."""
+        if self._engine is None:
+            if not self.sql_available():
+                raise SQLUnavailable("this process cannot import DuckDB and pyarrow, so it cannot run SQL "
+                                     "itself", hint="the probe client runs such queries on its side")
+            from probe.agent.limits import Ceilings
+            from probe.engine import Engine
+
+            # The engine's own bounds are the ceilings; each request passes the limits it runs under.
+            ceilings = Ceilings.from_env()
+            self._engine = Engine(_produce_arrow, max_rows=max(self.options.max_rows, ceilings.max_rows),
+                                  timeout=max(self.options.query_timeout, ceilings.query_timeout),
+                                  memory_limit=self.options.memory_limit,
+                                  max_result_bytes=self.options.max_result_bytes)
+            self._engine_last_used = time.monotonic()
         return self._engine
 
 

@@ -152,13 +152,20 @@ def query(agent: "Agent", request: Request) -> Response:
     timeout = within(_optional_seconds(body, "timeout"), options.query_timeout, ceilings.query_timeout,
                      "--query-timeout", "PROBE_QUERY_TIMEOUT_CEILING")
     query_id = _optional_id(body)
-    engine = agent.engine()
+    arrow = ARROW_STREAM in request.headers.get("accept", "")
+    the_plan = None if arrow else _simple_plan(agent, sql)
+    engine = None
     hold = _budget(agent).hold()
     try:
+        if the_plan is None:
+            engine = agent.hold_engine()
         with work_slot(timeout), fast_switching():
-            result = _run_query(engine, sql, max_rows, timeout, hold, max(ceilings.query_timeout, options.query_timeout),
-                                query_id)
-            if ARROW_STREAM in request.headers.get("accept", ""):
+            result = _simple_answer(the_plan, max_rows, agent.options.max_result_bytes) if the_plan else None
+            if result is None:
+                engine = engine or agent.hold_engine()
+                result = _run_query(engine, sql, max_rows, timeout, hold,
+                                    max(ceilings.query_timeout, options.query_timeout), query_id)
+            if arrow:
                 payload = _arrow_stream(result)
                 hold.reserve(len(payload))
                 return Response(200, payload, ARROW_STREAM,
@@ -171,6 +178,27 @@ def query(agent: "Agent", request: Request) -> Response:
     except BaseException:
         hold.release()
         raise
+    finally:
+        if engine is not None:
+            agent.let_go_engine()
+
+
+def _simple_plan(agent: "Agent", sql: str) -> Any:
+    """The plan of a query simple enough to answer without DuckDB and pyarrow (``probe.engine.simple``),
+    where this process could load them (elsewhere the client runs SQL, as before); else None."""
+    from probe.engine.simple import plan
+
+    the_plan = plan(sql)
+    return the_plan if the_plan is not None and get_table(the_plan.table) is not None and agent.sql_available() else None
+
+
+def _simple_answer(the_plan: Any, max_rows: int, max_bytes: int) -> Any:
+    from probe.engine.simple import answer
+
+    spec = get_table(the_plan.table)
+    if spec is None:
+        return None
+    return answer(the_plan, [(c.name, c.type) for c in spec.columns], lambda: produce_rows(spec), max_rows, max_bytes)
 
 
 def _optional_id(body: Dict[str, Any]) -> Optional[str]:
@@ -190,7 +218,11 @@ def interrupt_query(agent: "Agent", request: Request) -> Response:
     if query_id is None:
         raise BadRequest("give the query's id as {\"id\": \"...\"}")
     # The engine is built by the first query: an interrupt that overtakes that query builds it too.
-    return Response.json({"id": query_id, "state": agent.engine().interrupt(query_id)})
+    engine = agent.hold_engine()
+    try:
+        return Response.json({"id": query_id, "state": engine.interrupt(query_id)})
+    finally:
+        agent.let_go_engine()
 
 
 def _run_query(engine: Any, sql: str, max_rows: int, timeout: float, hold: Hold, ceiling: float,
