@@ -23,8 +23,17 @@ _QUERY = re.compile(
     r"^\s*SELECT\s+(?P<cols>\*|%(i)s(?:\s*,\s*%(i)s)*)\s+FROM\s+(?P<table>%(i)s\.%(i)s)"
     r"(?:\s+ORDER\s+BY\s+(?P<order>%(i)s(?:\s+(?:ASC|DESC))?(?:\s*,\s*%(i)s(?:\s+(?:ASC|DESC))?)*))?"
     r"(?:\s+LIMIT\s+(?P<limit>\d{1,9}))?\s*;?\s*$" % {"i": _IDENT}, re.IGNORECASE)
-_KEYWORDS = {"select", "from", "order", "by", "limit", "asc", "desc", "where", "group", "having", "union",
-             "distinct", "all", "offset", "as", "on", "join"}
+# DuckDB's reserved and type/function-name keywords: none of them is a bare column reference there (a
+# table's column of such a name needs quotes, which this module leaves to DuckDB).
+_KEYWORDS = set("""
+all analyse analyze and any array as asc asymmetric both by case cast check collate column constraint create
+default deferrable desc describe distinct do else end except false fetch for foreign from grant group having
+in initially intersect into lateral leading limit not null offset on only or order pivot pivot_longer
+pivot_wider placing primary qualify references returning select show some summarize symmetric table then to
+trailing true union unique unpivot using variadic when where window with
+anti asof authorization binary collation concurrently cross freeze full generated glob ilike inner is isnull
+join left like map natural notnull outer overlaps positional right semi similar struct tablesample try_cast
+verbose""".split())
 _INT_RANGE = {"INTEGER": (-(1 << 31), (1 << 31) - 1), "BIGINT": (-(1 << 63), (1 << 63) - 1)}
 _ARROW_NAMES = {"BOOLEAN": "bool", "INTEGER": "int32", "BIGINT": "int64", "DOUBLE": "double", "VARCHAR": "string"}
 
