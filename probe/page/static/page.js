@@ -404,7 +404,12 @@ async function refresh() {
   if (busy) return;
   busy = true;
   clearTimeout(timer);
-  const overview = api("/api/overview").then(o => { lastOverview = o; if (!o.error) { renderGrid(o); renderFlame(o.flame); } })
+  const overview = api("/api/overview").then(o => {
+    if (o.error) { $("failures").textContent = "no ranks read: " + o.error; return; }  // the job gone, its helper silent
+    lastOverview = o;
+    renderGrid(o);
+    renderFlame(o.flame);
+  })
     .catch(e => { $("failures").textContent = "the page's server: " + e.message; });
   const metrics = api("/api/metrics").then(renderMetrics).catch(e => { $("metrics-source").textContent = "(" + e.message + ")"; });
   const diagnosis = api("/api/diagnose").then(renderDiagnosis).catch(e => renderDiagnosis({error: e.message}));
