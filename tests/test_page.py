@@ -211,6 +211,9 @@ def test_one_process_without_the_trace_charts_the_step_counter(target_factory):
         assert report["status"] == "healthy" and report["lines"][0].startswith("HEALTHY: "), report["lines"]
         view = _get(url, "/api/overview")
         assert [(r["rank"], r["pid"], r["state"]) for r in view["ranks"]] == [(0, target.pid, "running")]
+        with pytest.raises(urllib.error.HTTPError) as untraced:  # never traced: said, no empty file
+            _get(url, "/api/trace")
+        assert untraced.value.code == 400 and "no rank gave its trace" in json.loads(untraced.value.read())["error"]
         with pytest.raises(urllib.error.HTTPError) as merge:
             _post(url, "/api/sql", {"sql": "SELECT 1", "merge": "SELECT * FROM result"})
         assert merge.value.code == 400 and "one process" in json.loads(merge.value.read())["error"]

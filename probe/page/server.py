@@ -160,6 +160,10 @@ class PageServer:
 
         with self._export_lock:
             events, failures = self.source.trace_events()
+        if not events and failures:  # e.g. a read token (export needs control), torch not loaded: say why, no file
+            raise ProbeError("no rank gave its trace: " + "; ".join("rank %s: %s" % (f["rank"], f["reason"])
+                                                                    for f in failures[:3]) +
+                             ("; and %d ranks more" % (len(failures) - 3) if len(failures) > 3 else ""))
         doc: Dict[str, Any] = {"traceEvents": events[:MAX_TRACE_EVENTS], "displayTimeUnit": "ms"}
         notes = []
         if len(events) > MAX_TRACE_EVENTS:
