@@ -39,6 +39,8 @@ def visible(text: str, lines: bool = False) -> str:
     escape (ESC as ``\\x1b``, a carriage return as ``\\r``), so that no sequence in a thread name, a
     file name or a snippet's output can reach the terminal and act there. ``lines``: newlines and tabs
     are kept (text laid out in lines); else they are escaped too (one field, one line)."""
+    if text.isprintable():  # no control character at all (every one above is Cc, Cf, Cs, Zl or Zp): as it is
+        return text
     return (_CONTROL_IN_LINES if lines else _CONTROL).sub(_escape, text)
 
 
