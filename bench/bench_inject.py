@@ -1,10 +1,12 @@
 """How fast and how safely ``probe PID inject`` starts an agent, next to debugpy and plain gdb.
 
-    python bench/bench_inject.py [--runs 5] [--robust 50] [--no-torch]
+    python bench/bench_inject.py [--runs 5] [--robust 50] [--no-torch] [--probe-only]
 
-* injection time (fresh target each run: a second injection would find the agent), on a small sleeping
-  process and on one that imported torch: ``probe PID inject`` (whole command), ``probe.injector.inject``
-  (the library call), debugpy's ``run_python_code`` and plain gdb with every library's symbols loaded
+* injection time (fresh target each run: a second injection would find the agent; the methods
+  interleaved, A B C C B A), on a small sleeping process and on one that imported torch: ``probe PID
+  inject`` (whole command), ``probe.injector.inject`` (the library call), the same without gdb's index
+  cache (as before issue 24: gdb indexes libpython's and libc's debug information every time),
+  debugpy's ``run_python_code`` and plain gdb with every library's symbols loaded
   doing the classic ``PyGILState_Ensure``/``PyRun_SimpleString``/``PyGILState_Release``. The peers get
   sleeping targets only: they crash busy ones.
 * the longest pause a busy main loop suffers while probe injects (the loop records its longest gap).
@@ -70,17 +72,15 @@ class Target:
         self.stop()
 
 
-def timed(fn: Callable[[int], None], script: str, runs: int) -> List[float]:
-    times = []
-    for _ in range(runs):
-        with Target(script) as target:
-            time.sleep(0.2)  # let the target settle into its loop
-            began = time.perf_counter()
-            fn(target.pid)
-            times.append(time.perf_counter() - began)
-            if not target.alive():
-                raise RuntimeError("the target died during %s" % fn.__name__)
-    return times
+def timed_once(fn: Callable[[int], None], script: str) -> float:
+    with Target(script) as target:
+        time.sleep(0.2)  # let the target settle into its loop
+        began = time.perf_counter()
+        fn(target.pid)
+        elapsed = time.perf_counter() - began
+        if not target.alive():
+            raise RuntimeError("the target died during %s" % fn.__name__)
+    return elapsed
 
 
 def probe_cli(pid: int) -> None:
@@ -90,6 +90,26 @@ def probe_cli(pid: int) -> None:
 
 def probe_library(pid: int) -> None:
     inject(pid, timeout=30)
+
+
+def probe_library_no_index_cache(pid: int) -> None:
+    """As before issue 24: gdb builds its index of libpython's and libc's debug information every time
+    (a cache directory others can write is never used)."""
+    saved = os.environ.get("XDG_CACHE_HOME")
+    scratch = tempfile.mkdtemp(prefix="probe-nocache-")
+    os.makedirs(os.path.join(scratch, "probe", "gdb-index"))
+    os.chmod(os.path.join(scratch, "probe", "gdb-index"), 0o777)
+    os.environ["XDG_CACHE_HOME"] = scratch
+    try:
+        inject(pid, timeout=30)
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def debugpy_run_python_code(pid: int) -> None:
@@ -165,18 +185,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--robust", type=int, default=50)
     parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--probe-only", action="store_true", help="leave debugpy and plain gdb out")
     args = parser.parse_args(argv)
 
     kinds = [("small", "inject_sleeping.py")] + ([] if args.no_torch else [("torch", "inject_torch.py")])
     methods = [("probe PID inject (CLI)", probe_cli), ("probe.injector.inject()", probe_library),
-               ("debugpy run_python_code", debugpy_run_python_code), ("plain gdb, all symbols", plain_gdb)]
+               ("inject(), no index cache", probe_library_no_index_cache)]
+    if not args.probe_only:
+        methods += [("debugpy run_python_code", debugpy_run_python_code), ("plain gdb, all symbols", plain_gdb)]
     results: Dict[str, Dict[str, List[float]]] = {}
     for kind, script in kinds:
-        for name, fn in methods:
-            results.setdefault(kind, {})[name] = timed(fn, script, args.runs)
+        results[kind] = {name: [] for name, _ in methods}
+        for i in range(args.runs):  # interleaved: A B C ... then ... C B A
+            for name, fn in (methods if i % 2 == 0 else methods[::-1]):
+                results[kind][name].append(timed_once(fn, script))
+        for name, _ in methods:
             print("  measured %-6s %-26s %s" % (kind, name, summary(results[kind][name])), flush=True)
 
-    print("\ninjection time, median [min-max] over %d fresh targets; ratio = peer / probe CLI" % args.runs)
+    print("\ninjection time, median [min-max] over %d fresh targets, interleaved; ratio = peer / probe CLI" % args.runs)
     print("%-26s %s" % ("method", "".join("%-34s" % kind for kind, _ in kinds)))
     for name, _ in methods:
         cells = []
