@@ -104,7 +104,8 @@ def _report(port: int, members: Any, node: int = 1, **changes: Any) -> Dict[str,
 def _ranks(port: int) -> list:
     out = run_cli("127.0.0.1:%d" % port, "ranks", "-f", "json", env=target_env(probe=False, PROBE_TOKEN=TOKEN))
     assert "Traceback" not in out.err, out.err
-    assert out.code == 0, (out.code, out.err)
+    # 7: the listing lacks ranks of the world size the members report (these jobs are made of reports)
+    assert out.code == 0 or (out.code == 7 and "not listed by its helpers" in out.err), (out.code, out.err)
     return json.loads(out.out)
 
 
