@@ -22,9 +22,11 @@ _FIELDS = ("time", "seq", "pid", "scope", "granted_by", "peer", "command", "deta
 @output_format(*TEXT, json_help="one JSON object per action")
 @pass_cli
 def audit(cli: CliContext, last: int, fmt: Optional[str]) -> None:
-    """Show the target's audit trail: every eval snippet and REPL input, checkpoint, debug start and stop,
-    trace change and lr change made in it (and every one refused), with when, who (uid on the unix socket,
-    address on TCP), the scope it needed, the snippet and its outcome (ok, error, interrupted, refused).
+    """Show who made the target run what: its audit trail, live or after it died.
+
+    Every eval snippet and REPL input, checkpoint, debug start and stop, trace change and lr change made in
+    it (and every one refused), with when, who (uid on the unix socket, address on TCP), the scope it
+    needed, the snippet and its outcome (ok, error, interrupted, refused).
 
     \b
     The trail is a file beside the agent's socket (audit-PID-TICKS.jsonl in the runtime directory, owner

@@ -31,7 +31,7 @@ class _Rank(NamedTuple):
 @pass_cli
 def snapshot(cli: CliContext, directory: Optional[str], reason: str, fmt: Optional[str]) -> None:
     """Record a process, or every rank of a job, now: what diagnose reads, and the stacks, locals, Flight
-    Recorder, trace tail, step counter and threads, to read later with `probe snapshot:DIR/ID ...`.
+    Recorder, trace tail, step counter and threads, to read later with `probe snapshot:DIR/ID COMMAND`.
 
     \b
     TARGET: a pid, or a job: the master's HOST:PROBE_PORT, slurm:JOBID, --hosts FILE. Each rank is read
