@@ -8,7 +8,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Collection, Dict, List, NamedTuple, Optional
 
 from probe import _paths, _rank
 from probe.reader import proc
@@ -44,7 +44,9 @@ def node_host() -> str:
     return os.environ.get("PROBE_HOST") or socket.gethostname()
 
 
-def _environ(pid: int) -> Dict[bytes, bytes]:
+def process_environ(pid: int, keys: Collection[bytes] = _ENV_KEYS) -> Dict[bytes, bytes]:
+    """The variables named in ``keys`` of ``pid``'s environment (as it was at its start), read from /proc;
+    empty where it cannot be read (gone, another user's)."""
     try:
         with open("/proc/%d/environ" % pid, "rb") as handle:
             raw = handle.read(1 << 20)
@@ -53,7 +55,7 @@ def _environ(pid: int) -> Dict[bytes, bytes]:
     out = {}
     for item in raw.split(b"\0"):
         name, sep, value = item.partition(b"=")
-        if sep and name in _ENV_KEYS:
+        if sep and name in keys:
             out[name] = value
     return out
 
@@ -178,7 +180,7 @@ class Members:
             for pid in (proc.children(self.parent) if self.children else self._agents()):
                 if any(k["pid"] == pid for k in self._known.values()):
                     continue
-                env = _environ(pid)
+                env = process_environ(pid)
                 if not self.children and not self._same_job(env, pid):
                     continue
                 who = _rank.from_environ({k.decode("ascii"): v.decode("ascii", "replace") for k, v in env.items()})

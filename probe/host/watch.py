@@ -437,10 +437,11 @@ class Watch:
     def _job(self, members: List[Any]) -> str:
         """The job's name in the snapshot's id: the Slurm job id or torchelastic's run id a rank was started
         with, else ``port<PROBE_PORT>``."""
+        from probe.host.members import process_environ
         from probe.snapshot import store
 
         for member in members:
-            env = _environ(member.pid, (b"SLURM_JOB_ID", b"TORCHELASTIC_RUN_ID"))
+            env = process_environ(member.pid, (b"SLURM_JOB_ID", b"TORCHELASTIC_RUN_ID"))
             if env:
                 return store.job_id(env.get(b"SLURM_JOB_ID", b"").decode("ascii", "replace") or None,
                                     env.get(b"TORCHELASTIC_RUN_ID", b"").decode("ascii", "replace") or None,
@@ -485,20 +486,6 @@ def _forget(seen: Optional[_Rank]) -> None:
             os.unlink(path)
         except OSError:
             pass
-
-
-def _environ(pid: int, keys: Tuple[bytes, ...]) -> Dict[bytes, bytes]:
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as handle:
-            raw = handle.read(1 << 20)
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep and name in keys and value:
-            out[name] = value
-    return out
 
 
 def start(helper: Any) -> Optional[Watch]:
