@@ -16,7 +16,9 @@ the request is in flight, the client looks at what the kernel and the process's 
    running Python hands the GIL over when asked and waits to get it back, a voluntary context switch;
    one held in a C call never does. The GIL is called held when the holder made no such switch and the
    agent did not run, either while the agent asked ``AGENT_WAITS`` times in a row and the holder was
-   not kept off the CPU meanwhile (it had every chance to let go: some 40 ms in all), or for ``CONFIRM_S``.
+   not kept off the CPU meanwhile (it had every chance to let go), the holder seen keeping the GIL
+   for ``HELD_MIN_S`` in all (a C call that keeps the GIL a moment and returns is waited for), or for
+   ``CONFIRM_S``.
 3. Otherwise (no holder, or the GIL moves) the agent is only slow: keep waiting, looking again at most
    once a second, up to the timeout.
 
@@ -51,6 +53,10 @@ ends with a request that the holder let go) while the holder made no voluntary s
 QUICK_MIN_S = 0.02
 """The shortest watch of the holder after the stacks were read (the watch began before the read, which
 takes some 20 ms more)."""
+HELD_MIN_S = 0.2
+"""How long the holder must be seen keeping the GIL (no voluntary switch since the client's first look at
+the kernel's counters) before it is called held: a C call that keeps the GIL for a moment and returns
+(a big regex, pickling) is waited for, not reported."""
 QUEUED_SHARE = 0.4
 """The holder may have waited for a CPU at most this share of the watch (a thread kept off the CPU cannot
 let go of the GIL; on a loaded machine the watch then lasts ``CONFIRM_S``)."""
@@ -198,6 +204,7 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
         return early
     agents = _accept_threads(pid)
     waits = proc.switch_counts(pid, agents)
+    baseline, since = proc.switch_counts(pid), time.monotonic()  # every thread's, for how long the holder held
     read_at = -1.0
     while time.monotonic() < deadline:
         letter = proc.state(pid)
@@ -213,12 +220,13 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
         # and nothing is read from outside (no py-spy run per second of a long eval).
         if (asking or age is None or age > STALE_TRIGGER_S) and (read_at < 0 or time.monotonic() - read_at >= 1.0):
             read_at = time.monotonic()
-            verdict, stacks, holder = _watch(pid, socket_path, sock, agents)
+            verdict, stacks, holder = _watch(pid, socket_path, sock, agents, baseline, since)
             if verdict == "answered":
                 return None
             if verdict == "held":
                 return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
             waits = proc.switch_counts(pid, agents)
+            baseline, since = proc.switch_counts(pid), time.monotonic()
         if _answered(sock, min(TICK_S, max(0.0, deadline - time.monotonic()))):
             return None
     return _no_answer(pid, socket_path, timeout, "--timeout")
@@ -229,14 +237,19 @@ def _accept_threads(pid: int) -> List[int]:
     return sorted(tid for tid, name in proc.thread_names(pid).items() if name == "probe-accept")
 
 
-def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None,
-           agents: Optional[List[int]] = None) -> "Tuple[str, Optional[Stacks], Optional[ThreadStack]]":
+def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, agents: Optional[List[int]] = None,
+           before: Optional[Dict[int, int]] = None,
+           since: Optional[float] = None) -> "Tuple[str, Optional[Stacks], Optional[ThreadStack]]":
     """Read the stacks from outside and watch the thread that holds the GIL (the rule: the module's
     docstring, step 2). Returns ``held``, ``moving`` (the GIL was handed over, the agent ran, or no
     program thread holds it) or ``answered`` (the answer came on ``sock`` meanwhile), with the stacks
-    and the holder read."""
+    and the holder read. ``before``: every thread's voluntary switches, counted at ``since``."""
     agents = _accept_threads(pid) if agents is None else agents
-    before: Dict[int, int] = proc.switch_counts(pid)  # every thread's, before the read: the holder is not known yet
+    if before is None or since is None:  # every thread's, before the read: the holder is not known yet
+        before, since = proc.switch_counts(pid), time.monotonic()
+    # The holder must be seen keeping the GIL for HELD_MIN_S. The heartbeat's age proves nothing of the
+    # kind: under a C call that keeps the GIL 0.12 s at a time it grew past 0.6 s while the agent's
+    # other threads took the GIL between the calls.
     beat = _mtime(socket_path)
     stacks = _read(pid)
     holder = _program_holder(stacks)
@@ -261,7 +274,8 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None,
         queued = proc.queued_ns(pid, tid)
         kept_off_cpu = (queued is None or queued_at_start is None
                         or queued - queued_at_start > QUEUED_SHARE * elapsed * 1e9)
-        if elapsed >= QUICK_MIN_S and asked >= AGENT_WAITS and not kept_off_cpu:
+        if (elapsed >= QUICK_MIN_S and time.monotonic() - since >= HELD_MIN_S and asked >= AGENT_WAITS
+                and not kept_off_cpu):
             return "held", stacks, holder
         if elapsed >= CONFIRM_S:  # no quick answer (no accept thread seen, a loaded CPU): the longer watch
             return ("held" if _program_holder(_read(pid)) is not None else "moving"), stacks, holder
