@@ -108,10 +108,11 @@ def run(cli: CliContext, sql: str, fmt: Optional[str] = None, vertical: bool = F
         write_rows(output, combined, file_fmt or "csv")
         wrote(len(combined.rows), output, combined.truncated)
         return
-    import shlex
+    footer = None
+    if combined.truncated:
+        import shlex
 
-    footer = truncation_note(combined, max_rows, " ".join(shlex.quote(t) for t in cli.targets[:1]) or "TARGET") \
-        if combined.truncated else None
+        footer = truncation_note(combined, max_rows, " ".join(shlex.quote(t) for t in cli.targets[:1]) or "TARGET")
     print_rows(render_rows(combined, fmt, terminal_width(), wide, footer), fmt)
     if footer and fmt in ("json", "csv"):
         say("probe: " + footer, err=True)
