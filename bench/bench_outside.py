@@ -8,9 +8,11 @@ The target (bench/targets/gil.py, ``PROBE=1``) holds the GIL in libc ``sleep()``
 * ``probe PID backtrace`` right after the GIL was taken (the first look: the agent's heartbeat is still
   fresh, so the client sends its request, and decides once the kernel shows the agent's accept thread
   waiting for the GIL while the holder never lets go: ``probe.client.outside``);
-* a later look, 0.6-1.9 s after the agent's last heartbeat (decided before sending, by the same watch);
+* a later look, 0.6-1.9 s after the agent's last heartbeat (decided before sending: the holder has made
+  no voluntary switch since the first look saw it keep the GIL, and the agent has not beaten);
 * a look once the heartbeat is older than 2.5 s (decided at once, by one read from outside);
-* ``py-spy dump --pid PID``, in each round next to each later look (interleaved: A B B A).
+* ``py-spy dump --pid PID``, in each round right after each later look (not before it: py-spy's dump
+  stops the process, a voluntary switch of the holder, after which a look watches the holder again).
 
 The first look needs a fresh target each round, so each round starts one and times the first look as
 soon as the holder thread is in its sleep. Ratios are of the medians, against py-spy's in the same run.
@@ -44,7 +46,7 @@ def _age(path: str) -> float:
 def measure(runs: int) -> Dict[str, List[float]]:
     probe, pyspy = tool("probe"), tool("py-spy")
     results: Dict[str, List[float]] = {FIRST: [], LATER: [], STALE: [], PYSPY: []}
-    for i in range(runs):
+    for _ in range(runs):
         with Target("gil.py") as target:
             deadline = time.monotonic() + 10
             while not in_sleep(target.pid) and time.monotonic() < deadline:
@@ -52,8 +54,10 @@ def measure(runs: int) -> Dict[str, List[float]]:
             pid = str(target.pid)
             results[FIRST].append(time_command([probe, pid, "backtrace"]))
             for name, low, high in ((LATER, 0.6, 1.9), (STALE, 2.5, 60.0)):
-                order = [name, PYSPY] if i % 2 == 0 else [PYSPY, name]
-                for which in order:
+                # probe's look first, then py-spy: py-spy's dump stops the process (ptrace), which wakes the
+                # holder out of its sleep for a moment, a voluntary switch; the next look then cannot take
+                # the first one's word that the holder kept the GIL since, and watches again (0.2 s).
+                for which in (name, PYSPY):
                     while _age(target.socket) < low:
                         time.sleep(0.02)
                     if which == PYSPY:

@@ -258,6 +258,8 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, age
     if _runs_agent_code(holder) and (heartbeat_age(socket_path) or 0.0) <= STALE_TRIGGER_S:
         return "moving", stacks, holder  # the agent's own snippet, on a program thread: slow, not blocked (yet)
     tid = holder.native_id
+    if _seen_held_before(pid, socket_path, tid, before[tid], beat):
+        return "held", stacks, holder
     start = time.monotonic()
     queued_at_start = proc.queued_ns(pid, tid)
     while True:
@@ -276,9 +278,96 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, age
                         or queued - queued_at_start > QUEUED_SHARE * elapsed * 1e9)
         if (elapsed >= QUICK_MIN_S and time.monotonic() - since >= HELD_MIN_S and asked >= AGENT_WAITS
                 and not kept_off_cpu):
+            _remember_held(pid, socket_path, tid, before[tid], beat)
             return "held", stacks, holder
         if elapsed >= CONFIRM_S:  # no quick answer (no accept thread seen, a loaded CPU): the longer watch
-            return ("held" if _program_holder(_read(pid)) is not None else "moving"), stacks, holder
+            if _program_holder(_read(pid)) is None:
+                return "moving", stacks, holder
+            _remember_held(pid, socket_path, tid, before[tid], beat)
+            return "held", stacks, holder
+
+
+def _held_record(socket_path: str) -> Optional[str]:
+    """``PID.sock.held`` beside an agent's socket in our runtime directory (ours alone); None for a socket
+    elsewhere (a ``unix:PATH`` target), where nothing is kept."""
+    from probe import _paths
+
+    if os.path.dirname(socket_path) != _paths.runtime_dir():
+        return None
+    return socket_path + ".held"
+
+
+def _remember_held(pid: int, socket_path: str, tid: int, switches: int, beat: Optional[float]) -> None:
+    """Keep, beside the agent's socket, what this look saw of a holder that keeps the GIL: the next look
+    (another command) that finds the same thread with the same count of voluntary switches, and the
+    heartbeat unmoved, knows at once that it has kept the GIL since, and needs no watch of its own."""
+    path = _held_record(socket_path)
+    ticks = _start_ticks(pid)
+    if path is None or ticks is None or beat is None:
+        return
+    temporary = "%s.%d" % (path, os.getpid())
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write("%d %d %d %d %r\n" % (pid, ticks, tid, switches, beat))
+        os.replace(temporary, path)
+    except OSError:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        return
+    _forget_gone(os.path.dirname(path))
+
+
+def _forget_gone(directory: str) -> None:
+    """Remove the records of processes that are gone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        stem = name[:-len(".sock.held")] if name.endswith(".sock.held") else ""
+        if stem.isdigit() and not os.path.exists("/proc/%s" % stem):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _seen_held_before(pid: int, socket_path: str, tid: int, switches: int, beat: Optional[float]) -> bool:
+    """An earlier look saw ``tid`` keep the GIL (see :func:`_remember_held`), and since then it has made no
+    voluntary switch and the agent has not beaten: it still keeps it. A record that no longer holds is
+    removed."""
+    path = _held_record(socket_path)
+    if path is None:
+        return False
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
+            fields = handle.read(256).split()
+    except OSError:
+        return False
+    try:
+        same = (len(fields) == 5 and int(fields[0]) == pid and int(fields[1]) == _start_ticks(pid)
+                and int(fields[2]) == tid and int(fields[3]) == switches and beat is not None
+                and float(fields[4]) == beat)
+    except ValueError:
+        same = False
+    if not same:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return same
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _no_answer(pid: int, socket_path: str, waited: float, option: str) -> Diagnosis:
