@@ -19,7 +19,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from probe.cli.app import COMMANDS
 
-__all__ = ["run"]
+__all__ = ["run", "ran"]
+
+ran = False
+"""True once :func:`run` took a command line (the command may have failed since): ``probe.cli.main`` then
+exits without the interpreter's teardown."""
 
 _TEXT = ("text", "json")
 _TABLE = ("table", "json", "csv")
@@ -92,6 +96,8 @@ def run(args: List[str]) -> Optional[int]:
     if parsed is None:
         return None
     name, options, kwargs = parsed
+    global ran
+    ran = True
     from probe.cli.context import CliContext
     from probe.cli.output import chosen_format
     from probe.client.wording import use_cli_words
