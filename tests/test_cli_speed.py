@@ -3,6 +3,7 @@
 a command line read without click prints the same bytes, with the same exit code, as through click."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -147,7 +148,24 @@ def test_text_shown_as_it_is_without_the_pattern_is_exactly_what_the_pattern_lea
     of rendering a 65-thread backtrace here): no printable character is one that the patterns escape."""
     from probe.cli import render
 
-    for pattern in (render._CONTROL, render._CONTROL_IN_LINES):
+    for lines in (False, True):
+        pattern = render._pattern(lines)
         assert not [hex(c) for c in range(0x110000) if chr(c).isprintable() and pattern.search(chr(c))]
+    assert render.visible("a\tb\nc", lines=True) == "a\tb\nc"
     assert render.visible("a\u202eb\x1b[2J\tc\n", lines=True) == "a\\u202eb\\x1b[2J\tc\n"
     assert render.visible("a\tb") == "a\\tb"
+
+
+def test_the_readme_quotes_the_figures_of_the_cli_bench():
+    """README's figures of the command's speed are those of the last bench/bench_cli_speed.py run that
+    bench/RESULTS.md holds."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+        readme = " ".join(handle.read().split())
+    with open(os.path.join(REPO, "bench", "RESULTS.md"), encoding="utf-8") as handle:
+        runs = re.findall(r"^SUMMARY: backtrace ([\d.]+)x py-spy at 65 threads; backtrace ([\d.]+)x py-spy at 257 "
+                          r"threads; query ([\d.]+) ms \(main idle\)$", handle.read(), re.M)
+    assert runs, "no SUMMARY line of bench/bench_cli_speed.py in bench/RESULTS.md"
+    at65, at257, query = runs[-1]
+    quoted = ("`probe PID backtrace` at %s× py-spy's time with 65 threads and %s× with 257 (a busy main thread), "
+              "`probe PID query` on python.backtrace in %s ms" % (at65, at257, query))
+    assert quoted in readme, quoted
