@@ -8,7 +8,8 @@ compares with its peers measured in the same rounds.
    65 and 257 threads ~30 frames deep and a busy main thread (``--main spin``, ``PROBE=1``); and ``probe PID
    query "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"`` against that
    65-thread target and against one whose main thread is blocked (idle, the figure checked against the
-   goal); ``python -c pass`` in the same rounds. Interleaved (A B C ... C B A), after a
+   goal); ``python -c pass`` in the same rounds; and at 65 threads the backtrace read by click
+   (``PROBE_CLI_FAST=0``), as every command was before ``probe.cli.fast``. Interleaved (A B C ... C B A), after a
    warm-up round; medians, IQR, min-max and the per-round ratios.
 2. The same commands run by the same interpreter and packages without this machine's ``.pth`` start-up
    hooks in site-packages (``--no-clean-site`` leaves this out): a virtual environment in a temporary
@@ -48,6 +49,7 @@ from _common import REPO, Summary, Target, clean_env, header, interleave, summar
 SQL = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"
 GOAL_RATIO = {65: 1.0, 257: 0.5}
 GOAL_QUERY_MS = 50.0
+CLICK = "probe PID backtrace, read by click (PROBE_CLI_FAST=0)"
 QUERY_IDLE = "probe PID query SQL (main idle)"
 QUERY_BUSY = "probe PID query SQL (main busy)"
 HEAVY = ("click", "duckdb", "pyarrow", "probe.diagnose", "probe.cli.group")
@@ -219,6 +221,9 @@ def measure_threads(threads: int, depth: int, runs: int, clean: Optional[CleanSi
             "py-spy dump --pid PID": lambda: time_command([pyspy, "dump", "--pid", busy]),
             "python -c pass": lambda: time_command([sys.executable, "-c", "pass"]),
         }
+        if threads == 65:  # the same command read by click, as before probe.cli.fast
+            slow = dict(clean_env(), PROBE_CLI_FAST="0")
+            runners[CLICK] = lambda: time_command([probe, busy, "backtrace"], env=slow)
         sites = [("", probe, sys.executable)]
         if clean is not None:
             runners["clean site: probe PID backtrace"] = lambda: time_command([clean.probe, busy, "backtrace"])
@@ -248,6 +253,8 @@ def report_threads(threads: int, results: Dict[str, List[float]]) -> Dict[str, A
     print(summary_table(results))
     out: Dict[str, Any] = {}
     out["ratio"], _ = ratio_line(results, "probe PID backtrace", "py-spy dump --pid PID", GOAL_RATIO.get(threads))
+    if CLICK in results:
+        ratio_line(results, "probe PID backtrace", CLICK, None)
     if "clean site: probe PID backtrace" in results:
         out["clean_ratio"], _ = ratio_line(results, "clean site: probe PID backtrace", "py-spy dump --pid PID",
                                            GOAL_RATIO.get(threads))
