@@ -21,8 +21,7 @@ __all__ = ["Client", "connect", "ARROW_STREAM"]
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_TIMEOUT = 30.0
-_GRACE_S = 0.05  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
-_QUEUE_WAIT_S = 0.3  # how long a connect may wait in a full backlog before the client looks at the process
+_GRACE_S = 0.3  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
 _STALE_S = 0.45  # a heartbeat older than this is worth a look before connecting (= outside.STALE_TRIGGER_S)
 
 
@@ -138,7 +137,7 @@ class Client:
         while True:
             try:
                 return transport.send_request(self.target.address, method, path, payload, headers, timeout,
-                                              queue_wait=_QUEUE_WAIT_S)
+                                              queue_wait=_GRACE_S)
             except transport.QueueFull:
                 pass
             from probe.client import outside
