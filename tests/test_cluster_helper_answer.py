@@ -172,7 +172,8 @@ def test_an_answer_that_cannot_be_used_is_refused_with_the_helper_named(what: st
 
 
 def test_a_bad_token_file_is_not_shown() -> None:
-    with fake_helper(200, _answer([_member(0, 9700, world_size=1)], token_file="/tmp/x\x1b]52;c;aGk=\x07" + "y" * 5000)) as helper:
+    bad = "/tmp/x\x1b]52;c;aGk=\x07" + "y" * 5000
+    with fake_helper(200, _answer([_member(0, 9700, world_size=1)], token_file=bad)) as helper:
         result = _cli(helper.target, "ranks")
     assert "Traceback" not in result.err, result.err
     assert result.code == 0, (result.code, result.err)
