@@ -92,6 +92,37 @@ class CliContext:
         self._cluster = cluster
         return cluster
 
+    def master_port(self) -> Optional[int]:
+        """The port of the one target where it is written HOST:PORT (a job's master, or one agent), else None."""
+        targets = self.targets or ([os.environ["PROBE_TARGET"]] if os.environ.get("PROBE_TARGET") else [])
+        if len(targets) != 1 or targets[0].strip().startswith(("slurm:", "snapshot:")):
+            return None
+        from probe.client.targets import parse_target
+
+        try:
+            parsed = parse_target(targets[0])
+        except ProbeError:
+            return None
+        if parsed.pid is None and parsed.core is None and hasattr(parsed.address, "port"):
+            return int(parsed.address.port)
+        return None
+
+    def try_job_at_master(self) -> bool:
+        """Whether the one HOST:PORT target is a job's master with a node helper answering beside it (then
+        ``cluster()`` is its ranks); where only one agent answers there, the command goes on for that one."""
+        from probe.errors import ConnectError
+
+        if self.master_port() is None:
+            return False
+        self.all_ranks = True
+        try:
+            self.cluster()
+            return True
+        except (ConnectError, UsageError):
+            self.all_ranks = False
+            self._cluster = None
+            return False
+
     def clients(self) -> List[Client]:
         import os
 

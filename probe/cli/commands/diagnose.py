@@ -11,7 +11,7 @@ from probe.cli.context import CliContext, pass_cli
 from probe.cli.options import TEXT, Seconds, output_format
 from probe.cli.output import emit, say
 from probe.cli.render import visible
-from probe.errors import ConnectError, ProbeError, UsageError
+from probe.errors import UsageError
 
 
 @click.command("diagnose")
@@ -90,25 +90,13 @@ def _target(cli: CliContext) -> Tuple[Any, bool, Callable[[Optional[Sequence[int
     """The job (a Cluster) or the one process (a Client), whether it is one process, and how to write a
     probe command that reaches the same ranks."""
     from probe.client.cluster import compact_ranks
-    from probe.client.targets import parse_target
 
     targets = list(cli.targets)
     quoted = " ".join(shlex.quote(t) for t in targets)
     job = cli.is_cluster or len(targets) > 1 or (len(targets) == 1 and
                                                  targets[0].strip().startswith(("slurm:", "snapshot:")))
     if not job and len(targets) == 1:
-        try:
-            parsed = parse_target(targets[0])
-        except ProbeError:
-            parsed = None
-        if parsed is not None and parsed.pid is None and parsed.core is None and hasattr(parsed.address, "port"):
-            try:  # HOST:PORT: a job's master where a node helper answers beside it, else one agent
-                cli.all_ranks = True
-                cluster = cli.cluster()
-                job = True
-            except (ConnectError, UsageError):
-                cli.all_ranks = False
-                cli._cluster = None
+        job = cli.try_job_at_master()
     if job:
         cli.all_ranks = cli.all_ranks or not cli.hosts and cli.ranks is None
         cluster = cli.cluster()

@@ -12,7 +12,7 @@ import click
 from probe.cli.context import PARTIAL, CliContext, pass_cli
 from probe.cli.options import TEXT, output_format
 from probe.cli.output import emit, say
-from probe.errors import ConnectError, ProbeError, UsageError
+from probe.errors import UsageError
 
 DEFAULT_DEADLINE_S = 20.0
 
@@ -81,27 +81,13 @@ def render(path: str, meta: Any, total: int) -> List[str]:
 
 def _ranks(cli: CliContext) -> Tuple[List[Tuple[Any, _Rank]], str, List[str]]:
     """(client, rank) pairs to record, the job's name in the snapshot's id, and the secrets not to write."""
-    from probe.client.targets import parse_target
     from probe.snapshot.store import job_id
 
     targets = list(cli.targets) or ([os.environ["PROBE_TARGET"]] if os.environ.get("PROBE_TARGET") else [])
     job = cli.is_cluster or len(targets) > 1 or (len(targets) == 1 and targets[0].strip().startswith("slurm:"))
-    port: Optional[int] = None
-    if len(targets) == 1 and not targets[0].strip().startswith("slurm:"):
-        try:
-            parsed = parse_target(targets[0])
-        except ProbeError:
-            parsed = None
-        if parsed is not None and parsed.pid is None and parsed.core is None and hasattr(parsed.address, "port"):
-            port = parsed.address.port
-            if not job:
-                try:  # HOST:PORT: a job's master where a node helper answers beside it, else one agent
-                    cli.all_ranks = True
-                    cli.cluster()
-                    job = True
-                except (ConnectError, UsageError):
-                    cli.all_ranks = False
-                    cli._cluster = None
+    port = cli.master_port() if len(targets) == 1 else None
+    if not job and port is not None:
+        job = cli.try_job_at_master()
     if job:
         cli.all_ranks = cli.all_ranks or not cli.hosts and cli.ranks is None
         cluster = cli.cluster()
