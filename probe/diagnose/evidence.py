@@ -155,6 +155,20 @@ def _exited(pid: Optional[int]) -> bool:
         return False
 
 
+def _died_without_a_word(ev: RankEvidence, pid: int) -> bool:
+    """A process that is gone and whose agent's crash record holds its header alone: it existed, and died
+    with no handler run (SIGKILL, the OOM killer, os._exit; a clean exit removes the record). ``ev.why``
+    then says so, as for a rank that died with its stacks."""
+    from probe.reader import crash
+
+    record = crash.dead_record(pid)
+    if record is None:
+        return False
+    ev.why = "process %d is dead: %s -- its exit status, or the kernel log (OOM killer), may say more" % (
+        pid, record.cause)
+    return True
+
+
 def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     """What the error says of a rank that did not answer: its state, why, and the stacks that came with it."""
     from probe.client import client as client_module
@@ -173,7 +187,8 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
         ev.state = "no_agent"
     elif isinstance(exc, (Timeout, AgentBlocked)):
         ev.state = "no_answer"
-    elif isinstance(exc, ConnectError) and local_pid is not None and _exited(local_pid):
+    elif isinstance(exc, ConnectError) and local_pid is not None and (_exited(local_pid) or
+                                                                        _died_without_a_word(ev, local_pid)):
         ev.state = "dead"
     else:
         ev.state = "unreachable"

@@ -273,8 +273,15 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     # 1-2. Ranks that cannot answer, dead first.
     for state in ("dead", "gil_held", "stopped", "no_answer", "unreachable"):
         group = [r for r in silent if ranks[r].state == state]
+        if state == "dead":  # ranks die of one rank's death (the launcher's SIGTERM, a lost peer): that one first
+            group.sort(key=lambda r: _died_of_another(ranks[r]))
+            first_deaths = [r for r in group if not _died_of_another(ranks[r])]
         for r in group:
-            verdicts.append(_cannot_answer(ranks[r], who([r]), in_collective, who, command, single))
+            verdict = _cannot_answer(ranks[r], who([r]), in_collective, who, command, single)
+            if state == "dead" and first_deaths and _died_of_another(ranks[r]):
+                verdict.summary += ("; most likely of the death of %s (its launcher's SIGTERM to the others, or a "
+                                    "collective's lost peer)" % who(first_deaths))
+            verdicts.append(verdict)
 
     # 3. Collective hang: Flight Recorder first, else stacks; only where every rank answers (otherwise the
     # ranks that cannot answer are the reason, and their verdicts name the waiting ones).
@@ -349,6 +356,13 @@ def _cause_first(verdicts: List[Verdict], who: Callable[[Sequence[int]], str]) -
         for cause in causes:
             verdicts.remove(cause)
             verdicts.insert(verdicts.index(hang), cause)
+
+
+def _died_of_another(ev: RankEvidence) -> bool:
+    """A dead rank whose death is how ranks die of another's: SIGTERM (a launcher ends the others so), an
+    uncaught exception (a collective whose peer is gone raises one)."""
+    why = ev.why or ""
+    return ev.state == "dead" and ("SIGTERM (terminated)" in why or ": uncaught exception: " in why)
 
 
 def _cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], who: Callable[[Sequence[int]], str],

@@ -290,8 +290,13 @@ class Watch:
             deaths.append((found.died_at or float("inf"), member.rank, found.cause))
         if not deaths:
             return None
-        _, rank, cause = min(deaths)  # the first to die: the others often die of its death (a closed connection)
-        return "rank %d died: %s" % (rank, cause)
+        # The first to die: the others often die of its death (an exception of a closed connection, or the
+        # launcher's SIGTERM to the rest), so these come after any other death, though a death without a word
+        # (SIGKILL, the OOM killer) has no time of its own.
+        deaths.sort(key=lambda d: (consequence_of_another(d[2]), d[0], d[1]))
+        (_, rank, cause), rest = deaths[0], deaths[1:]
+        also = "; then %s" % ", ".join("rank %d: %s" % (r, c.split(":")[0]) for _, r, c in rest[:3]) if rest else ""
+        return "rank %d died: %s%s%s" % (rank, cause, also, ", ..." if len(rest) > 3 else "")
 
     def _record_death(self, members: List[Any], why: str) -> Optional[str]:
         """Record the node at a rank's death, no stall recorded before it: what the ranks still alive show
@@ -470,6 +475,13 @@ class Watch:
         if not self._complained.get(key):
             self._complained[key] = True
             self._log(line)
+
+
+def consequence_of_another(cause: str) -> bool:
+    """Whether a death of this cause is how ranks die of another rank's death: the launcher's SIGTERM to the
+    rest, or an uncaught exception (a collective whose peer is gone raises one). Other signals, a death
+    without a word, and os._exit are a rank's own."""
+    return cause == "SIGTERM (terminated)" or cause.startswith("uncaught exception")
 
 
 def _forget(seen: Optional[_Rank]) -> None:
