@@ -284,8 +284,10 @@ def healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, An
         return None
     made = {r: progress[r]["optimizer_steps"] for r in counted}
     rate = min(made.values()) / window if window > 0 else 0.0
-    evidence = [Evidence("step counter: %d-%d optimizer steps in %.1f s on %s (about %.1f steps/s); %s" % (
-        min(made.values()), max(made.values()), window, who(counted), rate, steps_text(last, counted, who)),
+    low, high = min(made.values()), max(made.values())
+    steps = "%d" % low if low == high else "%d-%d" % (low, high)
+    evidence = [Evidence("step counter: %s optimizer step%s in %.1f s on %s (about %.1f steps/s); %s" % (
+        steps, "" if steps == "1" else "s", window, who(counted), rate, steps_text(last, counted, who)),
         _command(command), counted, _rows(last, counted))]
     spread = spread_evidence(last, counted, who, command)
     if spread is not None:
