@@ -76,6 +76,8 @@ def test_list_and_ranks_import_no_click_either(tmp_path):
     modules, done = _modules(tmp_path, "list", "--agents-only")
     assert done.returncode == 0, done.stderr
     assert _heavy(modules, ALWAYS_HEAVY) == []
+    # of the injector, its scan and its package records only: not gdb's driver (~18 ms of imports)
+    assert _heavy(modules, {"probe.injector.inject", "probe.injector.gdb", "probe.injector.methods"}) == []
     with ranks_of(tmp_path, 1) as job:
         deadline = time.monotonic() + scaled(30)
         while True:  # the node helper is the rank's to start
