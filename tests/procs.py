@@ -107,6 +107,10 @@ def target_env(probe: bool = True, **extra: str) -> Dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     if probe:
         env["PROBE"] = "1"
+    # The suite's tests of SQL in the agent (its limits, interrupts, memory guard, audit trail, the fan-out
+    # through node helpers) keep DuckDB there; by default an agent leaves such queries to the client
+    # (tests/test_sql_placement.py, which passes PROBE_SQL_IN_AGENT="").
+    env["PROBE_SQL_IN_AGENT"] = "1"
     env.update(extra)
     return env
 

@@ -38,6 +38,20 @@ SQL_QUIET_S = _quiet_s()
 """Seconds without a query after which DuckDB's database is closed and its memory handed back
 (``PROBE_SQL_QUIET``, default 60; 0: never)."""
 
+
+def _sql_in_agent() -> Optional[bool]:
+    """``PROBE_SQL_IN_AGENT``: 1 runs every query in the agent (DuckDB and pyarrow load into the target,
+    some 100 MB), 0 never; unset (or anything else): only where the program imported both itself."""
+    value = os.environ.get("PROBE_SQL_IN_AGENT", "").strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    return None
+
+
+SQL_IN_AGENT = _sql_in_agent()
+
 __all__ = ["Agent"]
 
 
@@ -250,6 +264,15 @@ class Agent:
         except (ImportError, ValueError):
             return False
 
+    def sql_here(self) -> bool:
+        """Whether a query the agent cannot answer in Python (``probe.engine.simple``) runs here, in DuckDB:
+        when ``PROBE_SQL_IN_AGENT=1``, when the engine is built already, or, unless ``PROBE_SQL_IN_AGENT=0``,
+        when the program itself imported DuckDB and pyarrow (they cost nothing more then). Otherwise the
+        client runs it over the rows of the tables it names, and the target never loads them."""
+        if self._engine is not None or SQL_IN_AGENT:
+            return True
+        return SQL_IN_AGENT is None and "duckdb" in sys.modules and "pyarrow" in sys.modules
+
     def engine(self) -> Any:
         """The engine, built on the first query (this is where DuckDB and pyarrow get imported). A request
         that runs a query holds it with :meth:`hold_engine` instead, so that it is not released meanwhile."""
@@ -295,6 +318,11 @@ class Agent:
             if not self.sql_available():
                 raise SQLUnavailable("this process cannot import DuckDB and pyarrow, so it cannot run SQL "
                                      "itself", hint="the probe client runs such queries on its side")
+            if not self.sql_here():
+                raise SQLUnavailable("this query needs DuckDB, which the agent does not load into this process "
+                                     "(with pyarrow, some 100 MB) unless PROBE_SQL_IN_AGENT=1 is set where it "
+                                     "starts", hint="the probe client runs such queries on its side, over the rows "
+                                                    "of the tables they name")
             from probe.agent.limits import Ceilings
             from probe.engine import Engine
 

@@ -67,7 +67,8 @@ def health(agent: "Agent", request: Request) -> Response:
         "tcp_reach": _reachable(agent.tcp_address),
         "token_file": getattr(agent, "token_file", None) if agent.tcp_address else None,
         "tcp_error": getattr(agent, "tcp_error", None),
-        "capabilities": {"sql": agent.sql_available(), "arrow": _available("pyarrow"),
+        "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
+                         "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
         "limits": {"query_timeout_s": agent.options.query_timeout, "eval_timeout_s": agent.options.eval_timeout,
                    "max_rows": agent.options.max_rows, "max_result_bytes": agent.options.max_result_bytes,
@@ -114,13 +115,19 @@ def rows(agent: "Agent", request: Request) -> Response:
     spec = get_table(name)
     if spec is None:
         raise NotFound("no table named %r" % name, hint="list the tables with `probe TARGET tables`")
+    cap = _optional_count(body, "max_rows")  # a client running SQL over the table asks for at most this many
+    if cap is not None:
+        cap = min(cap, max(agent.options.max_rows, _ceilings().max_rows))
     hold = _budget(agent).hold()
     try:
         with work_slot(agent.options.query_timeout), fast_switching():
             data = produce_rows(spec)
+            cut = cap is not None and len(data) > cap
+            if cut:
+                data = data[:cap]
             columns = [{"name": c.name, "type": c.type} for c in spec.columns]
             chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
-            payload = _json_rows({"table": name, "columns": columns, "truncated": False}, chunks, hold,
+            payload = _json_rows({"table": name, "columns": columns, "truncated": cut}, chunks, hold,
                                  2 * agent.options.max_result_bytes)
     except BaseException:
         hold.release()
@@ -184,12 +191,12 @@ def query(agent: "Agent", request: Request) -> Response:
 
 
 def _simple_plan(agent: "Agent", sql: str) -> Any:
-    """The plan of a query simple enough to answer without DuckDB and pyarrow (``probe.engine.simple``),
-    where this process could load them (elsewhere the client runs SQL, as before); else None."""
+    """The plan of a query simple enough to answer without DuckDB and pyarrow (``probe.engine.simple``);
+    else None."""
     from probe.engine.simple import plan
 
     the_plan = plan(sql)
-    return the_plan if the_plan is not None and get_table(the_plan.table) is not None and agent.sql_available() else None
+    return the_plan if the_plan is not None and get_table(the_plan.table) is not None else None
 
 
 def _simple_answer(the_plan: Any, max_rows: int, max_bytes: int) -> Any:
@@ -217,6 +224,10 @@ def interrupt_query(agent: "Agent", request: Request) -> Response:
     query_id = _optional_id(request.json())
     if query_id is None:
         raise BadRequest("give the query's id as {\"id\": \"...\"}")
+    if not agent.sql_here():
+        # No query runs in DuckDB here (the client runs them; the simplest are answered at once): nothing to
+        # stop, and DuckDB is not loaded for an interrupt.
+        return Response.json({"id": query_id, "state": "finished"})
     # The engine is built by the first query: an interrupt that overtakes that query builds it too.
     engine = agent.hold_engine()
     try:

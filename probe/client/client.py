@@ -43,7 +43,7 @@ class Client:
         """Set when the last answer did not come from the agent: where it came from, and why."""
         self._token = token
         self._token_sought = token is not None or not target.is_tcp  # see _call
-        self._local_sql = False  # set once the agent said it cannot run SQL itself
+        self._local_queries: Dict[str, Any] = {}  # query_id -> the engine running it here (see interrupt_query)
         self.helper: Optional[Any] = None
         """A rank's host helper (``probe.client.helped.HostHelper``), asked why the rank is slow to answer."""
         self.remote_pid: Optional[int] = None  # the rank's pid on its host, for its helper
@@ -299,10 +299,14 @@ class Client:
     def schema(self, name: str) -> TableInfo:
         return TableInfo.from_json(self._json("GET", "/v1/tables/%s" % name))
 
-    def table_rows(self, name: str) -> Rows:
-        """Every row of one table, as the agent produces it (no SQL involved)."""
-        raw = self._json("POST", "/v1/rows", {"table": name})
-        return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], False)
+    def table_rows(self, name: str, max_rows: Optional[int] = None) -> Rows:
+        """Every row of one table, as the agent produces it (no SQL involved); at most ``max_rows`` (an
+        agent caps it at its own ceiling): ``truncated`` says the table had more."""
+        body: Dict[str, Any] = {"table": name}
+        if max_rows is not None:
+            body["max_rows"] = max_rows
+        raw = self._json("POST", "/v1/rows", body)
+        return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], bool(raw.get("truncated")))
 
     def backtrace(self, native: bool = False) -> List[Frame]:
         """Every thread's stack, innermost frame first within each thread (the rows of python.backtrace).
@@ -375,21 +379,20 @@ class Client:
         self.note = None
         if self.target.core is not None or native:
             return rows_of(self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None))
-        if not self._local_sql:
-            body = _query_body(sql, max_rows, timeout, query_id)
-            try:
-                raw = self._json("POST", "/v1/query", body, timeout=self._answer_wait(timeout, 10.0))
-                return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"],
-                            bool(raw.get("truncated")), (raw.get("limits") or {}).get("max_rows"))
-            except SQLUnavailable:
-                self._local_sql = True
-            except ProbeError as exc:
-                stacks = _outside_stacks(exc, agentless=True)
-                if stacks is None:
-                    raise
-                self.note = _note_for(exc, stacks)
-                return rows_of(self._sql_on_stacks(sql, stacks, max_rows, timeout, exc))
-        return rows_of(self.query(sql, max_rows=max_rows, timeout=timeout))
+        body = _query_body(sql, max_rows, timeout, query_id)
+        try:
+            raw = self._json("POST", "/v1/query", body, timeout=self._answer_wait(timeout, 10.0))
+            return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"],
+                        bool(raw.get("truncated")), (raw.get("limits") or {}).get("max_rows"))
+        except SQLUnavailable:
+            pass  # asked again next time: the agent may run SQL itself later (its program imported DuckDB)
+        except ProbeError as exc:
+            stacks = _outside_stacks(exc, agentless=True)
+            if stacks is None:
+                raise
+            self.note = _note_for(exc, stacks)
+            return rows_of(self._sql_on_stacks(sql, stacks, max_rows, timeout, exc))
+        return rows_of(self._run_locally(sql, max_rows, timeout, query_id))
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
               native: bool = False, query_id: Optional[str] = None) -> Any:
@@ -399,20 +402,25 @@ class Client:
         self.note = None
         if self.target.core is not None or native:
             return self._sql_on_stacks(sql, self._outside(native), max_rows, timeout, None)
-        if not self._local_sql:
-            try:
-                return self._query_arrow(sql, max_rows, timeout, query_id)
-            except SQLUnavailable:
-                self._local_sql = True
-            except ProbeError as exc:
-                stacks = _outside_stacks(exc, agentless=True)
-                if stacks is None:
-                    raise
-                self.note = _note_for(exc, stacks)
-                return self._sql_on_stacks(sql, stacks, max_rows, timeout, exc)
+        try:
+            return self._query_arrow(sql, max_rows, timeout, query_id)
+        except SQLUnavailable:
+            pass  # asked again next time, as in query_rows
+        except ProbeError as exc:
+            stacks = _outside_stacks(exc, agentless=True)
+            if stacks is None:
+                raise
+            self.note = _note_for(exc, stacks)
+            return self._sql_on_stacks(sql, stacks, max_rows, timeout, exc)
+        return self._run_locally(sql, max_rows, timeout, query_id)
+
+    def _run_locally(self, sql: str, max_rows: Optional[int], timeout: Optional[float],
+                     query_id: Optional[str]) -> Any:
+        """The query run here over the rows of the tables it names: the agent leaves DuckDB out of its
+        process (or cannot import it). ``note`` says where it ran, and which table the agent cut."""
         from probe.client.local_sql import run_locally
 
-        return run_locally(self, sql, max_rows, timeout)
+        return run_locally(self, sql, max_rows, timeout, query_id)
 
     def _sql_on_stacks(self, sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float],
                        why: Optional[ProbeError]) -> Any:
@@ -423,6 +431,9 @@ class Client:
     def interrupt_query(self, query_id: str) -> str:
         """Stop the query sent with ``query_id`` in the agent: ``interrupted``, ``finished`` (it had
         ended) or ``cancelled`` (it had not started: it will stop when it does)."""
+        engine = self._local_queries.get(query_id)
+        if engine is not None:  # run here, over the agent's rows
+            return str(engine.interrupt(query_id))
         return str(self._json("POST", "/v1/query/interrupt", {"id": query_id}, timeout=5.0).get("state"))
 
     def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float],

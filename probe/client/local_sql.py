@@ -1,37 +1,138 @@
-"""SQL run by the client, in the same locked-down engine the agent would use: for agents whose process
-cannot import DuckDB or pyarrow (the agent still produces its tables' raw rows; the client fetches the
-tables a query names), over stacks read from outside, and over a job's member list (``cluster.ranks``).
+"""SQL run by the client, in the same locked-down engine the agent would use: for agents that leave
+DuckDB and pyarrow out of their process (the default, unless the program imported both itself or
+``PROBE_SQL_IN_AGENT=1``) or cannot import them (the agent still produces its tables' raw rows; the
+client fetches the tables a query names), over stacks read from outside, and over a job's member list
+(``cluster.ranks``).
 """
 
 import re
-from typing import TYPE_CHECKING, Any, Optional
+import threading
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from probe.client.results import Rows
 
 if TYPE_CHECKING:
     from probe.client.client import Client
 
-__all__ = ["run_locally", "run_on_stacks", "run_on_members", "names_members", "rows_of"]
+__all__ = ["TABLE_ROWS", "run_locally", "run_on_stacks", "run_on_members", "names_members", "rows_of"]
 
 
-def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float]) -> Any:
-    from probe.engine import Engine
-    from probe.errors import NotFound
+TABLE_ROWS = 100_000
+"""The most rows of one table the client asks an agent for to run SQL over it (more when a query's own
+``max_rows`` is larger; an agent caps it at its ``--max-rows`` ceiling). A table cut there makes the
+result ``truncated``, and the client's ``note`` names it."""
+MAX_ROWS, TIMEOUT_S = 100_000, 10.0  # a query's limits here unless it asks for others, as an agent's defaults
+MAX_ROWS_CEILING, TIMEOUT_CEILING_S = 1_000_000, 60.0  # how far it may raise them, as an agent's ceilings
+_KEPT = 4  # engines kept for later queries (tables of one name but other columns need another engine)
+
+_kept: List[Any] = []
+_kept_lock = threading.Lock()
+_parser: List[Any] = []
+_current = threading.local()  # the tables of the query this thread runs
+
+
+def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
+                query_id: Optional[str] = None) -> Any:
+    """``sql`` run here, in the same locked-down engine as an agent's, over the rows of the tables it
+    names, fetched from the agent (``/v1/rows``): for agents that leave DuckDB out of their process, or
+    cannot import it. ``query_id`` lets :meth:`Client.interrupt_query` stop it. One engine serves every
+    query of this process that it can (opening one costs ~25 ms, a query over small tables ~2 ms)."""
+    from probe.engine.sandbox import _check_size
+    from probe.errors import NotFound, Timeout, TooLarge
     from probe.tables.arrow import to_arrow
 
-    def fetch(name: str) -> Any:
+    _check_size(sql)
+    ask = max(max_rows or 0, TABLE_ROWS)
+    tables: Dict[str, Any] = {}
+    cut: List[str] = []
+    for name in sorted(_named_tables(sql)):
+        if "." not in name:
+            continue  # a CTE or an unqualified name: DuckDB resolves (or rejects) it itself
         try:
-            rows = client.table_rows(name)
+            rows = client.table_rows(name, max_rows=ask)
         except NotFound:
-            return None
-        return to_arrow(rows.columns, [_revive(rows.columns, r) for r in rows.rows])
-
-    engine = Engine(fetch)
+            continue  # DuckDB's own "does not exist" error names it
+        except TooLarge as exc:
+            raise TooLarge("%s: %s, whose rows the client fetches to run this query on its side"
+                           % (exc.message, name),
+                           hint="run the query in the agent instead (PROBE_SQL_IN_AGENT=1 where the target "
+                                "starts: DuckDB loads there)") from None
+        if rows.truncated:
+            cut.append(name)
+        tables[name] = to_arrow(rows.columns, [_revive(rows.columns, r) for r in rows.rows])
+    engine, kept = _engine_for(tables)
+    if query_id is not None:
+        client._local_queries[query_id] = engine
+    _current.tables = tables
+    limit = min(TIMEOUT_S if timeout is None else timeout, TIMEOUT_CEILING_S)
     try:
-        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
+        result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
+                              timeout=limit, query_id=query_id)
+    except Timeout:
+        raise Timeout("query interrupted: stopped, or past its time limit of %g s (it ran in the probe client, over "
+                      "the rows the agent sent)" % limit,
+                      hint="narrow the query, or raise the limit with --query-timeout (up to %g s)"
+                      % TIMEOUT_CEILING_S) from None
     finally:
+        _current.tables = None
+        if query_id is not None:
+            client._local_queries.pop(query_id, None)
+        if not kept:
+            engine.close()
+    if cut:
+        client.note = ("run here over the rows the agent sent, and it sent the first %s rows of %s only: the "
+                       "result may be incomplete (PROBE_SQL_IN_AGENT=1 where the target starts runs SQL there, "
+                       "over every row)" % ("{:,}".format(ask), ", ".join(cut)))
+    truncated = result.truncated or bool(cut)
+    return result.table.replace_schema_metadata({"probe.truncated": "true" if truncated else "false"})
+
+
+def _current_table(name: str) -> Any:
+    return (getattr(_current, "tables", None) or {}).get(name)
+
+
+def _engine_for(tables: Dict[str, Any]) -> Tuple[Any, bool]:
+    """(an engine for a query over ``tables``, whether it is kept): one kept already whose views have
+    these tables' columns, else a new one, kept while fewer than ``_KEPT`` are."""
+    from probe.engine import Engine
+
+    with _kept_lock:
+        for engine in _kept:
+            if engine.adopt(tables):
+                return engine, True
+        engine = Engine(_current_table, max_rows=MAX_ROWS_CEILING, timeout=TIMEOUT_CEILING_S)
+        engine.adopt(tables)  # its views made now, before another thread can make them of other columns
+        if len(_kept) >= _KEPT:
+            return engine, False
+        if not _kept:
+            import atexit
+
+            atexit.register(_close_kept)
+        _kept.append(engine)
+        return engine, True
+
+
+def _close_kept() -> None:
+    with _kept_lock:
+        engines, _kept[:] = list(_kept), []
+    for engine in engines:
         engine.close()
-    return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false"})
+
+
+def _named_tables(sql: str) -> Set[str]:
+    """The tables ``sql`` names (DuckDB's parser on an empty database of its own; see referenced_tables)."""
+    import duckdb
+
+    from probe.engine.sandbox import referenced_tables
+
+    with _kept_lock:
+        if not _parser:
+            _parser.append(duckdb.connect(":memory:", config={"enable_external_access": False, "threads": 1}))
+        cursor = _parser[0].cursor()
+    try:
+        return referenced_tables(sql, cursor)
+    finally:
+        cursor.close()
 
 
 def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float], why: Any,

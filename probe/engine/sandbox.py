@@ -125,6 +125,7 @@ class Engine:
         self._active_cond = threading.Condition()
         self._closing = False
         self._views: Set[str] = set()
+        self._view_schemas: Dict[str, Any] = {}  # name -> the Arrow schema its view was made with
         self._checked: "OrderedDict[str, _Parsed]" = OrderedDict()  # sql -> what the parser said of it
         self._checked_lock = threading.Lock()  # held for dict operations only (str keys: no foreign code)
         self._watchdog = Watchdog()
@@ -356,21 +357,40 @@ class Engine:
             out[name] = data
         return out
 
+    def adopt(self, tables: Dict[str, Any]) -> bool:
+        """Whether this engine can run queries over ``tables`` (name -> Arrow table; a client that keeps one
+        engine for the queries it runs over agents' rows asks this first): every table it has a view of
+        must come with the schema the view was made with. Views of the others are made now."""
+        with self._lock:
+            for name, data in tables.items():
+                known = self._view_schemas.get(name)
+                if known is not None and not known.equals(data.schema):
+                    return False
+            for name, data in tables.items():
+                if name not in self._views:
+                    self._create_view(name, data)
+        return True
+
     def _ensure_view(self, name: str, data: Any) -> None:
         if name in self._views:
             return
         with self._lock:
             if name in self._views:
                 return
-            schema, table = name.split(".", 1)
-            hidden = _hidden_name(name)
-            # The view binds at creation, so an empty placeholder of the same schema stands in; each
-            # query's cursor registers the real data under the same name.
-            self._con.register(hidden, data.slice(0, 0))
-            self._con.execute('CREATE SCHEMA IF NOT EXISTS "%s"' % schema)
-            self._con.execute('CREATE OR REPLACE VIEW "%s"."%s" AS SELECT * FROM %s' % (schema, table, hidden))
-            self._con.fetchall()
-            self._views.add(name)
+            self._create_view(name, data)
+
+    def _create_view(self, name: str, data: Any) -> None:
+        """The view ``name`` over the per-cursor registration of its data; called with ``_lock`` held."""
+        schema, table = name.split(".", 1)
+        hidden = _hidden_name(name)
+        # The view binds at creation, so an empty placeholder of the same schema stands in; each
+        # query's cursor registers the real data under the same name.
+        self._con.register(hidden, data.slice(0, 0))
+        self._con.execute('CREATE SCHEMA IF NOT EXISTS "%s"' % schema)
+        self._con.execute('CREATE OR REPLACE VIEW "%s"."%s" AS SELECT * FROM %s' % (schema, table, hidden))
+        self._con.fetchall()
+        self._view_schemas[name] = data.schema
+        self._views.add(name)
 
     def _run(self, cursor: Any, parsed: "_Parsed", cap: int, byte_cap: int,
              reserve: Optional[Reserve]) -> "tuple[Any, bool]":
