@@ -1,7 +1,15 @@
-"""A busy process whose GIL moves among threads, whose agent runs a long snippet, or whose C calls keep the
-GIL 0.12 s at a time, is never called blocked: what the rule that tells a GIL-held process must never
-get wrong, however quick it is made (issue 24). Its speed is measured in bench/bench_outside.py.
+"""The first look at a process whose GIL a C call keeps is decided from what the kernel already says (the
+agent's accept thread waiting for the GIL again and again, the holder never letting go), not by waiting
+out grace periods; and a busy process whose GIL moves, whose agent runs a long snippet, or whose C
+calls keep the GIL 0.12 s at a time, is never called blocked.
+
+Timed in this process with the client library (``probe.connect(pid).backtrace()``), so the command's
+own start-up does not count: the waits that the rule replaced alone took 0.3 s (grace), up to 0.45 s (a
+stale heartbeat) and 0.35 s (the watch) on every first look.
 """
+
+import os
+import time
 
 import pytest
 
@@ -9,6 +17,71 @@ import probe
 from procs import run_cli, scaled
 
 pytest.importorskip("pystack", reason="reading from outside needs pystack or py-spy")
+
+FIRST_LOOK_S = 0.6  # the rule it replaced could not decide in less than ~0.75 s (now ~0.3 s)
+LATER_LOOK_S = 0.15  # nor a look 0.5-2 s later in less than 0.35 s and two reads (now one read: ~15 ms)
+
+
+def _in_sleep(pid: int) -> bool:
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as handle:
+            return handle.read().split()[0] in ("35", "230")
+    except (OSError, IndexError):
+        return False
+
+
+def _heartbeat_age(pid: int) -> float:
+    from probe import _paths
+
+    return time.time() - os.stat(_paths.socket_path(pid)).st_mtime
+
+
+def test_a_gil_held_process_is_called_blocked_at_the_first_look_and_the_next(target_factory):
+    proc = target_factory("hung.py", "gil")
+    deadline = time.monotonic() + scaled(10)
+    while not _in_sleep(proc.pid):
+        assert time.monotonic() < deadline, "the target never entered its sleep"
+        time.sleep(0.01)
+    client = probe.connect(str(proc.pid))
+    started = time.monotonic()
+    frames = client.backtrace()
+    first = time.monotonic() - started
+    assert client.note and "holds the GIL in hold_gil" in client.note, client.note
+    assert any(f.func == "hold_gil" for f in frames)
+    while _heartbeat_age(proc.pid) < 0.6:  # a later look, while the heartbeat is neither fresh nor old
+        time.sleep(0.02)
+    started = time.monotonic()
+    client.backtrace()
+    later = time.monotonic() - started
+    assert client.note and "holds the GIL" in client.note, client.note
+    assert first < FIRST_LOOK_S, "first look took %.2f s" % first
+    assert later < LATER_LOOK_S, "a look %.1f s after the last beat took %.2f s" % (_heartbeat_age(proc.pid), later)
+
+
+def test_what_one_look_saw_holds_for_the_next_only_while_the_holder_keeps_the_gil(target_factory):
+    """The first look keeps the holder's id and its count of voluntary switches beside the agent's
+    socket; once the holder let go (hung.py gil_for: 3 s in C, then time.sleep in Python), the record
+    decides nothing: the agent answers."""
+    from probe import _paths
+
+    proc = target_factory("hung.py", "gil_for", "3")
+    deadline = time.monotonic() + scaled(10)
+    while not _in_sleep(proc.pid):
+        assert time.monotonic() < deadline, "the target never entered its sleep"
+        time.sleep(0.01)
+    client = probe.connect(str(proc.pid))
+    client.backtrace()
+    assert client.note and "holds the GIL in hold_gil" in client.note, client.note
+    record = _paths.socket_path(proc.pid) + ".held"
+    assert os.path.exists(record)
+    deadline = time.monotonic() + scaled(15)
+    while True:
+        client.backtrace()
+        if client.note is None:
+            break
+        assert time.monotonic() < deadline, "the agent never answered after the holder let go: %s" % client.note
+        time.sleep(0.2)
+    assert client.eval("6 * 7").value == "42"
 
 
 def test_a_busy_process_whose_gil_moves_is_never_called_blocked(target_factory):

@@ -21,7 +21,8 @@ __all__ = ["Client", "connect", "ARROW_STREAM"]
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"
 DEFAULT_TIMEOUT = 30.0
-_GRACE_S = 0.3  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
+_GRACE_S = 0.05  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
+_QUEUE_WAIT_S = 0.3  # how long a connect may wait in a full backlog before the client looks at the process
 _STALE_S = 0.45  # a heartbeat older than this is worth a look before connecting (= outside.STALE_TRIGGER_S)
 
 
@@ -101,22 +102,23 @@ class Client:
 
         pid, socket_path = self.target.pid, self.target.address.path  # type: ignore[union-attr]
         assert pid is not None
+        quick = method == "GET" and path == "/v1/backtrace"  # answered from outside as well: decided quickly
         age = _heartbeat_age(socket_path)
         if self.wait is None and age > _STALE_S:  # its accept thread missed a beat: look before connecting
             from probe.client import outside
 
             early = (outside.known_at_once(pid, socket_path) if age > outside.STALE_HEARTBEAT_S
-                     else outside.diagnose_now(pid, socket_path))
+                     else outside.diagnose_now(pid, socket_path, quick))
             if early is not None and early.state in ("gil_held", "stopped"):
                 raise _blocked(early)  # nothing sent, so nothing left queued in the agent
-        sock = self._connect_watched(method, path, payload, headers, timeout)
+        sock = self._connect_watched(method, path, payload, headers, timeout, quick)
         try:
             readable, _, _ = select.select([sock], [], [], _GRACE_S if self.wait is None else 0)
             if readable:  # the usual case: nothing more to import or look at
                 return transport.read_response(sock, self.target.address, timeout)
             from probe.client import outside
 
-            diagnosis = outside.await_answer(sock, pid, socket_path, timeout, self.wait)
+            diagnosis = outside.await_answer(sock, pid, socket_path, timeout, self.wait, quick)
         except BaseException:
             sock.close()
             raise
@@ -126,7 +128,7 @@ class Client:
         return transport.read_response(sock, self.target.address, timeout)
 
     def _connect_watched(self, method: str, path: str, payload: Optional[bytes], headers: Dict[str, str],
-                         timeout: float) -> Any:
+                         timeout: float, quick: bool = False) -> Any:
         """Connect and send; while the agent's backlog is full, decide from outside (as for a request that
         gets no answer) rather than wait: blocked agents are named at once, slow ones waited for up to
         ``--wait`` or the timeout."""
@@ -137,13 +139,13 @@ class Client:
         while True:
             try:
                 return transport.send_request(self.target.address, method, path, payload, headers, timeout,
-                                              queue_wait=_GRACE_S)
+                                              queue_wait=_QUEUE_WAIT_S)
             except transport.QueueFull:
                 pass
             from probe.client import outside
 
             if self.wait is None:
-                diagnosis = outside.diagnose_now(pid, socket_path)
+                diagnosis = outside.diagnose_now(pid, socket_path, quick)
                 if diagnosis.state in ("gil_held", "stopped"):
                     raise _blocked(diagnosis) from None
             if time.monotonic() - start >= limit:

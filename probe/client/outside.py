@@ -9,14 +9,26 @@ the request is in flight, the client looks at what the kernel and the process's 
    this module on the usual path): a stopped process (state T) cannot answer; an agent whose heartbeat
    (the accept thread touches its socket file every 0.25 s) is stale, while some thread holds the
    GIL, is blocked.
-2. Otherwise, once the heartbeat is older than ``STALE_TRIGGER_S`` (while it is fresh the agent is
-   only slow, and nothing is read), read the stacks from outside (py-spy, without stopping the
-   process). If a thread other than the agent's holds the GIL, watch it for ``CONFIRM_S``: a thread
-   running Python hands the GIL over when another asks for it (the agent's accept thread does, every
-   0.25 s, to beat) and waits to get it back, a voluntary context switch; one held in a C call never
-   does. Neither a switch nor a beat: the GIL is held.
-3. Otherwise (no holder, or the GIL moves) the agent is only slow: keep waiting, looking again every
-   second, up to the timeout.
+2. A holder running probe's own work (a snippet or a read the agent placed on a program thread: a frame
+   of probe's agent, tables or engine code on its stack) is never called blocked: the agent is busy
+   for a client, and the client waits for the answer, up to the timeout.
+3. A backtrace (``quick``: its stacks can come from outside, and nothing fails if they do) is decided
+   once the agent's accept thread is seen waiting for the GIL (the kernel counts its waits: a thread
+   that waits for the GIL wakes every switch interval and asks the holder to let go), or once the
+   heartbeat is older than ``STALE_TRIGGER_S``: read the stacks from outside (without stopping the
+   process) and watch the thread that holds the GIL (:func:`_watch`). A thread running Python hands the
+   GIL over when asked and waits to get it back, a voluntary context switch; one held in a C call
+   never does. The GIL is called held when the holder made no such switch and the agent did not run,
+   either while the agent asked ``AGENT_WAITS`` times in a row and the holder was not kept off the CPU
+   meanwhile (it had every chance to let go), the holder seen keeping the GIL for ``HELD_MIN_S`` in
+   all, or for ``CONFIRM_S``.
+4. Any other request (a query, eval, health: it fails where the agent is called blocked) is given up
+   on no sooner than before that quick rule: once ``PATIENT_GRACE_S`` passed, the heartbeat is older
+   than ``STALE_TRIGGER_S`` and the holder, watched ``CONFIRM_S``, made no voluntary switch while the
+   agent did not beat. A C call that keeps the GIL a few tenths of a second and returns (a collection
+   of a big heap on a loaded machine) is waited for, and the agent answers.
+5. Otherwise (no holder, or the GIL moves) the agent is only slow: keep waiting, looking again at most
+   once a second, up to the timeout.
 
 The request is then abandoned by closing its socket; the agent, when it gets the GIL back, sees that
 nobody waits and runs nothing (an eval must not run minutes later).
@@ -26,7 +38,7 @@ import os
 import select
 import socket
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
 from probe.reader import proc
 
@@ -35,11 +47,37 @@ if TYPE_CHECKING:  # not imported at run time: this module is on the path of eve
 
 __all__ = ["Diagnosis", "known_at_once", "await_answer", "GRACE_S", "CONFIRM_S", "STALE_HEARTBEAT_S"]
 
-GRACE_S = 0.3
-"""How long an agent may take to answer before the client looks at the process from outside."""
+GRACE_S = 0.05
+"""How long an agent may take to answer before the client looks at the process (the kernel's counters
+first, which cost nothing; the stacks only once the agent is seen waiting for the GIL)."""
 CONFIRM_S = 0.35
-"""How long the GIL holder is watched for a hand-over before the GIL is called held: longer than the
-agent's heartbeat (0.25 s), so the agent's accept thread asks for the GIL at least once meanwhile."""
+"""How long the GIL holder is watched for a hand-over before the GIL is called held, where the quicker
+rule cannot tell: longer than the agent's heartbeat (0.25 s), so the agent's accept thread asks for the
+GIL at least once meanwhile."""
+AGENT_WAITS = 6
+"""The agent's accept thread waited for the GIL this many times (each wait lasts the switch interval and
+ends with a request that the holder let go) while the holder made no voluntary switch: with
+``QUICK_MIN_S`` and ``QUEUED_SHARE``, enough to call the GIL held before ``CONFIRM_S``."""
+QUICK_MIN_S = 0.02
+"""The shortest watch of the holder after the stacks were read (the watch began before the read, which
+takes some 20 ms more)."""
+HELD_MIN_S = 0.2
+"""How long the holder must be seen keeping the GIL (no voluntary switch since the client's first look at
+the kernel's counters) before it is called held: a C call that keeps the GIL for a moment and returns
+(a big regex, pickling) is waited for, not reported."""
+LOADED_CONFIRM_S = 1.0
+"""How long the watch of a request other than a backtrace may last where the holder waited for a CPU more
+than ``QUEUED_SHARE`` of it (a machine so loaded that a C call that returns may not get to return)."""
+QUEUED_SHARE = 0.4
+"""The holder may have waited for a CPU at most this share of the watch (a thread kept off the CPU cannot
+let go of the GIL; on a loaded machine the watch then lasts ``CONFIRM_S``)."""
+TRIGGER_WAITS = 3
+"""The accept thread's waits within one look (``TICK_S``) that mean it is waiting for the GIL now (where
+the GIL moves it may still wait that often now and then: that costs one read from outside a second)."""
+TICK_S = 0.025
+"""How often the kernel's counters are looked at while the client waits for an answer."""
+PATIENT_GRACE_S = 0.3
+"""How long a request other than a backtrace waits for the agent before the client looks from outside."""
 STALE_TRIGGER_S = 0.45
 """A heartbeat older than this (one beat missed, with margin) makes the client look from outside."""
 STALE_HEARTBEAT_S = 2.0
@@ -101,6 +139,18 @@ def _importing(holder: "ThreadStack") -> bool:
     return any(f.frame_type == "python" and "importlib._bootstrap" in f.file for f in holder.frames)
 
 
+def _runs_agent_code(holder: "ThreadStack") -> bool:
+    """The GIL holder is a program thread running the agent's own work (a snippet or a read placed on
+    the main thread or after a step, a hook of probe's): the agent is busy for a client, not kept from
+    running by the program. Such a holder is never called blocked, however long it keeps the GIL (a read
+    of a big heap on a loaded machine, a snippet's long C call): its client gets the answer, or its
+    timeout."""
+    return any(f.frame_type == "python" and any(part in f.file for part in _AGENT_PARTS) for f in holder.frames)
+
+
+_AGENT_PARTS = tuple(os.sep.join(("", "probe", name, "")) for name in ("agent", "engine", "tables"))
+
+
 def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Optional[float]) -> Diagnosis:
     since = " for %.1f s" % silent_for if silent_for is not None and silent_for > 1.5 else ""
     if _importing(holder):
@@ -134,7 +184,7 @@ def known_at_once(pid: int, socket_path: str) -> Optional[Diagnosis]:
     if age is not None and age > STALE_HEARTBEAT_S and letter not in (None, "Z", "X"):
         stacks = _read(pid)
         holder = _program_holder(stacks)
-        if stacks is not None and holder is not None:
+        if stacks is not None and holder is not None and not _runs_agent_code(holder):
             return _gil_held(pid, stacks, holder, age)
     return None
 
@@ -149,26 +199,64 @@ def _answered(sock: socket.socket, seconds: float) -> bool:
 
 
 def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float,
-                 patience: Optional[float] = None) -> Optional[Diagnosis]:
+                 patience: Optional[float] = None, quick: bool = False) -> Optional[Diagnosis]:
     """Wait for the agent's answer on ``sock``, which the caller already gave ``GRACE_S``: None once it
     is there, else why it will not come.
 
-    ``patience`` (seconds) replaces the quick decision: wait that long for the agent, then read from
-    outside whatever its state.
+    ``quick``: the request is a backtrace, whose stacks can as well come from outside: decided by the
+    quick rule (the module's docstring, step 3); otherwise the agent is given up on only as step 4 says.
+    ``patience`` (seconds) replaces either: wait that long for the agent, then read from outside
+    whatever its state.
     """
     start = time.monotonic()
     deadline = start + timeout - GRACE_S
     if patience is not None:
         if _answered(sock, min(patience, timeout)):
             return None
-        now = diagnose_now(pid, socket_path)  # waited as asked: now say why, where that can be told
+        now = diagnose_now(pid, socket_path, quick)  # waited as asked: now say why, where that can be told
         if now.state in ("gil_held", "stopped"):
             return now
         return _no_answer(pid, socket_path, min(patience, timeout), "--wait" if patience < timeout else "--timeout")
     early = known_at_once(pid, socket_path)  # stopped, or silent for seconds while the GIL is held
     if early is not None:
         return early
-    read_at = 0.0
+    if not quick:
+        return _await_patiently(sock, pid, socket_path, start, deadline, timeout)
+    agents = _accept_threads(pid)
+    waits = proc.switch_counts(pid, agents)
+    baseline, since = proc.switch_counts(pid), time.monotonic()  # every thread's, for how long the holder held
+    read_at = -1.0
+    while time.monotonic() < deadline:
+        letter = proc.state(pid)
+        if letter in (None, "Z", "X"):
+            return None  # dying or gone: the read says so, and the client explains it
+        if letter in ("T", "t"):
+            return _stopped(pid, letter, heartbeat_age(socket_path))
+        age = heartbeat_age(socket_path)
+        seen, waits = waits, proc.switch_counts(pid, agents)
+        asking = any(count - seen[tid] >= TRIGGER_WAITS for tid, count in waits.items() if tid in seen)
+        # An accept thread seen waiting for the GIL, or a stale heartbeat (or none to see), is worth a
+        # look, at most once a second. Otherwise the agent's threads get the GIL: the agent is only slow,
+        # and nothing is read from outside (no py-spy run per second of a long eval).
+        if (asking or age is None or age > STALE_TRIGGER_S) and (read_at < 0 or time.monotonic() - read_at >= 1.0):
+            read_at = time.monotonic()
+            verdict, stacks, holder = _watch(pid, socket_path, sock, agents, baseline, since, quick=True)
+            if verdict == "answered":
+                return None
+            if verdict == "held" and stacks is not None and holder is not None:
+                return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+            waits = proc.switch_counts(pid, agents)
+            baseline, since = proc.switch_counts(pid), time.monotonic()
+        if _answered(sock, min(TICK_S, max(0.0, deadline - time.monotonic()))):
+            return None
+    return _no_answer(pid, socket_path, timeout, "--timeout")
+
+
+def _await_patiently(sock: socket.socket, pid: int, socket_path: str, start: float, deadline: float,
+                     timeout: float) -> Optional[Diagnosis]:
+    """The wait of a request that fails where the agent is called blocked (the module's docstring, step
+    4): the evidence asked for is that of the rule the quick one replaced, never less."""
+    read_at = -1.0
     while time.monotonic() < deadline:
         letter = proc.state(pid)
         if letter in (None, "Z", "X"):
@@ -177,34 +265,174 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
             return _stopped(pid, letter, heartbeat_age(socket_path))
         age = heartbeat_age(socket_path)
         # A fresh heartbeat means the agent's accept thread still gets the GIL: the agent is only slow,
-        # and nothing is read from outside (no py-spy run per second of a long eval). A stale one (or
-        # none to see) is worth a look, at most once a second.
-        if (age is None or age > STALE_TRIGGER_S) and time.monotonic() - read_at >= 1.0:
+        # and nothing is read from outside. A stale one (or none to see) is worth a look, at most once a
+        # second, once the agent had PATIENT_GRACE_S in all (the client gave it GRACE_S before this).
+        waited = time.monotonic() - start + GRACE_S
+        if ((age is None or age > STALE_TRIGGER_S) and waited >= PATIENT_GRACE_S
+                and (read_at < 0 or time.monotonic() - read_at >= 1.0)):
             read_at = time.monotonic()
-            stacks = _read(pid)
-            holder = _program_holder(stacks)
-            if stacks is not None and holder is not None and holder.native_id is not None:
-                switches_before = proc.voluntary_switches(pid, holder.native_id)
-                beat_before = _mtime(socket_path)
-                if _answered(sock, CONFIRM_S):
-                    return None
-                switches_after = proc.voluntary_switches(pid, holder.native_id)
-                # Progress is either signal: the holder handed the GIL over (it waited to get it back),
-                # or the agent's accept thread, which asks for the GIL every 0.25 s, got it and beat.
-                stuck = (switches_before is not None and switches_before == switches_after
-                         and _mtime(socket_path) == beat_before)
-                if stuck and _program_holder(_read(pid)) is not None:
-                    return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
-        if _answered(sock, min(0.1, max(0.0, deadline - time.monotonic()))):
+            verdict, stacks, holder = _watch(pid, socket_path, sock)
+            if verdict == "answered":
+                return None
+            if verdict == "held" and stacks is not None and holder is not None:
+                return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+        if _answered(sock, min(TICK_S, max(0.0, deadline - time.monotonic()))):
             return None
     return _no_answer(pid, socket_path, timeout, "--timeout")
+
+
+def _accept_threads(pid: int) -> List[int]:
+    """The agent's accept threads (their OS name is ``probe-accept``): each asks for the GIL every 0.25 s."""
+    return sorted(tid for tid, name in proc.thread_names(pid).items() if name == "probe-accept")
+
+
+def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, agents: Optional[List[int]] = None,
+           before: Optional[Dict[int, int]] = None, since: Optional[float] = None,
+           quick: bool = False) -> "Tuple[str, Optional[Stacks], Optional[ThreadStack]]":
+    """Read the stacks from outside and watch the thread that holds the GIL (the rules: the module's
+    docstring, steps 2 to 4; ``quick`` for a backtrace). Returns ``held``, ``moving`` (the GIL was handed
+    over, the agent ran, no program thread holds it, or the holder runs probe's own work) or ``answered``
+    (the answer came on ``sock`` meanwhile), with the stacks and the holder read. ``before``: every
+    thread's voluntary switches, counted at ``since``."""
+    agents = _accept_threads(pid) if agents is None else agents
+    if before is None or since is None:  # every thread's, before the read: the holder is not known yet
+        before, since = proc.switch_counts(pid), time.monotonic()
+    # The holder must be seen keeping the GIL for HELD_MIN_S. The heartbeat's age proves nothing of the
+    # kind: under a C call that keeps the GIL 0.12 s at a time it grew past 0.6 s while the agent's
+    # other threads took the GIL between the calls.
+    beat = _mtime(socket_path)
+    stacks = _read(pid)
+    holder = _program_holder(stacks)
+    if stacks is None or holder is None or holder.native_id not in before:
+        return "moving", stacks, holder
+    if _runs_agent_code(holder):
+        return "moving", stacks, holder  # probe's own work on a program thread: busy for a client, never blocked
+    tid = holder.native_id
+    if _seen_held_before(pid, socket_path, tid, before[tid], beat) and (
+            quick or (heartbeat_age(socket_path) or 0.0) >= STALE_TRIGGER_S + CONFIRM_S):
+        return "held", stacks, holder  # kept since an earlier look saw it (without quick: for as long as below)
+    start = time.monotonic()
+    queued_at_start = proc.queued_ns(pid, tid)
+    while True:
+        if sock is not None:
+            if _answered(sock, 0.005):
+                return "answered", stacks, holder
+        else:
+            time.sleep(0.005)
+        elapsed = time.monotonic() - start
+        now = proc.switch_counts(pid, [tid] + agents)
+        if now.get(tid) != before[tid] or _mtime(socket_path) != beat:
+            return "moving", stacks, holder  # the holder waited (it let go of the GIL), or the agent ran
+        queued = proc.queued_ns(pid, tid)
+        kept_off_cpu = (queued is None or queued_at_start is None
+                        or queued - queued_at_start > QUEUED_SHARE * elapsed * 1e9)
+        if quick:
+            asked = max([now[a] - before[a] for a in agents if a in now and a in before] or [0])
+            if (elapsed >= QUICK_MIN_S and time.monotonic() - since >= HELD_MIN_S and asked >= AGENT_WAITS
+                    and not kept_off_cpu):
+                _remember_held(pid, socket_path, tid, before[tid], beat)
+                return "held", stacks, holder
+        elif kept_off_cpu and queued is not None and elapsed < LOADED_CONFIRM_S:
+            continue  # a holder waiting for a CPU cannot let go: on a loaded machine, watch it longer
+        if elapsed >= CONFIRM_S:  # no quick answer (not a backtrace, no accept thread seen, a loaded CPU)
+            again = _program_holder(_read(pid))
+            if again is None or _runs_agent_code(again):
+                return "moving", stacks, holder
+            _remember_held(pid, socket_path, tid, before[tid], beat)
+            return "held", stacks, holder
+
+
+def _held_record(socket_path: str) -> Optional[str]:
+    """``PID.sock.held`` beside an agent's socket in our runtime directory (ours alone); None for a socket
+    elsewhere (a ``unix:PATH`` target), where nothing is kept."""
+    from probe import _paths
+
+    if os.path.dirname(socket_path) != _paths.runtime_dir():
+        return None
+    return socket_path + ".held"
+
+
+def _remember_held(pid: int, socket_path: str, tid: int, switches: int, beat: Optional[float]) -> None:
+    """Keep, beside the agent's socket, what this look saw of a holder that keeps the GIL: the next look
+    (another command) that finds the same thread with the same count of voluntary switches, and the
+    heartbeat unmoved, knows at once that it has kept the GIL since, and needs no watch of its own."""
+    path = _held_record(socket_path)
+    ticks = _start_ticks(pid)
+    if path is None or ticks is None or beat is None:
+        return
+    temporary = "%s.%d" % (path, os.getpid())
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write("%d %d %d %d %r\n" % (pid, ticks, tid, switches, beat))
+        os.replace(temporary, path)
+    except OSError:
+        try:
+            os.unlink(temporary)
+        except OSError:
+            pass
+        return
+    _forget_gone(os.path.dirname(path))
+
+
+def _forget_gone(directory: str) -> None:
+    """Remove the records of processes that are gone."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        stem = name[:-len(".sock.held")] if name.endswith(".sock.held") else ""
+        if stem.isdigit() and not os.path.exists("/proc/%s" % stem):
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
+
+
+def _seen_held_before(pid: int, socket_path: str, tid: int, switches: int, beat: Optional[float]) -> bool:
+    """An earlier look saw ``tid`` keep the GIL (see :func:`_remember_held`), and since then it has made no
+    voluntary switch and the agent has not beaten: it still keeps it. A record that no longer holds is
+    removed."""
+    path = _held_record(socket_path)
+    if path is None:
+        return False
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW)) as handle:
+            fields = handle.read(256).split()
+    except OSError:
+        return False
+    try:
+        same = (len(fields) == 5 and int(fields[0]) == pid and int(fields[1]) == _start_ticks(pid)
+                and int(fields[2]) == tid and int(fields[3]) == switches and beat is not None
+                and float(fields[4]) == beat)
+    except ValueError:
+        same = False
+    if not same:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    return same
+
+
+def _start_ticks(pid: int) -> Optional[int]:
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _no_answer(pid: int, socket_path: str, waited: float, option: str) -> Diagnosis:
     """``option``: what limited the wait (``--wait`` or ``--timeout``), to name in the hint."""
     stacks = _read(pid)
     holder = _program_holder(stacks)
-    extra = " (thread %s holds the GIL in %s)" % (holder.label().strip(), holder.where()) if holder else ""
+    extra = " (thread %s holds the GIL in %s%s)" % (
+        holder.label().strip(), holder.where(),
+        ", running work that probe placed on it: a snippet or a read" if _runs_agent_code(holder) else ""
+    ) if holder else ""
     hint = ("its stacks are read from outside; give it longer with %s SECONDS" % option if stacks is not None else
             "give it longer with %s SECONDS; reading it from outside failed: %s" % (option, _last_problem))
     return Diagnosis("no_answer", "the agent in process %d did not answer within %.1f s%s" % (pid, waited, extra),
@@ -226,23 +454,17 @@ def queue_full(pid: int, socket_path: str, waited: float, option: str) -> Diagno
                      "waiting connections is full%s%s" % (pid, waited, extra, last), hint, stacks, holder, age)
 
 
-def diagnose_now(pid: int, socket_path: str) -> Diagnosis:
+def diagnose_now(pid: int, socket_path: str, quick: bool = False) -> Diagnosis:
     """What stops the agent in ``pid`` from answering, decided now without asking it (a host helper
-    runs this for a rank that is slow to answer a client elsewhere): stopped, a GIL held in C (watched
-    for ``CONFIRM_S``), or ``running`` when neither. The caller checks first that ``pid`` is alive."""
+    runs this for a rank that is slow to answer a client elsewhere): stopped, a GIL held in C (the holder
+    watched by :func:`_watch`; ``quick`` for a backtrace), or ``running`` when neither. The caller checks
+    first that ``pid`` is alive."""
     letter = proc.state(pid)
     if letter in ("T", "t"):
         return _stopped(pid, letter, heartbeat_age(socket_path))
-    stacks = _read(pid)
-    holder = _program_holder(stacks)
-    if stacks is not None and holder is not None and holder.native_id is not None:
-        switches_before = proc.voluntary_switches(pid, holder.native_id)
-        beat_before = _mtime(socket_path)
-        time.sleep(CONFIRM_S)
-        stuck = (switches_before is not None and switches_before == proc.voluntary_switches(pid, holder.native_id)
-                 and _mtime(socket_path) == beat_before)
-        if stuck and _program_holder(_read(pid)) is not None:
-            return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
+    verdict, stacks, holder = _watch(pid, socket_path, quick=quick)
+    if verdict == "held" and stacks is not None and holder is not None:
+        return _gil_held(pid, stacks, holder, heartbeat_age(socket_path))
     why = "" if stacks is not None else "; reading it from outside failed: %s" % _last_problem
     return Diagnosis("running", "the agent in process %d can run (no thread keeps the GIL)%s" % (pid, why), "",
                      stacks, holder, heartbeat_age(socket_path))

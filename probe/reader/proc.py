@@ -4,7 +4,8 @@ context switches, and whether ptrace (which outside reading needs) is allowed. S
 import os
 from typing import Dict, List, Optional, Tuple
 
-__all__ = ["state", "comm", "thread_names", "voluntary_switches", "ptrace_denied_reason", "children", "STATE_WORDS"]
+__all__ = ["state", "comm", "thread_names", "voluntary_switches", "switch_counts", "queued_ns", "ptrace_denied_reason",
+           "children", "STATE_WORDS"]
 
 STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
                "t": "stopped by a debugger", "Z": "a zombie (exited, not reaped)", "X": "dead", "I": "idle"}
@@ -64,6 +65,32 @@ def voluntary_switches(pid: int, tid: int) -> Optional[int]:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def switch_counts(pid: int, tids: Optional[List[int]] = None) -> Dict[int, int]:
+    """Voluntary context switches of every thread of ``pid`` (or of ``tids``): thread id -> count. A thread
+    missing from the answer has gone (or its status could not be read)."""
+    out: Dict[int, int] = {}
+    if tids is None:
+        try:
+            tids = [int(t) for t in os.listdir("/proc/%d/task" % pid)]
+        except (OSError, ValueError):
+            return out
+    for tid in tids:
+        count = voluntary_switches(pid, tid)
+        if count is not None:
+            out[tid] = count
+    return out
+
+
+def queued_ns(pid: int, tid: int) -> Optional[int]:
+    """Nanoseconds thread ``tid`` has spent runnable but waiting for a CPU (schedstat's second field);
+    None where the kernel does not keep it. A thread that waited for a CPU could not run meanwhile."""
+    try:
+        with open("/proc/%d/task/%d/schedstat" % (pid, tid), "rb") as handle:
+            return int(handle.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def ptrace_denied_reason(pid: int) -> Tuple[str, str]:
