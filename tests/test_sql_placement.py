@@ -65,6 +65,18 @@ def test_a_query_duckdb_runs_is_answered_by_the_client_and_the_target_stays_smal
     assert health["sql"] is True and health["sql_in_agent"] is False
 
 
+def test_the_client_asks_only_for_the_columns_its_query_names(default_target):
+    client = probe.connect(str(default_target.pid))
+    every = [name for name, _ in client.table_rows("python.threads").columns]
+    named = client.table_rows("python.threads", columns=["thread_name", "no_such_column"])
+    assert [name for name, _ in named.columns] == ["thread_name"] and len(named.rows) == len(client.table_rows(
+        "python.threads").rows)
+    assert [name for name, _ in client.table_rows("python.threads", columns=[]).columns] == every[:1]
+    whole = client.query_rows("SELECT t FROM python.threads t WHERE t.thread_name = 'heartbeat'").rows
+    assert len(whole) == 1 and sorted(whole[0][0]) == sorted(every)  # a whole row: every column came
+    assert client.query_rows("SELECT count(*) FROM python.threads WHERE thread_name = 'loader-0'").rows == [[1]]
+
+
 def test_the_client_keeps_the_engines_lock_down(default_target):
     pid = default_target.pid
     refused = {

@@ -118,6 +118,7 @@ def rows(agent: "Agent", request: Request) -> Response:
     cap = _optional_count(body, "max_rows")  # a client running SQL over the table asks for at most this many
     if cap is not None:
         cap = min(cap, max(agent.options.max_rows, _ceilings().max_rows))
+    keep = _kept_columns(spec, body.get("columns"))
     hold = _budget(agent).hold()
     try:
         with work_slot(agent.options.query_timeout), fast_switching():
@@ -125,7 +126,10 @@ def rows(agent: "Agent", request: Request) -> Response:
             cut = cap is not None and len(data) > cap
             if cut:
                 data = data[:cap]
-            columns = [{"name": c.name, "type": c.type} for c in spec.columns]
+            if keep is not None:
+                data = [tuple(row[i] for i in keep) for row in data]
+            columns = [{"name": c.name, "type": c.type} for i, c in enumerate(spec.columns)
+                       if keep is None or i in keep]
             chunks = (data[i:i + _CHUNK] for i in range(0, len(data), _CHUNK))
             payload = _json_rows({"table": name, "columns": columns, "truncated": cut}, chunks, hold,
                                  2 * agent.options.max_result_bytes)
@@ -133,6 +137,18 @@ def rows(agent: "Agent", request: Request) -> Response:
         hold.release()
         raise
     return Response(200, payload, on_sent=hold.release)  # held until sent: slow readers count too
+
+
+def _kept_columns(spec: Any, asked: Any) -> Optional[List[int]]:
+    """The positions of the columns a client asked for by name (``"columns": [...]``: those its SQL
+    names), in the table's order; at least one, so that the rows are still counted. None: all."""
+    if asked is None:
+        return None
+    if not isinstance(asked, list) or not all(isinstance(a, str) for a in asked) or len(asked) > 4096:
+        raise BadRequest("columns must be a list of column names")
+    wanted = {a.lower() for a in asked}
+    keep = [i for i, c in enumerate(spec.columns) if c.name.lower() in wanted]
+    return keep or [0]
 
 
 def backtrace(agent: "Agent", request: Request) -> Response:

@@ -301,12 +301,15 @@ class Client:
     def schema(self, name: str) -> TableInfo:
         return TableInfo.from_json(self._json("GET", "/v1/tables/%s" % name))
 
-    def table_rows(self, name: str, max_rows: Optional[int] = None) -> Rows:
+    def table_rows(self, name: str, max_rows: Optional[int] = None, columns: Optional[List[str]] = None) -> Rows:
         """Every row of one table, as the agent produces it (no SQL involved); at most ``max_rows`` (an
-        agent caps it at its own ceiling): ``truncated`` says the table had more."""
+        agent caps it at its own ceiling): ``truncated`` says the table had more. ``columns``: only those
+        of these names (at least one column comes)."""
         body: Dict[str, Any] = {"table": name}
         if max_rows is not None:
             body["max_rows"] = max_rows
+        if columns is not None:
+            body["columns"] = columns
         raw = self._json("POST", "/v1/rows", body)
         return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], bool(raw.get("truncated")))
 

@@ -45,11 +45,12 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     ask = max(max_rows or 0, TABLE_ROWS)
     tables: Dict[str, Any] = {}
     cut: List[str] = []
-    for name in sorted(_named_tables(sql)):
+    names, columns = _named(sql)
+    for name in sorted(names):
         if "." not in name:
             continue  # a CTE or an unqualified name: DuckDB resolves (or rejects) it itself
         try:
-            rows = client.table_rows(name, max_rows=ask)
+            rows = client.table_rows(name, max_rows=ask, columns=columns)
         except NotFound:
             continue  # DuckDB's own "does not exist" error names it
         except TooLarge as exc:
@@ -119,20 +120,60 @@ def _close_kept() -> None:
         engine.close()
 
 
-def _named_tables(sql: str) -> Set[str]:
-    """The tables ``sql`` names (DuckDB's parser on an empty database of its own; see referenced_tables)."""
+def _named(sql: str) -> Tuple[Set[str], Optional[List[str]]]:
+    """The tables ``sql`` names, and the names of the columns it may read of them (None: it may read any,
+    as ``*`` does). DuckDB's parser answers, on an empty database of its own (see referenced_tables)."""
     import duckdb
 
-    from probe.engine.sandbox import referenced_tables
+    from probe.engine.sandbox import _serialized, referenced_tables
 
     with _kept_lock:
         if not _parser:
             _parser.append(duckdb.connect(":memory:", config={"enable_external_access": False, "threads": 1}))
         cursor = _parser[0].cursor()
     try:
-        return referenced_tables(sql, cursor)
+        tables = referenced_tables(sql, cursor)
+        return tables, _columns_read(_serialized(cursor, sql), tables)
     finally:
         cursor.close()
+
+
+def _columns_read(serialized: str, tables: Set[str]) -> Optional[List[str]]:
+    """Every name a column reference of the parsed query uses (each part of ``a.b.c``), and the columns
+    of ``USING``; None where it may read columns it does not name: ``*``, ``COLUMNS(...)``, a NATURAL
+    join, a whole row by its table's name or alias, or a tree that cannot be read (not a SELECT). A name
+    too many only costs bytes on the wire; one too few would fail the query, never change its answer."""
+    import json
+
+    try:
+        tree = json.loads(serialized)
+    except ValueError:
+        return None
+    if not isinstance(tree, dict) or tree.get("error") or not tree.get("statements"):
+        return None
+    refs: List[List[str]] = []
+    relations = {table.rsplit(".", 1)[-1] for table in tables}
+    stack: List[Any] = [tree["statements"]]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        kind = node.get("class")
+        if kind == "STAR" or node.get("ref_type") == "NATURAL":
+            return None
+        if node.get("type") == "BASE_TABLE" and isinstance(node.get("alias"), str):
+            relations.add(node["alias"].lower())
+        if kind == "COLUMN_REF":
+            refs.append([str(p).lower() for p in node.get("column_names") or []])
+        refs.append([str(name).lower() for name in node.get("using_columns") or []])
+        stack.extend(value for value in node.values() if isinstance(value, (dict, list)))
+    if any(len(parts) == 1 and parts[0] in relations for parts in refs):
+        return None  # maybe a whole row (SELECT t FROM python.threads t)
+    names = {part for parts in refs for part in parts}
+    return sorted(names)
 
 
 def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float], why: Any,

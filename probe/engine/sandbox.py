@@ -126,6 +126,7 @@ class Engine:
         self._closing = False
         self._views: Set[str] = set()
         self._view_schemas: Dict[str, Any] = {}  # name -> the Arrow schema its view was made with
+        self._rebinds: Optional[bool] = None  # see _views_rebind
         self._checked: "OrderedDict[str, _Parsed]" = OrderedDict()  # sql -> what the parser said of it
         self._checked_lock = threading.Lock()  # held for dict operations only (str keys: no foreign code)
         self._watchdog = Watchdog()
@@ -364,12 +365,33 @@ class Engine:
         with self._lock:
             for name, data in tables.items():
                 known = self._view_schemas.get(name)
-                if known is not None and not known.equals(data.schema):
+                if known is not None and not known.equals(data.schema) and not self._views_rebind():
                     return False
             for name, data in tables.items():
                 if name not in self._views:
                     self._create_view(name, data)
         return True
+
+    def _views_rebind(self) -> bool:
+        """Whether this DuckDB binds a view again at each query, so that a view made over one schema
+        reads data of another (2.0 does; 1.x says "Contents of view were altered"). Tried once, on a
+        database of its own."""
+        if self._rebinds is None:
+            import pyarrow as pa
+
+            con = _connect(self._duckdb, {"enable_external_access": False, "threads": 1})
+            try:
+                con.register("__probe_check", pa.table({"a": [1]}).slice(0, 0))
+                con.execute("CREATE VIEW __probe_view AS SELECT * FROM __probe_check")
+                cursor = con.cursor()
+                cursor.register("__probe_check", pa.table({"b": ["x"], "c": [2.5]}))
+                self._rebinds = cursor.execute("SELECT * FROM __probe_view").fetchall() == [("x", 2.5)]
+                cursor.close()
+            except Exception:
+                self._rebinds = False
+            finally:
+                con.close()
+        return self._rebinds
 
     def _ensure_view(self, name: str, data: Any) -> None:
         if name in self._views:
