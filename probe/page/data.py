@@ -32,6 +32,10 @@ MAX_ROWS = 5000
 """Rows of a SQL answer sent to the page (each rank's own cap applies first)."""
 MAX_TRACE_EVENTS = 1_000_000
 """Trace events in one export (every rank's together); past it the file says it was cut."""
+MAX_UNLISTED = 4096
+"""Ranks of the job's world size that no helper lists given a cell of their own; the rest are counted."""
+UNLISTED_WHY = ("not listed by its node's helper: it has not registered and its helper has not seen it (starting, "
+                "exited before its helper looked, or on a node whose helper does not report)")
 
 TRACE_SQL = ("SELECT step, max(time_offset + host_duration) AS step_s, max(allocated) AS memory_mb "
              "FROM python.torch_trace WHERE step >= (SELECT max(step) FROM python.torch_trace) - {n} "
@@ -168,6 +172,28 @@ def grid_state(listed: Optional[str], seen: Optional[str]) -> str:
     return "running"
 
 
+def unlisted_ranks(members: Sequence[Dict[str, Any]]) -> Tuple[List[int], int]:
+    """The ranks below the largest world size the members report that no member is (the first
+    ``MAX_UNLISTED`` of them, and how many in all): a rank its helper never saw (it died before its helper
+    looked, or its node's helper does not report) still has a cell, not a hole in the grid. A world size
+    is the members' word: one past the client's ``MAX_RANKS`` is not believed."""
+    from probe.client.cluster import MAX_RANKS
+
+    sizes = [m.get("world_size") for m in members]
+    sizes = [s for s in sizes if isinstance(s, int) and not isinstance(s, bool) and 0 < s <= MAX_RANKS]
+    if not sizes:
+        return [], 0
+    world = max(sizes)
+    listed = {r for r in (m.get("rank") for m in members) if isinstance(r, int) and 0 <= r < world}
+    first: List[int] = []
+    for rank in range(world):
+        if len(first) >= MAX_UNLISTED:
+            break
+        if rank not in listed:
+            first.append(rank)
+    return first, world - len(listed)
+
+
 # -- step time and memory ---------------------------------------------------------------------------------
 
 
@@ -263,17 +289,19 @@ class JobSource:
         return _diagnosed(diagnose, sampler_for(cluster, False), self.diagnose_deadline, self.command)
 
     def overview(self) -> Dict[str, Any]:
-        """The members as the helpers list them, and their stacks grouped as ``--all-ranks backtrace`` does."""
+        """The members as the helpers list them, and their stacks grouped as ``--all-ranks backtrace`` does;
+        ``unlisted``: the ranks below the job's world size that no helper lists (the command says them too)."""
         cluster = self._cluster()
         members = [dict(zip(MEMBER_COLUMNS, (cell(getattr(m, c)) for c in MEMBER_COLUMNS))) for m in cluster.members]
+        unlisted, unlisted_count = unlisted_ranks(members)
         try:
             grouped = cluster.backtrace_groups()
             threads, outside = grouped.threads, grouped.outside
         except NoRankAnswered:
             threads, outside = {}, {}
         return {"members": members, "threads": threads, "outside": {str(r): n.splitlines()[0] for r, n in outside.items()},
-                "failures": failures_json(cluster.failures), "total": len(cluster.members),
-                "asked_directly": list(cluster.asked_directly)}
+                "failures": failures_json(cluster.failures), "total": len(cluster.members) + unlisted_count,
+                "asked_directly": list(cluster.asked_directly), "unlisted": unlisted, "unlisted_count": unlisted_count}
 
     def rank(self, rank: int) -> Dict[str, Any]:
         """One rank's stacks (read from outside where it cannot answer) and its process.info row."""

@@ -107,7 +107,8 @@ class PageServer:
         return diagnose_json(report, sample, time.time())
 
     def _gather_overview(self) -> Dict[str, Any]:
-        from probe.page.data import flame, grid_state, stack_groups
+        from probe.client.cluster import compact_ranks
+        from probe.page.data import UNLISTED_WHY, flame, grid_state, stack_groups
 
         seen = self._diagnose.peek()
         states = seen.get("states", {}) if isinstance(seen, dict) else {}
@@ -125,8 +126,20 @@ class PageServer:
             ranks.append({"rank": rank, "host": member.get("host"), "pid": member.get("pid"), "state": state,
                           "listed": member.get("state"), "group": group_of.get(rank),
                           "why": failed.get(rank) or raw["outside"].get(str(rank)) or look.get("why") or ""})
+        unlisted = raw.get("unlisted") or []
+        failures = list(raw["failures"])
+        if unlisted:  # ranks of the job that no helper lists: a cell each, said as the command says them
+            for rank in unlisted:
+                look = states.get(str(rank), {})
+                ranks.append({"rank": rank, "host": None, "pid": None, "state": grid_state("unreported", look.get("state")),
+                              "listed": None, "group": None, "why": look.get("why") or UNLISTED_WHY})
+            ranks.sort(key=lambda r: r["rank"])
+            count = raw.get("unlisted_count", len(unlisted))
+            failures.append({"rank": compact_ranks(unlisted) + (" and %d more" % (count - len(unlisted))
+                                                                  if count > len(unlisted) else ""),
+                             "host": "", "reason": UNLISTED_WHY})
         return {"ranks": ranks, "groups": groups, "flame": flame(raw["threads"], raw["total"]),
-                "failures": raw["failures"], "total": raw["total"], "asked_directly": raw["asked_directly"],
+                "failures": failures, "total": raw["total"], "asked_directly": raw["asked_directly"],
                 "at": time.strftime("%H:%M:%S")}
 
     def about(self) -> Dict[str, Any]:

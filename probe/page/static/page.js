@@ -110,7 +110,7 @@ function renderGrid(o) {
     groups.append(line);
   }
   if (o.groups.length > 20) groups.append(el("div", {}, "and " + (o.groups.length - 20) + " groups more"));
-  const failed = (o.failures || []).map(f => "rank " + f.rank + " (" + f.host + "): " + f.reason);
+  const failed = (o.failures || []).map(f => "rank " + f.rank + (f.host ? " (" + f.host + ")" : "") + ": " + f.reason);
   $("failures").textContent = failed.length ? "gave no stacks:\n" + failed.join("\n") : "";
 }
 
