@@ -143,6 +143,23 @@ def test_sql_runs_in_the_agent_when_asked_to_or_when_the_program_loaded_duckdb(t
     assert client.eval(ENGINE).value == "True"
 
 
+def test_after_the_quiet_period_the_agent_gives_back_duckdbs_pages_and_answers_again(target_factory):
+    proc = target_factory("idle.py", env=target_env(PROBE_SQL_IN_AGENT="1", PROBE_SQL_QUIET="1"))
+    client = probe.connect(str(proc.pid))
+    first = client.query_rows(GROUPED).rows
+    assert client.eval("__import__('probe.agent', fromlist=['current']).current()._loaded_libraries").value \
+        == "('duckdb', 'arrow')"
+    deadline = time.monotonic() + scaled(10)
+    while client.eval(ENGINE).value == "True":
+        assert time.monotonic() < deadline, "DuckDB's database was not closed after 1 s without a query"
+        time.sleep(0.2)
+    # What the agent did at the close, again: the libraries' read-only mappings advised (the kernel keeps
+    # the pages other processes on this machine map too), and nothing of the process's own data touched.
+    advised = client.eval("__import__('probe.engine.memory', fromlist=['x']).page_out_libraries(('duckdb',))")
+    assert int(advised.value) > 0, advised
+    assert client.query_rows(GROUPED).rows == first
+
+
 TORCHRUN = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 

@@ -23,7 +23,7 @@ import os
 import threading
 from typing import Callable, Dict, Optional
 
-__all__ = ["MemoryGuard", "rss_bytes", "parse_size", "return_memory"]
+__all__ = ["MemoryGuard", "rss_bytes", "parse_size", "return_memory", "page_out_libraries"]
 
 _EVERY = 0.01  # seconds between two looks at the resident memory while a query runs
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -55,6 +55,48 @@ def return_memory() -> None:
             _trim[0](0)
     except Exception:
         _trim[:] = [None]
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+: reclaim these pages now (file pages are read again when next touched)
+
+
+def page_out_libraries(names: "tuple[str, ...]") -> int:
+    """Give the kernel back the resident pages of the shared libraries whose path holds one of ``names``
+    (``"duckdb"``, ``"arrow"``: the agent's own engine, once closed): their code and read-only data are
+    read from the file again if ever used (~20 ms for DuckDB's next query). Only mappings that cannot
+    hold the process's own data are touched: not writable, file-backed, and with no page of their own
+    (``Anonymous: 0 kB`` in smaps; that leaves out RELRO, which the loader wrote before making it
+    read-only); the kernel leaves the pages other processes map too. One read of /proc/self/smaps,
+    scanned by regular expressions. Returns the bytes of the mappings advised (0: nothing done, off
+    Linux, or no MADV_PAGEOUT). Never raises."""
+    if not names:
+        return 0
+    try:
+        import ctypes
+        import re
+
+        with open("/proc/self/smaps", "rb") as f:
+            text = f.read()
+        wanted = b"|".join(re.escape(n.encode()) for n in names)
+        header = re.compile(rb"^([0-9a-f]+)-([0-9a-f]+) r-[-x][ps] \S+ \S+ \S+ +(/\S*(?:%s)\S*\.so[^\n]*)$" % wanted,
+                            re.MULTILINE)
+        anonymous = re.compile(rb"^Anonymous: +(\d+) kB$", re.MULTILINE)
+        regions = []
+        for match in header.finditer(text):
+            own = anonymous.search(text, match.end())
+            if own is not None and own.group(1) == b"0":
+                regions.append((int(match.group(1), 16), int(match.group(2), 16)))
+        if not regions:
+            return 0
+        madvise = ctypes.CDLL(None).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        done = 0
+        for start, end in regions:
+            if madvise(start, end - start, _MADV_PAGEOUT) == 0:
+                done += end - start
+        return done
+    except Exception:
+        return 0
 
 
 def parse_size(text: str) -> Optional[int]:
