@@ -9,9 +9,11 @@ import sys
 import time
 
 
+from probe import _paths
 from probe.client.results import Frame
 from probe.diagnose.evidence import RankEvidence, Sample
 from probe.diagnose.rules import EXIT_CODES, judge
+from probe.tables.torch.steps import read_progress
 from procs import REPO, run_cli, scaled, target_env
 from test_cluster import needs_torchrun, torchrun_job
 
@@ -91,6 +93,13 @@ def test_rules_need_evidence_a_straggler_is_named_by_its_compute_and_a_quiet_job
     assert report.status == "healthy" and summary.endswith("; no optimizer step counted: progress unknown"), summary
 
 
+def _progress(pid):
+    """Rank ``pid``'s step count and last step time, from its agent's progress file (the step counter's)."""
+    found = read_progress(_paths.progress_path(pid))
+    assert found is not None and found.pid == pid, "no progress file of %d" % pid
+    return found
+
+
 def _diagnose(target, *args, timeout=60):
     return run_cli(target, "diagnose", *args, timeout=timeout)
 
@@ -153,8 +162,11 @@ def test_one_job_healthy_slow_straggler_skipped_collective_stopped_gil_and_kille
         # A merely slow job (2.5 s steps on every rank) is not called hung. The ranks take the order at their
         # next step each: until both have made two slow steps, the trace may still show one rank's slow
         # step beside the other's quick one (a passing straggler, degraded): never stuck, never dead.
+        steps = {pid: _progress(pid).steps for pid in pids.values()}
         control.write_text("slow 0\n")
-        time.sleep(scaled(6))
+        # both ranks made two slow steps (the one under way when the order came may be a quick one)
+        _until(lambda: all(p.steps >= steps[pid] + 3 and p.step_time >= 2.5 for pid in pids.values()
+                           for p in [_progress(pid)]) or None, 30, "two slow steps on each rank")
         for _ in range(3):
             result = _diagnose(master)
             assert result.code in (HEALTHY, DEGRADED) and "hang" not in result.out.splitlines()[0], (
