@@ -22,7 +22,22 @@ SAME = [
     "SELECT id FROM plain.t ORDER BY big DESC, id",
     "SELECT name, id FROM plain.t ORDER BY n LIMIT 0",
     "SELECT Name FROM plain.t ORDER BY NAME;",
+    # WHERE terms joined by AND, and count(*) (issue 24: the shapes a client would run otherwise)
+    "SELECT id, name FROM plain.t WHERE ok ORDER BY id",
+    "SELECT id FROM plain.t WHERE NOT ok AND n >= 0 ORDER BY id DESC",
+    "SELECT id FROM plain.t WHERE name = 'beta'",
+    "SELECT id, name FROM plain.t WHERE name > 'b' AND name <> 'zeta' ORDER BY name",
+    "SELECT id FROM plain.t WHERE name LIKE '%e%' AND name NOT LIKE '_m%' ORDER BY id",
+    "SELECT id FROM plain.t WHERE n IS NULL",
+    "SELECT id, big FROM plain.t WHERE big IS NOT NULL AND big < 1099511627776 ORDER BY big",
+    "SELECT id FROM plain.t WHERE ok = false ORDER BY id LIMIT 1",
+    "SELECT id FROM plain.t WHERE n != -3 AND n <= 10 ORDER BY n, id",
+    "SELECT id, name FROM plain.t WHERE name = 'it''s' ORDER BY id",
+    "select count(*) from plain.t",
+    "SELECT count(*) AS Rows_Left FROM plain.t WHERE n > 0 AND ok",
+    "SELECT count( * ) FROM plain.t WHERE name IS NULL LIMIT 0",
 ]
+COUNTED = "SELECT id FROM plain.t WHERE score > 1.5 ORDER BY id"  # a NaN to compare: DuckDB answers
 LOADED = "sorted(m for m in ('duckdb', 'pyarrow') if m in __import__('sys').modules)"
 
 
@@ -42,6 +57,7 @@ def test_simple_queries_need_no_duckdb_and_answer_as_duckdb_does(target_factory)
         assert _rows(client, "-- through DuckDB\n" + sql) == answer, sql
     assert _rows(client, "-- through DuckDB\nSELECT id FROM plain.t ORDER BY id", max_rows=2) == capped
     assert client.eval(LOADED).value == "['duckdb', 'pyarrow']"
+    assert _rows(client, COUNTED)[1] == "[[1], [2], [5], [6]]"  # NaN > 1.5 in DuckDB
     nan = _rows(client, "SELECT score FROM plain.t ORDER BY score")  # a NaN to sort by: DuckDB answers
     assert nan[1] == "[[-1.25], [2.5], [7.0], [1e+300], [NaN], [null]]", nan
     with pytest.raises(SQLError) as missing:
