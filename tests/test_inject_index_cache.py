@@ -1,4 +1,5 @@
-"""gdb keeps the index of libpython's and libc's debug information in a directory of ours
+"""Where gdb reads libpython's and libc's debug information (``PROBE_GDB_SYMBOLS=full``, or no copies
+without it can be had: see ``test_inject_symbols``), it keeps its index of it in a directory of ours
 (``$XDG_CACHE_HOME/probe/gdb-index``), so that an injection after the first reads the symbols from it;
 a directory others can write is never used (gdb trusts what it finds there)."""
 
@@ -25,6 +26,7 @@ def _inject_into_fresh_target(tmp_path) -> None:
 
 def test_the_symbols_index_is_kept_in_our_cache_and_used_again(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PROBE_GDB_SYMBOLS", "full")
     _inject_into_fresh_target(tmp_path)
     index = tmp_path / "probe" / "gdb-index"
     kept = sorted(p.name for p in index.iterdir()) if index.is_dir() else []
@@ -36,6 +38,7 @@ def test_the_symbols_index_is_kept_in_our_cache_and_used_again(tmp_path, monkeyp
 
 def test_a_cache_directory_others_can_write_is_not_used(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("PROBE_GDB_SYMBOLS", "full")
     index = tmp_path / "probe" / "gdb-index"
     index.mkdir(parents=True)
     os.chmod(index, 0o777)

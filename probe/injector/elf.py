@@ -11,7 +11,7 @@ import re
 import struct
 from typing import Iterator, Optional, Tuple
 
-__all__ = ["python_version_of"]
+__all__ = ["python_version_of", "build_id", "has_debug_info"]
 
 # The linker may merge "3.10.13" into the tail of a longer string ("/usr/lib/python/3.10.13").
 _VERSION_STRING = re.compile(rb"(?<![0-9.])(3)\.(\d{1,2})\.\d{1,2}(?:(?:a|b|rc)\d{1,2})?\+?\x00")
@@ -44,6 +44,47 @@ def _from_symbol(data: "mmap.mmap") -> Optional[Tuple[int, int]]:
                 major, minor = hexversion >> 24 & 0xFF, hexversion >> 16 & 0xFF
                 return (major, minor) if major == 3 else None
     return None
+
+
+def build_id(path: str) -> Optional[str]:
+    """The GNU build id of the ELF file at ``path`` (hex), None when it has none or cannot be read."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+                return None
+            for _name_index, kind, _addr, offset, size, _link, _entsize in _sections(data):
+                if kind != 7:  # SHT_NOTE
+                    continue
+                at = offset
+                while at + 12 <= offset + size:
+                    namesz, descsz, note_type = struct.unpack_from("<III", data, at)
+                    name_at = at + 12
+                    desc_at = name_at + (namesz + 3) // 4 * 4
+                    if note_type == 3 and data[name_at:name_at + namesz] == b"GNU\x00":  # NT_GNU_BUILD_ID
+                        return data[desc_at:desc_at + descsz].hex() or None
+                    at = desc_at + (descsz + 3) // 4 * 4
+    except (OSError, ValueError, struct.error):
+        return None
+    return None
+
+
+def has_debug_info(path: str) -> bool:
+    """True when the ELF file at ``path`` carries DWARF (a ``.debug_info`` section with contents); True
+    too when that cannot be told."""
+    try:
+        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+                return True
+            sections = list(_sections(data))
+            (names_index,) = struct.unpack_from("<H", data, 0x3E)
+            names = sections[names_index][3]
+            for name_index, kind, _addr, _offset, size, _link, _entsize in sections:
+                name = data[names + name_index:names + name_index + 12]
+                if name.startswith((b".debug_info\x00", b".zdebug_info")) and kind != 8 and size:
+                    return True
+            return False
+    except (OSError, ValueError, IndexError, struct.error):
+        return True
 
 
 def _sections(data: "mmap.mmap") -> Iterator[Tuple[int, int, int, int, int, int, int]]:

@@ -14,12 +14,12 @@ call. Two rules keep the target safe:
 import os
 import re
 import signal
-import stat
 import subprocess
 import tempfile
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from probe.injector.symbols import symbol_files
 from probe.injector.xstate import gdb_environment
 
 __all__ = ["GdbSession", "GdbError", "GdbTimeout", "GdbAbandoned", "abandoned_gdbs"]
@@ -86,24 +86,30 @@ class GdbSession:
             os.close(fd)
             os.unlink(path)
         self._read_pos = 0
+        began = time.monotonic()
         with sink:
             self._proc = subprocess.Popen(
                 [gdb, "-nx", "-q", "-iex", "set debuginfod enabled off", "-iex", "set auto-load off"],
                 stdin=subprocess.PIPE, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
                 env=env)
         # Symbols are read before attaching, at the addresses the target mapped the libraries at, so the
-        # target stays stopped only for the look and the calls (~80 ms instead of ~330 ms). gdb keeps the
-        # index it builds of each library's debug information (by build id) in a directory of ours: a
-        # later injection reads libpython's and libc's symbols from it in a fraction of the time.
-        cache = _index_cache()
-        commands = list(_SETUP) + (["set index-cache directory %s" % cache, "set index-cache enabled on"]
-                                   if cache else [])
-        commands += ["add-symbol-file -o %#x %s" % (base, path) for path, base in libraries]
+        # target stays stopped only for the look and the calls. They come from copies without debug
+        # information where these can be had (``symbols``): function names and unwind tables are all gdb
+        # needs here, and reading libpython's and libc's DWARF was most of the time. Worked out while gdb
+        # starts.
+        try:
+            files = symbol_files(libraries, timeout)
+        except BaseException:
+            self._kill()
+            raise
+        self.lean_symbols = files.lean
+        commands = list(_SETUP) + files.commands
+        commands += ["add-symbol-file -o %#x %s" % (base, path) for path, base in files.libraries]
         # Looking up the functions we may call, before attaching, takes the first call's one-time cost
         # (about 40 ms here) out of the time the target is stopped.
         commands += ["print (void*)%s" % name for name in _CALLED]
         commands.append("attach %d" % pid)
-        out = self.run(commands, timeout)
+        out = self.run(commands, max(timeout - (time.monotonic() - began), 0.05))
         if "ptrace:" in out or "Can't attach" in out or "Could not attach" in out:
             self._kill()
             raise GdbError("gdb could not attach to process %d: %s" % (pid, _first_error(out)), out)
@@ -216,23 +222,6 @@ class GdbSession:
             os.kill(self.pid, signal.SIGCONT)  # ptrace detached on gdb's death; make sure nothing stays stopped
         except ProcessLookupError:
             pass
-
-
-def _index_cache() -> Optional[str]:
-    """``$XDG_CACHE_HOME/probe/gdb-index`` (``~/.cache/probe/gdb-index``), made if missing: a directory of
-    ours alone (gdb trusts what it finds there as it reads a library's symbols); None where it is not, or
-    cannot be made (gdb then builds the index every time, as before)."""
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "probe", "gdb-index")
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        for directory in (os.path.dirname(path), path):
-            info = os.lstat(directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-                return None
-    except OSError:
-        return None
-    return path if "\n" not in path else None
 
 
 def _first_error(out: str) -> str:

@@ -122,21 +122,39 @@ def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, Lis
 def run_plan(session: GdbSession, chosen: Plan, code: str, deadline: float) -> None:
     """Run ``code`` in the target as ``chosen`` says, then detach (gdb is gone when this returns or raises)."""
     try:
-        address = _write_code(session, chosen.thread, code, deadline)
         if chosen.method == PENDING:
-            out = session.run(["call (int)Py_AddPendingCall((void*)PyRun_SimpleString, (void*)%s)" % address],
-                              _left(deadline), calls=True)
-            _check_zero(out, "Py_AddPendingCall")
-        else:
-            assert chosen.thread is not None
-            session.run_call_then_detach([
-                "thread %d" % chosen.thread.num,
-                "set $probe_gil = (int)PyGILState_Ensure()",
-                "call (int)PyRun_SimpleString((char*)%s)" % address,
-                "call (void)PyGILState_Release($probe_gil)",
-            ], max(_left(deadline), 0.5))
+            _pending_call(session, chosen.thread, code, deadline)
+            return
+        address = _write_code(session, chosen.thread, code, deadline)
+        assert chosen.thread is not None
+        session.run_call_then_detach([
+            "thread %d" % chosen.thread.num,
+            "set $probe_gil = (int)PyGILState_Ensure()",
+            "call (int)PyRun_SimpleString((char*)%s)" % address,
+            "call (void)PyGILState_Release($probe_gil)",
+        ], max(_left(deadline), 0.5))
     finally:
         session.detach()
+
+
+def _pending_call(session: GdbSession, thread: Optional[ThreadState], code: str, deadline: float) -> None:
+    """``code`` into a new page, ``Py_AddPendingCall(PyRun_SimpleString, page)``, detach: one batch of gdb
+    commands, so the target waits for no round trip between them (each was a few ms of its pause). gdb
+    stops at the first error inside the ``if``: no call without the whole statement in place."""
+    data = code.encode() + b"\0"
+    with tempfile.NamedTemporaryFile(prefix="probe-code-", suffix=".bin") as handle:
+        handle.write(data)
+        handle.flush()
+        out = session.run_call_then_detach(_select(thread) + [
+            "set $probe_code = (void*)mmap(0, %d, 3, 34, -1, 0)" % _pages(data),
+            "print $probe_code",
+            "if $probe_code != 0 && $probe_code != (void*)-1",
+            "restore %s binary $probe_code" % handle.name,
+            "print (int)Py_AddPendingCall((void*)PyRun_SimpleString, $probe_code)",
+            "end",
+        ], _left(deadline))
+    _mapped(out)
+    _check_zero(_after_address(out), "Py_AddPendingCall")
 
 
 def _libraries(info: TargetInfo) -> List[Tuple[str, int]]:
@@ -158,17 +176,35 @@ def _libraries(info: TargetInfo) -> List[Tuple[str, int]]:
 def _write_code(session: GdbSession, thread: Optional[ThreadState], code: str, deadline: float) -> str:
     """Put ``code`` (NUL-terminated) into a new anonymous page of the target; return its address."""
     data = code.encode() + b"\0"
-    size = (len(data) + 4095) // 4096 * 4096
-    select = ["thread %d" % thread.num] if thread is not None else []
-    out = session.run(select + ["call (void*)mmap(0, %d, 3, 34, -1, 0)" % size], _left(deadline), calls=True)
-    match = _ADDRESS.search(out)
-    if not match or int(match.group(1), 16) in (0, (1 << 64) - 1):
-        raise OSError("mmap in the target failed: %s" % out.strip()[-200:])
+    out = session.run(_select(thread) + ["call (void*)mmap(0, %d, 3, 34, -1, 0)" % _pages(data)], _left(deadline),
+                      calls=True)
+    address = _mapped(out)
     with tempfile.NamedTemporaryFile(prefix="probe-code-", suffix=".bin") as handle:
         handle.write(data)
         handle.flush()
-        session.run(["restore %s binary %s" % (handle.name, match.group(1))], _left(deadline))
+        session.run(["restore %s binary %s" % (handle.name, address)], _left(deadline))
+    return address
+
+
+def _select(thread: Optional[ThreadState]) -> List[str]:
+    return ["thread %d" % thread.num] if thread is not None else []
+
+
+def _pages(data: bytes) -> int:
+    return (len(data) + 4095) // 4096 * 4096
+
+
+def _mapped(out: str) -> str:
+    """The address gdb printed for the target's mmap; OSError where it failed."""
+    match = _ADDRESS.search(out)
+    if not match or int(match.group(1), 16) in (0, (1 << 64) - 1):
+        raise OSError("mmap in the target failed: %s" % out.strip()[-200:])
     return match.group(1)
+
+
+def _after_address(out: str) -> str:
+    match = _ADDRESS.search(out)
+    return out[match.end():] if match else out
 
 
 def _check_zero(out: str, what: str) -> None:

@@ -37,6 +37,9 @@ SAFE_WAIT_SITES: Dict[str, Optional[Tuple[str, ...]]] = {
     "os_waitpid_impl": None,
     "os_wait_impl": None,
 }
+# Read from symbol tables alone (no debug information: ``symbols``), a wait site the compiler inlined
+# has no frame of its own: its caller stands right above libc's frames, and stands for it.
+_INLINED_INTO = {"time_sleep": "pysleep", "os_waitpid": "os_waitpid_impl", "os_wait": "os_wait_impl"}
 # Frames inside libc's waiting primitives, below the CPython function that called them.
 _LIBC_PREFIXES = ("__", "do_futex_wait", "futex_", "sem_", "pthread_cond_", "clock_nanosleep", "nanosleep",
                   "select", "poll", "ppoll", "epoll_wait", "read", "recv", "accept", "wait4", "waitpid", "waitid")
@@ -120,6 +123,8 @@ def wait_site(thread: ThreadState) -> Optional[str]:
     for i, func in enumerate(funcs):
         if _is_libc(func):
             continue
+        if i and func in _INLINED_INTO:
+            return _INLINED_INTO[func]
         if func not in SAFE_WAIT_SITES:
             return None
         callers = SAFE_WAIT_SITES[func]
