@@ -223,9 +223,20 @@ def test_the_grid_says_which_rank_holds_its_gil_and_which_is_dead(tmp_path):
 def test_a_rank_no_helper_lists_has_a_cell_that_says_so(tmp_path):
     """Rank 1 of a job of 2 never starts (as a rank killed before its node's helper saw it, or on a node whose
     helper does not report): the grid still has its cell, silent, and says why, as `probe ... ranks` does."""
+    from probe.client import transport
+    from probe.errors import ProbeError
     from test_node_helper import ranks_of
 
+    def listed(runtime, port):  # the node's helper, started by rank 0, lists it (a page started before would
+        try:  # find one agent at HOST:PORT, and serve the page of that one process)
+            answer = transport.request(transport.UnixAddress(os.path.join(runtime, "node-%d.sock" % port)), "GET",
+                                       "/v1/ranks", None, {}, 5.0)
+            return answer.status == 200 and json.loads(bytes(answer.body))["members"]
+        except (OSError, ProbeError):
+            return False
+
     with ranks_of(tmp_path, 1, GIL_RANK="none", SLURM_NTASKS="2") as job:
+        _until(lambda: listed(job["runtime"], job["port"]), 30, "rank 0 listed by its node's helper")
         proc, url = _serve("127.0.0.1:%d" % job["port"], "page", "--refresh", "1", env=job["env"])
         try:
             view = _until(lambda: (lambda o: o if o.get("ranks") else None)(_get(url, "/api/overview")), 30,
