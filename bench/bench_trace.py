@@ -1,24 +1,37 @@
-"""The torch trace's cost on a training step, the hook's worst case, and the agent with a full buffer.
+"""The torch trace's cost on a training step, the hook's cost per module call, and the agent with a full buffer.
 
-    python bench/bench_trace.py [--rounds 15] [--steps 8] [--quick] [--only SECTION] [--before DIR]
+    python bench/bench_trace.py [--rounds 40] [--pairs 5] [--steps 3] [--model MLP|transformer] [--extra]
+                                [--no-blocks] [--quick] [--only SECTION] [--before DIR [--runs 4]]
 
-1. Overhead (in this process, CPU, one intra-op thread so the 2 shared cores stay comparable): a
-   training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64) and of a
-   small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), untraced and under
-   each trace setting, interleaved in rounds (the order alternating), ``--steps`` steps per block, each
-   step timed; a block's typical step is its median step (under ``--every N``, 2N steps: (the median
-   sampled step + (N - 1) x the median skipped step) / N), and the overhead is the median over rounds of
-   (traced block / the untraced blocks on either side of it) - 1, with its IQR. DESIGN: <= 2 % every step, <= 0.5 % with
-   ``--every 10``.
-2. Worst case per hook call: 200 x Linear(16, 16), forward only (no_grad), batch 4: (traced - untraced)
-   / 201 module calls; also torch's own cost of having any global hook (two empty ones).
+1. Overhead on a training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64)
+   and of a small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), in this
+   process, CPU, one intra-op thread, every step timed in CPU time of the training thread
+   (``time.thread_time_ns``: what the machine's other work takes from us does not count), glibc malloc
+   told to keep its memory (``MALLOC_ENV``: else page faults make the step swing by -4..+18 %). Beside
+   the trace, measured the same way in the same run: two empty global module hooks (torch's own part of
+   any global hook: its slow ``__call__`` path), a planted cost (a busy-wait of 0.3 % of the untraced
+   step, added to the step: the method must see it) and the method's zero (untraced against untraced).
+   Two ways, each giving per-pair ratios, their median, IQR and a bootstrap 95 % interval of the median:
+
+   * step by step (the figure held to the goal): steps alternate one by one between on and off; the
+     trace does it itself with ``--every 2`` (its module hooks in for even steps, out for odd ones; the
+     optimizer hooks stay in both, ~2 calls a step); each on step against the mean of the off steps on
+     either side. ``--rounds`` rounds of ``--pairs`` pairs per setting, settings rotating.
+   * blocks: ``--steps`` steps of each setting (the trace started and stopped around them, as ``probe T
+     trace start/stop`` does, the first step after each switch not timed) between untraced blocks; a
+     block's figure its mean step or its fastest step. ``--extra`` adds ``--every 10`` (blocks of 10),
+     backward spans and the anomaly check.
+2. Per module call, forward only (no_grad), CPU time, interleaved blocks: 200 x Linear(16, 16), batch 4
+   (the hooks' own instructions, caches warm), and the MLP's layers (each hook right after a matmul that
+   flushed the caches, as in training): (setting - untraced) / module calls, for torch's part (two empty
+   hooks), the trace, the trace with anomalies, and a module the filter leaves out.
 3. The agent (a real target, ``tests/targets/train_trace.py`` with ``PROBE_TORCH_TRACE=1`` and backward
    spans): VmRSS before the trace starts and once the default buffer (10000 spans) is full; then the
    slow-module query of DESIGN.md, ``elapsed_ms`` as served inside the agent (DESIGN-like target 20 ms).
 
 ``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) measures that tree
-beside this one: section 2 alternates child processes of each tree, section 3 runs a target of each
-and alternates the queries between them.
+beside this one: section 2 alternates child processes running this bench with each tree's probe,
+section 3 runs a target of each and alternates the queries between them.
 """
 
 import argparse
@@ -75,114 +88,328 @@ def block(step: Callable[[], None], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def step_times(step: Callable[[], None], steps: int) -> List[float]:
-    """Each step's seconds: their median shrugs off the bursts of a shared machine that a block mean takes in."""
+CLOCK = time.thread_time_ns
+"""CPU time of the training thread: with one intra-op thread a CPU step (forward, autograd's backward, the
+optimizer) runs on the calling thread, and what the machine's other work takes from us does not count."""
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+              "MALLOC_TOP_PAD_": str(1 << 28)}
+"""glibc malloc told to keep what it got: otherwise every step maps and unmaps its 4 MB gradients, and the
+page faults (2000-8000 a step, 0-24 ms of system time) make the MLP's step CPU time swing by -4..+18 %
+(IQR); with them its IQR is about +-1 %. The training is the same; only the allocator's noise goes."""
+
+
+def _spin(ns: int) -> None:
+    """Busy for ``ns`` ns of this thread's CPU time: the planted cost."""
+    end = CLOCK() + ns
+    while CLOCK() < end:
+        pass
+
+
+def _timed_block(step: Callable[[], None], steps: int, mark: Callable[[], None] = lambda: None) -> List[int]:
+    """One untimed step (a switch's transition: the trace naming modules, the optimizer hooks leaving),
+    ``mark()``, then the CPU ns of each of ``steps`` steps."""
+    step()
+    mark()
     out = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start = CLOCK()
         step()
-        out.append(time.perf_counter() - start)
+        out.append(CLOCK() - start)
     return out
 
 
-def sampled_step_times(step: Callable[[], None], steps: int, tracer: Any) -> "tuple[List[float], List[float]]":
-    """Under ``--every N``: the seconds of the steps the trace sampled, and of those it skipped."""
-    sampled: List[float] = []
-    skipped: List[float] = []
-    for _ in range(steps):
-        into = sampled if tracer.sampled else skipped
-        start = time.perf_counter()
-        step()
-        into.append(time.perf_counter() - start)
-    return sampled, skipped
+def bootstrap_ci(values: List[float], draws: int = 2000, block: int = 1, seed: int = 1) -> "tuple[float, float]":
+    """95 % interval of the median of ``values`` by resampling them (percentile bootstrap); ``block`` > 1:
+    runs of that many neighbours at a time (ratios that share a peer step are not independent)."""
+    import random
+
+    rand = random.Random(seed)
+    n = len(values)
+    medians = []
+    for _ in range(draws):
+        if block <= 1:
+            sample = rand.choices(values, k=n)
+        else:
+            sample = []
+            while len(sample) < n:
+                at = rand.randrange(n - block + 1)
+                sample.extend(values[at:at + block])
+        medians.append(statistics.median(sample[:n]))
+    medians.sort()
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws) - 1]
 
 
-def overhead(torch: Any, rounds: int, steps: int) -> List[List[str]]:
+def alternating(settings: Dict[str, Any], rounds: int, pairs: int) -> Dict[str, List[float]]:
+    """Steps that alternate, one by one, between a setting's on and off states: per round and setting
+    (their order rotating), ``2 * pairs`` steps after one untimed one; each on step's CPU time against
+    the mean of the off steps on either side of it gives a ratio. ``settings[name]`` is
+    ``(step, enter, leave, is_on, switch)``: ``enter``/``leave`` around the setting's steps, ``is_on()`` says
+    whether the next step runs on, ``switch()`` (between steps) flips what the next step runs; the trace
+    flips itself (``--every 2``: its module hooks in for even steps, out for odd ones)."""
+    names = list(settings)
+    ratios: Dict[str, List[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            step, enter, leave, is_on, switch = settings[name]
+            enter()
+            try:
+                step()
+                switch()
+                times: List[Any] = []
+                for _ in range(2 * pairs + 1):
+                    on = is_on()
+                    start = CLOCK()
+                    step()
+                    times.append((on, CLOCK() - start))
+                    switch()
+            finally:
+                leave()
+            for k in range(1, len(times) - 1):
+                (before_on, before), (on, took), (after_on, after) = times[k - 1:k + 2]
+                if on and not before_on and not after_on:
+                    ratios[name].append(took / ((before + after) / 2) - 1.0)
+    return ratios
+
+
+class Setting:
+    """What a block of the paired measurement runs: ``enter`` before it, ``leave`` after, each step
+    ``step`` (None: the model's), ``steps`` of them (``--every N``: N, so one sampled step a block)."""
+
+    def __init__(self, enter: Callable[[], None] = lambda: None, leave: Callable[[], None] = lambda: None,
+                 step: Any = None, steps: int = 0, mark: Callable[[], None] = lambda: None) -> None:
+        self.enter, self.leave, self.step, self.steps, self.mark = enter, leave, step, steps, mark
+
+
+ESTIMATORS = {"mean": lambda times: sum(times) / len(times), "min": min}
+"""A block's figure: its mean step (every step counts; under ``--every N`` the sampled one among the
+skipped), or its fastest step (what another process on the same core adds to a step, caches flushed
+and all, only ever adds: the fastest of a few steps carries the least of it)."""
+
+
+def paired(step: Callable[[], None], settings: Dict[str, Setting], rounds: int,
+           steps: int) -> "tuple[Dict[str, Dict[str, List[float]]], List[float]]":
+    """Untraced blocks of ``steps`` steps with a block of each setting between two of them: U S1 U S2 U
+    ..., the settings' order rotating each round. Each setting block gives one pair ratio per estimator:
+    its figure / the mean of the untraced blocks' on either side - 1. Returns the ratios per estimator
+    and setting, and the untraced blocks' mean ns per step."""
+    names = list(settings)
+    ratios: Dict[str, Dict[str, List[float]]] = {e: {name: [] for name in names} for e in ESTIMATORS}
+    base = [_timed_block(step, steps)]
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            setting = settings[name]
+            setting.enter()
+            try:
+                took = _timed_block(setting.step or step, setting.steps or steps, setting.mark)
+            finally:
+                setting.leave()
+            base.append(_timed_block(step, steps))
+            for e, figure in ESTIMATORS.items():
+                ratios[e][name].append(figure(took) / ((figure(base[-2]) + figure(base[-1])) / 2) - 1.0)
+    return ratios, [ESTIMATORS["mean"](b) for b in base]
+
+
+def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = False, pairs: int = 5,
+             blocks: bool = True) -> List[List[str]]:
+    """Section 1: the paired measurement of each model under each trace setting, beside a planted cost
+    (a busy-wait of 0.3 % of the untraced step, in the step) and the method's zero (untraced against
+    untraced)."""
     from probe.tables.torch import trace
     from probe.tables.torch.trace_options import TraceOptions
 
-    settings = {
-        "forward, every step": TraceOptions(),
-        "forward, --every 10": TraceOptions(every=10),
-        "forward + backward": TraceOptions(backward=True),
-        "forward + anomalies": TraceOptions(anomalies=True),
-    }
+    traced = {"forward, every step": TraceOptions()}
+    if extra:
+        traced.update({"forward, --every 10": TraceOptions(every=10), "forward + backward": TraceOptions(backward=True),
+                       "forward + anomalies": TraceOptions(anomalies=True)})
+    hooks_module = sys.modules["torch.nn.modules.module"]
     out = []
     for label, make in models(torch).items():
+        if only and only not in label:
+            continue
         step = make()
         for _ in range(3):
             step()
-        ratios: Dict[str, List[float]] = {name: [] for name in settings}
-        base_times: List[float] = []
-        for r in range(rounds):
-            names = list(settings) if r % 2 == 0 else list(settings)[::-1]
-            base = [step_times(step, steps)]
-            for name in names:
-                every = settings[name].every
-                trace.start(settings[name])
-                step()  # the first step after start names the modules
-                if every > 1:  # one step in `every` pays the hooks; the others only what switching them costs
-                    sampled, skipped = sampled_step_times(step, 2 * every, trace._tracer)
-                    took = (statistics.median(sampled) + (every - 1) * statistics.median(skipped)) / every
-                else:
-                    took = statistics.median(step_times(step, steps))
+        untraced_ns = statistics.median(_timed_block(step, 5))
+        planted_ns = int(untraced_ns * PLANTED)
+
+        def planted(step: Callable[[], None] = step, planted_ns: int = planted_ns) -> None:
+            step()
+            _spin(planted_ns)
+
+        hooks: Dict[str, List[float]] = {name: [] for name in traced}
+        spans: Dict[str, List[float]] = {name: [] for name in traced}
+        marks: List[Any] = [None]
+
+        def mark(marks: List[Any] = marks) -> None:  # after a block's untimed first step
+            tracer = trace.current()
+            marks[0] = tracer and (tracer.hook_ns, tracer.steps_seen, tracer.ring.written())
+
+        def stopper(name: str, marks: List[Any] = marks, hooks: Dict[str, List[float]] = hooks,
+                    spans: Dict[str, List[float]] = spans) -> Callable[[], None]:
+            def leave() -> None:
+                tracer = trace.current()
                 trace.stop()
-                step()  # the optimizer's hooks leave at this forward
-                base.append(step_times(step, steps))
-                untraced = (statistics.median(base[-2]) + statistics.median(base[-1])) / 2
-                ratios[name].append(took / untraced - 1.0)
-            base_times.extend(statistics.median(times) for times in base)
-        out.append([label, "untraced", "%.2f ms" % (statistics.median(base_times) * 1000), "-", "-"])
-        for name, values in ratios.items():
-            s = Summary.of(values)
-            out.append([label, name, "", "%+.2f %%" % (s.median * 100), "%+.2f..%+.2f %%" % (s.q1 * 100, s.q3 * 100)])
+                if tracer is not None and marks[0] and tracer.steps_seen > marks[0][1]:
+                    hook_ns, seen, written = marks[0]
+                    hooks[name].append((tracer.hook_ns - hook_ns) / (tracer.steps_seen - seen) / 1e3)
+                    spans[name].append((tracer.ring.written() - written) / (tracer.steps_seen - seen))
+            return leave
+
+        settings = {name: Setting(lambda options=options: trace.start(options), stopper(name),
+                                  steps=options.every if options.every > 1 else 0, mark=mark)
+                    for name, options in traced.items()}
+        empty: List[Any] = []
+
+        def empty_in(empty: List[Any] = empty) -> None:
+            empty[:] = [hooks_module.register_module_forward_pre_hook(lambda m, i: None),
+                        hooks_module.register_module_forward_hook(lambda m, i, o: None)]
+
+        def empty_out(empty: List[Any] = empty) -> None:
+            for handle in empty:
+                handle.remove()
+
+        settings["two empty global hooks (torch's part)"] = Setting(empty_in, empty_out)
+        settings["planted %.2f %% (busy-wait in the step)" % (PLANTED * 100)] = Setting(step=planted)
+        settings["untraced (the method's zero)"] = Setting()
+        ratios, base = paired(step, settings, rounds, steps) if blocks else ({e: {} for e in ESTIMATORS}, [])
+        state = [False]
+
+        def flip(on: Callable[[], None] = lambda: None, off: Callable[[], None] = lambda: None,
+                 state: List[bool] = state) -> Callable[[], None]:
+            def switch() -> None:
+                state[0] = not state[0]
+                (on if state[0] else off)()
+            return switch
+
+        def begin(state: List[bool] = state) -> None:
+            state[0] = True  # flipped off before the first timed step
+
+        def planted_if_on(step: Callable[[], None] = step, planted_ns: int = planted_ns,
+                          state: List[bool] = state) -> None:
+            step()
+            if state[0]:
+                _spin(planted_ns)
+
+        every2: List[Any] = [None, None]
+
+        def trace_in(every2: List[Any] = every2) -> None:
+            trace.start(TraceOptions(every=2))
+            every2[0] = trace.current()
+            every2[1] = every2[0].hook_ns
+
+        def trace_out(name: str = "forward, every step", every2: List[Any] = every2,
+                      hooks: Dict[str, List[float]] = hooks) -> None:
+            trace.stop()
+            tracer = every2[0]
+            hooks.setdefault(name + " (steps)", []).append((tracer.hook_ns - every2[1]) / (pairs + 1) / 1e3)
+
+        def is_on(state: List[bool] = state) -> bool:
+            return state[0]
+
+        steps_of = {"forward, every step": (step, trace_in, trace_out, lambda every2=every2: every2[0].sampled,
+                                            lambda: None),
+                    "two empty global hooks (torch's part)": (step, begin, empty_out, is_on, flip(empty_in, empty_out)),
+                    "planted %.2f %% (busy-wait in the step)" % (PLANTED * 100): (planted_if_on, begin, lambda: None,
+                                                                                is_on, flip()),
+                    "untraced (the method's zero)": (step, begin, lambda: None, is_on, flip())}
+        by_step = alternating(steps_of, rounds, pairs)
+        for name, values in by_step.items():
+            ratios.setdefault("steps", {})[name] = values
+        out.append([label, "untraced step, CPU", "", "%.2f ms" % (statistics.median(base or [untraced_ns]) / 1e6),
+                    "", "", "", ""])
+        for e in ("steps",) + tuple(ESTIMATORS):
+            for name, values in ratios.get(e, {}).items():
+                s = Summary.of(values)
+                low, high = bootstrap_ci(values, block=4 if e == "steps" else 1)
+                note = ""
+                key = name + " (steps)" if e == "steps" else name
+                if key in hooks and hooks[key]:
+                    note = "%.0f us in hooks a step" % statistics.median(hooks[key])
+                    if spans.get(name) and e != "steps":
+                        note += ", %.1f spans a step" % statistics.median(spans[name])
+                elif name.startswith("planted"):
+                    seen = low > 0 and low <= PLANTED <= high
+                    note = "planted %+.2f %%: %s" % (PLANTED * 100, "seen" if seen else "NOT SEEN")
+                method = "step by step" if e == "steps" else "blocks, %s step" % ("fastest" if e == "min" else e)
+                out.append([label, name, method, "%+.2f %%" % (s.median * 100),
+                            "%+.2f..%+.2f %%" % (s.q1 * 100, s.q3 * 100), "%+.2f..%+.2f %%" % (low * 100, high * 100),
+                            str(s.n), note])
     return out
 
 
+PLANTED = 0.003
+
+
 def worst_case(torch: Any, rounds: int) -> List[List[str]]:
+    """Section 2: per module call, forward only (no_grad), CPU time of this thread, blocks of each
+    setting interleaved (order rotating); a setting's cost per call is the median over rounds of (its
+    block - the untraced block of the same round) / the module calls of a block. Two models: many tiny
+    modules (the hooks' own instructions, caches warm) and the MLP's layers (8 x Linear(1024) + ReLU,
+    batch 64: each hook runs right after a matmul has flushed the caches, as in training)."""
     from probe.tables.torch import trace
     from probe.tables.torch.trace_options import TraceOptions
 
-    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(200)])
-    x = torch.randn(4, 16)
     hooks = sys.modules["torch.nn.modules.module"]
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(x)
-
-    def empty_hooks() -> float:
-        a = hooks.register_module_forward_pre_hook(lambda m, i: None)
-        b = hooks.register_module_forward_hook(lambda m, i, o: None)
-        try:
-            return block(forward, 20)
-        finally:
-            a.remove()
-            b.remove()
-
-    def traced(options: Any) -> Callable[[], float]:
-        def run() -> float:
-            trace.start(options)
-            try:
-                return block(forward, 20)
-            finally:
-                trace.stop()
-                forward()
-        return run
-
-    runners = {"untraced": lambda: block(forward, 20), "two empty global hooks": empty_hooks,
-               "traced (forward)": traced(TraceOptions()), "traced + anomalies": traced(TraceOptions(anomalies=True)),
-               "traced, module filtered out": traced(TraceOptions(modules="nothing*"))}
-    results: Dict[str, List[float]] = {name: [] for name in runners}
-    for r in range(rounds):
-        for name in (list(runners) if r % 2 == 0 else list(runners)[::-1]):
-            results[name].append(runners[name]())
-    base = statistics.median(results["untraced"])
+    shapes = {"200 x Linear(16, 16), batch 4 (caches warm)": ([torch.nn.Linear(16, 16) for _ in range(200)],
+                                                             torch.randn(4, 16), 20),
+              "8 x (Linear(1024) + ReLU), batch 64 (caches flushed)": (
+                  [m for _ in range(8) for m in (torch.nn.Linear(1024, 1024), torch.nn.ReLU())],
+                  torch.randn(64, 1024), 4)}
     rows = []
-    for name, values in results.items():
-        s = Summary.of(values)
-        per_call = (s.median - base) / 201 * 1e6
-        rows.append([name, "%.2f ms" % (s.median * 1000), "-" if name == "untraced" else "%.2f us" % per_call])
+    for label, (layers, x, repeat) in shapes.items():
+        model = torch.nn.Sequential(*layers)
+        calls = len(layers) + 1
+
+        def forward(model: Any = model, x: Any = x) -> None:
+            with torch.no_grad():
+                model(x)
+
+        def run(forward: Callable[[], None] = forward, repeat: int = repeat) -> float:
+            forward()  # the first call after a switch (naming, the janitor) is not timed
+            start = CLOCK()
+            for _ in range(repeat):
+                forward()
+            return (CLOCK() - start) / repeat
+
+        def empty_hooks(run: Callable[[], float] = run) -> float:
+            a = hooks.register_module_forward_pre_hook(lambda m, i: None)
+            b = hooks.register_module_forward_hook(lambda m, i, o: None)
+            try:
+                return run()
+            finally:
+                a.remove()
+                b.remove()
+
+        def traced(options: Any, run: Callable[[], float] = run) -> Callable[[], float]:
+            def go() -> float:
+                trace.start(options)
+                try:
+                    return run()
+                finally:
+                    trace.stop()
+            return go
+
+        runners = {"untraced": run, "two empty global hooks (torch's part)": empty_hooks,
+                   "traced (forward)": traced(TraceOptions()),
+                   "traced + anomalies": traced(TraceOptions(anomalies=True)),
+                   "traced, module filtered out": traced(TraceOptions(modules="nothing*"))}
+        names = list(runners)
+        results: Dict[str, List[float]] = {name: [] for name in names}
+        for r in range(rounds):
+            shift = r % len(names)
+            for name in names[shift:] + names[:shift]:
+                results[name].append(runners[name]())
+        for name in names:
+            block_ms = statistics.median(results[name]) / 1e6
+            if name == "untraced":
+                rows.append([label, name, "%.3f ms" % block_ms, "-"])
+                continue
+            per_call = Summary.of([(a - b) / calls / 1e3 for a, b in zip(results[name], results["untraced"])])
+            rows.append([label, name, "%.3f ms" % block_ms, "%.2f us [%.2f..%.2f]" % (per_call.median, per_call.q1,
+                                                                                    per_call.q3)])
     return rows
 
 
@@ -295,29 +522,32 @@ def agent_figures(runs: int, before: str = "") -> List[List[str]]:
 
 
 def worst_case_in(repo: str, rounds: int) -> List[List[str]]:
-    """Section 2 run by the tree at ``repo`` (its own bench and probe), in a child process."""
-    code = ("import json, sys; sys.path[:0] = [%r, %r]; import torch, bench_trace; torch.set_num_threads(1); "
-            "print(json.dumps(bench_trace.worst_case(torch, %d)))" % (os.path.join(repo, "bench"), repo, rounds))
-    done = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
-                          timeout=600, cwd=repo)
+    """Section 2 of this bench run with the probe of the tree at ``repo``, in a child process."""
+    code = ("import json, sys; sys.path.insert(0, %r); import probe; assert probe.__file__.startswith(%r), "
+            "probe.__file__; sys.path.insert(0, %r); import torch, bench_trace; torch.set_num_threads(1); "
+            "print(json.dumps(bench_trace.worst_case(torch, %d)))" % (repo, repo, os.path.join(REPO, "bench"), rounds))
+    done = subprocess.run([sys.executable, "-c", code], env=dict(clean_env(), **MALLOC_ENV), capture_output=True,
+                          text=True, timeout=600, cwd=repo)
     if done.returncode != 0:
         raise RuntimeError("worst case in %s failed: %s" % (repo, done.stderr[-2000:]))
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def compare_worst_case(before: str, rounds: int, runs: int) -> List[List[str]]:
-    """Per-hook cost, this tree against ``before``: ``runs`` child runs each, alternating."""
-    per_call: Dict[str, Dict[str, List[float]]] = {"this tree": {}, "before": {}}
+    """Per-hook cost, this tree against ``before``: ``runs`` child runs each, alternating; the median
+    over the runs of each run's median cost per call."""
+    per_call: Dict[str, Dict[tuple, List[float]]] = {"this tree": {}, "before": {}}
     for r in range(runs):
         order = [("this tree", REPO), ("before", before)]
         for label, repo in (order if r % 2 == 0 else order[::-1]):
-            for name, _, cost in worst_case_in(repo, rounds):
+            for model, name, _, cost in worst_case_in(repo, rounds):
                 if cost != "-":
-                    per_call[label].setdefault(name, []).append(float(cost.split()[0]))
+                    per_call[label].setdefault((model, name), []).append(float(cost.split()[0]))
     rows = []
-    for name in per_call["this tree"]:
-        a, b = Summary.of(per_call["this tree"][name]), Summary.of(per_call["before"][name])
-        rows.append([name, "%.2f us [%.2f-%.2f]" % (a.median, a.q1, a.q3), "%.2f us [%.2f-%.2f]" % (b.median, b.q1, b.q3)])
+    for key in per_call["this tree"]:
+        a, b = Summary.of(per_call["this tree"][key]), Summary.of(per_call["before"][key])
+        rows.append([key[0], key[1], "%.2f us (%.2f-%.2f)" % (a.median, a.low, a.high),
+                     "%.2f us (%.2f-%.2f)" % (b.median, b.low, b.high)])
     return rows
 
 
@@ -331,33 +561,46 @@ def _rss_mb(pid: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--quick", action="store_true", help="5 rounds of 4 steps")
+    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per block (section 1)")
+    parser.add_argument("--quick", action="store_true", help="8 rounds of 2 steps")
     parser.add_argument("--only", choices=("overhead", "worst", "agent"), help="run one section")
+    parser.add_argument("--model", default="", help="section 1: only the model whose label holds this (MLP, transformer)")
+    parser.add_argument("--extra", action="store_true", help="section 1: also --every 10, backward and anomalies")
+    parser.add_argument("--pairs", type=int, default=5, help="section 1: on/off step pairs per round and setting")
+    parser.add_argument("--no-blocks", action="store_true", help="section 1: step by step only")
+    parser.add_argument("--runs", type=int, default=4, help="section 2 with --before: child runs per tree")
     parser.add_argument("--queries", type=int, default=20, help="slow-module queries per target (section 3)")
     parser.add_argument("--before", default="", help="a tree of an earlier commit (git archive REV | tar -x -C "
                         "DIR): sections 2 and 3 measure it beside this one")
     args = parser.parse_args()
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **MALLOC_ENV))
     if args.quick:
-        args.rounds, args.steps = 5, 4
+        args.rounds, args.steps = 8, 2
     import torch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
     header("torch trace: overhead on a training step, worst case per hook, agent with a full buffer",
-           ["%d interleaved rounds, %d steps per block; torch %s, 1 intra-op thread" % (args.rounds, args.steps,
-                                                                                     torch.__version__)])
+           ["section 1: %d rounds, %d timed steps a block, step CPU time of the training thread; torch %s, 1 "
+            "intra-op thread; load average %.2f at start" % (args.rounds, args.steps, torch.__version__,
+                                                             os.getloadavg()[0])])
     if args.only in (None, "overhead"):
-        print(table(overhead(torch, args.rounds, args.steps), ["model", "setting", "step time", "overhead median",
-                                                               "IQR"]))
+        print(table(overhead(torch, args.rounds, args.steps, args.model, args.extra, args.pairs,
+                             not args.no_blocks),
+                    ["model", "setting", "block", "overhead median", "IQR of pairs", "95 % CI of median", "pairs",
+                     "note"]))
+        print("load average %.2f at the end of section 1" % os.getloadavg()[0])
         print()
     if args.only in (None, "worst"):
         if args.before:
-            print(table(compare_worst_case(args.before, args.rounds, 4),
-                        ["200 x Linear(16,16) forward, per module call", "this tree", "before"]))
+            print(table(compare_worst_case(args.before, args.rounds, args.runs),
+                        ["forward only, per module call", "setting", "this tree: median of runs (min-max)",
+                         "before"]))
         else:
-            print(table(worst_case(torch, args.rounds), ["200 x Linear(16,16) forward", "median", "per module call"]))
+            print(table(worst_case(torch, args.rounds), ["forward only", "setting", "block CPU", "per module call: "
+                                                         "median [IQR] over rounds"]))
         print()
     if args.only in (None, "agent"):
         print(table(agent_figures(args.queries, args.before), ["agent, default buffer", "figure", "note"]))

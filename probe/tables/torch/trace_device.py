@@ -6,9 +6,12 @@
   completed (``Event.query()`` does not block), at the next step boundary or at query time.
 * CPU only: ``allocated`` is the process's resident set (RSS) in MB, read from ``/proc/self/statm`` with
   one ``pread`` on a descriptor kept open, after an ``fstat`` that makes sure the number is still that
-  file (about 3 us in all, 1 us of it the check; spans that end within 100 us share a reading);
-  ``max_allocated`` is the highest RSS this trace has seen; ``cached`` and ``max_cached`` are NaN (NULL
-  in the table): there is no caching allocator.
+  file (three system calls with the pid's check: 3-5 us in a tight loop here, ~9 us right after a
+  step's matmuls); ``max_allocated`` is the highest RSS this trace has seen; ``cached`` and
+  ``max_cached`` are NaN (NULL in the table): there is no caching allocator. Spans that end soon after a
+  reading share it: within 1 ms, or within 1000 times what the last reading took where that is longer
+  (up to 20 ms), so reading RSS takes at most about 0.1 % of the process's time however short its
+  modules are (before, a reading was shared for 100 us only: most spans of a real model paid one).
 
 The descriptor is the program's to close: a program that closes every descriptor it does not know may
 give its number to a file of its own. Before each use the reader checks the number still refers to the
@@ -30,7 +33,9 @@ __all__ = ["CpuMemory", "CudaMemory", "CudaTimer", "memory_reader"]
 MB = 1024.0 * 1024.0
 Memory = Tuple[float, float, float, float]
 _NAN = math.nan
-_REUSE_NS = 100_000
+_REUSE_NS = 1_000_000
+_REUSE_FACTOR = 1000
+_REUSE_MAX_NS = 20_000_000
 _perf_ns = time.perf_counter_ns
 
 
@@ -45,12 +50,13 @@ class CpuMemory:
         self._identity: Optional[Identity] = None  # of the file self._fd was opened on
         self._page_mb = os.sysconf("SC_PAGE_SIZE") / MB
         self._peak = 0.0
-        self._at = -_REUSE_NS
+        self._at = -_REUSE_MAX_NS
+        self._reuse = _REUSE_NS
         self._last: Memory = (_NAN, _NAN, _NAN, _NAN)
 
     def __call__(self) -> Memory:
         now = _perf_ns()
-        if now - self._at < _REUSE_NS:  # spans that end within 100 us of each other share one reading
+        if now - self._at < self._reuse:  # spans that end soon after a reading share it
             return self._last
         if self._pid != os.getpid():  # a forked child must read its own /proc entry
             self._close_ours()  # the parent's descriptor, inherited: the child's copy is ours to close
@@ -65,6 +71,7 @@ class CpuMemory:
         if rss > self._peak:
             self._peak = rss
         self._at, self._last = now, (rss, self._peak, _NAN, _NAN)
+        self._reuse = min(max(_REUSE_NS, (_perf_ns() - now) * _REUSE_FACTOR), _REUSE_MAX_NS)
         return self._last
 
     def _ours(self) -> bool:

@@ -3,8 +3,12 @@
 Hot path rules (these hooks run for every module call of the training step):
 
 * no device sync: CPU time from ``perf_counter_ns``, device time from CUDA events read later;
-* nothing allocated per call beyond a stack tuple: names come from a cache keyed by ``id(module)``, spans
-  go into preallocated arrays, a filtered-out module costs one dict look-up;
+* nothing allocated per call beyond a stack entry: names come from a cache keyed by ``id(module)``, a span
+  is one ``pack_into`` into a preallocated record (``trace_ring``), a filtered-out module costs one dict
+  look-up; with host times only (no CUDA events, backward spans or anomaly check: ``_plain``) the hooks
+  take a short path of few calls: they run right after a step's matmuls have flushed the caches, where
+  every object and call touched costs a cache miss (~10 us a module call measured there, against
+  ~3 us in a tight loop, before this path);
 * steps that ``--every N`` skips cost nothing: the module hooks are taken out for them (torch's
   ``Module.__call__`` then takes its fast path again) and put back for the next sampled step;
 * every exception is caught: a hook that raised would kill the training step. The first one switches
@@ -47,7 +51,7 @@ from probe.tables.torch.trace_backward import BackwardSpans
 from probe.tables.torch.trace_device import CpuMemory, CudaMemory, CudaTimer, memory_reader
 from probe.tables.torch.trace_names import ModuleNames
 from probe.tables.torch.trace_options import TraceOptions
-from probe.tables.torch.trace_ring import BACKWARD, FORWARD, OPTIMIZER, SpanRing
+from probe.tables.torch.trace_ring import BACKWARD, FORWARD, OPTIMIZER, RECORD_BYTES, SpanRing
 
 __all__ = ["Tracer"]
 
@@ -76,6 +80,7 @@ class Tracer:
         self.options = options
         self.ring = SpanRing(options.size)
         self.names = ModuleNames(options.modules, self.ring.name_id)
+        self._entries = self.names.entries  # the same dict, bound for the hooks (cleared in place, never replaced)
         memory = memory_reader(torch)
         self.memory: Any = _cpu_memory if isinstance(memory, CpuMemory) else memory
         self.device = self.memory.device
@@ -83,6 +88,9 @@ class Tracer:
         self.anomaly: Optional[AnomalyCheck] = AnomalyCheck(torch, anomaly_store) if options.anomalies else None
         self.backward: Optional[BackwardSpans] = (BackwardSpans(torch, self._backward_begins, self._backward_ends,
                                                                 self._fail) if options.backward else None)
+        # host times only: no CUDA events, no backward spans, no anomaly check (the hooks' short path)
+        self._plain = self.timer is None and self.anomaly is None and self.backward is None
+        self._writer = self.ring.writer()
         self.step = 0
         self.steps_seen = 0
         self.step_start = _perf_ns()
@@ -200,35 +208,46 @@ class Tracer:
             return
         t0 = _perf_ns()
         try:
-            local = self._local
-            stack = getattr(local, "stack", None)
-            if stack is None:
-                stack = local.stack = []
-            if stack:
-                outer, parent = stack[0][0], stack[-1][1]
-                if len(stack) > _MAX_STACK:  # forwards that raised left their entries: start afresh
-                    stack.clear()
-            else:
-                outer = parent = None
-                if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
-                    _watch_compiles()  # before a compiled module's first call compiles it
-                if not self._by_optimizer:
-                    self._root_begins(module, t0)
-            entry = self.names.entries.get(id(module))
-            if entry is None or entry[0]() is not module:
-                entry = self.names.lookup(module, outer, parent)
+            stack = getattr(self._local, "stack", None)
+            entry = self._entries.get(id(module))
+            if not stack or entry is None or entry[0]() is not module or len(stack) > _MAX_STACK:
+                stack, entry = self._pre_slow(module, stack, t0)  # a root call, a module not yet named
             if entry[3] and self.sampled and self.running:
-                timer = self.timer
-                # [module, entry, start, seq, CUDA event, children's host ns, children's spans, their backward]
-                stack.append([module, entry, _perf_ns(), next(self._seq), timer.mark() if timer else None, 0, None,
-                              None])
-                if len(stack) == 1 and self.anomaly is not None:  # the batch, before any module ran
-                    self.anomaly.check_inputs(args, entry[1], self.step, stack[0][3], (t0 - self.step_start) / 1e9)
+                if self._plain:
+                    # [module, entry, start, seq, CUDA event, children's host ns, children's spans, their backward]
+                    stack.append([module, entry, _perf_ns(), next(self._seq), None, 0, None, None])
+                else:
+                    timer = self.timer
+                    stack.append([module, entry, _perf_ns(), next(self._seq), timer.mark() if timer else None, 0,
+                                  None, None])
+                    if len(stack) == 1 and self.anomaly is not None:  # the batch, before any module ran
+                        self.anomaly.check_inputs(args, entry[1], self.step, stack[0][3],
+                                                  (t0 - self.step_start) / 1e9)
             else:
                 stack.append([module, entry, 0, -1, None, 0, None, None])
         except Exception as exc:
             self._fail(exc)
         self.hook_ns += _perf_ns() - t0
+
+    def _pre_slow(self, module: Any, stack: Optional[List[Any]], t0: int) -> Any:
+        """``_pre`` for a call outside any forward on this thread (a root), or of a module not named yet."""
+        if stack is None:
+            stack = self._local.stack = []
+        if stack:
+            if len(stack) > _MAX_STACK:  # forwards that raised left their entries: start afresh
+                stack.clear()
+        if stack:
+            outer, parent = stack[0][0], stack[-1][1]
+        else:
+            outer = parent = None
+            if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
+                _watch_compiles()  # before a compiled module's first call compiles it
+            if not self._by_optimizer:
+                self._root_begins(module, t0)
+        entry = self.names.entries.get(id(module))
+        if entry is None or entry[0]() is not module:
+            entry = self.names.lookup(module, outer, parent)
+        return stack, entry
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
         if _compiling():
@@ -242,7 +261,27 @@ class Tracer:
                     item = stack.pop()
                 if item[0] is module:
                     if item[3] >= 0 and self.running:
-                        self._forward_ends(item, stack, args, output, t0)
+                        if self._plain:  # as _forward_ends, in one frame: a frame costs, caches cold
+                            start = item[2]
+                            host = t0 - start
+                            memory = self.memory  # a reading shared by spans that end soon after it: no call
+                            m = (memory._last if memory is _cpu_memory and t0 - memory._at < memory._reuse
+                                 else memory())
+                            count, pack, buffer, size = self._writer
+                            number = next(count)
+                            pack(buffer, number % size * RECORD_BYTES, number + 1, self.step, item[3], item[1][2],
+                                 FORWARD, len(stack), _ident(), start, host / 1e9, max(host - item[5], 0) / 1e9,
+                                 host / 1e9, (start - self.step_start) / 1e9, m[0], m[1], m[2], m[3])
+                            if stack:
+                                parent = stack[-1]
+                                if parent[3] >= 0:
+                                    parent[5] += host
+                                else:
+                                    parent = _traced_parent(stack)
+                                    if parent is not None:
+                                        parent[5] += host
+                        else:
+                            self._forward_ends(item, stack, args, output, t0)
                     if not stack and self.anomaly is not None:
                         self._maybe_loss(output)
         except Exception as exc:
@@ -250,6 +289,7 @@ class Tracer:
         self.hook_ns += _perf_ns() - t0
 
     def _forward_ends(self, item: Any, stack: List[Any], args: Any, output: Any, end: int) -> None:
+        """``_post`` of a traced span where CUDA events, backward spans or the anomaly check are in play."""
         _, entry, start, seq, event, inner, children, below = item
         host = end - start
         offset = (start - self.step_start) / 1e9
