@@ -1,19 +1,24 @@
-"""How fast and how safely ``probe PID inject`` starts an agent, next to debugpy and plain gdb.
+"""How fast and how safely ``probe PID inject`` starts an agent, next to the way before, debugpy and gdb.
 
-    python bench/bench_inject.py [--runs 5] [--robust 50] [--no-torch] [--probe-only]
+    python bench/bench_inject.py [--runs 5] [--robust 50] [--no-torch] [--probe-only] [--baseline DIR]
 
 * injection time (fresh target each run: a second injection would find the agent; the methods
   interleaved, A B C C B A), on a small sleeping process and on one that imported torch: ``probe PID
-  inject`` (whole command), ``probe.injector.inject`` (the library call), the same without gdb's index
-  cache (as before issue 24: gdb indexes libpython's and libc's debug information every time),
-  debugpy's ``run_python_code`` and plain gdb with every library's symbols loaded
-  doing the classic ``PyGILState_Ensure``/``PyRun_SimpleString``/``PyGILState_Release``. The peers get
-  sleeping targets only: they crash busy ones.
-* the longest pause a busy main loop suffers while probe injects (the loop records its longest gap).
+  inject`` (whole command), ``probe.injector.inject`` (the library call), the same with gdb reading the
+  libraries' debug information (``PROBE_GDB_SYMBOLS=full``: as before issue 24's copies without it, with
+  gdb's index cache), and with ``--baseline DIR`` the whole command of another checkout of probe (``git
+  worktree add DIR <commit>``: the way before, measured in the same rounds). Peers: debugpy's
+  ``run_python_code``, plain gdb with every library's symbols loaded doing the classic
+  ``PyGILState_Ensure``/``PyRun_SimpleString``/``PyGILState_Release``, and ``gdb -p PID -batch`` (attach
+  and detach only: with every library's symbols, and with none, gdb's own floor). The peers that run
+  code get sleeping targets only: they crash busy ones.
+* the longest pause a busy main loop suffers while probe injects (the loop records its longest gap),
+  for each way, interleaved.
 * robustness: injections into busy pure-Python loops (fresh targets, and repeated gdb rounds into the
   same one); every target must survive.
-"""
 
+Figures: median, IQR (quartiles) and [min-max]; the machine's load average before and after.
+"""
 import argparse
 import os
 import statistics
@@ -21,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -92,24 +97,29 @@ def probe_library(pid: int) -> None:
     inject(pid, timeout=30)
 
 
-def probe_library_no_index_cache(pid: int) -> None:
-    """As before issue 24: gdb builds its index of libpython's and libc's debug information every time
-    (a cache directory others can write is never used)."""
-    saved = os.environ.get("XDG_CACHE_HOME")
-    scratch = tempfile.mkdtemp(prefix="probe-nocache-")
-    os.makedirs(os.path.join(scratch, "probe", "gdb-index"))
-    os.chmod(os.path.join(scratch, "probe", "gdb-index"), 0o777)
-    os.environ["XDG_CACHE_HOME"] = scratch
+def probe_library_full_symbols(pid: int) -> None:
+    """gdb reads libpython's and libc's debug information (with its index cache), as before issue 24's
+    copies without it."""
+    saved = os.environ.get("PROBE_GDB_SYMBOLS")
+    os.environ["PROBE_GDB_SYMBOLS"] = "full"
     try:
         inject(pid, timeout=30)
     finally:
         if saved is None:
-            os.environ.pop("XDG_CACHE_HOME", None)
+            os.environ.pop("PROBE_GDB_SYMBOLS", None)
         else:
-            os.environ["XDG_CACHE_HOME"] = saved
-        import shutil
+            os.environ["PROBE_GDB_SYMBOLS"] = saved
 
-        shutil.rmtree(scratch, ignore_errors=True)
+
+BASELINE: List[str] = []  # the checkout given by --baseline
+
+
+def baseline_cli(pid: int) -> None:
+    """The whole command of the checkout in ``--baseline`` (its own package, imported first)."""
+    code = "import sys; sys.path.insert(0, %r); from probe.cli import main; sys.exit(main())" % BASELINE[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PROBE_GDB")}
+    subprocess.run([sys.executable, "-c", code, str(pid), "inject"], check=True, timeout=60,
+                   stdout=subprocess.DEVNULL, env=env)
 
 
 def debugpy_run_python_code(pid: int) -> None:
@@ -131,18 +141,32 @@ def plain_gdb(pid: int) -> None:
                    check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def pause_during_injection(runs: int) -> List[float]:
-    """Longest gap (ms) of the busy loop across an injection, fresh target each run."""
-    gaps = []
-    for _ in range(runs):
-        gap_file = tempfile.mktemp(prefix="probe-gap-")
-        with Target("inject_busy.py", gap_file) as target:
-            time.sleep(0.5)
-            inject(target.pid, timeout=30)
-            time.sleep(0.3)
-            with open(gap_file) as handle:
-                gaps.append(float(handle.read()))
-        os.unlink(gap_file)
+def gdb_attach_detach(pid: int) -> None:
+    """``gdb -p PID -batch``: attach, load every library's symbols, detach."""
+    subprocess.run(["gdb", "-nx", "-q", "-batch", "-iex", "set debuginfod enabled off", "-p", str(pid)],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def gdb_attach_detach_bare(pid: int) -> None:
+    """The same without any library's symbols: gdb's start, attach and detach alone."""
+    subprocess.run(["gdb", "-nx", "-q", "-batch", "-iex", "set debuginfod enabled off", "-iex", "set auto-load off",
+                    "-iex", "set auto-solib-add off", "-p", str(pid)],
+                   check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def pause_during_injection(runs: int, ways: List[Tuple[str, Callable[[int], None]]]) -> Dict[str, List[float]]:
+    """Longest gap (ms) of the busy loop across an injection, fresh target each run, the ways interleaved."""
+    gaps: Dict[str, List[float]] = {name: [] for name, _ in ways}
+    for i in range(runs):
+        for name, fn in (ways if i % 2 == 0 else ways[::-1]):
+            gap_file = tempfile.mktemp(prefix="probe-gap-")
+            with Target("inject_busy.py", gap_file) as target:
+                time.sleep(0.5)
+                fn(target.pid)
+                time.sleep(0.3)
+                with open(gap_file) as handle:
+                    gaps[name].append(float(handle.read()))
+            os.unlink(gap_file)
     return gaps
 
 
@@ -176,8 +200,13 @@ def robustness(total: int, per_target: int = 5) -> Dict[str, int]:
     return {"injections": done, "died": died}
 
 
-def summary(times: List[float]) -> str:
-    return "%7.3f s  [%5.3f-%5.3f]" % (statistics.median(times), min(times), max(times))
+def summary(times: List[float], scale: float = 1.0, unit: str = "s", digits: int = 3) -> str:
+    """median, IQR (first-third quartile) and [min-max]."""
+    values = sorted(t * scale for t in times)
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else values * 3
+    fmt = "%%.%df" % digits
+    return (fmt + " %s IQR " + fmt + "-" + fmt + " [" + fmt + "-" + fmt + "]") % (
+        statistics.median(values), unit, q1, q3, values[0], values[-1])
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -185,14 +214,22 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--robust", type=int, default=50)
     parser.add_argument("--no-torch", action="store_true")
-    parser.add_argument("--probe-only", action="store_true", help="leave debugpy and plain gdb out")
+    parser.add_argument("--probe-only", action="store_true", help="leave debugpy and gdb out")
+    parser.add_argument("--baseline", metavar="DIR", help="another checkout of probe, measured in the same rounds")
     args = parser.parse_args(argv)
+    if args.baseline:
+        BASELINE.append(os.path.abspath(args.baseline))
+    print("load average before: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
 
     kinds = [("small", "inject_sleeping.py")] + ([] if args.no_torch else [("torch", "inject_torch.py")])
-    methods = [("probe PID inject (CLI)", probe_cli), ("probe.injector.inject()", probe_library),
-               ("inject(), no index cache", probe_library_no_index_cache)]
+    methods: List[Tuple[str, Callable[[int], None]]] = [
+        ("probe PID inject (CLI)", probe_cli), ("probe.injector.inject()", probe_library),
+        ("inject(), debug info read", probe_library_full_symbols)]
+    if args.baseline:
+        methods.append(("baseline CLI", baseline_cli))
     if not args.probe_only:
-        methods += [("debugpy run_python_code", debugpy_run_python_code), ("plain gdb, all symbols", plain_gdb)]
+        methods += [("debugpy run_python_code", debugpy_run_python_code), ("plain gdb, all symbols", plain_gdb),
+                    ("gdb -p PID -batch", gdb_attach_detach), ("gdb -p PID -batch, no libs", gdb_attach_detach_bare)]
     results: Dict[str, Dict[str, List[float]]] = {}
     for kind, script in kinds:
         results[kind] = {name: [] for name, _ in methods}
@@ -200,28 +237,31 @@ def main(argv: Optional[List[str]] = None) -> int:
             for name, fn in (methods if i % 2 == 0 else methods[::-1]):
                 results[kind][name].append(timed_once(fn, script))
         for name, _ in methods:
-            print("  measured %-6s %-26s %s" % (kind, name, summary(results[kind][name])), flush=True)
+            print("  measured %-6s %-27s %s" % (kind, name, summary(results[kind][name])), flush=True)
 
-    print("\ninjection time, median [min-max] over %d fresh targets, interleaved; ratio = peer / probe CLI" % args.runs)
-    print("%-26s %s" % ("method", "".join("%-34s" % kind for kind, _ in kinds)))
-    for name, _ in methods:
-        cells = []
-        for kind, _ in kinds:
+    print("\ninjection time over %d fresh targets, interleaved: median, IQR [min-max]; ratio = way / probe CLI"
+          % args.runs)
+    for kind, _ in kinds:
+        print("%s:" % kind)
+        cli = statistics.median(results[kind]["probe PID inject (CLI)"])
+        for name, _ in methods:
             times = results[kind][name]
-            ratio = statistics.median(times) / statistics.median(results[kind]["probe PID inject (CLI)"])
-            cells.append("%s x%-5.1f" % (summary(times), ratio))
-        print("%-26s %s" % (name, "".join("%-34s" % c for c in cells)))
+            print("  %-27s %s  x%.2f" % (name, summary(times), statistics.median(times) / cli))
 
     noise = noise_gap()
-    gaps = pause_during_injection(args.runs)
-    print("\nlongest pause of a busy main loop during an injection: median %.1f ms [%.1f-%.1f] "
-          "(same loop, nobody injecting: %.1f ms)" % (statistics.median(gaps), min(gaps), max(gaps), noise))
+    ways = [("probe.injector.inject()", probe_library), ("inject(), debug info read", probe_library_full_symbols)]
+    if args.baseline:
+        ways.append(("baseline CLI", baseline_cli))
+    gaps = pause_during_injection(args.runs, ways)
+    print("\nlongest pause of a busy main loop during an injection (same loop, nobody injecting: %.1f ms):" % noise)
+    for name, _ in ways:
+        print("  %-27s %s" % (name, summary(gaps[name], unit="ms", digits=1)))
 
     robust = robustness(args.robust)
     print("robustness: %d injections into busy pure-Python loops, %d targets died" % (robust["injections"],
                                                                                       robust["died"]))
+    print("load average after: %.2f %.2f %.2f" % os.getloadavg())
     return 1 if robust["died"] else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

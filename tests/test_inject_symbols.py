@@ -1,7 +1,8 @@
 """gdb reads the target's libpython and libc symbols from copies without debug information
 (``probe.injector.symbols``): made once per library in ``$XDG_CACHE_HOME/probe/gdb-symbols`` (a directory
 of ours alone), used again by later injections, and never where the directory is not ours alone or
-objcopy is missing (gdb then reads the libraries themselves, as before). Real targets throughout."""
+objcopy is missing (gdb then reads the libraries themselves, as before); the executable is read before
+attaching and no other library file is opened. Real targets throughout."""
 
 import os
 import shutil
@@ -44,6 +45,10 @@ def test_a_torch_process_is_injected_from_copies_without_debug_information(tmp_p
         session, threads = attach_and_look(info, deadline=_deadline(30))
         assert session.lean_symbols, "gdb read the libraries' debug information"
         assert any(t.lwp == proc.pid for t in threads) and len(threads) > 1
+        # gdb opened none of torch's libraries as it attached (they have no addresses in its list): it
+        # did so for each of them, symbols or not, with the target stopped.
+        listed = [line for line in session.run(["info sharedlibrary"], scaled(10)).splitlines() if "/torch/lib/" in line]
+        assert listed and not any(line.lstrip().startswith("0x") for line in listed), listed[:3]
         run_plan(session, plan(threads, proc.pid), bootstrap_code("", exposure_dir(info.uid, proc.pid)), _deadline(30))
         assert inject(proc.pid, timeout=scaled(20)).already_attached  # the agent started and answers
         assert proc.alive()

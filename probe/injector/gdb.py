@@ -71,9 +71,11 @@ def abandoned_gdbs() -> List["subprocess.Popen[bytes]"]:
 
 
 class GdbSession:
-    """gdb attached to ``pid`` with symbols of only ``libraries`` ((path, load address) pairs)."""
+    """gdb attached to ``pid`` with symbols of only ``libraries`` ((path, load address) pairs) and of
+    ``executable`` (a path to the target's executable: ``/proc/PID/exe``)."""
 
-    def __init__(self, pid: int, libraries: Sequence[Tuple[str, int]], timeout: float, gdb: str = "gdb") -> None:
+    def __init__(self, pid: int, libraries: Sequence[Tuple[str, int]], timeout: float, gdb: str = "gdb",
+                 executable: str = "") -> None:
         self.pid = pid
         self._counter = 0
         env = gdb_environment()  # before anything is opened: it may refuse (InjectError)
@@ -98,7 +100,7 @@ class GdbSession:
         # needs here, and reading libpython's and libc's DWARF was most of the time. Worked out while gdb
         # starts.
         try:
-            files = symbol_files(libraries, timeout)
+            files = symbol_files(libraries, timeout, executable)
         except BaseException:
             self._kill()
             raise

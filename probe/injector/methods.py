@@ -101,7 +101,7 @@ def _pending_caller(threads: Sequence[ThreadState], main: ThreadState) -> Thread
 
 def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, List[ThreadState]]":
     """Attach gdb (libpython and libc symbols only) and read every thread's frames and GIL flag."""
-    session = GdbSession(info.pid, _libraries(info), _left(deadline))
+    session = GdbSession(info.pid, _libraries(info), _left(deadline), executable="/proc/%d/exe" % info.pid)
     try:
         threads = parse_backtraces(session.run(["thread apply all bt 16"], _left(deadline)))
         main = next((t for t in threads if t.lwp == info.pid), None)

@@ -58,10 +58,11 @@ def private_cache_dir(name: str) -> Optional[str]:
     return path if "\n" not in path else None
 
 
-def symbol_files(libraries: Sequence[Tuple[str, int]], timeout: float) -> SymbolFiles:
-    """Lean copies of ``libraries`` when every one can be had within ``timeout`` seconds, else the
-    libraries themselves (with gdb's index cache of their debug information, where it can be kept)."""
-    lean = None if os.environ.get("PROBE_GDB_SYMBOLS") == "full" else _lean(libraries, timeout)
+def symbol_files(libraries: Sequence[Tuple[str, int]], timeout: float, executable: str = "") -> SymbolFiles:
+    """Lean copies of ``libraries`` (and of ``executable``, which gdb then reads before attaching) when
+    every one can be had within ``timeout`` seconds, else the libraries themselves (with gdb's index
+    cache of their debug information, where it can be kept) and the executable read as gdb attaches."""
+    lean = None if os.environ.get("PROBE_GDB_SYMBOLS") == "full" else _lean(libraries, timeout, executable)
     if lean is not None:
         return lean
     cache = private_cache_dir("gdb-index")
@@ -69,21 +70,22 @@ def symbol_files(libraries: Sequence[Tuple[str, int]], timeout: float) -> Symbol
     return SymbolFiles(libraries, commands, lean=False)
 
 
-def _lean(libraries: Sequence[Tuple[str, int]], timeout: float) -> Optional[SymbolFiles]:
+def _lean(libraries: Sequence[Tuple[str, int]], timeout: float, executable: str) -> Optional[SymbolFiles]:
     objcopy = shutil.which("objcopy")
     cache = private_cache_dir("gdb-symbols")
     if objcopy is None or cache is None:
         return None
     try:
-        return _copies(objcopy, cache, libraries, timeout)
+        return _copies(objcopy, cache, libraries, timeout, executable)
     except OSError:  # a library replaced or deleted since the target mapped it
         return None
 
 
-def _copies(objcopy: str, cache: str, libraries: Sequence[Tuple[str, int]], timeout: float) -> Optional[SymbolFiles]:
+def _copies(objcopy: str, cache: str, libraries: Sequence[Tuple[str, int]], timeout: float,
+            executable: str) -> Optional[SymbolFiles]:
     debug_dir = os.path.join(cache, "debug")
     found: List[Tuple[str, int]] = []
-    for path, base in libraries:
+    for path, base in list(libraries) + ([(executable, -1)] if executable else []):
         ident = build_id(path)
         if ident is None or len(ident) < 4:
             return None
@@ -96,7 +98,15 @@ def _copies(objcopy: str, cache: str, libraries: Sequence[Tuple[str, int]], time
             if _stripped(objcopy, separate, where, timeout, always=True) is None:
                 return None
         found.append((copy, base))
-    return SymbolFiles(found, ["set debug-file-directory %s" % debug_dir], lean=True)
+    # No library file is to be found under gdb's sysroot: as it attaches, gdb no longer opens each of the
+    # hundreds a torch process maps (it did, symbols or not: ~25 ms of the pause); the executable, read
+    # here beforehand, tells it the entry point its calls return to.
+    empty = os.path.join(cache, "no-sysroot")
+    _make_dirs(empty)
+    commands = ["set debug-file-directory %s" % debug_dir, "set sysroot %s" % empty, "set exec-file-mismatch off"]
+    if executable:
+        commands.append("file %s" % found.pop()[0])
+    return SymbolFiles(found, commands, lean=True)
 
 
 def _name(ident: str, path: str, suffix: str) -> str:
