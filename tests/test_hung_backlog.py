@@ -10,7 +10,7 @@ import json
 import os
 import socket
 import time
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -46,15 +46,16 @@ def _wait_until(check, what: str, timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
-def _holding_gil(proc: Proc) -> None:
-    """The main thread is inside libc sleep() called through ctypes.PyDLL: it keeps the GIL."""
+def _holding_gil(proc: Proc, calls: Tuple[str, ...] = ("35", "230")) -> None:
+    """The main thread is inside libc sleep() (or the system call numbered in ``calls``: "0", read()) called
+    through ctypes.PyDLL: it keeps the GIL."""
     def in_sleep() -> bool:
         try:
             with open("/proc/%d/task/%d/syscall" % (proc.pid, proc.pid)) as handle:
-                return handle.read().split()[0] in ("35", "230")
+                return handle.read().split()[0] in calls
         except (OSError, IndexError):
             return False
-    _wait_until(in_sleep, "the main thread's sleep that holds the GIL")
+    _wait_until(in_sleep, "the main thread's call that holds the GIL")
 
 
 def _heartbeat_older_than(path: str, seconds: float) -> None:
@@ -126,17 +127,23 @@ def test_a_full_backlog_is_diagnosed_at_once_not_waited_on(target_factory):
 
 
 def test_an_agent_that_runs_again_drains_the_abandoned_connections_and_runs_none(target_factory, tmp_path):
-    marker = tmp_path / "ran"
-    proc = spawn("hung.py", ("gil_for", "%d" % max(6, int(scaled(6)))))
+    marker, release = tmp_path / "ran", str(tmp_path / "release")
+    os.mkfifo(release, 0o600)
+    proc = spawn("hung.py", ("gil_until", release))  # keeps the GIL until a byte comes on the FIFO
     try:
         path = _socket_path(proc.pid)
-        _holding_gil(proc)
+        _holding_gil(proc, ("0",))
         body = json.dumps({"code": "open(%r, 'a').write('x')" % str(marker)}).encode()
         request = (b"POST /v1/eval HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: "
                    b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         for sock in _fill_backlog(path, request):
             sock.close()  # given up on, as a client that timed out does
         assert _queued(path) >= 100
+        fifo = os.open(release, os.O_WRONLY | os.O_NONBLOCK)  # the target holds it open for reading
+        try:
+            os.write(fifo, b"x")  # the agent runs again
+        finally:
+            os.close(fifo)
         _wait_until(lambda: run_cli(str(proc.pid), "health", timeout=60).code == 0, "the agent to answer again", 60)
         _wait_until(lambda: _queued(path) == 0, "the abandoned connections to be drained")
         assert not marker.exists(), "a request whose client had gone away was run"
