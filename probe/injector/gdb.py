@@ -72,10 +72,11 @@ def abandoned_gdbs() -> List["subprocess.Popen[bytes]"]:
 
 class GdbSession:
     """gdb attached to ``pid`` with symbols of only ``libraries`` ((path, load address) pairs) and of
-    ``executable`` (a path to the target's executable: ``/proc/PID/exe``)."""
+    ``executable`` (a path to the target's executable: ``/proc/PID/exe``); ``then``: commands run right
+    after the attach, their output in ``attached_output``."""
 
     def __init__(self, pid: int, libraries: Sequence[Tuple[str, int]], timeout: float, gdb: str = "gdb",
-                 executable: str = "") -> None:
+                 executable: str = "", then: Sequence[str] = ()) -> None:
         self.pid = pid
         self._counter = 0
         env = gdb_environment()  # before anything is opened: it may refuse (InjectError)
@@ -110,8 +111,13 @@ class GdbSession:
         # Looking up the functions we may call, before attaching, takes the first call's one-time cost
         # (about 40 ms here) out of the time the target is stopped.
         commands += ["print (void*)%s" % name for name in _CALLED]
+        # ``then`` (the look at the threads) runs in the same batch: no round trip through the injector
+        # between the attach and the look, while the target is stopped.
         commands.append("attach %d" % pid)
+        commands += then
         out = self.run(commands, max(timeout - (time.monotonic() - began), 0.05))
+        self.attached_output = out
+        """What gdb printed as it attached and ran ``then``."""
         if "ptrace:" in out or "Can't attach" in out or "Could not attach" in out:
             self._kill()
             raise GdbError("gdb could not attach to process %d: %s" % (pid, _first_error(out)), out)

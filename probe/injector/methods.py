@@ -101,9 +101,10 @@ def _pending_caller(threads: Sequence[ThreadState], main: ThreadState) -> Thread
 
 def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, List[ThreadState]]":
     """Attach gdb (libpython and libc symbols only) and read every thread's frames and GIL flag."""
-    session = GdbSession(info.pid, _libraries(info), _left(deadline), executable="/proc/%d/exe" % info.pid)
+    session = GdbSession(info.pid, _libraries(info), _left(deadline), executable="/proc/%d/exe" % info.pid,
+                         then=["thread apply all bt 16"])
     try:
-        threads = parse_backtraces(session.run(["thread apply all bt 16"], _left(deadline)))
+        threads = parse_backtraces(session.attached_output)
         main = next((t for t in threads if t.lwp == info.pid), None)
         if main is not None and is_in_bytecode(main):
             # Executing bytecode needs the GIL: the main thread holds it, and a pending call is the plan
