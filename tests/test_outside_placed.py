@@ -83,7 +83,7 @@ def test_a_torch_optimizers_read_waits_for_a_read_placed_between_steps_that_keep
         try:
             _held_past_a_beat(proc.pid)
             result = run_cli(str(proc.pid), "query", "SELECT step FROM torch.optimizers", "-f", "json",
-                             timeout=scaled(60))
+                             "--query-timeout", "%.0f" % min(60, scaled(20)), timeout=scaled(90))
         finally:
             code, out, err = _finished(placed)
         assert result.code == 0 and result.out.count('"step"') == 64, result.err

@@ -54,8 +54,11 @@ def test_a_gil_held_process_is_called_blocked_at_the_first_look_and_the_next(tar
     client.backtrace()
     later = time.monotonic() - started
     assert client.note and "holds the GIL" in client.note, client.note
-    assert first < FIRST_LOOK_S, "first look took %.2f s" % first
-    assert later < LATER_LOOK_S, "a look %.1f s after the last beat took %.2f s" % (_heartbeat_age(proc.pid), later)
+    # Bounds of a quiet machine, stretched by its load now (the reads from outside and the kernel's
+    # counters wait for a CPU like any other work: 0.94 s at load average 7.5 on 2 cores)
+    assert first < scaled(FIRST_LOOK_S), "first look took %.2f s" % first
+    assert later < scaled(LATER_LOOK_S), "a look %.1f s after the last beat took %.2f s" % (
+        _heartbeat_age(proc.pid), later)
 
 
 def test_what_one_look_saw_holds_for_the_next_only_while_the_holder_keeps_the_gil(target_factory):
