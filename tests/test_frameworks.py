@@ -10,7 +10,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 
@@ -42,11 +45,23 @@ def _log(path: str) -> dict:
     return out
 
 
-def _run_to_the_end(script: str, args: list) -> None:
-    """The same job started again (without probe) to resume: it must finish on its own."""
-    done = subprocess.run([sys.executable, os.path.join(TARGETS, script), *args], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+@contextmanager
+def _run_to_the_end(script: str, args: list) -> Iterator[None]:
+    """The same job started again (without probe) to resume: it must finish on its own. It runs while the
+    ``with`` block checks the other files (each its own process: two imports of torch at once, not one after
+    the other)."""
+    with tempfile.TemporaryFile() as err:
+        popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, script), *args], stdout=subprocess.DEVNULL,
+                                 stderr=err, env=target_env(probe=False), cwd=REPO)
+        try:
+            yield
+            code = popen.wait(scaled(120))
+        finally:
+            if popen.poll() is None:
+                popen.kill()
+                popen.wait(10)
+        err.seek(0)
+        assert code == 0, err.read().decode("utf-8", "replace")[-3000:]
 
 
 def _in_fresh_python(code: str) -> str:
@@ -96,21 +111,21 @@ def test_hf_trainer_in_main_is_found_and_its_checkpoints_resume(tmp_path):
     assert saved["step_source"] == "trainer global_step" and saved["trainer"]["global_step"] == saved["step"]
     assert sorted(os.listdir(hf_dir)) == ["config.json", "optimizer.pt", "pytorch_model.bin", "rng_state.pth",
                                           "scheduler.pt", "trainer_state.json"]
-    # The default file: a strict load into the model class, and the scheduler and progress of that step.
-    out = _in_fresh_python("""
-        import sys, torch
-        sys.path.insert(0, %r)
-        from hf_trainer import tiny_config
-        from transformers import GPT2LMHeadModel
-        ck = torch.load(%r)
-        model = GPT2LMHeadModel(tiny_config())
-        model.load_state_dict(ck["models"]["model"], strict=True)
-        scheduler = ck["schedulers"]["trainer.lr_scheduler"]
-        print(sorted(ck["models"]), scheduler["last_epoch"] == ck["step"], ck["trainer"]["state"]["global_step"])
-    """ % (TARGETS, plain))
-    assert out == "['model'] True %d" % saved["step"], out
-    # --format hf: transformers' own resume continues exactly as the run that was not stopped.
-    _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir])
+    # --format hf: transformers' own resume continues exactly as the run that was not stopped (run meanwhile).
+    with _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir]):
+        # The default file: a strict load into the model class, and the scheduler and progress of that step.
+        out = _in_fresh_python("""
+            import sys, torch
+            sys.path.insert(0, %r)
+            from hf_trainer import tiny_config
+            from transformers import GPT2LMHeadModel
+            ck = torch.load(%r)
+            model = GPT2LMHeadModel(tiny_config())
+            model.load_state_dict(ck["models"]["model"], strict=True)
+            scheduler = ck["schedulers"]["trainer.lr_scheduler"]
+            print(sorted(ck["models"]), scheduler["last_epoch"] == ck["step"], ck["trainer"]["state"]["global_step"])
+        """ % (TARGETS, plain))
+        assert out == "['model'] True %d" % saved["step"], out
     _same_run_after(hf["step"], _log(log), _log(resumed_log), 14)
 
 
@@ -194,18 +209,19 @@ def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):
     assert trainers == [{"trainer": "trainer", "kind": "lightning", "max_steps": 14, "precision": "32-true",
                          "model": "model", "schedulers": "trainer.lr_scheduler_configs[0].scheduler"}], trainers
     assert saved["trainer"]["kind"] == "lightning" and saved["step"] == saved["trainer"]["global_step"]
-    out = _in_fresh_python("""
-        import sys, torch
-        sys.path.insert(0, %r)
-        sys.argv = ["x", "unused"]
-        from lightning_train import Regression
-        ck = torch.load(%r)
-        Regression().load_state_dict(ck["models"]["model"], strict=True)
-        print(list(ck["optimizers"]), ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"]
-              == ck["step"])
-    """ % (TARGETS, plain))
-    assert out == "['trainer.optimizers[0]'] True", out
-    _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own])
+    # Lightning's own resume (run meanwhile) continues exactly as the run that was not stopped.
+    with _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own]):
+        out = _in_fresh_python("""
+            import sys, torch
+            sys.path.insert(0, %r)
+            sys.argv = ["x", "unused"]
+            from lightning_train import Regression
+            ck = torch.load(%r)
+            Regression().load_state_dict(ck["models"]["model"], strict=True)
+            print(list(ck["optimizers"]), ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"]
+                  == ck["step"])
+        """ % (TARGETS, plain))
+        assert out == "['trainer.optimizers[0]'] True", out
     _same_run_after(lightning["step"], _log(log), _log(resumed_log), 14)
 
 
@@ -245,31 +261,31 @@ def test_lightning_module_on_two_ranks_checkpoints_each_rank_unwrapped(tmp_path)
     assert saved[0]["step"] == saved[1]["step"] >= 2, saved
     assert all(row["taken"].startswith("between optimizer steps") for row in saved + own), (saved, own)
     assert [row["rank"] for row in own] == [0, 1] and all(row["step"] >= saved[0]["step"] for row in own), own
-    out = _in_fresh_python("""
-        import sys, torch
-        sys.path.insert(0, %r)
-        sys.argv = ["x", "unused"]
-        from lightning_train import Regression
-        weights = []
-        for rank in (0, 1):
-            ck = torch.load("%s/ck-%%d.pt" %% rank)
-            model = Regression()
-            model.load_state_dict(ck["models"]["model"], strict=True)
-            weights.append(model.state_dict())
-            optimizer = ck["optimizers"]["trainer.optimizers[0]"]
-            print(ck["meta"]["rank"], ck["meta"]["world_size"], ck["step"], ck["trainer"]["global_step"],
-                  ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"],
-                  len(optimizer["state"]), optimizer["state"][0]["step"].item())
-        print(all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0]))
-        own = torch.load("%s/l-0.ckpt", weights_only=False)
-        Regression().load_state_dict(own["state_dict"], strict=True)
-        print(own["global_step"])
-    """ % (TARGETS, tmp_path, tmp_path))
     step, own_step = saved[0]["step"], own[0]["step"]
-    assert out.splitlines() == ["%d 2 %d %d %d 4 %.1f" % (rank, step, step, step, step) for rank in (0, 1)] + \
-        ["True", str(own_step)], out
-    # Lightning's own resume, in one process: it goes on from the step saved.
+    # Lightning's own resume, in one process (run meanwhile): it goes on from the step saved.
     resumed_log = str(tmp_path / "resumed.log")
-    _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", str(own_step + 2), "--sleep", "0",
-                                           "--resume", str(tmp_path / "l-0.ckpt")])
+    with _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", str(own_step + 2), "--sleep", "0",
+                                                "--resume", str(tmp_path / "l-0.ckpt")]):
+        out = _in_fresh_python("""
+            import sys, torch
+            sys.path.insert(0, %r)
+            sys.argv = ["x", "unused"]
+            from lightning_train import Regression
+            weights = []
+            for rank in (0, 1):
+                ck = torch.load("%s/ck-%%d.pt" %% rank)
+                model = Regression()
+                model.load_state_dict(ck["models"]["model"], strict=True)
+                weights.append(model.state_dict())
+                optimizer = ck["optimizers"]["trainer.optimizers[0]"]
+                print(ck["meta"]["rank"], ck["meta"]["world_size"], ck["step"], ck["trainer"]["global_step"],
+                      ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"],
+                      len(optimizer["state"]), optimizer["state"][0]["step"].item())
+            print(all(torch.equal(weights[0][key], weights[1][key]) for key in weights[0]))
+            own = torch.load("%s/l-0.ckpt", weights_only=False)
+            Regression().load_state_dict(own["state_dict"], strict=True)
+            print(own["global_step"])
+        """ % (TARGETS, tmp_path, tmp_path))
+        assert out.splitlines() == ["%d 2 %d %d %d 4 %.1f" % (rank, step, step, step, step) for rank in (0, 1)] + \
+            ["True", str(own_step)], out
     assert sorted(_log(resumed_log)) == [own_step + 1, own_step + 2], _log(resumed_log)
