@@ -14,8 +14,10 @@ import pytest
 from probe.injector import inject
 from probe.injector.elf import build_id
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
+from probe.injector.gdb import finish_detached
+from probe.injector.inject import _wait_for_agent
 from probe.injector.methods import _libraries, attach_and_look, plan, run_plan
-from probe.injector.target import read_target
+from probe.injector.target import expected_socket_path, process_state, read_target, tracer_pid
 from probe.injector.threads import Frame, ThreadState, wait_site
 from procs import scaled, spawn, target_env
 
@@ -50,7 +52,10 @@ def test_a_torch_process_is_injected_from_copies_without_debug_information(tmp_p
         listed = [line for line in session.run(["info sharedlibrary"], scaled(10)).splitlines() if "/torch/lib/" in line]
         assert listed and not any(line.lstrip().startswith("0x") for line in listed), listed[:3]
         run_plan(session, plan(threads, proc.pid), bootstrap_code("", exposure_dir(info.uid, proc.pid)), _deadline(30))
-        assert inject(proc.pid, timeout=scaled(20)).already_attached  # the agent started and answers
+        # run_plan returns once gdb said it detached, before gdb has exited: the target runs untraced.
+        assert tracer_pid(proc.pid) == 0 and process_state(proc.pid) not in ("t", "T")
+        finish_detached()
+        assert _wait_for_agent(expected_socket_path(proc.pid, info.uid), proc.pid, _deadline(20))
         assert proc.alive()
         kept = _copies(tmp_path)
         for path, _base in _libraries(info):  # libpython and libc (its separate debug file), by build id

@@ -22,7 +22,7 @@ from typing import List, Optional, Sequence, Tuple
 from probe.injector.symbols import symbol_files
 from probe.injector.xstate import gdb_environment
 
-__all__ = ["GdbSession", "GdbError", "GdbTimeout", "GdbAbandoned", "abandoned_gdbs"]
+__all__ = ["GdbSession", "GdbError", "GdbTimeout", "GdbAbandoned", "abandoned_gdbs", "finish_detached"]
 
 _CALLED = ("mmap", "Py_AddPendingCall", "PyRun_SimpleString", "PyGILState_Check", "PyGILState_Ensure",
            "PyGILState_Release")
@@ -40,6 +40,7 @@ _SETUP = (
     "set unwindonsignal on",
 )
 _ABANDONED: List["subprocess.Popen[bytes]"] = []
+_DETACHED: List["subprocess.Popen[bytes]"] = []  # gdbs that detached and are exiting: see finish_detached
 _CALL_GRACE = 2.0  # seconds a call that overran gets to return before gdb is left to finish alone
 
 
@@ -64,6 +65,22 @@ class GdbAbandoned(GdbError):
     """A call into the target overran; gdb was left to finish it and detach by itself."""
 
 
+def finish_detached(timeout: float = 2.0) -> None:
+    """Reap the gdbs that have detached from their targets and were left exiting (their exit, ~10-50 ms,
+    overlaps the wait for the agent); one that has not exited within ``timeout`` is killed (it traces
+    nothing any more)."""
+    while _DETACHED:
+        proc = _DETACHED.pop()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+
+
 def abandoned_gdbs() -> List["subprocess.Popen[bytes]"]:
     """gdbs left finishing a call (reaped here once they have exited)."""
     _ABANDONED[:] = [p for p in _ABANDONED if p.poll() is None]
@@ -79,6 +96,7 @@ class GdbSession:
                  executable: str = "", then: Sequence[str] = ()) -> None:
         self.pid = pid
         self._counter = 0
+        _DETACHED[:] = [p for p in _DETACHED if p.poll() is None]
         env = gdb_environment()  # before anything is opened: it may refuse (InjectError)
         # gdb appends to its own open file; we read through another, so the two never share an offset.
         fd, path = tempfile.mkstemp(prefix="probe-gdb-", suffix=".log")
@@ -152,7 +170,7 @@ class GdbSession:
             self._finish_or_abandon()
             raise GdbTimeout("the call into process %d did not return within %.1f s" % (self.pid, timeout),
                              step="its call into the target")
-        self._reap(timeout=2.0)
+        self._await_detach(marker)
         return out
 
     def _finish_or_abandon(self) -> None:
@@ -172,21 +190,35 @@ class GdbSession:
 
     def detach(self, timeout: float = 2.0) -> None:
         """Detach and quit; kill gdb (and continue the target) if that does not happen in time."""
-        if self._proc.poll() is not None or self._proc in _ABANDONED:
+        if self._proc.poll() is not None or self._proc in _ABANDONED or self._proc in _DETACHED:
             return
         try:
             if self._proc.stdin is not None and not self._proc.stdin.closed:
-                self._send([], finish=True)
+                marker = self._send([], finish=True)
+                self._await_detach(marker, timeout)
+                return
         except OSError:
             pass
         self._reap(timeout)
+
+    def _await_detach(self, marker: str, timeout: float = 2.0) -> None:
+        """Wait until gdb says it detached (the target runs untraced), then leave it exiting: the caller
+        reaps it with finish_detached. gdb killed (and the target continued) where it does not say so."""
+        try:
+            said = self._wait(marker + "-detached", timeout)
+        except GdbError:  # gdb exited without a word: the kernel detached it
+            said = None
+        if said is None:
+            self._reap(0)
+        else:
+            _DETACHED.append(self._proc)
 
     def _send(self, commands: Sequence[str], finish: bool = False) -> str:
         self._counter += 1
         marker = "@@probe-%d-%d@@" % (os.getpid(), self._counter)
         lines = list(commands) + ['echo \\n%s\\n' % marker]
         if finish:
-            lines += ["detach", "quit"]
+            lines += ["detach", 'echo \\n%s-detached\\n' % marker, "quit"]
         assert self._proc.stdin is not None
         self._proc.stdin.write(("\n".join(lines) + "\n").encode())
         self._proc.stdin.flush()
@@ -195,24 +227,28 @@ class GdbSession:
         return marker
 
     def _wait(self, marker: str, timeout: float) -> Optional[str]:
+        """What gdb wrote before ``marker`` (read up to the marker's end: what follows is the next wait's);
+        None when it did not come within ``timeout``."""
         deadline = time.monotonic() + timeout
-        chunks: List[bytes] = []
-        pause = 0.001
+        start = self._read_pos
+        seen = b""
+        wanted = marker.encode()
+        pause = 0.001  # the target may be stopped while we wait: poll often (a ms of CPU per 0.1 s)
         while True:
-            self._log.seek(self._read_pos)
+            self._log.seek(start + len(seen))
             data = self._log.read()
             if data:
-                self._read_pos += len(data)
-                chunks.append(data)
-                text = b"".join(chunks).decode("utf-8", "replace")
-                if marker in text:
-                    return text.split(marker)[0]
+                seen += data
+                at = seen.find(wanted)
+                if at >= 0:
+                    self._read_pos = start + at + len(wanted)
+                    return seen[:at].decode("utf-8", "replace")
             if self._proc.poll() is not None and not data:
-                raise GdbError("gdb exited (status %s)" % self._proc.returncode, b"".join(chunks).decode())
+                self._read_pos = start + len(seen)
+                raise GdbError("gdb exited (status %s)" % self._proc.returncode, seen.decode("utf-8", "replace"))
             if time.monotonic() >= deadline:
                 return None
             time.sleep(pause)
-            pause = min(pause * 2, 0.002)  # the target is stopped while we wait: poll often
 
     def _reap(self, timeout: float) -> None:
         try:

@@ -14,7 +14,7 @@ from probe.agent.options import AgentOptions
 from probe.errors import Forbidden, InjectError, ProbeError, UsageError
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.diagnose import Problem, diagnose, ptrace_problems
-from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout
+from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout, finish_detached
 from probe.injector.methods import (GIL_ENSURE, PENDING, Plan, attach_and_look, can_remote_exec,
                                     inject_with_remote_exec, plan, run_plan)
 from probe.injector.target import TargetInfo, expected_socket_path, read_target, running_threads
@@ -86,12 +86,15 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[f
     if problems:
         raise _error(problems)
     code = bootstrap_code(opts.to_json(), exposure_dir(info.uid, pid))
-    if remote:
-        chosen = inject_with_remote_exec(info, code)
-    else:
-        chosen = _inject_with_gdb(info, code, socket, deadline, _budget(timeout, given))
-    if not _wait_for_agent(socket, pid, deadline):
-        raise _not_started(info, chosen, _budget(timeout, given))
+    try:
+        if remote:
+            chosen = inject_with_remote_exec(info, code)
+        else:
+            chosen = _inject_with_gdb(info, code, socket, deadline, _budget(timeout, given))
+        if not _wait_for_agent(socket, pid, deadline):
+            raise _not_started(info, chosen, _budget(timeout, given))
+    finally:
+        finish_detached()  # gdb detached before the wait; its exit overlapped it
     return InjectResult(pid, socket, chosen.method, time.monotonic() - started, False, token_file)
 
 
