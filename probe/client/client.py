@@ -29,6 +29,8 @@ _STALE_S = 0.45  # a heartbeat older than this is worth a look before connecting
 class Client:
     """A connection-less client: each call is one HTTP request to the agent."""
 
+    _quick = False  # set by backtrace() for its request alone: see _watched
+
     def __init__(self, target: Target, token: Optional[str] = None, timeout: Optional[float] = None,
                  wait: Optional[float] = None, executable: Optional[str] = None) -> None:
         self.target = target
@@ -45,6 +47,7 @@ class Client:
         self._token = token
         self._token_sought = token is not None or not target.is_tcp  # see _call
         self._local_queries: Dict[str, Any] = {}  # query_id -> the engine running it here (see interrupt_query)
+        self._stopped_early: Dict[str, None] = {}  # query_ids interrupted before they ran here, if they do
         self.helper: Optional[Any] = None
         """A rank's host helper (``probe.client.helped.HostHelper``), asked why the rank is slow to answer."""
         self.remote_pid: Optional[int] = None  # the rank's pid on its host, for its helper
@@ -102,7 +105,9 @@ class Client:
 
         pid, socket_path = self.target.pid, self.target.address.path  # type: ignore[union-attr]
         assert pid is not None
-        quick = method == "GET" and path == "/v1/backtrace"  # answered from outside as well: decided quickly
+        # A backtrace (the command's, not diagnose's evidence, which names a rank's state) is as good
+        # read from outside: the quick rule decides it (probe.client.outside, step 3).
+        quick = self._quick and method == "GET" and path == "/v1/backtrace"
         age = _heartbeat_age(socket_path)
         if self.wait is None and age > _STALE_S:  # its accept thread missed a beat: look before connecting
             from probe.client import outside
@@ -324,7 +329,11 @@ class Client:
         if self.target.core is not None or native:
             return _frames_of(self._outside(native))
         try:
-            raw = self._json("GET", "/v1/backtrace")
+            self._quick = True
+            try:
+                raw = self._json("GET", "/v1/backtrace")
+            finally:
+                self._quick = False
         except ProbeError as exc:
             stacks = _outside_stacks(exc, agentless=True)
             if stacks is None:
@@ -439,7 +448,15 @@ class Client:
         engine = self._local_queries.get(query_id)
         if engine is not None:  # run here, over the agent's rows
             return str(engine.interrupt(query_id))
-        return str(self._json("POST", "/v1/query/interrupt", {"id": query_id}, timeout=5.0).get("state"))
+        state = str(self._json("POST", "/v1/query/interrupt", {"id": query_id}, timeout=5.0).get("state"))
+        if state == "finished":  # not in the agent: it may yet run here (an interrupt can overtake its query)
+            self._stopped_early[query_id] = None
+            while len(self._stopped_early) > 64:
+                self._stopped_early.pop(next(iter(self._stopped_early)))
+            engine = self._local_queries.get(query_id)
+            if engine is not None:
+                return str(engine.interrupt(query_id))
+        return state
 
     def _query_arrow(self, sql: str, max_rows: Optional[int], timeout: Optional[float],
                      query_id: Optional[str] = None) -> Any:
