@@ -64,14 +64,16 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     engine, kept = _engine_for(tables)
     if query_id is not None:
         client._local_queries[query_id] = engine
+        if query_id in client._stopped_early:  # its interrupt came first: it stops as it starts
+            engine.interrupt(query_id)
     _current.tables = tables
     limit = min(TIMEOUT_S if timeout is None else timeout, TIMEOUT_CEILING_S)
     try:
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
                               timeout=limit, query_id=query_id)
     except Timeout:
-        raise Timeout("query interrupted: stopped, or past its time limit of %g s (it ran in the probe client, over "
-                      "the rows the agent sent)" % limit,
+        raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
+                      "over the rows the agent sent)" % limit,
                       hint="narrow the query, or raise the limit with --query-timeout (up to %g s)"
                       % TIMEOUT_CEILING_S) from None
     finally:
