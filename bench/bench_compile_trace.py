@@ -1,22 +1,26 @@
 """The torch trace on a torch.compile'd model: step time, trace off vs on, compiled and eager.
 
-    python bench/bench_compile_trace.py [--rounds 9] [--steps 8] [--backend inductor] [--quick]
-                                        [--before DIR --runs 4]
+    python bench/bench_compile_trace.py [--rounds 9] [--pairs 5] [--backend inductor]
+    python bench/bench_compile_trace.py --blocks [--rounds 9] [--steps 8] [--quick] [--before DIR --runs 4]
 
-In one process (CPU, one intra-op thread): an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD,
-once as it is (eager) and once as ``torch.compile(model, backend=BACKEND)`` (a copy of its own), the
-compiled one compiled and warmed up first (its compile time, wall clock, is reported). Then, in rounds
-whose order alternates, for each model: a block of ``--steps`` untraced steps, a block with the trace on
-(forward spans), a block with the trace on and the NaN/Inf check, each followed by an untraced block;
-every step timed in CPU time of the training thread (``time.thread_time``: on a machine shared with
-other work, wall time swings by tens of per cent). A block's figure is its median step; a setting's
-overhead is (its block / the mean of the untraced blocks on either side) - 1, median over rounds with
-its IQR; beside it, the time probe's own code took inside the hooks per step (``Tracer.hook_ns``), the
-figure least moved by the machine. The trace is started and stopped around each block, as
-``probe T trace start/stop`` on a live job does. Dynamo's counters (graph breaks, graphs, compiled
-versions of the model's forward) are read before the first round and after the last: the trace must
-leave them as they were.
+Step by step (the default): in one process (CPU, one intra-op thread, glibc malloc keeping its memory as
+in bench_trace.py), an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD eager and as
+``torch.compile(model, backend=BACKEND)`` (a copy of its own), and a small transformer of the user's own
+(2 encoder layers, d_model 128, batch 8 x 32) compiled the same way; each compiled and warmed up first.
+For each, as bench_trace.py's section 1: steps alternate one by one between the trace's sampled and
+skipped steps (``--every 2``), and in the same rounds a planted cost (a busy-wait of 0.3 % of the
+untraced step) and the method's zero alternate the same way; every step timed in CPU time of the
+training thread; each on step against the off steps on either side; median, IQR and a bootstrap 95 %
+interval of the median. Dynamo's counters (graph breaks, graphs, compiled versions of the model's
+forward) before the first round and after the last: the trace must leave them as they were.
 
+``--blocks``: the earlier measurement, the MLP only: in rounds whose order alternates, for each model: a
+block of ``--steps`` untraced steps, a block with the trace on (forward spans), a block with the trace
+on and the NaN/Inf check, each followed by an untraced block, the trace started and stopped around each
+block as ``probe T trace start/stop`` on a live job does; a block's figure is its median step; a
+setting's overhead is (its block / the mean of the untraced blocks on either side) - 1, median over
+rounds with its IQR; beside it, the time probe's own code took inside the hooks per step
+(``Tracer.hook_ns``).
 ``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) runs the
 measurement in child processes, ``--runs`` of them with this tree's probe and as many with DIR's,
 alternating, and reports both side by side.
@@ -32,6 +36,7 @@ import time
 from typing import Any, Callable, Dict, List, Tuple
 
 from _common import REPO, Summary, clean_env, header, table
+from bench_trace import MALLOC_ENV
 
 SETTINGS = ("trace on", "trace on + anomalies")
 
@@ -137,6 +142,118 @@ def measure(backend: str, rounds: int, steps: int) -> Dict[str, Any]:
             "hook_us": {"%s|%s" % k: v for k, v in hooks.items()}, "torch": torch.__version__}
 
 
+class _Encoder:
+    """A small transformer of the user's own: 2 encoder layers, d_model 128, 4 heads, batch 8 x 32 tokens."""
+
+    @staticmethod
+    def make(torch: Any) -> Any:
+        class Encoder(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                layer = torch.nn.TransformerEncoderLayer(128, 4, 512, dropout=0.0, batch_first=True)
+                self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+                self.head = torch.nn.Linear(128, 128)
+
+            def forward(self, x: Any) -> Any:
+                return self.head(self.encoder(x))
+
+        return Encoder()
+
+
+def _encoder_trainer(torch: Any, model: Any, params: Any) -> Callable[[], None]:
+    x, y = torch.randn(8, 32, 128), torch.randn(8, 32, 128)
+    loss_fn = torch.nn.MSELoss()
+    optimizer = torch.optim.SGD(params, lr=1e-4)
+
+    def step() -> None:
+        loss = loss_fn(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return step
+
+
+def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
+    """Step by step, as bench_trace.py's section 1: steps alternate between the trace's sampled and
+    skipped steps (``--every 2``), and in the same rounds a planted cost (0.3 % of the untraced step, a
+    busy-wait) and the method's zero alternate the same way; each on step against the off steps on either
+    side, in CPU time of the training thread. For the eager MLP, the compiled MLP and a compiled small
+    transformer; Dynamo's counters before and after."""
+    import torch
+    from bench_trace import PLANTED, _spin, alternating, bootstrap_ci
+
+    from probe.tables.torch import trace
+    from probe.tables.torch.trace_options import TraceOptions
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    eager_net, compiled_net, encoder_net = _model(torch), _model(torch), _Encoder.make(torch)
+    runs = {"MLP eager": (eager_net, _trainer(torch, eager_net, eager_net.parameters())),
+            "MLP compiled": (compiled_net, _trainer(torch, torch.compile(compiled_net, backend=backend),
+                                                    compiled_net.parameters())),
+            "transformer 2 x d128 compiled": (encoder_net, _encoder_trainer(
+                torch, torch.compile(encoder_net, backend=backend), encoder_net.parameters()))}
+    rows = []
+    for label, (net, step) in runs.items():
+        started = time.perf_counter()
+        step()
+        first_s = time.perf_counter() - started
+        for _ in range(3):
+            step()
+        counts = _dynamo_counts(net) if "compiled" in label else None
+        times = []
+        for _ in range(5):
+            t0 = time.thread_time_ns()
+            step()
+            times.append(time.thread_time_ns() - t0)
+        untraced_ns = statistics.median(times)
+        state = [False]
+        hook = [None, 0, 0.0]
+
+        def flip(state: List[bool] = state) -> None:
+            state[0] = not state[0]
+
+        def begin(state: List[bool] = state) -> None:
+            state[0] = True
+
+        def planted(step: Callable[[], None] = step, state: List[bool] = state,
+                    ns: int = int(untraced_ns * PLANTED)) -> None:
+            step()
+            if state[0]:
+                _spin(ns)
+
+        def trace_in(hook: List[Any] = hook) -> None:
+            trace.start(TraceOptions(every=2))
+            hook[0], hook[1] = trace.current(), trace.current().hook_ns
+
+        def trace_out(hook: List[Any] = hook) -> None:
+            trace.stop()
+            hook[2] += (hook[0].hook_ns - hook[1]) / 1e3
+
+        settings = {"trace, every step": (step, trace_in, trace_out, lambda hook=hook: hook[0].sampled, lambda: None),
+                    "planted %.2f %%" % (PLANTED * 100): (planted, begin, lambda: None,
+                                                         lambda state=state: state[0], flip),
+                    "untraced (the method's zero)": (step, begin, lambda: None, lambda state=state: state[0], flip)}
+        ratios = alternating(settings, rounds, pairs)
+        after = _dynamo_counts(net) if "compiled" in label else None
+        note = "first step %.1f s" % first_s
+        if counts is not None:
+            note += "; Dynamo %s -> %s" % (_short(counts), _short(after))
+        rows.append([label, "untraced step, CPU", "%.2f ms" % (untraced_ns / 1e6), "", "", "", note])
+        for name, values in ratios.items():
+            summary = Summary.of(values)
+            low, high = bootstrap_ci(values, block=4)
+            extra = ""
+            if name.startswith("trace"):
+                extra = "%.0f us in hooks a traced step" % (hook[2] / (rounds * (pairs + 1)))
+            elif name.startswith("planted"):
+                extra = "planted: %s" % ("seen" if 0 < low <= PLANTED <= high else "NOT SEEN")
+            rows.append([label, name, "%+.2f %%" % (summary.median * 100), "%+.2f..%+.2f %%" % (summary.q1 * 100,
+                                                                                               summary.q3 * 100),
+                         "%+.2f..%+.2f %%" % (low * 100, high * 100), str(summary.n), extra])
+    return rows
+
+
 def _run_child(tree: str, backend: str, rounds: int, steps: int) -> Dict[str, Any]:
     code = ("import json, sys; sys.path[:0] = [%r, %r]; import bench_compile_trace as b; "
             "print('RESULT ' + json.dumps(b.measure(%r, %d, %d)))"
@@ -186,12 +303,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps")
     parser.add_argument("--before", default="", help="a tree of an earlier commit, measured beside this one")
     parser.add_argument("--runs", type=int, default=2, help="child processes per tree with --before")
+    parser.add_argument("--pairs", type=int, default=5, help="step by step: on/off pairs per round and setting")
+    parser.add_argument("--blocks", action="store_true", help="the block measurement (trace and anomalies, "
+                        "started and stopped around blocks) instead of step by step")
     args = parser.parse_args()
+    if not args.blocks and any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **MALLOC_ENV))
     if args.quick:
         args.rounds, args.steps = 3, 4
     header("torch trace on a compiled model: step time, trace off vs on, compiled (%s) and eager" % args.backend,
-           ["%d interleaved rounds, %d steps per block, MLP 8 x Linear(512) batch 64, 1 intra-op thread; "
-            "load average %.1f at start" % (args.rounds, args.steps, os.getloadavg()[0])])
+           ["%d interleaved rounds, %s, 1 intra-op thread; load average %.1f at start"
+            % (args.rounds, "%d steps per block" % args.steps if args.blocks else "%d pairs a round, step by step"
+               % args.pairs, os.getloadavg()[0])])
+    if not args.blocks:
+        sys.path.insert(0, REPO)
+        print(table(measure_steps(args.backend, args.rounds, args.pairs),
+                    ["model", "setting", "overhead median", "IQR of pairs", "95 % CI of median", "pairs", "note"]))
+        print("load average %.2f at the end" % os.getloadavg()[0])
+        return
     columns = ["probe", "model", "setting", "median step CPU [IQR]", "overhead median", "overhead IQR",
                "in hooks / step", "note"]
     if not args.before:

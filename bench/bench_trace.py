@@ -583,9 +583,10 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     header("torch trace: overhead on a training step, worst case per hook, agent with a full buffer",
-           ["section 1: %d rounds, %d timed steps a block, step CPU time of the training thread; torch %s, 1 "
-            "intra-op thread; load average %.2f at start" % (args.rounds, args.steps, torch.__version__,
-                                                             os.getloadavg()[0])])
+           ["section 1: %d rounds of %d on/off step pairs%s, step CPU time of the training thread; torch %s, 1 "
+            "intra-op thread; load average %.2f at start" % (args.rounds, args.pairs, "" if args.no_blocks else
+                                                             ", and of blocks of %d steps" % args.steps,
+                                                             torch.__version__, os.getloadavg()[0])])
     if args.only in (None, "overhead"):
         print(table(overhead(torch, args.rounds, args.steps, args.model, args.extra, args.pairs,
                              not args.no_blocks),

@@ -22,7 +22,7 @@ _PRELUDE = textwrap.dedent("""
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1048576.0
 
     def later():
-        time.sleep(0.03)  # past the window in which readings share one (20 ms at most)
+        time.sleep(0.12)  # past the window in which readings share one (100 ms at most)
 """)
 
 

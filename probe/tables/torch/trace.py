@@ -44,7 +44,8 @@ COLUMNS = (
     Column("time_offset", "DOUBLE", "Seconds from the step's beginning (the previous optimizer step's end) to the "
                                     "span's beginning."),
     Column("allocated", "DOUBLE", "MB at the span's end: CUDA caching allocator's allocated bytes; on a CPU-only "
-                                  "process, the process's resident set size (RSS)."),
+                                  "process, the process's resident set size (RSS): spans that end within 1-100 ms of a "
+                                  "reading share it (2000 x what a reading takes)."),
     Column("max_allocated", "DOUBLE", "MB: CUDA peak allocated bytes; on CPU, the highest RSS this trace has seen."),
     Column("cached", "DOUBLE", "MB reserved by the CUDA caching allocator; NULL on a CPU-only process."),
     Column("max_cached", "DOUBLE", "MB: CUDA peak reserved bytes; NULL on a CPU-only process."),

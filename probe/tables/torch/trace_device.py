@@ -6,12 +6,13 @@
   completed (``Event.query()`` does not block), at the next step boundary or at query time.
 * CPU only: ``allocated`` is the process's resident set (RSS) in MB, read from ``/proc/self/statm`` with
   one ``pread`` on a descriptor kept open, after an ``fstat`` that makes sure the number is still that
-  file (three system calls with the pid's check: 3-5 us in a tight loop here, ~9 us right after a
-  step's matmuls); ``max_allocated`` is the highest RSS this trace has seen; ``cached`` and
-  ``max_cached`` are NaN (NULL in the table): there is no caching allocator. Spans that end soon after a
-  reading share it: within 1 ms, or within 1000 times what the last reading took where that is longer
-  (up to 20 ms), so reading RSS takes at most about 0.1 % of the process's time however short its
-  modules are (before, a reading was shared for 100 us only: most spans of a real model paid one).
+  file (two system calls: 3 us in a tight loop here, 10-50 us right after a step's matmuls or its
+  backward, this machine being a nested VM); ``max_allocated`` is the highest RSS this trace has seen;
+  ``cached`` and ``max_cached`` are NaN (NULL in the table): there is no caching allocator. Spans that
+  end soon after a reading share it: within 1 ms, or within 2000 times what the last reading took where
+  that is longer (up to 100 ms), so reading RSS takes at most about 0.05 % of the process's time however
+  short its modules are (before, a reading was shared for 100 us only: most spans of a real model paid
+  one). A child forked with ``os.fork`` (its at-fork hook) opens its own entry at its first reading.
 
 The descriptor is the program's to close: a program that closes every descriptor it does not know may
 give its number to a file of its own. Before each use the reader checks the number still refers to the
@@ -23,6 +24,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
@@ -34,8 +36,8 @@ MB = 1024.0 * 1024.0
 Memory = Tuple[float, float, float, float]
 _NAN = math.nan
 _REUSE_NS = 1_000_000
-_REUSE_FACTOR = 1000
-_REUSE_MAX_NS = 20_000_000
+_REUSE_FACTOR = 2000
+_REUSE_MAX_NS = 100_000_000
 _perf_ns = time.perf_counter_ns
 
 
@@ -45,7 +47,7 @@ class CpuMemory:
     device = "cpu"
 
     def __init__(self) -> None:
-        self._pid = -1
+        self._pid = -1  # the process that opened self._fd (-1: none yet, or forked since)
         self._fd = -1
         self._identity: Optional[Identity] = None  # of the file self._fd was opened on
         self._page_mb = os.sysconf("SC_PAGE_SIZE") / MB
@@ -53,13 +55,15 @@ class CpuMemory:
         self._at = -_REUSE_MAX_NS
         self._reuse = _REUSE_NS
         self._last: Memory = (_NAN, _NAN, _NAN, _NAN)
+        _readers.add(self)
 
     def __call__(self) -> Memory:
         now = _perf_ns()
         if now - self._at < self._reuse:  # spans that end soon after a reading share it
             return self._last
-        if self._pid != os.getpid():  # a forked child must read its own /proc entry
-            self._close_ours()  # the parent's descriptor, inherited: the child's copy is ours to close
+        if self._pid < 0:  # a forked child must read its own /proc entry (no getpid() a reading: see _forked)
+            if self._fd >= 0:
+                self._close_ours()  # the parent's descriptor, inherited: the child's copy is ours to close
             self._open()
         elif not self._ours():  # the program closed it, and may have given the number to a file of its own
             self._open()
@@ -104,6 +108,21 @@ class CpuMemory:
         if self._pid == os.getpid():
             self._close_ours()
         self._fd, self._identity = -1, None
+
+
+_readers: "weakref.WeakSet[CpuMemory]" = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a child just forked (``os.fork``, multiprocessing): every reader opens its own /proc entry at its
+    next reading, and shares none of the parent's. A system call less a reading than asking getpid()."""
+    for reader in list(_readers):
+        reader._pid = -1
+        reader._at = -_REUSE_MAX_NS
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 class CudaMemory:

@@ -44,6 +44,11 @@ class SpanRing:
         self.size = size
         self._next = itertools.count()
         self._buffer = bytearray(_BYTES * size)
+        # Written through once, so every page is resident from the start: a bytearray(n) is calloc'd, and
+        # its pages would fault in one by one under the hooks (a fault every 32 spans, 10-50 us each here).
+        zeros = bytes(min(len(self._buffer), 1 << 20))
+        for at in range(0, len(self._buffer), len(zeros)):
+            self._buffer[at:at + len(zeros)] = zeros[:len(self._buffer) - at]
         self._pack = _RECORD.pack_into
         self._names: List[str] = []
         self._name_ids: Dict[str, int] = {}
