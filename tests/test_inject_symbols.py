@@ -12,11 +12,12 @@ from typing import Dict
 import pytest
 
 from probe.injector import inject
-from probe.injector.elf import build_id
+from probe.injector.elf import build_id, has_debug_info
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.gdb import finish_detached
 from probe.injector.inject import _wait_for_agent
 from probe.injector.methods import _libraries, attach_and_look, plan, run_plan
+from probe.injector.symbols import symbol_files
 from probe.injector.target import expected_socket_path, process_state, read_target, tracer_pid
 from probe.injector.threads import Frame, ThreadState, wait_site
 from procs import scaled, spawn, target_env
@@ -113,3 +114,25 @@ def test_a_wait_site_the_compiler_inlined_is_read_from_its_caller():
 def _deadline(seconds: float) -> float:
     return time.monotonic() + scaled(seconds)
 
+
+
+def test_copies_unused_for_a_month_go_when_a_new_one_is_made(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("PROBE_GDB_SYMBOLS", raising=False)
+    with open("/proc/self/maps") as handle:  # this interpreter's libpython: a real library with DWARF here
+        mapped = [line.split()[-1] for line in handle if "/libpython3" in line]
+    if not mapped or not has_debug_info(mapped[0]):
+        pytest.skip("this interpreter has no libpython with debug information")
+    first = symbol_files([(mapped[0], 0)], scaled(30))
+    assert first.lean and first.libraries[0][0] != mapped[0]
+    copy = first.libraries[0][0]
+    stale = tmp_path / "probe" / "gdb-symbols" / ("0" * 40 + "-1-1.so")
+    stale.write_bytes(b"")
+    month = time.time() - 40 * 86400
+    os.utime(stale, (month, month))
+    os.utime(copy, (month, month))
+    assert symbol_files([(mapped[0], 0)], scaled(30)).libraries == first.libraries
+    assert os.stat(copy).st_mtime > time.time() - 3600 and stale.exists()  # used: kept, marked; none made
+    os.unlink(copy)
+    assert symbol_files([(mapped[0], 0)], scaled(30)).libraries == first.libraries
+    assert os.path.isfile(copy) and not stale.exists()

@@ -11,6 +11,7 @@ So each library is copied once with ``objcopy --strip-debug`` (symbol table and 
 ``$XDG_CACHE_HOME/probe/gdb-symbols``, a directory of ours alone (gdb trusts what it reads there), named
 by the file's build id, size and mtime; a separate debug file (``/usr/lib/debug/.build-id/xx/yyyy.debug``)
 is copied the same way under ``debug/.build-id/`` there, which becomes gdb's ``debug-file-directory``.
+A copy that no injection used for 30 days is removed when a new one is made.
 
 What changes in gdb's backtraces: functions the compiler inlined have no frame of their own (``pysleep``
 appears as ``time_sleep``, its caller); ``threads`` reads both forms. Where a copy cannot be made (no
@@ -23,6 +24,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+import time
 from typing import List, Optional, Sequence, Tuple
 
 from probe.injector.elf import build_id, has_debug_info
@@ -30,6 +32,7 @@ from probe.injector.elf import build_id, has_debug_info
 __all__ = ["SymbolFiles", "symbol_files", "private_cache_dir", "SYSTEM_DEBUG_DIR"]
 
 SYSTEM_DEBUG_DIR = "/usr/lib/debug"
+_KEPT_UNUSED_S = 30 * 86400  # a copy no injection used for this long goes (a Python upgraded away)
 
 
 class SymbolFiles:
@@ -118,6 +121,7 @@ def _stripped(objcopy: str, source: str, target: str, timeout: float, always: bo
     """``target``: ``source`` without debug information, made once; ``source`` itself where it has none
     (unless ``always``); None when no copy can be made."""
     if os.path.isfile(target):
+        _used(target)
         return target
     if not always and not has_debug_info(source):
         return source  # nothing to strip: gdb reads it as fast as a copy
@@ -134,6 +138,7 @@ def _stripped(objcopy: str, source: str, target: str, timeout: float, always: bo
         if done.returncode != 0 or build_id(scratch) != build_id(source):
             return None
         os.replace(scratch, target)  # whole or not at all, for an injection beside this one
+        _prune(os.path.dirname(target))
         return target
     except (OSError, subprocess.SubprocessError):
         return None
@@ -148,3 +153,28 @@ def _make_dirs(path: str) -> None:
     if not os.path.isdir(path):
         _make_dirs(os.path.dirname(path))
         os.makedirs(path, mode=0o700, exist_ok=True)
+
+
+def _used(path: str) -> None:
+    """Mark a copy as used (its mtime, at most once a day)."""
+    try:
+        if os.stat(path).st_mtime < time.time() - 86400:
+            os.utime(path)
+    except OSError:
+        pass
+
+
+def _prune(directory: str) -> None:
+    """Remove the copies in ``directory`` that no injection used for 30 days."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.endswith((".so", ".debug")):
+            path = os.path.join(directory, name)
+            try:
+                if os.lstat(path).st_mtime < time.time() - _KEPT_UNUSED_S:
+                    os.unlink(path)
+            except OSError:
+                pass
