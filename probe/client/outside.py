@@ -151,7 +151,9 @@ def _runs_agent_code(holder: "ThreadStack") -> bool:
 _AGENT_PARTS = tuple(os.sep.join(("", "probe", name, "")) for name in ("agent", "engine", "tables"))
 
 
-def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Optional[float]) -> Diagnosis:
+def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Optional[float],
+              watched: bool = True) -> Diagnosis:
+    """``watched``: the holder was watched and made no voluntary switch (else the heartbeat's age told)."""
     since = " for %.1f s" % silent_for if silent_for is not None and silent_for > 1.5 else ""
     if _importing(holder):
         message = ("process %d cannot answer now: thread %s holds the GIL while importing a module, in %s, so the "
@@ -159,8 +161,10 @@ def _gil_held(pid: int, stacks: "Stacks", holder: "ThreadStack", silent_for: Opt
                    % (pid, holder.label().strip(), holder.where(), since))
         hint = "its stacks are read from outside; retry in a moment (`probe %d backtrace`)" % pid
         return Diagnosis("gil_held", message, hint, stacks, holder, silent_for)
-    message = ('process %d cannot answer: thread %s holds the GIL in %s and does not let go (a call into C '
-               'that keeps it), so the agent has not run%s' % (pid, holder.label().strip(), holder.where(), since))
+    # What was seen, not what will be: a call that kept the GIL through the watch may return a moment later
+    message = ('process %d cannot answer: thread %s holds the GIL in %s%s (a call into C that keeps it), so the '
+               'agent has not run%s' % (pid, holder.label().strip(), holder.where(),
+                                        " and did not let go while watched" if watched else "", since))
     hint = ("its stacks are read from outside; eval can run only once that call returns "
             "(`probe %d backtrace --native` shows the C frames)" % pid)
     return Diagnosis("gil_held", message, hint, stacks, holder, silent_for)
@@ -185,7 +189,7 @@ def known_at_once(pid: int, socket_path: str) -> Optional[Diagnosis]:
         stacks = _read(pid)
         holder = _program_holder(stacks)
         if stacks is not None and holder is not None and not _runs_agent_code(holder):
-            return _gil_held(pid, stacks, holder, age)
+            return _gil_held(pid, stacks, holder, age, watched=False)
     return None
 
 
