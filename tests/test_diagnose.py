@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 
 from probe import _paths
@@ -138,9 +139,10 @@ def test_one_job_healthy_slow_straggler_skipped_collective_stopped_gil_and_kille
                       DIAG_CONTROL=str(control), TORCH_FR_BUFFER_SIZE="2000", PROBE_TORCH_TRACE="1") as (port, pids):
         master = "127.0.0.1:%d" % port
 
-        # Healthy and busy: never a false alarm.
-        for _ in range(10):
-            result = _diagnose(master)
+        # Healthy and busy: never a false alarm. Two looks at a time (each waits a second between its samples).
+        with ThreadPoolExecutor(2) as pool:
+            looks = list(pool.map(lambda _: _diagnose(master), range(10)))
+        for result in looks:
             assert result.code == HEALTHY and result.out.startswith("HEALTHY: healthy: steps advance on ranks 0-1"), \
                 (result.code, result.out, result.err)
         assert "trace:" in result.out and "Flight Recorder:" in result.out

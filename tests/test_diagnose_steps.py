@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from probe.client.results import Frame
 from probe.diagnose.evidence import RankEvidence, Sample
@@ -92,9 +93,11 @@ def test_without_the_trace_healthy_20_times_then_a_rank_that_stops_stepping_and_
                       TORCH_FR_BUFFER_SIZE="0") as (port, pids):
         master = "127.0.0.1:%d" % port
 
-        # Healthy and busy, no trace: steps advance on both ranks, at a rate; never a false alarm.
-        for _ in range(20):
-            result = _diagnose(master)
+        # Healthy and busy, no trace: steps advance on both ranks, at a rate; never a false alarm. Two looks at
+        # a time (each waits a second between its samples): 20 looks in half the time.
+        with ThreadPoolExecutor(2) as pool:
+            looks = list(pool.map(lambda _: _diagnose(master), range(20)))
+        for result in looks:
             assert result.code == HEALTHY and result.out.startswith("HEALTHY: healthy: steps advance on ranks 0-1 ("), \
                 (result.code, result.out, result.err)
             assert "steps/s" in result.out.splitlines()[0] and "progress unknown" not in result.out, result.out
