@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Dict, Iterator, List, Tuple
 
@@ -225,9 +226,10 @@ def test_when_no_rank_answers_no_empty_table_or_stack_is_printed():
         names = ["127.0.0.1:%d" % sock.getsockname()[1] for sock in socks]
         args = ["-t", names[0], "-t", names[1], "--all-ranks", "--deadline", "1", "query"]
         env = target_env(probe=False, PROBE_TOKEN="t")
-        table = run_cli(*args, "SELECT 1 AS x", env=env, timeout=30)
-        as_json = run_cli(*args, "-f", "json", "SELECT 1 AS x", env=env, timeout=30)
-        stacks = run_cli(*args[:-1], "backtrace", env=env, timeout=30)
+        # three commands at once, each waiting out its own deadline (not one after another)
+        with ThreadPoolExecutor(3) as pool:
+            table, as_json, stacks = pool.map(lambda words: run_cli(*words, env=env, timeout=30), [
+                (*args, "SELECT 1 AS x"), (*args, "-f", "json", "SELECT 1 AS x"), (*args[:-1], "backtrace")])
     finally:
         for sock in socks:
             sock.close()
