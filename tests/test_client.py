@@ -99,6 +99,8 @@ def test_an_interrupt_stops_its_query_whether_it_comes_before_or_during_it(idle_
         states.append(client.interrupt_query(query_id))
     worker.join(15)
     assert not worker.is_alive()
-    assert states == ["cancelled" if order == "interrupt-first" else "interrupted"]
+    # During: the request's thread is there before DuckDB has the query (the thread count is answered in
+    # Python now, quickly), so an interrupt then is "cancelled": it stops the query as it starts.
+    assert states == ["cancelled"] if order == "interrupt-first" else states[0] in ("interrupted", "cancelled")
     assert "interrupted" in outcome.get("error", ""), outcome
     assert outcome["took"] < 5, outcome  # the agent's own limit (10 s) did not end it

@@ -119,6 +119,30 @@ def test_a_query_run_by_the_client_is_stopped_by_its_interrupt(default_target):
     assert "interrupted" in outcome.get("error", "") and outcome["took"] < 5, outcome
 
 
+def test_ctrl_c_stops_a_query_the_client_runs_and_exits_130(default_target):
+    from terminal import run_in_pty
+
+    loaded: list = []
+
+    def running_duckdb(pid: int) -> bool:
+        """The CLI has mapped DuckDB's library (the query is on its way to it), a moment ago."""
+        try:
+            with open("/proc/%d/maps" % pid) as maps:
+                if "duckdb" in maps.read():
+                    loaded.append(time.monotonic())
+        except OSError:
+            return False
+        return bool(loaded) and time.monotonic() - loaded[0] > 0.3
+
+    started = time.monotonic()
+    status, out, _ = run_in_pty([str(default_target.pid), "query", "SELECT sum(hash(i)) FROM range(10000000000) t(i)"],
+                                when=running_duckdb)
+    assert status == 130, out
+    assert time.monotonic() - started < 8, "the query ran on to its 10 s limit"
+    assert [line for line in out.splitlines() if line.strip() and line.strip() != "^C"] == \
+        ["probe: interrupted (Ctrl-C); the query was stopped in the target"], out
+
+
 def test_a_table_the_agent_cut_is_said_and_marks_the_result_truncated(target_factory):
     proc = target_factory("idle.py", env=target_env(PROBE_MAX_ROWS="2", PROBE_MAX_ROWS_CEILING="2", **DEFAULT))
     rows, err = _query(proc.pid, "SELECT count(thread_id) AS n FROM python.threads")

@@ -5,6 +5,7 @@ client fetches the tables a query names), over stacks read from outside, and ove
 (``cluster.ranks``).
 """
 
+import os
 import re
 import threading
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
@@ -36,7 +37,45 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     """``sql`` run here, in the same locked-down engine as an agent's, over the rows of the tables it
     names, fetched from the agent (``/v1/rows``): for agents that leave DuckDB out of their process, or
     cannot import it. ``query_id`` lets :meth:`Client.interrupt_query` stop it. One engine serves every
-    query of this process that it can (opening one costs ~25 ms, a query over small tables ~2 ms)."""
+    query of this process that it can (opening one costs ~25 ms, a query over small tables ~2 ms).
+
+    The work runs on a thread of its own: DuckDB does not let Ctrl-C through (where it looks at Python's
+    signals it turns one into an error of its own, which the parse's fallback would take), so this one
+    waits, and on KeyboardInterrupt interrupts the query and lets it go on as usual."""
+    state: Dict[str, Any] = {"named": query_id or "local-" + os.urandom(6).hex(), "stop": False}
+
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            state["result"] = _run_locally(client, sql, max_rows, timeout, query_id, state)
+        except BaseException as exc:
+            state["error"] = exc
+        finally:
+            done.set()
+
+    # An Event, not Thread.join: a KeyboardInterrupt inside join can mark a running thread stopped.
+    worker = threading.Thread(target=work, name="probe-local-sql", daemon=True)
+    try:
+        worker.start()
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        state["stop"] = True
+        engine = state.get("engine")
+        if engine is not None:
+            engine.interrupt(state["named"])
+        done.wait(5.0)
+        if query_id is not None:  # stopped here: the interrupt the command sends next says so
+            client._local_queries[query_id] = _STOPPED
+        raise
+    if "error" in state:
+        raise state["error"]
+    return state["result"]
+
+
+def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
+                 query_id: Optional[str], state: Dict[str, Any]) -> Any:
     from probe.engine.sandbox import _check_size
     from probe.errors import NotFound, Timeout, TooLarge
     from probe.tables.arrow import to_arrow
@@ -49,6 +88,8 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     for name in sorted(names):
         if "." not in name:
             continue  # a CTE or an unqualified name: DuckDB resolves (or rejects) it itself
+        if state["stop"]:
+            raise KeyboardInterrupt
         try:
             rows = client.table_rows(name, max_rows=ask, columns=columns)
         except NotFound:
@@ -62,15 +103,17 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
             cut.append(name)
         tables[name] = to_arrow(rows.columns, [_revive(rows.columns, r) for r in rows.rows])
     engine, kept = _engine_for(tables)
+    named = state["named"]
+    state["engine"] = engine
     if query_id is not None:
         client._local_queries[query_id] = engine
-        if query_id in client._stopped_early:  # its interrupt came first: it stops as it starts
-            engine.interrupt(query_id)
-    _current.tables = tables
+    if state["stop"] or (query_id is not None and query_id in client._stopped_early):
+        engine.interrupt(named)  # its interrupt came first: it stops as it starts
     limit = min(TIMEOUT_S if timeout is None else timeout, TIMEOUT_CEILING_S)
+    _current.tables = tables
     try:
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
-                              timeout=limit, query_id=query_id)
+                              timeout=limit, query_id=named)
     except Timeout:
         raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
                       "over the rows the agent sent)" % limit,
@@ -88,6 +131,16 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
                        "over every row)" % ("{:,}".format(ask), ", ".join(cut)))
     truncated = result.truncated or bool(cut)
     return result.table.replace_schema_metadata({"probe.truncated": "true" if truncated else "false"})
+
+
+class _Stopped:
+    """Stands for a query stopped here by Ctrl-C, for the interrupt the command sends after it."""
+
+    def interrupt(self, query_id: str) -> str:
+        return "interrupted"
+
+
+_STOPPED = _Stopped()
 
 
 def _current_table(name: str) -> Any:
