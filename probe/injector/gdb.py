@@ -134,8 +134,7 @@ class GdbSession:
         commands.append("attach %d" % pid)
         commands += then
         out = self.run(commands, max(timeout - (time.monotonic() - began), 0.05))
-        self.attached_output = out
-        """What gdb printed as it attached and ran ``then``."""
+        self.attached_output = out  # what gdb printed as it attached and ran ``then``
         if "ptrace:" in out or "Can't attach" in out or "Could not attach" in out:
             self._kill()
             raise GdbError("gdb could not attach to process %d: %s" % (pid, _first_error(out)), out)

@@ -1,8 +1,9 @@
 """``inject(pid)``: diagnose, find a running agent, or start one, and wait until it answers.
 
 The whole call is bounded by ``timeout``: gdb's steps share it, and the wait for the agent's socket
-takes what is left. Waiting happens from outside, with gdb gone, so giving up never leaves the target
-stopped or traced (the one exception, a ``gil_ensure`` call that overran, is reported as such).
+takes what is left. Waiting happens from outside, with gdb detached (it exits meanwhile, and is reaped
+at the end), so giving up never leaves the target stopped or traced (the one exception, a
+``gil_ensure`` call that overran, is reported as such).
 """
 
 import os

@@ -121,7 +121,8 @@ def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, Lis
 
 
 def run_plan(session: GdbSession, chosen: Plan, code: str, deadline: float) -> None:
-    """Run ``code`` in the target as ``chosen`` says, then detach (gdb is gone when this returns or raises)."""
+    """Run ``code`` in the target as ``chosen`` says, then detach: when this returns or raises the target
+    runs untraced (gdb said it detached, or was killed); gdb may still be exiting (``finish_detached``)."""
     try:
         if chosen.method == PENDING:
             _pending_call(session, chosen.thread, code, deadline)
