@@ -136,3 +136,33 @@ def test_copies_unused_for_a_month_go_when_a_new_one_is_made(tmp_path, monkeypat
     os.unlink(copy)
     assert symbol_files([(mapped[0], 0)], scaled(30)).libraries == first.libraries
     assert os.path.isfile(copy) and not stale.exists()
+
+
+SYSTEM_PYTHON = "/usr/bin/python3.11"
+
+
+def _links_libpython(path: str) -> bool:
+    with open(path, "rb") as handle:
+        return b"libpython3" in handle.read()
+
+
+@pytest.mark.skipif(not os.path.isfile(SYSTEM_PYTHON) or _links_libpython(SYSTEM_PYTHON),
+                    reason="no statically linked system Python 3.11 here")
+def test_a_statically_linked_interpreter_is_read_from_its_executable(tmp_path, monkeypatch):
+    """The interpreter's symbols are in the executable itself (Debian's python3.11): gdb reads them from
+    /proc/PID/exe before attaching, sees the busy main thread in the eval loop, and the agent starts."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("PROBE_GDB_SYMBOLS", raising=False)
+    proc = spawn("inject_busy.py", env=_env(), probe=False, python=SYSTEM_PYTHON)
+    try:
+        info = read_target(proc.pid)
+        assert info.libpython is None
+        session, threads = attach_and_look(info, deadline=_deadline(30))
+        main = next(t for t in threads if t.lwp == proc.pid)
+        assert session.lean_symbols and any(f.startswith("_PyEval_EvalFrame") for f in main.funcs()), main
+        run_plan(session, plan(threads, proc.pid), bootstrap_code("", exposure_dir(info.uid, proc.pid)), _deadline(30))
+        finish_detached()
+        assert _wait_for_agent(expected_socket_path(proc.pid, info.uid), proc.pid, _deadline(20))
+        assert proc.alive()
+    finally:
+        proc.kill()
