@@ -77,15 +77,30 @@ class Target:
         self.stop()
 
 
-def timed_once(fn: Callable[[int], None], script: str) -> float:
+CPU: Dict[str, Dict[str, List[float]]] = {}  # kind -> method -> CPU seconds (user+sys), ours and children's
+
+
+def timed_once(fn: Callable[[int], None], script: str, cpu: Optional[List[float]] = None) -> float:
+    """Wall time of ``fn(pid)``; with ``cpu``, the CPU time it took (this process's and that of the processes
+    it started and reaped: the CLI, gdb, objcopy), which the machine's load moves less than wall time."""
     with Target(script) as target:
         time.sleep(0.2)  # let the target settle into its loop
+        before = _cpu()
         began = time.perf_counter()
         fn(target.pid)
         elapsed = time.perf_counter() - began
+        if cpu is not None:
+            cpu.append(_cpu() - before)
         if not target.alive():
             raise RuntimeError("the target died during %s" % fn.__name__)
     return elapsed
+
+
+def _cpu() -> float:
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def probe_cli(pid: int) -> None:
@@ -233,9 +248,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     results: Dict[str, Dict[str, List[float]]] = {}
     for kind, script in kinds:
         results[kind] = {name: [] for name, _ in methods}
+        CPU[kind] = {name: [] for name, _ in methods}
         for i in range(args.runs):  # interleaved: A B C ... then ... C B A
             for name, fn in (methods if i % 2 == 0 else methods[::-1]):
-                results[kind][name].append(timed_once(fn, script))
+                results[kind][name].append(timed_once(fn, script, CPU[kind][name]))
         for name, _ in methods:
             print("  measured %-6s %-27s %s" % (kind, name, summary(results[kind][name])), flush=True)
 
@@ -247,6 +263,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, _ in methods:
             times = results[kind][name]
             print("  %-27s %s  x%.2f" % (name, summary(times), statistics.median(times) / cli))
+
+    print("\nCPU time (user+sys) of each way, its children included (the CLI, gdb, objcopy): median, IQR [min-max]")
+    for kind, _ in kinds:
+        print("%s:" % kind)
+        cli = statistics.median(CPU[kind]["probe PID inject (CLI)"])
+        for name, _ in methods:
+            print("  %-27s %s  x%.2f" % (name, summary(CPU[kind][name]), statistics.median(CPU[kind][name]) / cli))
 
     noise = noise_gap()
     ways = [("probe.injector.inject()", probe_library), ("inject(), debug info read", probe_library_full_symbols)]
