@@ -110,7 +110,8 @@ def target_env(probe: bool = True, **extra: str) -> Dict[str, str]:
     # The suite's tests of SQL in the agent (its limits, interrupts, memory guard, audit trail, the fan-out
     # through node helpers) keep DuckDB there; by default an agent leaves such queries to the client
     # (tests/test_sql_placement.py, which passes PROBE_SQL_IN_AGENT="").
-    env["PROBE_SQL_IN_AGENT"] = "1"
+    # PROBE_TEST_SQL_IN_AGENT= (empty) runs the suite's targets as users get them, to see what else depends on it.
+    env["PROBE_SQL_IN_AGENT"] = os.environ.get("PROBE_TEST_SQL_IN_AGENT", "1")
     env.update(extra)
     return env
 
