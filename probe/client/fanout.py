@@ -48,7 +48,13 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
     outcomes: List[Optional[Outcome]] = [None] * total
     started: List[Optional[float]] = [None] * total
     running: Dict[int, float] = {}  # index -> when its request started, while it runs
-    done = threading.Condition()
+    # Not a Condition: a Ctrl-C that lands while the main thread waits on one can leave its lock released
+    # (CPython's wait reacquires it in a ``finally`` the KeyboardInterrupt cuts short), and the ``with``
+    # then fails with "cannot release un-acquired lock" in place of the interrupt. A plain lock guards the
+    # state and a second one, held until every answer is in, is what the main thread waits on.
+    done = threading.Lock()
+    all_in = threading.Lock()
+    all_in.acquire()
     state = {"next": 0, "answered": 0, "workers": 0, "allowance": max(1, max_in_flight)}
     max_open = max(max_open, max_in_flight)
     end = time.monotonic() + deadline
@@ -74,7 +80,7 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
                 running.pop(i, None)
                 state["answered"] += 1
                 if state["answered"] == total:
-                    done.notify_all()
+                    all_in.release()
 
     def add_workers(count: int) -> None:
         """Start up to ``count`` workers; called with ``done`` held."""
@@ -88,18 +94,21 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
 
     with done:
         add_workers(min(state["allowance"], total))
-        while True:
+    while True:
+        with done:
             now = time.monotonic()
             if state["answered"] == total or now >= end:
+                result = list(outcomes)
                 break
             slow = sum(1 for t in running.values() if now - t > slow_after)
             state["allowance"] = min(max(1, max_in_flight) + slow, max_open)
             unstarted = total - state["next"]
             add_workers(max(0, min(state["allowance"] - state["workers"], unstarted)))
-            if progress is not None:
-                progress(state["answered"], total, [i for i, o in enumerate(outcomes) if o is None])
-            done.wait(min(_TICK_S, end - now))
-        result = list(outcomes)
+            answered, waited = state["answered"], [i for i, o in enumerate(outcomes) if o is None]
+        if progress is not None:
+            progress(answered, total, waited)
+        if all_in.acquire(timeout=max(0.0, min(_TICK_S, end - now))):
+            all_in.release()  # every answer is in: the next turn ends the wait
     for i, outcome in enumerate(result):
         if outcome is None:
             why = ("no answer within the deadline of %.1f s" % deadline if started[i] is not None
