@@ -234,7 +234,8 @@ def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
                     "planted %.2f %%" % (PLANTED * 100): (planted, begin, lambda: None,
                                                          lambda state=state: state[0], flip),
                     "untraced (the method's zero)": (step, begin, lambda: None, lambda state=state: state[0], flip)}
-        ratios = alternating(settings, rounds, pairs)
+        off: Dict[str, List[int]] = {}
+        ratios = alternating(settings, rounds, pairs, off)
         after = _dynamo_counts(net) if "compiled" in label else None
         note = "first step %.1f s" % first_s
         if counts is not None:
@@ -247,7 +248,9 @@ def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
             if name.startswith("trace"):
                 extra = "%.0f us in hooks a traced step" % (hook[2] / (rounds * (pairs + 1)))
             elif name.startswith("planted"):
-                extra = "planted: %s" % ("seen" if 0 < low <= PLANTED <= high else "NOT SEEN")
+                share = int(untraced_ns * PLANTED) / statistics.median(off[name])
+                extra = "planted %.2f %% of the off steps' median: %s" % (share * 100, "seen" if 0 < low <= share <= high
+                                                                           else "NOT SEEN")
             rows.append([label, name, "%+.2f %%" % (summary.median * 100), "%+.2f..%+.2f %%" % (summary.q1 * 100,
                                                                                                summary.q3 * 100),
                          "%+.2f..%+.2f %%" % (low * 100, high * 100), str(summary.n), extra])
