@@ -9,7 +9,6 @@ holds the GIL ... and does not let go' (exit 5), as a torch.optimizers read plac
 on a loaded machine (tests/test_torch_reads.py); eval against 0.3 s C calls failed the same way.
 """
 
-import os
 import subprocess
 import sys
 import time
@@ -17,25 +16,12 @@ import time
 import pytest
 
 from procs import REPO, run_cli, running, scaled, target_env
+from test_outside_quick import _heartbeat_age, _in_sleep as _sleeping
 
 pytest.importorskip("pystack", reason="reading from outside needs pystack or py-spy")
 
 HOLD_S = 1.5  # the placed snippet keeps the GIL this long in one C call (libc usleep through ctypes.PyDLL)
 HOLD = "__import__('ctypes').PyDLL(None).usleep(%d) or 42" % int(HOLD_S * 1e6)
-
-
-def _sleeping(pid: int) -> bool:
-    try:
-        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as handle:
-            return handle.read().split()[0] in ("35", "230")
-    except (OSError, IndexError):
-        return False
-
-
-def _heartbeat_age(pid: int) -> float:
-    from probe import _paths
-
-    return time.time() - os.stat(_paths.socket_path(pid)).st_mtime
 
 
 def _held_past_a_beat(pid: int) -> None:

@@ -7,11 +7,9 @@ gloo job (tests/targets/snap_train.py)."""
 import json
 import os
 import signal
-import time
 
-from probe.tables.torch.steps import read_progress
 from procs import run_cli, scaled, target_env
-from test_snapshot_watch import _dirs, _ranks, _recorded, _stderr, _torchrun, _until
+from test_snapshot_watch import _dirs, _recorded, _stderr, _stepping_and_watched, _torchrun, _until
 from torch_job import stop_launcher
 
 
@@ -20,10 +18,7 @@ def test_a_rank_killed_without_a_word_is_named_first_and_the_rank_its_launcher_e
     launcher, output = _torchrun(tmp_path, "kill", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600",
                                  SNAP_CONTROL=control)
     try:
-        ranks = _ranks(output)
-        files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
-        _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
-        time.sleep(2 * 1.0)  # two looks of the watch: it has seen both ranks alive
+        ranks = _stepping_and_watched(run, output)
         os.kill(ranks[1], signal.SIGKILL)
         code = launcher.wait(scaled(60))
     finally:

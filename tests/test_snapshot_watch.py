@@ -53,6 +53,16 @@ def _ranks(output: Proc) -> Dict[int, int]:
     return {int(words[2]): int(words[1]) for words in ready_lines(output, 2, time.monotonic() + scaled(90))}
 
 
+def _stepping_and_watched(run: str, output: Proc) -> Dict[int, int]:
+    """The ranks (rank -> pid) once each has counted steps in its progress file and the node helper's watch,
+    which looks once a second, has had two looks at them alive (its looks leave nothing outside to wait on)."""
+    ranks = _ranks(output)
+    files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
+    _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
+    time.sleep(scaled(2.0))
+    return ranks
+
+
 def _stderr(tmp_path, name: str) -> str:
     try:
         with open(str(tmp_path / name / "stderr"), "rb") as handle:
@@ -174,10 +184,7 @@ def test_a_rank_that_aborts_before_any_stall_leaves_a_record_of_the_node(tmp_pat
     launcher, output = _torchrun(tmp_path, "abort", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600",
                                  SNAP_CONTROL=control)
     try:
-        ranks = _ranks(output)
-        files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
-        _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
-        time.sleep(2 * 1.0)  # two looks of the watch: it has seen both ranks alive
+        _stepping_and_watched(run, output)
         with open(control, "w") as handle:
             handle.write("abort 1\n")
         code = launcher.wait(scaled(60))

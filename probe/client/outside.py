@@ -231,11 +231,9 @@ def await_answer(sock: socket.socket, pid: int, socket_path: str, timeout: float
     baseline, since = proc.switch_counts(pid), time.monotonic()  # every thread's, for how long the holder held
     read_at = -1.0
     while time.monotonic() < deadline:
-        letter = proc.state(pid)
-        if letter in (None, "Z", "X"):
-            return None  # dying or gone: the read says so, and the client explains it
-        if letter in ("T", "t"):
-            return _stopped(pid, letter, heartbeat_age(socket_path))
+        ended, stopped = _not_running(pid, socket_path)
+        if ended:
+            return stopped
         age = heartbeat_age(socket_path)
         seen, waits = waits, proc.switch_counts(pid, agents)
         asking = any(count - seen[tid] >= TRIGGER_WAITS for tid, count in waits.items() if tid in seen)
@@ -262,11 +260,9 @@ def _await_patiently(sock: socket.socket, pid: int, socket_path: str, start: flo
     4): the evidence asked for is that of the rule the quick one replaced, never less."""
     read_at = -1.0
     while time.monotonic() < deadline:
-        letter = proc.state(pid)
-        if letter in (None, "Z", "X"):
-            return None  # dying or gone: the read says so, and the client explains it
-        if letter in ("T", "t"):
-            return _stopped(pid, letter, heartbeat_age(socket_path))
+        ended, stopped = _not_running(pid, socket_path)
+        if ended:
+            return stopped
         age = heartbeat_age(socket_path)
         # A fresh heartbeat means the agent's accept thread still gets the GIL: the agent is only slow,
         # and nothing is read from outside. A stale one (or none to see) is worth a look, at most once a
@@ -283,6 +279,17 @@ def _await_patiently(sock: socket.socket, pid: int, socket_path: str, start: flo
         if _answered(sock, min(TICK_S, max(0.0, deadline - time.monotonic()))):
             return None
     return _no_answer(pid, socket_path, timeout, "--timeout")
+
+
+def _not_running(pid: int, socket_path: str) -> Tuple[bool, Optional[Diagnosis]]:
+    """Whether the wait ends because nothing runs in the process: (True, None) where it is dying or gone
+    (the read says so, and the client explains it), (True, stopped) where it is stopped; else (False, None)."""
+    letter = proc.state(pid)
+    if letter in (None, "Z", "X"):
+        return True, None
+    if letter in ("T", "t"):
+        return True, _stopped(pid, letter, heartbeat_age(socket_path))
+    return False, None
 
 
 def _accept_threads(pid: int) -> List[int]:
