@@ -126,9 +126,9 @@ def measure(backend: str, rounds: int, steps: int) -> Dict[str, Any]:
                 trace.start(options[setting])
                 step()  # the first step after start names the modules
                 tracer = trace.current()
-                hook_ns, seen = tracer.hook_ns, tracer.steps_seen
+                hook_ns, seen = tracer.hook_time_ns(), tracer.steps_seen
                 took = _median_step(step, steps)
-                hooks[(kind, setting)].append((tracer.hook_ns - hook_ns) / max(tracer.steps_seen - seen, 1) / 1e3)
+                hooks[(kind, setting)].append((tracer.hook_time_ns() - hook_ns) / max(tracer.steps_seen - seen, 1) / 1e3)
                 trace.stop()
                 step()  # the optimizer's hooks leave at this forward
                 after = _median_step(step, steps)
@@ -173,12 +173,12 @@ def _encoder_trainer(torch: Any, model: Any, params: Any) -> Callable[[], None]:
     return step
 
 
-def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
+def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List[List[str]]:
     """Step by step, as bench_trace.py's section 1: steps alternate between the trace's sampled and
     skipped steps (``--every 2``), and in the same rounds a planted cost (0.3 % of the untraced step, a
     busy-wait) and the method's zero alternate the same way; each on step against the off steps on either
     side, in CPU time of the training thread. For the eager MLP, the compiled MLP and a compiled small
-    transformer; Dynamo's counters before and after."""
+    transformer (``only``: those whose label holds it); Dynamo's counters before and after."""
     import torch
     from bench_trace import PLANTED, _spin, alternating, bootstrap_ci
 
@@ -188,13 +188,16 @@ def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     eager_net, compiled_net, encoder_net = _model(torch), _model(torch), _Encoder.make(torch)
-    runs = {"MLP eager": (eager_net, _trainer(torch, eager_net, eager_net.parameters())),
-            "MLP compiled": (compiled_net, _trainer(torch, torch.compile(compiled_net, backend=backend),
-                                                    compiled_net.parameters())),
-            "transformer 2 x d128 compiled": (encoder_net, _encoder_trainer(
+    runs = {"MLP eager": lambda: (eager_net, _trainer(torch, eager_net, eager_net.parameters())),
+            "MLP compiled": lambda: (compiled_net, _trainer(torch, torch.compile(compiled_net, backend=backend),
+                                                            compiled_net.parameters())),
+            "transformer 2 x d128 compiled": lambda: (encoder_net, _encoder_trainer(
                 torch, torch.compile(encoder_net, backend=backend), encoder_net.parameters()))}
     rows = []
-    for label, (net, step) in runs.items():
+    for label, make in runs.items():
+        if only not in label:
+            continue
+        net, step = make()
         started = time.perf_counter()
         step()
         first_s = time.perf_counter() - started
@@ -224,11 +227,15 @@ def measure_steps(backend: str, rounds: int, pairs: int) -> List[List[str]]:
 
         def trace_in(hook: List[Any] = hook) -> None:
             trace.start(TraceOptions(every=2))
-            hook[0], hook[1] = trace.current(), trace.current().hook_ns
+            hook[0], hook[1] = trace.current(), trace.current().hook_time_ns()
 
-        def trace_out(hook: List[Any] = hook) -> None:
+        def trace_out(hook: List[Any] = hook) -> int:
+            started = time.thread_time_ns()
+            hook[0].flush()  # the spans of the round's steps: built on this thread, and counted (bench_trace)
+            built = time.thread_time_ns() - started
             trace.stop()
-            hook[2] += (hook[0].hook_ns - hook[1]) / 1e3
+            hook[2] += (hook[0].hook_time_ns() - hook[1]) / 1e3
+            return built
 
         settings = {"trace, every step": (step, trace_in, trace_out, lambda hook=hook: hook[0].sampled, lambda: None),
                     "planted %.2f %%" % (PLANTED * 100): (planted, begin, lambda: None,
@@ -306,6 +313,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds of 4 steps")
     parser.add_argument("--before", default="", help="a tree of an earlier commit, measured beside this one")
     parser.add_argument("--runs", type=int, default=2, help="child processes per tree with --before")
+    parser.add_argument("--model", default="", help="step by step: only the models whose label holds this "
+                        "(\"MLP\", \"compiled\", \"transformer\")")
     parser.add_argument("--pairs", type=int, default=5, help="step by step: on/off pairs per round and setting")
     parser.add_argument("--blocks", action="store_true", help="the block measurement (trace and anomalies, "
                         "started and stopped around blocks) instead of step by step")
@@ -320,7 +329,7 @@ def main() -> None:
                % args.pairs, os.getloadavg()[0])])
     if not args.blocks:
         sys.path.insert(0, REPO)
-        print(table(measure_steps(args.backend, args.rounds, args.pairs),
+        print(table(measure_steps(args.backend, args.rounds, args.pairs, args.model),
                     ["model", "setting", "overhead median", "IQR of pairs", "95 % CI of median", "pairs", "note"]))
         print("load average %.2f at the end" % os.getloadavg()[0])
         return

@@ -13,10 +13,12 @@
    step, added to the step: the method must see it) and the method's zero (untraced against untraced).
    Two ways, each giving per-pair ratios, their median, IQR and a bootstrap 95 % interval of the median:
 
-   * step by step (the figure held to the goal): steps alternate one by one between on and off; the
-     trace does it itself with ``--every 2`` (its module hooks in for even steps, out for odd ones; the
-     optimizer hooks stay in both, ~2 calls a step); each on step against the mean of the off steps on
-     either side. ``--rounds`` rounds of ``--pairs`` pairs per setting, settings rotating.
+   * step by step (the figure held to the goal): steps alternate one by one between on and off; for
+     the trace, all its hooks (modules' and optimizer's) go in before an on step and out after it
+     (``TraceToggle``), and the spans of a round's steps, which a training thread builds every ~100
+     steps, are built at the round's end and their CPU time shared out over its on steps; each on step
+     against the mean of the off steps on either side. ``--rounds`` rounds of ``--pairs`` pairs per
+     setting, settings rotating.
    * blocks: ``--steps`` steps of each setting (the trace started and stopped around them, as ``probe T
      trace start/stop`` does, the first step after each switch not timed) between untraced blocks; a
      block's figure its mean step or its fastest step. ``--extra`` adds ``--every 10`` (blocks of 10),
@@ -146,9 +148,10 @@ def alternating(settings: Dict[str, Any], rounds: int, pairs: int,
     (their order rotating), ``2 * pairs`` steps after one untimed one; each on step's CPU time against
     the mean of the off steps on either side of it gives a ratio. ``settings[name]`` is
     ``(step, enter, leave, is_on, switch)``: ``enter``/``leave`` around the setting's steps, ``is_on()`` says
-    whether the next step runs on, ``switch()`` (between steps) flips what the next step runs; the trace
-    flips itself (``--every 2``: its module hooks in for even steps, out for odd ones). ``off_steps``: a
-    dict that gets each setting's off steps' CPU ns."""
+    whether the next step runs on, ``switch()`` (between steps) flips what the next step runs. ``leave()`` may
+    return CPU ns of work the setting left for later (the trace's span building, which runs on the
+    training thread every ~100 steps, or on a reader's): shared out over the round's on steps, so it
+    counts. ``off_steps``: a dict that gets each setting's off steps' CPU ns."""
     names = list(settings)
     ratios: Dict[str, List[float]] = {name: [] for name in names}
     for r in range(rounds):
@@ -167,7 +170,9 @@ def alternating(settings: Dict[str, Any], rounds: int, pairs: int,
                     times.append((on, CLOCK() - start))
                     switch()
             finally:
-                leave()
+                later = leave() or 0
+            ons = sum(1 for on, _ in times if on)
+            times = [(on, ns + later / ons if on else ns) for on, ns in times] if later and ons else times
             for k in range(1, len(times) - 1):
                 (before_on, before), (on, took), (after_on, after) = times[k - 1:k + 2]
                 if on and not before_on and not after_on:
@@ -177,11 +182,53 @@ def alternating(settings: Dict[str, Any], rounds: int, pairs: int,
     return ratios
 
 
-class Setting:
-    """What a block of the paired measurement runs: ``enter`` before it, ``leave`` after, each step
-    ``step`` (None: the model's), ``steps`` of them (``--every N``: N, so one sampled step a block)."""
+class TraceToggle:
+    """The trace, every step, in for one step and out for the next: between steps (not timed) its module
+    and optimizer hooks are put in or taken out, as a trace's start and stop do but keeping its buffer,
+    names and step, so an on step pays all that a traced step costs and an off step nothing. For
+    ``alternating``: ``enter``, ``is_on``, ``switch``, and ``leave``, which builds the round's spans (on
+    this thread, timed: a training thread builds them every ~100 steps) and returns that CPU time."""
 
-    def __init__(self, enter: Callable[[], None] = lambda: None, leave: Callable[[], None] = lambda: None,
+    def __init__(self, trace: Any, options: Any) -> None:
+        self.trace, self.options = trace, options
+        self.tracer: Any = None
+        self.on = False
+        self.hook_us = 0.0  # time in the hooks over the last round (Tracer.hook_time_ns)
+
+    def enter(self) -> None:
+        self.trace.start(self.options)
+        self.tracer, self.on = self.trace.current(), True  # the untimed first step runs traced
+        self._hook_ns = self.tracer.hook_time_ns()
+
+    def is_on(self) -> bool:
+        return self.on
+
+    def switch(self) -> None:
+        tracer, self.on = self.tracer, not self.on
+        if self.on:
+            optim = sys.modules["torch.optim.optimizer"]
+            tracer._optimizer_handles = [optim.register_optimizer_step_pre_hook(tracer._optimizer_pre),
+                                         optim.register_optimizer_step_post_hook(tracer._optimizer_post)]
+            tracer._arm(True)
+        else:
+            tracer._remove(tracer._optimizer_handles)
+            tracer._arm(False)
+
+    def leave(self) -> int:
+        started = CLOCK()
+        self.tracer.flush()
+        built = CLOCK() - started
+        self.trace.stop()
+        self.hook_us = (self.tracer.hook_time_ns() - self._hook_ns) / 1e3
+        return built
+
+
+class Setting:
+    """What a block of the paired measurement runs: ``enter`` before it, ``leave`` after (it may return
+    CPU ns of work left for later: shared over the block's steps), each step ``step`` (None: the
+    model's), ``steps`` of them (``--every N``: N, so one sampled step a block)."""
+
+    def __init__(self, enter: Callable[[], None] = lambda: None, leave: Callable[[], Any] = lambda: None,
                  step: Any = None, steps: int = 0, mark: Callable[[], None] = lambda: None) -> None:
         self.enter, self.leave, self.step, self.steps, self.mark = enter, leave, step, steps, mark
 
@@ -206,10 +253,12 @@ def paired(step: Callable[[], None], settings: Dict[str, Setting], rounds: int,
         for name in names[shift:] + names[:shift]:
             setting = settings[name]
             setting.enter()
+            later = 0
             try:
                 took = _timed_block(setting.step or step, setting.steps or steps, setting.mark)
             finally:
-                setting.leave()
+                later = setting.leave() or 0
+            took = [ns + later / len(took) for ns in took]
             base.append(_timed_block(step, steps))
             for e, figure in ESTIMATORS.items():
                 ratios[e][name].append(figure(took) / ((figure(base[-2]) + figure(base[-1])) / 2) - 1.0)
@@ -249,17 +298,22 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
 
         def mark(marks: List[Any] = marks) -> None:  # after a block's untimed first step
             tracer = trace.current()
-            marks[0] = tracer and (tracer.hook_ns, tracer.steps_seen, tracer.ring.written())
+            marks[0] = tracer and (tracer.hook_time_ns(), tracer.steps_seen, tracer.ring.written())
 
         def stopper(name: str, marks: List[Any] = marks, hooks: Dict[str, List[float]] = hooks,
                     spans: Dict[str, List[float]] = spans) -> Callable[[], None]:
-            def leave() -> None:
+            def leave() -> int:
                 tracer = trace.current()
+                started = CLOCK()
+                if tracer is not None:
+                    tracer.flush()  # the block's spans: built here and counted (see alternating)
+                built = CLOCK() - started
                 trace.stop()
                 if tracer is not None and marks[0] and tracer.steps_seen > marks[0][1]:
                     hook_ns, seen, written = marks[0]
-                    hooks[name].append((tracer.hook_ns - hook_ns) / (tracer.steps_seen - seen) / 1e3)
+                    hooks[name].append((tracer.hook_time_ns() - hook_ns) / (tracer.steps_seen - seen) / 1e3)
                     spans[name].append((tracer.ring.written() - written) / (tracer.steps_seen - seen))
+                return built
             return leave
 
         settings = {name: Setting(lambda options=options: trace.start(options), stopper(name),
@@ -297,24 +351,18 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
             if state[0]:
                 _spin(planted_ns)
 
-        every2: List[Any] = [None, None]
+        toggle = TraceToggle(trace, TraceOptions())
 
-        def trace_in(every2: List[Any] = every2) -> None:
-            trace.start(TraceOptions(every=2))
-            every2[0] = trace.current()
-            every2[1] = every2[0].hook_ns
-
-        def trace_out(name: str = "forward, every step", every2: List[Any] = every2,
-                      hooks: Dict[str, List[float]] = hooks) -> None:
-            trace.stop()
-            tracer = every2[0]
-            hooks.setdefault(name + " (steps)", []).append((tracer.hook_ns - every2[1]) / (pairs + 1) / 1e3)
+        def trace_out(name: str = "forward, every step", toggle: "TraceToggle" = toggle,
+                      hooks: Dict[str, List[float]] = hooks) -> int:
+            built = toggle.leave()
+            hooks.setdefault(name + " (steps)", []).append(toggle.hook_us / (pairs + 1))
+            return built
 
         def is_on(state: List[bool] = state) -> bool:
             return state[0]
 
-        steps_of = {"forward, every step": (step, trace_in, trace_out, lambda every2=every2: every2[0].sampled,
-                                            lambda: None),
+        steps_of = {"forward, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
                     "two empty global hooks (torch's part)": (step, begin, empty_out, is_on, flip(empty_in, empty_out)),
                     "planted %.2f %% (busy-wait in the step)" % (PLANTED * 100): (planted_if_on, begin, lambda: None,
                                                                                 is_on, flip()),

@@ -1,12 +1,14 @@
 """python.torch_trace, torch.anomalies and `probe T trace ...`, on real CPU training processes, through the CLI."""
 
 import json
+import subprocess
+import sys
 import time
 from typing import Any, Callable, Dict, List
 
 import pytest
 
-from procs import run_cli, target_env
+from procs import REPO, run_cli, scaled, target_env
 
 pytest.importorskip("torch", reason="the torch trace needs torch (CPU build, torch==2.13.0)")
 
@@ -147,3 +149,52 @@ def test_a_target_without_torch_is_not_made_to_import_it(target_factory):
     done = run_cli(str(proc.pid), "query", "SELECT * FROM python.torch_trace")
     assert done.code != 0 and "torch is not loaded" in done.err
     assert query(proc.pid, "SELECT name FROM python.modules WHERE name = 'torch'") == []
+
+
+_HUNG_STEP = """
+import json, sys, threading
+import torch
+from probe.tables.torch import trace
+
+release, stuck = threading.Event(), threading.Event()
+
+class Gate(torch.nn.Module):
+    armed = False
+    def forward(self, x):
+        if Gate.armed:
+            stuck.set()
+            release.wait(120)
+        return x
+
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), Gate(), torch.nn.Linear(4, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+def train():
+    for n in range(4):
+        Gate.armed = n == 3
+        loss = model(torch.zeros(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+trace.start()
+trainer = threading.Thread(target=train, daemon=True)
+trainer.start()
+if not stuck.wait(120):
+    sys.exit("the training never reached the gate")
+columns = trace.columns()  # read while the step hangs in Gate
+release.set()
+trainer.join(120)
+last = max(columns["step"])
+print(json.dumps({"step": last, "modules": [m for m, s in zip(columns["module"], columns["step"]) if s == last]}))
+"""
+
+
+def test_a_step_that_hangs_shows_the_spans_it_completed() -> None:
+    """Once training steps, the hooks leave records that a reader builds into spans: a read while a step
+    hangs in a module shows the modules that step has finished, under its own step number."""
+    done = subprocess.run([sys.executable, "-c", _HUNG_STEP], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"step": 3, "modules": ["0", "1"]}, seen

@@ -45,7 +45,8 @@ COLUMNS = (
                                     "span's beginning."),
     Column("allocated", "DOUBLE", "MB at the span's end: CUDA caching allocator's allocated bytes; on a CPU-only "
                                   "process, the process's resident set size (RSS): spans that end within 1-100 ms of a "
-                                  "reading share it (2000 x what a reading takes)."),
+                                  "reading share it (2000 x what a reading takes); once an optimizer has stepped, "
+                                  "a step's spans share the reading taken as the step began."),
     Column("max_allocated", "DOUBLE", "MB: CUDA peak allocated bytes; on CPU, the highest RSS this trace has seen."),
     Column("cached", "DOUBLE", "MB reserved by the CUDA caching allocator; NULL on a CPU-only process."),
     Column("max_cached", "DOUBLE", "MB: CUDA peak reserved bytes; NULL on a CPU-only process."),
@@ -75,6 +76,7 @@ def start(options: Optional[TraceOptions] = None) -> Dict[str, Any]:
     options = options or TraceOptions()
     with _lock:
         if _tracer is not None:
+            _tracer.flush()
             _tracer.stop()
         tracer = Tracer(torch, options, STORE)
         if options.anomalies:
@@ -88,6 +90,7 @@ def stop() -> Dict[str, Any]:
     torch_or_raise()
     with _lock:
         if _tracer is not None:
+            _tracer.flush()
             _tracer.stop()
     return status()
 
@@ -98,8 +101,10 @@ def status() -> Dict[str, Any]:
     tracer = _tracer
     if tracer is None:
         return {"state": "off", "rows": 0, "anomalies": len(STORE)}
+    tracer.flush()
     end = tracer.stopped_perf_ns or time.perf_counter_ns()
     elapsed = max(end - tracer.started_perf_ns, 1)
+    hook_ns = tracer.hook_time_ns()
     state = "on" if tracer.running else ("failed" if tracer.failure else "stopped")
     return {
         "state": state,
@@ -111,9 +116,9 @@ def status() -> Dict[str, Any]:
         "spans_recorded": tracer.ring.written(),
         "step": tracer.step,
         "steps_seen": tracer.steps_seen,
-        "hook_seconds": round(tracer.hook_ns / 1e9, 6),
-        "overhead_percent": round(100.0 * tracer.hook_ns / elapsed, 3),
-        "hook_us_per_step": round(tracer.hook_ns / 1e3 / max(tracer.steps_seen, 1), 1),
+        "hook_seconds": round(hook_ns / 1e9, 6),
+        "overhead_percent": round(100.0 * hook_ns / elapsed, 3),
+        "hook_us_per_step": round(hook_ns / 1e3 / max(tracer.steps_seen, 1), 1),
         "hooks_left": tracer.hooks_left(),
         "anomalies": len(STORE),
         "started": tracer.started_wall_ns / 1e9,
@@ -155,6 +160,7 @@ def _source() -> Tuple[Tracer, int, int]:
     if tracer is None:
         raise NotFound("no torch trace has run in this process",
                        hint="start one with `probe TARGET trace start` (or PROBE_TORCH_TRACE=1 at start)")
+    tracer.flush()  # the spans a step in progress has completed
     refresh_device_results()
     rank, world = rank_and_world(torch)
     return tracer, rank, world

@@ -3,12 +3,14 @@
 Hot path rules (these hooks run for every module call of the training step):
 
 * no device sync: CPU time from ``perf_counter_ns``, device time from CUDA events read later;
-* nothing allocated per call beyond a stack entry: names come from a cache keyed by ``id(module)``, a span
-  is one ``pack_into`` into a preallocated record (``trace_ring``), a filtered-out module costs one dict
-  look-up; with host times only (no CUDA events, backward spans or anomaly check: ``_plain``) the hooks
-  take a short path of few calls: they run right after a step's matmuls have flushed the caches, where
-  every object and call touched costs a cache miss (~10 us a module call measured there, against
-  ~3 us in a tight loop, before this path);
+* with host times only (no CUDA events, backward spans or anomaly check: ``_plain``), once the first
+  optimizer has stepped, the module hooks only append a record to a list, and the optimizer's hooks
+  theirs (``trace_events``): they run right after a step's matmuls have flushed the caches, where every
+  object and call touched costs a miss; the spans are built from the records later, many steps at
+  once, where that work runs warm. Until then (and on CUDA, or with backward spans or anomalies), a hook
+  builds its span: nothing allocated per call beyond a stack entry, names from a cache keyed by
+  ``id(module)``, a span one ``pack_into`` into a preallocated record (``trace_ring``), a filtered-out
+  module one dict look-up;
 * steps that ``--every N`` skips cost nothing: the module hooks are taken out for them (torch's
   ``Module.__call__`` then takes its fast path again) and put back for the next sampled step;
 * every exception is caught: a hook that raised would kill the training step. The first one switches
@@ -26,9 +28,10 @@ removed on the training thread, by a one-shot module forward pre-hook at the nex
 torch.compile: Dynamo must never trace these hooks (``perf_counter_ns``, ``get_ident`` and the ring's
 ``array`` stores are graph breaks; the hook dicts' keys would become guards). Two things keep them out:
 
-* every hook (and the backward ones) returns at once while ``torch.compiler.is_compiling()``: Dynamo
-  folds that call to True, so a hook it traces (inlined in a module call, or as a frame of its own under
-  a compiled module's ``__call__``) is an empty function: no op, no graph break. At run time, inside a
+* every hook (and the backward ones) returns at once while ``torch.compiler.is_dynamo_compiling()`` (or
+  ``is_compiling()`` on a torch without it): Dynamo folds that call to True, so a hook it traces
+  (inlined in a module call, or as a frame of its own under a compiled module's ``__call__``) is an
+  empty function: no op, no graph break. At run time, inside a
   compiled graph no module hook runs at all; a compiled module's wrapper (``OptimizedModule``) is called
   eagerly, so it has a span, named after the module it wraps (``trace_names``).
 * once the program has loaded ``torch._dynamo``, the module hooks leave torch's hook dicts for the time
@@ -49,6 +52,7 @@ from typing import Any, List, Optional
 from probe.tables.torch.trace_anomaly import AnomalyCheck
 from probe.tables.torch.trace_backward import BackwardSpans
 from probe.tables.torch.trace_device import CpuMemory, CudaMemory, CudaTimer, memory_reader
+from probe.tables.torch.trace_events import APPEND_NS, EventLog
 from probe.tables.torch.trace_names import ModuleNames
 from probe.tables.torch.trace_options import TraceOptions
 from probe.tables.torch.trace_ring import BACKWARD, FORWARD, OPTIMIZER, RECORD_BYTES, SpanRing
@@ -64,7 +68,7 @@ def _not_compiling() -> bool:
     return False
 
 
-_compiling: Any = _not_compiling  # torch.compiler.is_compiling once a trace is made (torch is loaded then)
+_compiling: Any = _not_compiling  # torch.compiler.is_dynamo_compiling once a trace is made (torch is loaded then)
 _active: Optional["Tracer"] = None  # the trace started last: the one whose hooks a compile hides
 _compile_handler: Any = None  # Dynamo's compile callback handler, once the program has loaded torch._dynamo
 _cpu_memory = CpuMemory()  # one per process: its descriptor is never closed under a running hook
@@ -73,7 +77,11 @@ _cpu_memory = CpuMemory()  # one per process: its descriptor is never closed und
 class Tracer:
     def __init__(self, torch: Any, options: TraceOptions, anomaly_store: Any) -> None:
         global _compiling
-        _compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None) or _not_compiling
+        compiler = getattr(torch, "compiler", None)
+        # Dynamo folds either to True; is_dynamo_compiling is a bare ``return False`` in eager code (one call
+        # where is_compiling makes two, in every hook)
+        _compiling = (getattr(compiler, "is_dynamo_compiling", None) or getattr(compiler, "is_compiling", None)
+                      or _not_compiling)
         # (hooks in, janitor in) when a compile began: what goes back when it ends
         self._hidden = (False, False)
         self.torch = torch
@@ -90,6 +98,9 @@ class Tracer:
                                                                 self._fail) if options.backward else None)
         # host times only: no CUDA events, no backward spans, no anomaly check (the hooks' short path)
         self._plain = self.timer is None and self.anomaly is None and self.backward is None
+        # once the first optimizer has stepped, a plain trace's hooks only append records (trace_events)
+        self._log: Optional[EventLog] = EventLog(self, _compiling) if self._plain else None
+        self._fast: Optional[EventLog] = None  # the log, once its hooks are the ones in (None again at stop)
         self._writer = self.ring.writer()
         self.step = 0
         self.steps_seen = 0
@@ -131,6 +142,7 @@ class Tracer:
             if not self.running:
                 return
             self.running = False
+            self._fast = None
             self.stopped_perf_ns = _perf_ns()
             if self.backward is not None:
                 self.backward.active = False
@@ -138,6 +150,16 @@ class Tracer:
             if self._optimizer_handles and self._janitor_handle is None:
                 module = _submodule("torch.nn.modules.module")
                 self._janitor_handle = module.register_module_forward_pre_hook(self._janitor)
+
+    def flush(self) -> None:
+        """Build the spans of the append-only hooks' events so far (for a reader; any thread)."""
+        if self._log is not None:
+            self._log.flush()
+
+    def hook_time_ns(self) -> int:
+        """Time in this trace's hooks: measured, plus ``APPEND_NS`` for each call of an append-only hook
+        (timing those would double what they cost)."""
+        return self.hook_ns + (self._log.calls * APPEND_NS if self._log is not None else 0)
 
     def hooks_left(self) -> int:
         """Hooks of this trace still registered in torch (0 once a stopped trace has fully left)."""
@@ -160,8 +182,10 @@ class Tracer:
         with self._lock:
             if on and self.running and not self._module_handles:
                 module = _submodule("torch.nn.modules.module")
-                self._module_handles = [module.register_module_forward_pre_hook(self._pre),
-                                        module.register_module_forward_hook(self._post)]
+                fast = self._fast
+                pre, post = (fast.pre, fast.post) if fast is not None else (self._pre, self._post)
+                self._module_handles = [module.register_module_forward_pre_hook(pre),
+                                        module.register_module_forward_hook(post)]
             elif not on and self._module_handles:
                 self._remove(self._module_handles)
 
@@ -350,6 +374,13 @@ class Tracer:
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if _compiling():
             return
+        fast = self._fast
+        if fast is not None:  # the append-only hooks' way (trace_events): a record, no more
+            try:
+                fast.optimizer_begins(optimizer)
+            except Exception as exc:
+                self._fail(exc)
+            return
         t0 = _perf_ns()
         try:
             if self.running and self.sampled:
@@ -362,24 +393,64 @@ class Tracer:
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if _compiling():
             return
+        fast = self._fast
+        if fast is not None:
+            try:
+                now = fast.optimizer_ends(optimizer)
+                primary = self._primary()
+                if optimizer is primary:
+                    self._step_ends(now)
+                if primary is not None:
+                    return
+            except Exception as exc:
+                self._fail(exc)
+                return
+            # the primary optimizer is gone: the way below makes this one the primary
         t0 = _perf_ns()
         try:
             if self.running:
-                started = getattr(self._local, "optimizer", None)
-                self._local.optimizer = None
-                if started is not None:
-                    self._optimizer_span(optimizer, started, t0)
+                if fast is None:
+                    started = getattr(self._local, "optimizer", None)
+                    self._local.optimizer = None
+                    if started is not None:
+                        self._optimizer_span(optimizer, started, t0)
                 primary = self._primary() if self._primary is not None else None
                 if primary is None:
                     self._primary, primary = weakref.ref(optimizer), optimizer
                 if primary is optimizer:
-                    self._by_optimizer = True
                     stack = getattr(self._local, "stack", None)
                     if stack:
                         stack.clear()
-                    self._advance(_perf_ns())
+                    self._by_optimizer = True
+                    if fast is not None:
+                        self._step_ends(_perf_ns())
+                    else:
+                        self._advance(_perf_ns())
+                        log = self._log
+                        if log is not None and self.running:  # from now on the append-only hooks (trace_events)
+                            log.activate(self.step, self.step_start, self.memory())
+                            self._fast = log
+                            if self._module_handles:
+                                self._arm(False)
+                                self._arm(True)
         except Exception as exc:
             self._fail(exc)
+        self.hook_ns += _perf_ns() - t0
+
+    def _step_ends(self, now: int) -> None:
+        """``_advance`` for the append-only hooks: the step mark in the records, the rest at the build."""
+        t0 = _perf_ns()
+        self.step += 1
+        self.steps_seen += 1
+        self.step_start = now
+        handler = _compile_handler
+        if handler is None or _compile_starts not in handler.start_callbacks:
+            _watch_compiles()
+        self._log.step_begins(now, self.step, self.memory())
+        every = self.options.every
+        if every > 1:
+            self.sampled = self.step % every == 0
+            self._arm(self.sampled)
         self.hook_ns += _perf_ns() - t0
 
     def _optimizer_span(self, optimizer: Any, started: Any, end: int) -> None:
@@ -403,6 +474,9 @@ class Tracer:
             self.timer.resolve(self.ring.set_device_time)
         if self.anomaly is not None:
             self.anomaly.step_ended(ended)
+        log = self._log
+        if log is not None and log.active:
+            log.step_begins(now, self.step, self.memory())
         every = self.options.every
         self.sampled = self.step % every == 0
         if every > 1:

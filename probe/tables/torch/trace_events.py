@@ -1,0 +1,243 @@
+"""The trace's hooks for training steps on the host: each appends a record of a few items to its thread's
+list (a module and a clock reading, nothing more); the spans are built from those records later, many
+steps at a time, in one loop.
+
+Why: the hooks run right after a step's matmuls (or its backward, or the optimizer's pass over every
+parameter), which have flushed the caches (and, on a nested VM, the TLB): there every object a hook
+touches costs a miss, ~1-2 us each here. Building a span in a hook (naming, a record, a memory reading)
+touched dozens, 5-8 us a module call, and building one step's spans in one go right after its backward
+cost ~3.5 us a span for the same reason. Appending to a list touches the list and the clock (~0.3-1 us
+a call); a build of thousands of records touches the same few modules, names and ring lines again and
+again, and runs warm (~0.5 us a span).
+
+Records (each appended in one ``list += tuple``: one C call, so a reader never sees half of one):
+
+* ``(module, clock)``: a module call begins;
+* ``(clock, module)``: it ends (a call whose forward raised has no end: the build passes over it);
+* ``(clock, OPTIMIZER_BEGINS)`` and ``(clock, OPTIMIZER_ENDS, optimizer)``: an optimizer's step;
+* ``(clock, STEP_BEGINS, memory)``: the primary optimizer finished a step; appended to every thread's
+  list, so each list says which step its records belong to. ``memory`` is the reading its spans get
+  (on the host, RSS: one a step at most, shared as ``CpuMemory`` shares readings).
+
+Who builds: whoever reads the table (its spans are then current: a step in progress, or one that hangs,
+shows the spans it has completed), ``trace stop`` and ``trace status``, and the training thread when
+its list reaches ``FLUSH_AT`` items (every ~100 steps of a small model: a build of ~0.5-1 ms). A lock
+keeps two builds apart; the hooks never take it.
+"""
+
+import itertools
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from probe.tables.torch.trace_ring import FORWARD, OPTIMIZER, RECORD_BYTES
+
+__all__ = ["EventLog", "FLUSH_AT", "APPEND_NS"]
+
+FLUSH_AT = 8192  # items in a thread's list: past this, its hook builds the spans (~2000 module calls)
+APPEND_NS = 600  # a hook call's estimated cost right after a matmul (0.3-1.2 us measured: bench_trace)
+_MAX_OPEN = 10_000  # open calls on one thread: more means forwards raised and left theirs (start afresh)
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+OPTIMIZER_BEGINS, OPTIMIZER_ENDS, STEP_BEGINS = _Marker("optimizer begins"), _Marker("optimizer ends"), _Marker("step")
+
+
+class _Thread:
+    """One thread's records, and where its build stands: the step its next records belong to, the calls
+    still open, the optimizer step begun."""
+
+    __slots__ = ("events", "ident", "open", "step", "step_start", "seq", "memory", "optimizer_start")
+
+    def __init__(self, ident: int, step: int, step_start: int, memory: Any) -> None:
+        self.events: List[Any] = []
+        self.ident = ident
+        self.open: List[List[Any]] = []  # [module, entry, start ns, seq (-1: filtered out), children's host ns]
+        self.step, self.step_start, self.memory = step, step_start, memory
+        self.seq = itertools.count()
+        self.optimizer_start: Optional[Tuple[int, int]] = None  # (clock, seq)
+
+
+class EventLog:
+    """The append-only hooks of one trace (``pre`` and ``post`` for modules, the ``optimizer_*`` and
+    ``step_begins`` calls for the tracer's optimizer hooks) and ``flush``, which builds their spans into
+    ``tracer.ring``. Inactive (``active`` False) until the tracer switches to it."""
+
+    def __init__(self, tracer: Any, compiling: Callable[[], bool]) -> None:
+        self._tracer = tracer
+        self._local = threading.local()
+        self._threads: Dict[int, _Thread] = {}
+        self._lock = threading.Lock()  # builds, and the list of threads
+        self._step: Tuple[int, int, Any] = (0, 0, None)  # (step, its start, memory) for a thread's first records
+        self.active = False
+        self.calls = 0  # module hook calls built so far (the hooks do not time themselves: see APPEND_NS)
+        self.pre, self.post = self._hooks(compiling)
+
+    def activate(self, step: int, step_start: int, memory: Any) -> None:
+        """From now on the records say which step they belong to: ``step`` began at ``step_start``."""
+        self._step = (step, step_start, memory)
+        self.active = True
+
+    def _hooks(self, compiling: Callable[[], bool]) -> Tuple[Callable[..., None], Callable[..., None]]:
+        local, clock, mine, full = self._local, time.perf_counter_ns, self._mine, self.flush
+
+        def pre(module: Any, args: Any) -> None:
+            if compiling():  # Dynamo folds this to True: a hook it traces is empty (see trace_hooks)
+                return
+            try:
+                try:
+                    events = local.events
+                except AttributeError:
+                    events = mine()
+                events += (module, clock())
+                if len(events) >= FLUSH_AT:
+                    full()
+            except Exception as exc:
+                self._tracer._fail(exc)
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            if compiling():
+                return
+            try:
+                try:
+                    events = local.events
+                except AttributeError:
+                    return  # no pre hook ran on this thread: no call of it is open
+                events += (clock(), module)
+            except Exception as exc:
+                self._tracer._fail(exc)
+
+        return pre, post
+
+    def _mine(self) -> List[Any]:
+        """This thread's list, made at its first record."""
+        ident = threading.get_ident()
+        with self._lock:
+            thread = self._threads.get(ident)
+            if thread is None:
+                thread = self._threads[ident] = _Thread(ident, *self._step)
+        self._local.events = thread.events
+        return thread.events
+
+    def optimizer_begins(self, optimizer: Any) -> None:
+        try:
+            events = self._local.events
+        except AttributeError:
+            events = self._mine()
+        events += (time.perf_counter_ns(), OPTIMIZER_BEGINS)
+
+    def optimizer_ends(self, optimizer: Any) -> int:
+        """The record of an optimizer's step ending now; returns now."""
+        now = time.perf_counter_ns()
+        try:
+            events = self._local.events
+        except AttributeError:
+            events = self._mine()
+        events += (now, OPTIMIZER_ENDS, optimizer)
+        return now
+
+    def step_begins(self, now: int, step: int, memory: Any) -> None:
+        """The primary optimizer finished a step (``step`` begins at ``now``): a mark in every thread's list."""
+        self._step = (step, now, memory)
+        for thread in list(self._threads.values()):
+            thread.events += (now, STEP_BEGINS, memory)
+
+    def flush(self) -> None:
+        """Build the spans of every thread's records so far (any thread may call it; a failure switches the
+        trace off, as a hook's would)."""
+        tracer = self._tracer
+        started = time.perf_counter_ns()
+        try:
+            with self._lock:
+                for thread in list(self._threads.values()):
+                    events = thread.events
+                    n = len(events)  # records are whole (one extend each); the owner may add more
+                    if n:
+                        items = events[:n]
+                        del events[:n]
+                        self._build(thread, items)
+        except Exception as exc:
+            tracer._fail(exc)
+        tracer.hook_ns += time.perf_counter_ns() - started
+
+    def _build(self, thread: _Thread, items: List[Any]) -> None:
+        tracer = self._tracer
+        names, ring = tracer.names, tracer.ring
+        entries = names.entries
+        count, pack, buffer, size = ring.writer()
+        every = tracer.options.every  # a step it skips has no optimizer span (its module hooks are out)
+        step, step_start, memory, seq = thread.step, thread.step_start, thread.memory, thread.seq
+        m0, m1, m2, m3 = memory if memory is not None else _NO_MEMORY
+        ident, stack = thread.ident, thread.open
+        calls = 0
+        k, n = 0, len(items)
+        while k < n:
+            first, second = items[k], items[k + 1]
+            k += 2
+            if first.__class__ is not int:  # a call begins: (module, clock)
+                calls += 1
+                entry = entries.get(id(first))
+                if entry is None or entry[0]() is not first:
+                    if len(stack) > _MAX_OPEN:
+                        stack.clear()
+                    entry = names.lookup(first, stack[0][0] if stack else None, stack[-1][1] if stack else None)
+                stack.append([first, entry, second, next(seq) if entry[3] else -1, 0])
+                continue
+            if second.__class__ is _Marker:
+                if second is STEP_BEGINS:
+                    step, step_start, memory = step + 1, first, items[k]
+                    m0, m1, m2, m3 = memory if memory is not None else _NO_MEMORY
+                    seq = itertools.count()
+                    stack.clear()
+                    thread.optimizer_start = None
+                    k += 1
+                elif second is OPTIMIZER_BEGINS:
+                    calls += 1
+                    thread.optimizer_start = (first, next(seq)) if step % every == 0 else None
+                else:  # OPTIMIZER_ENDS
+                    calls += 1
+                    begun, thread.optimizer_start = thread.optimizer_start, None
+                    optimizer = items[k]
+                    k += 1
+                    if begun is not None:
+                        start, number_in_step = begun
+                        host = first - start
+                        number = next(count)
+                        pack(buffer, number % size * RECORD_BYTES, number + 1, step, number_in_step,
+                             ring.name_id(type(optimizer).__name__), OPTIMIZER, 0, ident, start, host / 1e9,
+                             host / 1e9, host / 1e9, (start - step_start) / 1e9, m0, m1, m2, m3)
+                continue
+            calls += 1  # a call ends: (clock, module)
+            if not stack:
+                continue
+            item = stack.pop()
+            while item[0] is not second and stack:  # a forward that raised skipped its post hook
+                item = stack.pop()
+            if item[0] is not second or item[3] < 0:  # a filtered-out call's own time is its traced caller's
+                continue
+            start = item[2]
+            host = first - start
+            number = next(count)
+            pack(buffer, number % size * RECORD_BYTES, number + 1, step, item[3], item[1][2], FORWARD, len(stack),
+                 ident, start, host / 1e9, max(host - item[4], 0) / 1e9, host / 1e9, (start - step_start) / 1e9,
+                 m0, m1, m2, m3)
+            if stack:  # the child's time, to the innermost traced call still open
+                outer = stack[-1]
+                if outer[3] < 0:
+                    outer = next((o for o in reversed(stack) if o[3] >= 0), outer)
+                if outer[3] >= 0:
+                    outer[4] += host
+        thread.step, thread.step_start, thread.memory, thread.seq = step, step_start, memory, seq
+        self.calls += calls
+
+
+_NO_MEMORY = (float("nan"),) * 4
