@@ -7,8 +7,9 @@ Step by step (the default): in one process (CPU, one intra-op thread, glibc mall
 in bench_trace.py), an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD eager and as
 ``torch.compile(model, backend=BACKEND)`` (a copy of its own), and a small transformer of the user's own
 (2 encoder layers, d_model 128, batch 8 x 32) compiled the same way; each compiled and warmed up first.
-For each, as bench_trace.py's section 1: steps alternate one by one between the trace's sampled and
-skipped steps (``--every 2``), and in the same rounds a planted cost (a busy-wait of 0.3 % of the
+For each, as bench_trace.py's section 1: steps alternate one by one between the trace on and off (all
+its hooks in and out between steps: ``bench_trace.TraceToggle``; the spans' build counted), and in the
+same rounds a planted cost (a busy-wait of 0.3 % of the
 untraced step) and the method's zero alternate the same way; every step timed in CPU time of the
 training thread; each on step against the off steps on either side; median, IQR and a bootstrap 95 %
 interval of the median. Dynamo's counters (graph breaks, graphs, compiled versions of the model's
@@ -174,13 +175,13 @@ def _encoder_trainer(torch: Any, model: Any, params: Any) -> Callable[[], None]:
 
 
 def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List[List[str]]:
-    """Step by step, as bench_trace.py's section 1: steps alternate between the trace's sampled and
-    skipped steps (``--every 2``), and in the same rounds a planted cost (0.3 % of the untraced step, a
+    """Step by step, as bench_trace.py's section 1: steps alternate between the trace on and off
+    (``TraceToggle``), and in the same rounds a planted cost (0.3 % of the untraced step, a
     busy-wait) and the method's zero alternate the same way; each on step against the off steps on either
     side, in CPU time of the training thread. For the eager MLP, the compiled MLP and a compiled small
     transformer (``only``: those whose label holds it); Dynamo's counters before and after."""
     import torch
-    from bench_trace import PLANTED, _spin, alternating, bootstrap_ci
+    from bench_trace import PLANTED, TraceToggle, _spin, alternating, bootstrap_ci
 
     from probe.tables.torch import trace
     from probe.tables.torch.trace_options import TraceOptions
@@ -225,19 +226,14 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             if state[0]:
                 _spin(ns)
 
-        def trace_in(hook: List[Any] = hook) -> None:
-            trace.start(TraceOptions(every=2))
-            hook[0], hook[1] = trace.current(), trace.current().hook_time_ns()
+        toggle = TraceToggle(trace, TraceOptions())
 
-        def trace_out(hook: List[Any] = hook) -> int:
-            started = time.thread_time_ns()
-            hook[0].flush()  # the spans of the round's steps: built on this thread, and counted (bench_trace)
-            built = time.thread_time_ns() - started
-            trace.stop()
-            hook[2] += (hook[0].hook_time_ns() - hook[1]) / 1e3
+        def trace_out(hook: List[Any] = hook, toggle: TraceToggle = toggle) -> int:
+            built = toggle.leave()
+            hook[2] += toggle.hook_us
             return built
 
-        settings = {"trace, every step": (step, trace_in, trace_out, lambda hook=hook: hook[0].sampled, lambda: None),
+        settings = {"trace, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
                     "planted %.2f %%" % (PLANTED * 100): (planted, begin, lambda: None,
                                                          lambda state=state: state[0], flip),
                     "untraced (the method's zero)": (step, begin, lambda: None, lambda state=state: state[0], flip)}
