@@ -21,6 +21,22 @@ def pytest_unconfigure(config) -> None:
     shutil.rmtree(_RUNTIME, ignore_errors=True)
 
 
+# The modules that take longest (a minute or more each: torchrun jobs, browsers, frameworks), longest first.
+# Under pytest-xdist with --dist loadfile and --no-loadscope-reorder (tests/run.sh), a module runs whole on
+# one worker and the modules go out in collection order: these go first, so that none of them is left to
+# run alone at the end. A module missing here only costs balance, never a result.
+SLOW_MODULES = ("test_page.py", "test_snapshot_watch.py", "test_frameworks.py", "test_every_launcher.py",
+                "test_checkpoint.py", "test_diagnose.py", "test_torch_tables.py", "test_cluster.py",
+                "test_diagnose_steps.py", "test_cluster_helper_answer.py", "test_cli_daily.py", "test_audit.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker: the usual order
+        return
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
+
 @pytest.fixture
 def target_factory():
     """Start real target scripts; every one is killed and reaped at the end of the test."""
