@@ -198,3 +198,40 @@ def test_a_step_that_hangs_shows_the_spans_it_completed() -> None:
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"step": 3, "modules": ["0", "1"]}, seen
+
+
+_LONG_RUN = """
+import json
+import torch
+from probe.tables.torch import trace
+
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+trace.start()
+for _ in range(300):
+    loss = model(torch.zeros(2, 4)).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+built = trace.current().ring.written()  # before any read: what the training thread built itself
+columns = trace.columns()
+steps = {}
+for step, seq, module, stage, depth in zip(columns["step"], columns["seq"], columns["module"], columns["stage"],
+                                           columns["depth"]):
+    steps.setdefault(step, []).append((seq, module, stage, depth))
+print(json.dumps({"built": built, "rows": len(columns["step"]), "steps": sorted(steps),
+                  "shapes": sorted({json.dumps(sorted(spans)) for step, spans in steps.items() if step > 0})}))
+"""
+
+
+def test_a_long_run_builds_its_spans_as_it_goes_each_step_whole() -> None:
+    """The hooks' records are built into spans on the training thread every FLUSH_AT items, whoever reads:
+    300 steps of 21 module calls and an optimizer step give every step the same 22 spans, in call order."""
+    done = subprocess.run([sys.executable, "-c", _LONG_RUN], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["built"] >= 2 * 8192 // 4, seen  # two builds at least, before the read
+    assert seen["steps"] == list(range(300)) and seen["rows"] == 300 * 22, seen["rows"]
+    whole = [[0, "Sequential", "forward", 0]] + [[k, str(k - 1), "forward", 1] for k in range(1, 21)]
+    assert seen["shapes"] == [json.dumps(sorted(whole + [[21, "SGD", "optimizer", 0]]))], seen["shapes"]

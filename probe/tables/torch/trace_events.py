@@ -21,8 +21,8 @@ Records (each appended in one ``list += tuple``: one C call, so a reader never s
 
 Who builds: whoever reads the table (its spans are then current: a step in progress, or one that hangs,
 shows the spans it has completed), ``trace stop`` and ``trace status``, and the training thread when
-its list reaches ``FLUSH_AT`` items (every ~100 steps of a small model: a build of ~0.5-1 ms). A lock
-keeps two builds apart; the hooks never take it.
+its list reaches ``FLUSH_AT`` items (every ~100 steps of a small model: a build of ~2 ms). A lock keeps
+two builds apart; a hook never waits for it (a reader building is building its records too).
 """
 
 import itertools
@@ -88,7 +88,10 @@ class EventLog:
         self.active = True
 
     def _hooks(self, compiling: Callable[[], bool]) -> Tuple[Callable[..., None], Callable[..., None]]:
-        local, clock, mine, full = self._local, time.perf_counter_ns, self._mine, self.flush
+        local, clock, mine, limit = self._local, time.perf_counter_ns, self._mine, FLUSH_AT
+
+        def full() -> None:
+            self.flush(wait=0)  # a reader building them now: they are being built
 
         def pre(module: Any, args: Any) -> None:
             if compiling():  # Dynamo folds this to True: a hook it traces is empty (see trace_hooks)
@@ -99,7 +102,7 @@ class EventLog:
                 except AttributeError:
                     events = mine()
                 events += (module, clock())
-                if len(events) >= FLUSH_AT:
+                if len(events) >= limit:
                     full()
             except Exception as exc:
                 self._tracer._fail(exc)
@@ -119,12 +122,12 @@ class EventLog:
         return pre, post
 
     def _mine(self) -> List[Any]:
-        """This thread's list, made at its first record."""
+        """This thread's list, made at its first record (no lock: a dict store is one step under the GIL)."""
         ident = threading.get_ident()
-        with self._lock:
-            thread = self._threads.get(ident)
-            if thread is None:
-                thread = self._threads[ident] = _Thread(ident, *self._step)
+        thread = self._threads.get(ident)
+        if thread is None:
+            thread = _Thread(ident, *self._step)
+            self._threads[ident] = thread
         self._local.events = thread.events
         return thread.events
 
@@ -151,23 +154,29 @@ class EventLog:
         for thread in list(self._threads.values()):
             thread.events += (now, STEP_BEGINS, memory)
 
-    def flush(self) -> None:
+    def flush(self, wait: float = 1.0) -> bool:
         """Build the spans of every thread's records so far (any thread may call it; a failure switches the
-        trace off, as a hook's would)."""
+        trace off, as a hook's would). Waits at most ``wait`` seconds for a build under way (one holds the
+        lock for a few ms; a signal handler that interrupted one on its own thread would wait for ever);
+        False if it did not build."""
         tracer = self._tracer
         started = time.perf_counter_ns()
+        if not self._lock.acquire(timeout=wait) if wait > 0 else not self._lock.acquire(False):
+            return False
         try:
-            with self._lock:
-                for thread in list(self._threads.values()):
-                    events = thread.events
-                    n = len(events)  # records are whole (one extend each); the owner may add more
-                    if n:
-                        items = events[:n]
-                        del events[:n]
-                        self._build(thread, items)
+            for thread in list(self._threads.values()):
+                events = thread.events
+                n = len(events)  # records are whole (one extend each); the owner may add more
+                if n:
+                    items = events[:n]
+                    del events[:n]
+                    self._build(thread, items)
         except Exception as exc:
             tracer._fail(exc)
+        finally:
+            self._lock.release()
         tracer.hook_ns += time.perf_counter_ns() - started
+        return True
 
     def _build(self, thread: _Thread, items: List[Any]) -> None:
         tracer = self._tracer
