@@ -8,11 +8,13 @@ module the user compiled.
 """
 
 import json
+import subprocess
+import sys
 from typing import Any, Dict, List
 
 import pytest
 
-from procs import run_cli, scaled, target_env
+from procs import REPO, run_cli, scaled, target_env
 
 pytest.importorskip("torch", reason="the torch trace needs torch (CPU build, torch==2.13.0)")
 
@@ -102,3 +104,40 @@ def test_live_start_sampling_stop_and_restart_recompile_nothing(target_factory):
     assert status["state"] == "on" and status["failure"] is None, status
     names = [r["module"] for r in query(proc.pid, FORWARD_MODULES)]
     assert names == ["CrossEntropyLoss", "Net"], names
+
+
+_WRAPPER_WARNING = """
+import sys, warnings
+import torch
+from probe.tables.torch import trace
+
+warnings.simplefilter("default")  # as a job runs: each warning once where it is raised
+model = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), backend="aot_eager")
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+def step():
+    loss = model(torch.zeros(2, 4)).sum()
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+
+step()
+filters = len(warnings.filters)
+trace.start()
+for _ in range(3):
+    step()
+trace.stop()
+print("filters", filters, len(warnings.filters), "spans", trace.current().ring.written() > 0 or trace.columns()["step"] != [])
+"""
+
+
+def test_the_trace_sets_off_no_warning_from_a_compiled_module() -> None:
+    """torch warns, at a compiled module's call, when global module hooks are in: the trace's would put
+    that warning in the job's log (and its cost at every call). None while a trace runs; the filter that
+    keeps it out leaves with the trace."""
+    done = subprocess.run([sys.executable, "-c", _WRAPPER_WARNING], capture_output=True, text=True,
+                          timeout=scaled(180), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert "global hooks" not in done.stderr, done.stderr
+    line = done.stdout.strip().splitlines()[-1].split()
+    assert line[0] == "filters" and line[1] == line[2] and line[4] == "True", line

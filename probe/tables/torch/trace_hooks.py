@@ -46,6 +46,7 @@ import itertools
 import sys
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, List, Optional
 
@@ -126,6 +127,7 @@ class Tracer:
 
     def start(self) -> None:
         global _active
+        _quiet_compiled_wrappers(True)
         optim = _submodule("torch.optim.optimizer")
         self._optimizer_handles = [optim.register_optimizer_step_pre_hook(self._optimizer_pre),
                                    optim.register_optimizer_step_post_hook(self._optimizer_post)]
@@ -143,6 +145,8 @@ class Tracer:
                 return
             self.running = False
             self._fast = None
+            if _active is self:
+                _quiet_compiled_wrappers(False)
             self.stopped_perf_ns = _perf_ns()
             if self.backward is not None:
                 self.backward.active = False
@@ -481,6 +485,28 @@ class Tracer:
         self.sampled = self.step % every == 0
         if every > 1:
             self._arm(self.sampled or not self._by_optimizer)
+
+
+_GLOBAL_HOOKS_WARNING = (r"Using `torch\.compile\(module\)` when there are global hooks on modules", UserWarning)
+
+
+def _quiet_compiled_wrappers(quiet: bool) -> None:
+    """While a trace runs, torch's warning at each call of a compiled module's wrapper that global hooks
+    (the trace's) also fire for the wrapper is ignored: the trace names the wrapper as the module it wraps,
+    and the warning would be the trace's doing in the job's log (and its cost at every call). One filter
+    of ours, put in at start and taken out at stop; never raises."""
+    try:
+        message, category = _GLOBAL_HOOKS_WARNING
+        ours = [f for f in warnings.filters if f[0] == "ignore" and getattr(f[1], "pattern", None) == message
+                and f[2] is category]
+        if quiet and not ours:
+            warnings.filterwarnings("ignore", message=message, category=category)
+        elif not quiet:
+            for entry in ours:
+                warnings.filters.remove(entry)
+            getattr(warnings, "_filters_mutated", lambda: None)()  # as filterwarnings does after a change
+    except Exception:
+        pass
 
 
 def _watch_compiles() -> None:
