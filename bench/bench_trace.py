@@ -207,8 +207,9 @@ class TraceToggle:
         tracer, self.on = self.tracer, not self.on
         if self.on:
             optim = sys.modules["torch.optim.optimizer"]
-            tracer._optimizer_handles = [optim.register_optimizer_step_pre_hook(tracer._optimizer_pre),
-                                         optim.register_optimizer_step_post_hook(tracer._optimizer_post)]
+            pre, post = tracer._optimizer_hooks
+            tracer._optimizer_handles = [optim.register_optimizer_step_pre_hook(pre),
+                                         optim.register_optimizer_step_post_hook(post)]
             tracer._arm(True)
         else:
             tracer._remove(tracer._optimizer_handles)

@@ -235,3 +235,44 @@ def test_a_long_run_builds_its_spans_as_it_goes_each_step_whole() -> None:
     assert seen["steps"] == list(range(300)) and seen["rows"] == 300 * 22, seen["rows"]
     whole = [[0, "Sequential", "forward", 0]] + [[k, str(k - 1), "forward", 1] for k in range(1, 21)]
     assert seen["shapes"] == [json.dumps(sorted(whole + [[21, "SGD", "optimizer", 0]]))], seen["shapes"]
+
+
+_DROPPED_MODEL = """
+import gc, json, weakref
+import torch
+from probe.tables.torch import trace
+
+def train(model, optimizer, steps):
+    for _ in range(steps):
+        loss = model(torch.zeros(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+trace.start()
+first = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+optimizer = torch.optim.SGD(first.parameters(), lr=0.01)
+train(first, optimizer, 5)
+pending = sum(len(t.events) for t in trace.current()._log._threads.values())
+gone = weakref.ref(first), weakref.ref(optimizer)
+del first, optimizer
+gc.collect()
+second = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+train(second, torch.optim.Adam(second.parameters()), 5)
+columns = trace.columns()
+kinds = sorted({(m, s) for m, s, step in zip(columns["module"], columns["stage"], columns["step"]) if step == 9})
+print(json.dumps({"pending": pending, "freed": [r() is None for r in gone], "step": trace.current().step,
+                  "last": kinds}))
+"""
+
+
+def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
+    """Records not yet built keep no module or optimizer alive: a job that drops its model (and its GPU
+    memory) gets it back at once; the next optimizer then counts the steps."""
+    done = subprocess.run([sys.executable, "-c", _DROPPED_MODEL], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["pending"] > 0 and seen["freed"] == [True, True], seen
+    assert seen["step"] == 10, seen
+    assert seen["last"] == [["0", "forward"], ["1", "forward"], ["Adam", "optimizer"], ["Sequential", "forward"]], seen

@@ -116,6 +116,6 @@ def test_after_the_first_optimizer_step_a_module_hook_only_appends() -> None:
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["spans"] == 21, seen  # the forward after the last step: every module call has its span
-    # Beyond two empty hooks: in each hook torch's is_dynamo_compiling and the clock, and len in pre: 5
-    # calls a module call (7 where torch has only is_compiling). Building the span in the hooks took 22.
-    assert seen["per_call"] <= 7, seen
+    # Beyond two empty hooks: in each hook torch's is_dynamo_compiling, the clock and id(); in pre the name
+    # entry's look-up and len: 8 calls a module call. Building the span in the hooks took 22.
+    assert seen["per_call"] <= 8, seen

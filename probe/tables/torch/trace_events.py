@@ -10,11 +10,14 @@ cost ~3.5 us a span for the same reason. Appending to a list touches the list an
 a call); a build of thousands of records touches the same few modules, names and ring lines again and
 again, and runs warm (~0.5 us a span).
 
-Records (each appended in one ``list += tuple``: one C call, so a reader never sees half of one):
+Records (each appended in one ``list += tuple``: one C call, so a reader never sees half of one). They
+keep no module or optimizer alive (a model the program drops is freed while records of it wait):
 
-* ``(module, clock)``: a module call begins;
-* ``(clock, module)``: it ends (a call whose forward raised has no end: the build passes over it);
-* ``(clock, OPTIMIZER_BEGINS)`` and ``(clock, OPTIMIZER_ENDS, optimizer)``: an optimizer's step;
+* ``(entry, clock)``: a module call begins; ``entry`` is the module's name entry (``trace_names``: it
+  holds the module weakly), or, for a module not named yet, the module itself (named at the build);
+* ``(clock, id)``: a call ends (``id(module)``; a call whose forward raised has none: the build passes
+  over it);
+* ``(clock, OPTIMIZER_BEGINS)`` and ``(clock, OPTIMIZER_ENDS, its class)``: an optimizer's step;
 * ``(clock, STEP_BEGINS, memory)``: the primary optimizer finished a step; appended to every thread's
   list, so each list says which step its records belong to. ``memory`` is the reading its spans get
   (on the host, RSS: one a step at most, shared as ``CpuMemory`` shares readings).
@@ -61,7 +64,7 @@ class _Thread:
     def __init__(self, ident: int, step: int, step_start: int, memory: Any) -> None:
         self.events: List[Any] = []
         self.ident = ident
-        self.open: List[List[Any]] = []  # [module, entry, start ns, seq (-1: filtered out), children's host ns]
+        self.open: List[List[Any]] = []  # [module id, entry, start ns, seq (-1: filtered out), children's host ns]
         self.step, self.step_start, self.memory = step, step_start, memory
         self.seq = itertools.count()
         self.optimizer_start: Optional[Tuple[int, int]] = None  # (clock, seq)
@@ -74,6 +77,8 @@ class EventLog:
 
     def __init__(self, tracer: Any, compiling: Callable[[], bool]) -> None:
         self._tracer = tracer
+        self._names = tracer.names.entries  # cleared in place, never replaced
+        self._compiling = compiling
         self._local = threading.local()
         self._threads: Dict[int, _Thread] = {}
         self._lock = threading.Lock()  # builds, and the list of threads
@@ -81,6 +86,7 @@ class EventLog:
         self.active = False
         self.calls = 0  # module hook calls built so far (the hooks do not time themselves: see APPEND_NS)
         self.pre, self.post = self._hooks(compiling)
+        self.fast_optimizer: Callable[[Any], None] = lambda reference: None  # see optimizer_hooks
 
     def activate(self, step: int, step_start: int, memory: Any) -> None:
         """From now on the records say which step they belong to: ``step`` began at ``step_start``."""
@@ -88,7 +94,7 @@ class EventLog:
         self.active = True
 
     def _hooks(self, compiling: Callable[[], bool]) -> Tuple[Callable[..., None], Callable[..., None]]:
-        local, clock, mine, limit = self._local, time.perf_counter_ns, self._mine, FLUSH_AT
+        local, clock, mine, limit, named = self._local, time.perf_counter_ns, self._mine, FLUSH_AT, self._names.get
 
         def full() -> None:
             self.flush(wait=0)  # a reader building them now: they are being built
@@ -101,7 +107,8 @@ class EventLog:
                     events = local.events
                 except AttributeError:
                     events = mine()
-                events += (module, clock())
+                entry = named(id(module))  # a live module's entry is its own (trace_names)
+                events += (module if entry is None else entry, clock())
                 if len(events) >= limit:
                     full()
             except Exception as exc:
@@ -115,7 +122,7 @@ class EventLog:
                     events = local.events
                 except AttributeError:
                     return  # no pre hook ran on this thread: no call of it is open
-                events += (clock(), module)
+                events += (clock(), id(module))
             except Exception as exc:
                 self._tracer._fail(exc)
 
@@ -131,22 +138,60 @@ class EventLog:
         self._local.events = thread.events
         return thread.events
 
-    def optimizer_begins(self, optimizer: Any) -> None:
-        try:
-            events = self._local.events
-        except AttributeError:
-            events = self._mine()
-        events += (time.perf_counter_ns(), OPTIMIZER_BEGINS)
+    def optimizer_hooks(self, slow_pre: Callable[..., Any], slow_post: Callable[..., Any],
+                        step_ends: Callable[[int], None]) -> Tuple[Callable[..., None], Callable[..., None]]:
+        """The trace's optimizer step pre and post hooks: the tracer's own (``slow_*``) until ``fast_optimizer``
+        names the primary optimizer, then a record each, and ``step_ends(now)`` after the primary's step.
+        Closures, so that right after the optimizer's pass over every parameter they touch little."""
+        local, clock, mine, compiling, tracer = self._local, time.perf_counter_ns, self._mine, self._compiling, self._tracer
+        on = False
+        primary: Any = None  # weak reference to the optimizer whose steps count
 
-    def optimizer_ends(self, optimizer: Any) -> int:
-        """The record of an optimizer's step ending now; returns now."""
-        now = time.perf_counter_ns()
-        try:
-            events = self._local.events
-        except AttributeError:
-            events = self._mine()
-        events += (now, OPTIMIZER_ENDS, optimizer)
-        return now
+        def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if compiling():
+                return
+            if not on:
+                slow_pre(optimizer, args, kwargs)
+                return
+            try:
+                try:
+                    events = local.events
+                except AttributeError:
+                    events = mine()
+                events += (clock(), OPTIMIZER_BEGINS)
+            except Exception as exc:
+                tracer._fail(exc)
+
+        def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            if compiling():
+                return
+            if not on:
+                slow_post(optimizer, args, kwargs)
+                return
+            try:
+                now = clock()
+                try:
+                    events = local.events
+                except AttributeError:
+                    events = mine()
+                events += (now, OPTIMIZER_ENDS, type(optimizer))
+                first = primary()
+                if optimizer is first:
+                    step_ends(now)
+                    return
+                if first is not None:
+                    return
+            except Exception as exc:
+                tracer._fail(exc)
+                return
+            slow_post(optimizer, args, kwargs)  # the primary optimizer is gone: the tracer names another
+
+        def fast_optimizer(reference: Any) -> None:
+            nonlocal on, primary
+            primary, on = reference, reference is not None
+
+        self.fast_optimizer = fast_optimizer
+        return pre, post
 
     def step_begins(self, now: int, step: int, memory: Any) -> None:
         """The primary optimizer finished a step (``step`` begins at ``now``): a mark in every thread's list."""
@@ -181,7 +226,6 @@ class EventLog:
     def _build(self, thread: _Thread, items: List[Any]) -> None:
         tracer = self._tracer
         names, ring = tracer.names, tracer.ring
-        entries = names.entries
         count, pack, buffer, size = ring.writer()
         every = tracer.options.every  # a step it skips has no optimizer span (its module hooks are out)
         step, step_start, memory, seq = thread.step, thread.step_start, thread.memory, thread.seq
@@ -192,16 +236,17 @@ class EventLog:
         while k < n:
             first, second = items[k], items[k + 1]
             k += 2
-            if first.__class__ is not int:  # a call begins: (module, clock)
+            if first.__class__ is not int:  # a call begins: (its module's entry, or the module, clock)
                 calls += 1
-                entry = entries.get(id(first))
-                if entry is None or entry[0]() is not first:
+                if first.__class__ is tuple:
+                    entry = first
+                else:  # not named when the hook ran: named now, below the calls open
                     if len(stack) > _MAX_OPEN:
                         stack.clear()
-                    entry = names.lookup(first, stack[0][0] if stack else None, stack[-1][1] if stack else None)
-                stack.append([first, entry, second, next(seq) if entry[3] else -1, 0])
+                    entry = names.lookup(first, stack[0][1][0]() if stack else None, stack[-1][1] if stack else None)
+                stack.append([entry[4], entry, second, next(seq) if entry[3] else -1, 0])
                 continue
-            if second.__class__ is _Marker:
+            if second.__class__ is not int:
                 if second is STEP_BEGINS:
                     step, step_start, memory = step + 1, first, items[k]
                     m0, m1, m2, m3 = memory if memory is not None else _NO_MEMORY
@@ -215,23 +260,23 @@ class EventLog:
                 else:  # OPTIMIZER_ENDS
                     calls += 1
                     begun, thread.optimizer_start = thread.optimizer_start, None
-                    optimizer = items[k]
+                    kind = items[k]  # the optimizer's class (a record keeps no optimizer alive)
                     k += 1
                     if begun is not None:
                         start, number_in_step = begun
                         host = first - start
                         number = next(count)
                         pack(buffer, number % size * RECORD_BYTES, number + 1, step, number_in_step,
-                             ring.name_id(type(optimizer).__name__), OPTIMIZER, 0, ident, start, host / 1e9,
+                             ring.name_id(kind.__name__), OPTIMIZER, 0, ident, start, host / 1e9,
                              host / 1e9, host / 1e9, (start - step_start) / 1e9, m0, m1, m2, m3)
                 continue
-            calls += 1  # a call ends: (clock, module)
+            calls += 1  # a call ends: (clock, its module's id)
             if not stack:
                 continue
             item = stack.pop()
-            while item[0] is not second and stack:  # a forward that raised skipped its post hook
+            while item[0] != second and stack:  # a forward that raised skipped its post hook
                 item = stack.pop()
-            if item[0] is not second or item[3] < 0:  # a filtered-out call's own time is its traced caller's
+            if item[0] != second or item[3] < 0:  # a filtered-out call's own time is its traced caller's
                 continue
             start = item[2]
             host = first - start

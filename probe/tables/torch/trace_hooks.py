@@ -102,6 +102,8 @@ class Tracer:
         # once the first optimizer has stepped, a plain trace's hooks only append records (trace_events)
         self._log: Optional[EventLog] = EventLog(self, _compiling) if self._plain else None
         self._fast: Optional[EventLog] = None  # the log, once its hooks are the ones in (None again at stop)
+        self._optimizer_hooks = ((self._log.optimizer_hooks(self._optimizer_pre, self._optimizer_post, self._step_ends)
+                                  if self._log is not None else (self._optimizer_pre, self._optimizer_post)))
         self._writer = self.ring.writer()
         self.step = 0
         self.steps_seen = 0
@@ -129,8 +131,9 @@ class Tracer:
         global _active
         _quiet_compiled_wrappers(True)
         optim = _submodule("torch.optim.optimizer")
-        self._optimizer_handles = [optim.register_optimizer_step_pre_hook(self._optimizer_pre),
-                                   optim.register_optimizer_step_post_hook(self._optimizer_post)]
+        pre, post = self._optimizer_hooks
+        self._optimizer_handles = [optim.register_optimizer_step_pre_hook(pre),
+                                   optim.register_optimizer_step_post_hook(post)]
         self.running = True
         _active = self
         _watch_compiles()
@@ -145,6 +148,8 @@ class Tracer:
                 return
             self.running = False
             self._fast = None
+            if self._log is not None:
+                self._log.fast_optimizer(None)
             if _active is self:
                 _quiet_compiled_wrappers(False)
             self.stopped_perf_ns = _perf_ns()
@@ -378,13 +383,6 @@ class Tracer:
     def _optimizer_pre(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if _compiling():
             return
-        fast = self._fast
-        if fast is not None:  # the append-only hooks' way (trace_events): a record, no more
-            try:
-                fast.optimizer_begins(optimizer)
-            except Exception as exc:
-                self._fail(exc)
-            return
         t0 = _perf_ns()
         try:
             if self.running and self.sampled:
@@ -395,24 +393,14 @@ class Tracer:
         self.hook_ns += _perf_ns() - t0
 
     def _optimizer_post(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        """The optimizer's post-step hook until the append-only ones take over (and where their primary
+        optimizer is gone: this names another)."""
         if _compiling():
             return
-        fast = self._fast
-        if fast is not None:
-            try:
-                now = fast.optimizer_ends(optimizer)
-                primary = self._primary()
-                if optimizer is primary:
-                    self._step_ends(now)
-                if primary is not None:
-                    return
-            except Exception as exc:
-                self._fail(exc)
-                return
-            # the primary optimizer is gone: the way below makes this one the primary
         t0 = _perf_ns()
         try:
             if self.running:
+                fast = self._fast
                 if fast is None:
                     started = getattr(self._local, "optimizer", None)
                     self._local.optimizer = None
@@ -421,6 +409,8 @@ class Tracer:
                 primary = self._primary() if self._primary is not None else None
                 if primary is None:
                     self._primary, primary = weakref.ref(optimizer), optimizer
+                    if fast is not None:
+                        fast.fast_optimizer(self._primary)
                 if primary is optimizer:
                     stack = getattr(self._local, "stack", None)
                     if stack:
@@ -434,6 +424,7 @@ class Tracer:
                         if log is not None and self.running:  # from now on the append-only hooks (trace_events)
                             log.activate(self.step, self.step_start, self.memory())
                             self._fast = log
+                            log.fast_optimizer(self._primary)
                             if self._module_handles:
                                 self._arm(False)
                                 self._arm(True)

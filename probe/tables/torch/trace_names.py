@@ -4,8 +4,9 @@ The first time a module runs outside any other traced forward it is a root: its 
 once, the root by its class (``Net``), the others by their path below it (``encoder.layers.0.linear1``,
 as ``named_modules()`` says). A module met inside a forward that its root's tree does not hold (made
 on the fly) is named ``<parent>.<Class>``. Each entry also says whether the module filter matches, so a
-filtered module costs one dict look-up. Entries are keyed by ``id`` and checked with a weak reference
-(an id can be reused by a new object); the cache is bounded.
+filtered module costs one dict look-up. Entries are keyed by ``id`` and hold a weak reference whose
+callback takes the entry out when its module is freed (before its id can be reused: an entry found by
+a live module's id is that module's); the cache is bounded.
 
 torch.compile: a compiled module's wrapper (``OptimizedModule``, which holds the user's module as
 ``_orig_mod``) is named as the module it wraps: a root wrapper by the wrapped class (``Net``, not
@@ -16,14 +17,15 @@ of one) is not traced: its time is its caller's. Its own submodules are named an
 """
 
 import fnmatch
+import functools
 import sys
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = ["ModuleNames", "Entry"]
 
-Entry = Tuple[Any, str, int, bool]
-"""(weak reference to the module, name, name id in the ring, whether it is traced)."""
+Entry = Tuple[Any, str, int, bool, int]
+"""(weak reference to the module, name, name id in the ring, whether it is traced, the module's id)."""
 
 _MAX_ENTRIES = 200_000
 _MAX_WALK = 100_000
@@ -65,9 +67,22 @@ class ModuleNames:
 
     def _add(self, module: Any, name: str, traced: bool = True) -> Entry:
         traced = traced and (self._match_all or fnmatch.fnmatchcase(name, self._pattern))
-        entry = (weakref.ref(module), name, self._name_id(name), traced)
-        self.entries[id(module)] = entry
+        key = id(module)
+        entry = (weakref.ref(module, functools.partial(_forget, self.entries, key)), name, self._name_id(name), traced,
+                 key)
+        self.entries[key] = entry
         return entry
+
+
+def _forget(entries: Dict[int, Entry], key: int, reference: Any) -> None:
+    """A named module was freed: its entry leaves (if it is still the one under its id). Runs wherever
+    the module's last reference went; never raises."""
+    try:
+        entry = entries.get(key)
+        if entry is not None and entry[0] is reference:
+            del entries[key]
+    except Exception:
+        pass
 
 
 _WRAPPED = "_orig_mod"  # the attribute under which torch.compile's OptimizedModule holds the user's module
