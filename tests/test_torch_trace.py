@@ -257,11 +257,12 @@ pending = sum(len(t.events) for t in trace.current()._log._threads.values())
 gone = weakref.ref(first), weakref.ref(optimizer)
 del first, optimizer
 gc.collect()
+freed = [r() is None for r in gone]  # before anything builds the records
 second = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
 train(second, torch.optim.Adam(second.parameters()), 5)
 columns = trace.columns()
 kinds = sorted({(m, s) for m, s, step in zip(columns["module"], columns["stage"], columns["step"]) if step == 9})
-print(json.dumps({"pending": pending, "freed": [r() is None for r in gone], "step": trace.current().step,
+print(json.dumps({"pending": pending, "freed": freed, "step": trace.current().step,
                   "last": kinds}))
 """
 
