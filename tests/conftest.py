@@ -13,6 +13,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 _RUNTIME = tempfile.mkdtemp(prefix="probe-tests-")
 os.chmod(_RUNTIME, 0o700)
 os.environ["PROBE_RUNTIME_DIR"] = _RUNTIME
+# pytest-xdist's workers start with COLUMNS=80 and LINES=24 in their environment, which the CLI run by a
+# test would take for its terminal's size (it fits tables to $COLUMNS): a test that wants a width sets it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
+    os.environ.pop("LINES", None)
 
 from procs import Proc, spawn  # noqa: E402
 

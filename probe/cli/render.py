@@ -181,11 +181,12 @@ def render_table(rows: Rows, width: Optional[int] = None, wide: bool = False,
     for row in cells:
         yield "  ".join(_pad(_cut(t, w), w) for t, w in zip(row, widths)).rstrip()
     count = "(%d row%s)" % (len(rows.rows), "" if len(rows.rows) == 1 else "s")
-    if footer:
-        count += " -- " + footer
-    if cut:
-        count += " -- cells cut to fit; -x or --wide shows them whole"
-    yield count
+    notes = ([footer] if footer else []) + (["cells cut to fit; -x or --wide shows them whole"] if cut else [])
+    line = " -- ".join([count] + notes)
+    if width and not wide and text_width(line) > width:  # past the terminal's edge: a line each
+        yield from [count] + notes
+    else:
+        yield line
 
 
 def render_vertical(rows: Rows, footer: Optional[str] = None, width: Optional[int] = None) -> Iterator[str]:
