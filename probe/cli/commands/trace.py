@@ -110,6 +110,9 @@ def status_lines(status: Dict[str, Any]) -> Iterator[str]:
     yield "  step: %s (%s steps seen)" % (status.get("step"), status.get("steps_seen"))
     yield "  overhead: %.3f%% of wall time inside the hooks (%.3f s; %s us per step)" % (
         status.get("overhead_percent", 0.0), status.get("hook_seconds", 0.0), status.get("hook_us_per_step"))
+    if status.get("append_only_calls"):
+        yield ("    incl. %s append-only hook calls at an estimated %.1f us each (not timed: that would double "
+               "their cost)" % (status["append_only_calls"], status.get("append_ns", 0) / 1e3))
     if state != "on" and status.get("hooks_left"):
         yield "  hooks still registered: %s (the optimizer's leave at the next forward)" % status["hooks_left"]
     yield "  anomalies recorded: %s" % status.get("anomalies", 0)

@@ -15,6 +15,7 @@ from probe.errors import BadRequest, Forbidden, NotFound, TooLarge
 from probe.tables.spec import Column
 from probe.tables.torch._common import torch_or_raise
 from probe.tables.torch.anomalies import STORE, rank_and_world
+from probe.tables.torch.trace_events import APPEND_NS
 from probe.tables.torch.trace_hooks import Tracer
 from probe.tables.torch.trace_options import TraceOptions
 from probe.tables.torch.trace_ring import STAGES
@@ -119,6 +120,8 @@ def status() -> Dict[str, Any]:
         "hook_seconds": round(hook_ns / 1e9, 6),
         "overhead_percent": round(100.0 * hook_ns / elapsed, 3),
         "hook_us_per_step": round(hook_ns / 1e3 / max(tracer.steps_seen, 1), 1),
+        "append_only_calls": tracer.append_only_calls(),  # in hook_seconds at append_ns each (not timed)
+        "append_ns": APPEND_NS,
         "hooks_left": tracer.hooks_left(),
         "anomalies": len(STORE),
         "started": tracer.started_wall_ns / 1e9,

@@ -168,7 +168,11 @@ class Tracer:
     def hook_time_ns(self) -> int:
         """Time in this trace's hooks: measured, plus ``APPEND_NS`` for each call of an append-only hook
         (timing those would double what they cost)."""
-        return self.hook_ns + (self._log.calls * APPEND_NS if self._log is not None else 0)
+        return self.hook_ns + self.append_only_calls() * APPEND_NS
+
+    def append_only_calls(self) -> int:
+        """Calls of the append-only hooks built so far (``hook_time_ns`` counts each at ``APPEND_NS``)."""
+        return self._log.calls if self._log is not None else 0
 
     def hooks_left(self) -> int:
         """Hooks of this trace still registered in torch (0 once a stopped trace has fully left)."""
