@@ -6,7 +6,8 @@
 Step by step (the default): in one process (CPU, one intra-op thread, glibc malloc keeping its memory as
 in bench_trace.py), an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD eager and as
 ``torch.compile(model, backend=BACKEND)`` (a copy of its own), and a small transformer of the user's own
-(2 encoder layers, d_model 128, batch 8 x 32) compiled the same way; each compiled and warmed up first.
+(2 encoder layers, d_model 128, batch 8 x 32) compiled the same way, and bench_trace.py's MLP (8 x
+Linear(1024), batch 64) compiled; each compiled and warmed up first (``--model`` picks by label).
 For each, as bench_trace.py's section 1: steps alternate one by one between the trace on and off (all
 its hooks in and out between steps: ``bench_trace.TraceToggle``; the spans' build counted), and in the
 same rounds a planted cost (a busy-wait of 0.3 % of the
@@ -42,7 +43,7 @@ from bench_trace import MALLOC_ENV
 SETTINGS = ("trace on", "trace on + anomalies")
 
 
-def _model(torch: Any) -> Any:
+def _model(torch: Any, width: int = 512) -> Any:
     """A model class of the user's own (Dynamo compiles its ``forward`` as a frame; a bare ``Sequential``
     would be compiled through a wrapper of torch's)."""
 
@@ -51,7 +52,7 @@ def _model(torch: Any) -> Any:
             super().__init__()
             layers: List[Any] = []
             for _ in range(8):
-                layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
+                layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
             self.layers = torch.nn.Sequential(*layers)
 
         def forward(self, x: Any) -> Any:
@@ -60,8 +61,8 @@ def _model(torch: Any) -> Any:
     return MLP()
 
 
-def _trainer(torch: Any, model: Any, params: Any) -> Callable[[], None]:
-    x, y = torch.randn(64, 512), torch.randn(64, 512)
+def _trainer(torch: Any, model: Any, params: Any, width: int = 512) -> Callable[[], None]:
+    x, y = torch.randn(64, width), torch.randn(64, width)
     loss_fn = torch.nn.MSELoss()
     optimizer = torch.optim.SGD(params, lr=1e-4)
 
@@ -71,6 +72,12 @@ def _trainer(torch: Any, model: Any, params: Any) -> Callable[[], None]:
         loss.backward()
         optimizer.step()
     return step
+
+
+def _wide(torch: Any, backend: str) -> Tuple[Any, Callable[[], None]]:
+    """bench_trace.py's MLP (8 x Linear(1024) + ReLU, batch 64, ~40 ms a step here), compiled."""
+    net = _model(torch, 1024)
+    return net, _trainer(torch, torch.compile(net, backend=backend), net.parameters(), 1024)
 
 
 def _median_step(step: Callable[[], None], steps: int) -> float:
@@ -193,7 +200,8 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             "MLP compiled": lambda: (compiled_net, _trainer(torch, torch.compile(compiled_net, backend=backend),
                                                             compiled_net.parameters())),
             "transformer 2 x d128 compiled": lambda: (encoder_net, _encoder_trainer(
-                torch, torch.compile(encoder_net, backend=backend), encoder_net.parameters()))}
+                torch, torch.compile(encoder_net, backend=backend), encoder_net.parameters())),
+            "MLP 8 x Linear(1024) compiled (bench_trace's MLP)": lambda: _wide(torch, backend)}
     rows = []
     for label, make in runs.items():
         if only not in label:
