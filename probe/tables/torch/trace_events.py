@@ -128,6 +128,13 @@ class EventLog:
 
         return pre, post
 
+    def _here(self) -> List[Any]:
+        """This thread's list (the module hooks inline this: a call there costs what they save)."""
+        try:
+            return self._local.events  # type: ignore[no-any-return]
+        except AttributeError:
+            return self._mine()
+
     def _mine(self) -> List[Any]:
         """This thread's list, made at its first record (no lock: a dict store is one step under the GIL)."""
         ident = threading.get_ident()
@@ -143,7 +150,7 @@ class EventLog:
         """The trace's optimizer step pre and post hooks: the tracer's own (``slow_*``) until ``fast_optimizer``
         names the primary optimizer, then a record each, and ``step_ends(now)`` after the primary's step.
         Closures, so that right after the optimizer's pass over every parameter they touch little."""
-        local, clock, mine, compiling, tracer = self._local, time.perf_counter_ns, self._mine, self._compiling, self._tracer
+        clock, here, compiling, tracer = time.perf_counter_ns, self._here, self._compiling, self._tracer
         on = False
         primary: Any = None  # weak reference to the optimizer whose steps count
 
@@ -154,10 +161,7 @@ class EventLog:
                 slow_pre(optimizer, args, kwargs)
                 return
             try:
-                try:
-                    events = local.events
-                except AttributeError:
-                    events = mine()
+                events = here()
                 events += (clock(), OPTIMIZER_BEGINS)
             except Exception as exc:
                 tracer._fail(exc)
@@ -170,10 +174,7 @@ class EventLog:
                 return
             try:
                 now = clock()
-                try:
-                    events = local.events
-                except AttributeError:
-                    events = mine()
+                events = here()
                 events += (now, OPTIMIZER_ENDS, type(optimizer))
                 first = primary()
                 if optimizer is first:
