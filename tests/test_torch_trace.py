@@ -277,3 +277,43 @@ def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
     assert seen["pending"] > 0 and seen["freed"] == [True, True], seen
     assert seen["step"] == 10, seen
     assert seen["last"] == [["0", "forward"], ["1", "forward"], ["Adam", "optimizer"], ["Sequential", "forward"]], seen
+
+
+_FORKED = """
+import json, os
+import torch
+from probe.tables.torch import trace
+
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+
+def train(steps):
+    for _ in range(steps):
+        loss = model(torch.zeros(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+trace.start()
+train(3)
+tracer = trace.current()
+tracer._log._lock.acquire()  # as a reader's build under way on another thread when the program forks
+child = os.fork()
+if child == 0:
+    before = tracer.ring.written()
+    train(300)  # records for several builds: the child's hooks must be able to build them
+    pending = sum(len(t.events) for t in tracer._log._threads.values())
+    print(json.dumps({"built": tracer.ring.written() - before, "pending": pending}), flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_forked_child_builds_its_own_records() -> None:
+    """A child forked while the parent's agent was building spans (its lock held) gets a lock of its own:
+    its hooks' records are built as they accumulate, not kept for ever."""
+    done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["built"] >= 2 * 8192 // 4 and seen["pending"] < 8192, seen

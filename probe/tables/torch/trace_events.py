@@ -29,8 +29,10 @@ two builds apart; a hook never waits for it (a reader building is building its r
 """
 
 import itertools
+import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from probe.tables.torch.trace_ring import FORWARD, OPTIMIZER, RECORD_BYTES
@@ -87,6 +89,7 @@ class EventLog:
         self.calls = 0  # module hook calls built so far (the hooks do not time themselves: see APPEND_NS)
         self.pre, self.post = self._hooks(compiling)
         self.fast_optimizer: Callable[[Any], None] = lambda reference: None  # see optimizer_hooks
+        _logs.add(self)
 
     def activate(self, step: int, step_start: int, memory: Any) -> None:
         """From now on the records say which step they belong to: ``step`` began at ``step_start``."""
@@ -299,3 +302,18 @@ class EventLog:
 
 
 _NO_MEMORY = (float("nan"),) * 4
+
+
+_logs: "weakref.WeakSet[EventLog]" = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a child just forked (a DataLoader worker, multiprocessing): a build that another thread of the
+    parent had under way holds a lock no thread of the child will release; each log gets a new one (else
+    the child's hooks could never build, and their records would grow without end)."""
+    for log in list(_logs):
+        log._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
