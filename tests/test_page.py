@@ -259,7 +259,9 @@ def test_one_process_without_the_trace_charts_the_step_counter(target_factory):
 
         series = _until(grown, 30, "three steps charted")
         assert series[0]["source"] == "counter" and series[0]["x"] == sorted(set(series[0]["x"])), series
-        assert all(v > 0 for v in series[0]["step_s"] + series[0]["memory_mb"]), series
+        # torch.steps has no step time before its second step: a look that saw the first has none (under load)
+        assert all(v > 0 for x, v in zip(series[0]["x"], series[0]["step_s"]) if x >= 2), series
+        assert all(v > 0 for v in series[0]["memory_mb"]) and series[0]["x"][-1] >= 2, series
         report = _get(url, "/api/diagnose")
         assert report["status"] == "healthy" and report["lines"][0].startswith("HEALTHY: "), report["lines"]
         view = _get(url, "/api/overview")
