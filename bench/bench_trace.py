@@ -26,7 +26,9 @@
 2. Per module call, forward only (no_grad), CPU time, interleaved blocks: 200 x Linear(16, 16), batch 4
    (the hooks' own instructions, caches warm), and the MLP's layers (each hook right after a matmul that
    flushed the caches, as in training): (setting - untraced) / module calls, for torch's part (two empty
-   hooks), the trace, the trace with anomalies, and a module the filter leaves out.
+   hooks), the trace (as before any optimizer step: each hook builds its span; and after one: the hooks
+   append records, whose build is timed and counted), the trace with anomalies, and a module the filter
+   leaves out.
 3. The agent (a real target, ``tests/targets/train_trace.py`` with ``PROBE_TORCH_TRACE=1`` and backward
    spans): VmRSS before the trace starts and once the default buffer (10000 spans) is full; then the
    slow-module query of DESIGN.md, ``elapsed_ms`` as served inside the agent (DESIGN-like target 20 ms).
@@ -440,17 +442,25 @@ def worst_case(torch: Any, rounds: int) -> List[List[str]]:
                 a.remove()
                 b.remove()
 
-        def traced(options: Any, run: Callable[[], float] = run) -> Callable[[], float]:
+        def traced(options: Any, run: Callable[[], float] = run, repeat: int = repeat,
+                   stepped: bool = False) -> Callable[[], float]:
             def go() -> float:
                 trace.start(options)
                 try:
-                    return run()
+                    if stepped:  # an optimizer has stepped: the append-only hooks (trace_events)
+                        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0).step()
+                    took = run()
+                    started = CLOCK()
+                    trace.current().flush()  # their spans' build, on this thread: counted
+                    return took + (CLOCK() - started) / repeat
                 finally:
                     trace.stop()
             return go
 
         runners = {"untraced": run, "two empty global hooks (torch's part)": empty_hooks,
                    "traced (forward)": traced(TraceOptions()),
+                   "traced, after an optimizer step (append-only hooks, build counted)": traced(TraceOptions(),
+                                                                                                 stepped=True),
                    "traced + anomalies": traced(TraceOptions(anomalies=True)),
                    "traced, module filtered out": traced(TraceOptions(modules="nothing*"))}
         names = list(runners)
