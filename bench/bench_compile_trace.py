@@ -10,8 +10,9 @@ in bench_trace.py), an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD e
 Linear(1024), batch 64) compiled; each compiled and warmed up first (``--model`` picks by label).
 For each, as bench_trace.py's section 1: steps alternate one by one between the trace on and off (all
 its hooks in and out between steps: ``bench_trace.TraceToggle``; the spans' build counted), and in the
-same rounds a planted cost (a busy-wait of 0.3 % of the
-untraced step) and the method's zero alternate the same way; every step timed in CPU time of the
+same rounds empty global hooks (torch's part), the floor of a recording hook (each appends one clock
+reading: ``bench_trace.HookSet``), a planted cost (a busy-wait of 0.3 % of the untraced step) and the
+method's zero alternate the same way; every step timed in CPU time of the
 training thread; each on step against the off steps on either side; median, IQR and a bootstrap 95 %
 interval of the median. Dynamo's counters (graph breaks, graphs, compiled versions of the model's
 forward) before the first round and after the last: the trace must leave them as they were.
@@ -188,7 +189,7 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
     side, in CPU time of the training thread. For the eager MLP, the compiled MLP and a compiled small
     transformer (``only``: those whose label holds it); Dynamo's counters before and after."""
     import torch
-    from bench_trace import PLANTED, TraceToggle, _spin, alternating, bootstrap_ci
+    from bench_trace import PLANTED, HookSet, TraceToggle, _spin, alternating, bootstrap_ci
 
     from probe.tables.torch import trace
     from probe.tables.torch.trace_options import TraceOptions
@@ -241,7 +242,11 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             hook[2] += toggle.hook_us
             return built
 
+        empty, floor = HookSet(torch, floor=False), HookSet(torch, floor=True)
         settings = {"trace, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
+                    "empty global hooks (torch's part)": (step, empty.enter, empty.leave, empty.is_on, empty.switch),
+                    "the floor: a clock reading appended": (step, floor.enter, floor.leave, floor.is_on,
+                                                            floor.switch),
                     "planted %.2f %%" % (PLANTED * 100): (planted, begin, lambda: None,
                                                          lambda state=state: state[0], flip),
                     "untraced (the method's zero)": (step, begin, lambda: None, lambda state=state: state[0], flip)}

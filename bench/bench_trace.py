@@ -9,7 +9,8 @@
    (``time.thread_time_ns``: what the machine's other work takes from us does not count), glibc malloc
    told to keep its memory (``MALLOC_ENV``: else page faults make the step swing by -4..+18 %). Beside
    the trace, measured the same way in the same run: two empty global module hooks (torch's own part of
-   any global hook: its slow ``__call__`` path), a planted cost (a busy-wait of 0.3 % of the untraced
+   any global hook: its slow ``__call__`` path), the floor of any recording hook (``HookSet``: module and
+   optimizer hooks that each append one clock reading), a planted cost (a busy-wait of 0.3 % of the untraced
    step, added to the step: the method must see it) and the method's zero (untraced against untraced).
    Two ways, each giving per-pair ratios, their median, IQR and a bootstrap 95 % interval of the median:
 
@@ -226,6 +227,56 @@ class TraceToggle:
         return built
 
 
+class HookSet:
+    """Global module and optimizer hooks, in before an on step and out after it (for ``alternating``, as
+    ``TraceToggle``): ``floor=False``, empty ones: torch's own part of any such hook (its slower module
+    call path, its hook loops); ``floor=True``, the least a recording hook does: Dynamo's guard (as the
+    trace's hooks have) and one clock reading appended to a list. What a trace costs beyond the floor is
+    what its own work costs."""
+
+    def __init__(self, torch: Any, floor: bool) -> None:
+        self.modules, self.optim = sys.modules["torch.nn.modules.module"], sys.modules["torch.optim.optimizer"]
+        self.on, self.handles, self.records = False, [], []  # type: bool, List[Any], List[int]
+        if floor:
+            compiling = getattr(torch.compiler, "is_dynamo_compiling", None) or torch.compiler.is_compiling
+            records, clock = self.records, time.perf_counter_ns
+
+            def hook(*args: Any) -> None:
+                if compiling():
+                    return
+                records.append(clock())
+            self.hook = hook
+        else:
+            self.hook = lambda *args: None
+
+    def _put(self, on: bool) -> None:
+        if on:
+            self.handles = [self.modules.register_module_forward_pre_hook(self.hook),
+                            self.modules.register_module_forward_hook(self.hook),
+                            self.optim.register_optimizer_step_pre_hook(self.hook),
+                            self.optim.register_optimizer_step_post_hook(self.hook)]
+        else:
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+
+    def enter(self) -> None:
+        self.on = True  # the untimed first step runs with them
+        self._put(True)
+
+    def is_on(self) -> bool:
+        return self.on
+
+    def switch(self) -> None:
+        self.on = not self.on
+        self._put(self.on)
+
+    def leave(self) -> int:
+        self._put(False)
+        self.records.clear()
+        return 0
+
+
 class Setting:
     """What a block of the paired measurement runs: ``enter`` before it, ``leave`` after (it may return
     CPU ns of work left for later: shared over the block's steps), each step ``step`` (None: the
@@ -365,8 +416,11 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
         def is_on(state: List[bool] = state) -> bool:
             return state[0]
 
+        floor = HookSet(torch, floor=True)
         steps_of = {"forward, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
                     "two empty global hooks (torch's part)": (step, begin, empty_out, is_on, flip(empty_in, empty_out)),
+                    "the floor: module and optimizer hooks, a clock reading appended": (
+                        step, floor.enter, floor.leave, floor.is_on, floor.switch),
                     "planted %.2f %% (busy-wait in the step)" % (PLANTED * 100): (planted_if_on, begin, lambda: None,
                                                                                 is_on, flip()),
                     "untraced (the method's zero)": (step, begin, lambda: None, is_on, flip())}
