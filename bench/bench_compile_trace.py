@@ -262,7 +262,7 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             low, high = bootstrap_ci(values, block=4)
             extra = ""
             if name.startswith("trace"):
-                extra = "%.0f us in hooks a traced step" % (hook[2] / (rounds * (pairs + 1)))
+                extra = "%.0f us in hooks a traced step" % (hook[2] / (rounds * pairs))
             elif name.startswith("planted"):
                 share = int(untraced_ns * PLANTED) / statistics.median(off[name])
                 extra = "planted %.2f %% of the off steps' median: %s" % (share * 100, "seen" if 0 < low <= share <= high

@@ -196,18 +196,21 @@ class TraceToggle:
         self.trace, self.options = trace, options
         self.tracer: Any = None
         self.on = False
-        self.hook_us = 0.0  # time in the hooks over the last round (Tracer.hook_time_ns)
+        self.hook_us = 0.0  # time in the hooks over the last round's timed steps (Tracer.hook_time_ns)
+        self._hook_ns: Any = None
 
     def enter(self) -> None:
         self.trace.start(self.options)
         self.tracer, self.on = self.trace.current(), True  # the untimed first step runs traced
-        self._hook_ns = self.tracer.hook_time_ns()
+        self._hook_ns = None  # from the first switch: the first step (modules named, hooks set) is not timed
 
     def is_on(self) -> bool:
         return self.on
 
     def switch(self) -> None:
         tracer, self.on = self.tracer, not self.on
+        if self._hook_ns is None:
+            self._hook_ns = tracer.hook_time_ns()
         if self.on:
             optim = sys.modules["torch.optim.optimizer"]
             pre, post = tracer._optimizer_hooks
@@ -410,7 +413,7 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
         def trace_out(name: str = "forward, every step", toggle: "TraceToggle" = toggle,
                       hooks: Dict[str, List[float]] = hooks) -> int:
             built = toggle.leave()
-            hooks.setdefault(name + " (steps)", []).append(toggle.hook_us / (pairs + 1))
+            hooks.setdefault(name + " (steps)", []).append(toggle.hook_us / pairs)
             return built
 
         def is_on(state: List[bool] = state) -> bool:
