@@ -52,4 +52,7 @@ if ! { { command -v chromium || command -v chromium-browser; } && command -v chr
 fi
 
 python -m pip install -q -e '.[test]'
-exec python -m pytest -q "$@"
+# On two workers (pytest-xdist), a module whole on each (its module fixtures are shared by its tests), the
+# slowest modules first (tests/conftest.py): most of the suite waits on real child processes.
+# PROBE_TEST_WORKERS=0 runs it in this process, one test after another.
+exec python -m pytest -q -n "${PROBE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@"
