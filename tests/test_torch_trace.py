@@ -200,19 +200,25 @@ def test_a_step_that_hangs_shows_the_spans_it_completed() -> None:
     assert seen == {"step": 3, "modules": ["0", "1"]}, seen
 
 
-_LONG_RUN = """
-import json
+_TRAIN = """
+import gc, json, os, weakref
 import torch
 from probe.tables.torch import trace
 
+def train(model, optimizer, steps):
+    for _ in range(steps):
+        loss = model(torch.zeros(2, 4)).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+"""
+"""The prelude of the child scripts below: the trace's module and a training loop."""
+
+_LONG_RUN = _TRAIN + """
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
 trace.start()
-for _ in range(300):
-    loss = model(torch.zeros(2, 4)).sum()
-    optimizer.zero_grad()
-    loss.backward()
-    optimizer.step()
+train(model, optimizer, 300)
 built = trace.current().ring.written()  # before any read: what the training thread built itself
 columns = trace.columns()
 steps = {}
@@ -237,18 +243,7 @@ def test_a_long_run_builds_its_spans_as_it_goes_each_step_whole() -> None:
     assert seen["shapes"] == [json.dumps(sorted(whole + [[21, "SGD", "optimizer", 0]]))], seen["shapes"]
 
 
-_DROPPED_MODEL = """
-import gc, json, weakref
-import torch
-from probe.tables.torch import trace
-
-def train(model, optimizer, steps):
-    for _ in range(steps):
-        loss = model(torch.zeros(2, 4)).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
+_DROPPED_MODEL = _TRAIN + """
 trace.start()
 first = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
 optimizer = torch.optim.SGD(first.parameters(), lr=0.01)
@@ -279,29 +274,17 @@ def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
     assert seen["last"] == [["0", "forward"], ["1", "forward"], ["Adam", "optimizer"], ["Sequential", "forward"]], seen
 
 
-_FORKED = """
-import json, os
-import torch
-from probe.tables.torch import trace
-
+_FORKED = _TRAIN + """
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-
-def train(steps):
-    for _ in range(steps):
-        loss = model(torch.zeros(2, 4)).sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
 trace.start()
-train(3)
+train(model, optimizer, 3)
 tracer = trace.current()
 tracer._log._lock.acquire()  # as a reader's build under way on another thread when the program forks
 child = os.fork()
 if child == 0:
     before = tracer.ring.written()
-    train(300)  # records for several builds: the child's hooks must be able to build them
+    train(model, optimizer, 300)  # records for several builds: the child's hooks must be able to build them
     pending = sum(len(t.events) for t in tracer._log._threads.values())
     print(json.dumps({"built": tracer.ring.written() - before, "pending": pending}), flush=True)
     os._exit(0)
