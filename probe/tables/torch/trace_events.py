@@ -222,6 +222,10 @@ class EventLog:
                     del events[:n]
                     self._build(thread, items)
                     built = True
+            if len(self._threads) > 1:  # a thread that has ended leaves (its id may be given to a new one)
+                alive = {t.ident for t in threading.enumerate()}
+                for ident in [i for i in self._threads if i not in alive]:
+                    del self._threads[ident]
         except Exception as exc:
             tracer._fail(exc)
         finally:
