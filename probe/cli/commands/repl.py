@@ -135,23 +135,34 @@ class RemoteConsole(code.InteractiveConsole):
                     event.wait(0.05)
             except KeyboardInterrupt:
                 if interrupted:
-                    self.write("\n(not waiting for it any more; it may still run in the target until that call returns)\n")
+                    self._stop_waiting()
                     return
                 interrupted = True
-                self.write("\nKeyboardInterrupt: interrupting the snippet in the target\n")
-                stopping = False
-                for client in self.clients:
-                    try:
-                        answer = client.interrupt_eval_detail(eval_id)
-                    except ProbeError as exc:
-                        self.write("probe: %s: %s\n" % (client.target.label, exc.message))
-                        continue
-                    if answer.get("state") == "stopping":
-                        stopping = True
-                        self.write("probe: %s%s\n" % ("%s: " % client.target.label if len(self.clients) > 1 else "",
-                                                       stop_words("stopping", answer.get("where"))))
-                if stopping:
-                    self.write("(waiting for it to stop; Ctrl-C again stops waiting)\n")
+                try:
+                    self._interrupt(eval_id)
+                except KeyboardInterrupt:  # the second Ctrl-C came while the first was being told
+                    self._stop_waiting()
+                    return
+
+    def _interrupt(self, eval_id: str) -> None:
+        """Ask every target to interrupt the snippet, and say what each answered."""
+        self.write("\nKeyboardInterrupt: interrupting the snippet in the target\n")
+        stopping = False
+        for client in self.clients:
+            try:
+                answer = client.interrupt_eval_detail(eval_id)
+            except ProbeError as exc:
+                self.write("probe: %s: %s\n" % (client.target.label, exc.message))
+                continue
+            if answer.get("state") == "stopping":
+                stopping = True
+                self.write("probe: %s%s\n" % ("%s: " % client.target.label if len(self.clients) > 1 else "",
+                                               stop_words("stopping", answer.get("where"))))
+        if stopping:
+            self.write("(waiting for it to stop; Ctrl-C again stops waiting)\n")
+
+    def _stop_waiting(self) -> None:
+        self.write("\n(not waiting for it any more; it may still run in the target until that call returns)\n")
 
     def write(self, data: str) -> None:
         emit(data, nl=False)  # the targets' output, as eval prints it: made visible on a terminal
