@@ -10,6 +10,8 @@ import pytest
 
 from procs import REPO, run_cli, scaled, target_env
 
+from probe.tables.torch.trace_events import limit_for
+
 pytest.importorskip("torch", reason="the torch trace needs torch (CPU build, torch==2.13.0)")
 
 SLOW_SQL = ("SELECT module, stage, COUNT(*) AS count, AVG(duration) AS avg_time, SUM(duration) AS total_time "
@@ -215,32 +217,59 @@ def train(model, optimizer, steps):
 """The prelude of the child scripts below: the trace's module and a training loop."""
 
 _LONG_RUN = _TRAIN + """
+import sys
+from probe.tables.torch.trace_options import TraceOptions
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-trace.start()
-train(model, optimizer, 300)
+size = int(sys.argv[1])
+trace.start(TraceOptions(size=size))
+log = trace.current()._log
+most = 0
+for _ in range(int(sys.argv[2])):
+    train(model, optimizer, 1)
+    most = max(most, sum(len(t.events) for t in log._threads.values()))
 built = trace.current().ring.written()  # before any read: what the training thread built itself
+status = trace.status()
 columns = trace.columns()
 steps = {}
 for step, seq, module, stage, depth in zip(columns["step"], columns["seq"], columns["module"], columns["stage"],
                                            columns["depth"]):
     steps.setdefault(step, []).append((seq, module, stage, depth))
-print(json.dumps({"built": built, "rows": len(columns["step"]), "steps": sorted(steps),
-                  "shapes": sorted({json.dumps(sorted(spans)) for step, spans in steps.items() if step > 0})}))
+print(json.dumps({"built": built, "most": most, "rows": len(columns["step"]), "steps": sorted(steps),
+                  "dropped": status["spans_dropped_unread"], "written": status["spans_recorded"],
+                  "shapes": sorted({json.dumps(sorted(spans)) for step, spans in steps.items() if step > min(steps)})}))
 """
 
+_WHOLE = [[0, "Sequential", "forward", 0]] + [[k, str(k - 1), "forward", 1] for k in range(1, 21)]
+_WHOLE_STEP = json.dumps(sorted(_WHOLE + [[21, "SGD", "optimizer", 0]]))
 
-def test_a_long_run_builds_its_spans_as_it_goes_each_step_whole() -> None:
-    """The hooks' records are built into spans on the training thread every FLUSH_AT items, whoever reads:
-    300 steps of 21 module calls and an optimizer step give every step the same 22 spans, in call order."""
-    done = subprocess.run([sys.executable, "-c", _LONG_RUN], capture_output=True, text=True,
+
+def _long_run(size: int, steps: int) -> Dict[str, Any]:
+    done = subprocess.run([sys.executable, "-c", _LONG_RUN, str(size), str(steps)], capture_output=True, text=True,
                           timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
     assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["built"] >= 2 * 8192 // 4, seen  # two builds at least, before the read
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_a_long_run_leaves_its_spans_to_the_read_each_step_whole() -> None:
+    """The training thread builds nothing once an optimizer has stepped (the first step's hooks build their
+    own spans): 300 steps of 21 module calls and an optimizer step, read once, give every step the same 22
+    spans, in call order."""
+    seen = _long_run(10_000, 300)
+    assert seen["built"] == 22 and seen["dropped"] == 0, seen
     assert seen["steps"] == list(range(300)) and seen["rows"] == 300 * 22, seen["rows"]
-    whole = [[0, "Sequential", "forward", 0]] + [[k, str(k - 1), "forward", 1] for k in range(1, 21)]
-    assert seen["shapes"] == [json.dumps(sorted(whole + [[21, "SGD", "optimizer", 0]]))], seen["shapes"]
+    assert seen["shapes"] == [_WHOLE_STEP], seen["shapes"]
+
+
+def test_records_nobody_reads_stay_bounded_and_a_read_builds_the_newest_steps_whole() -> None:
+    """With a buffer of 1000 spans, 1500 steps (33,000 spans) unread: the records never pass the limit,
+    nothing is built until the read, and the read fills the buffer with the newest steps, each whole."""
+    seen = _long_run(1000, 1500)  # (the oldest step held has lost its first spans to the ring)
+    assert seen["built"] == 22 and seen["most"] <= limit_for(1000), seen  # the first step's, as above
+    assert seen["rows"] == 1000 and seen["steps"][-1] == 1499, seen
+    assert seen["steps"] == list(range(seen["steps"][0], 1500)), seen["steps"]  # the newest, no gap
+    assert seen["shapes"] == [_WHOLE_STEP], seen["shapes"]
+    assert seen["written"] + seen["dropped"] >= 30_000, seen  # each dropped span counted, about
 
 
 _DROPPED_MODEL = _TRAIN + """
@@ -275,28 +304,28 @@ def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
 
 
 _FORKED = _TRAIN + """
+from probe.tables.torch.trace_options import TraceOptions
 model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
 optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
-trace.start()
+trace.start(TraceOptions(size=100))
 train(model, optimizer, 3)
 tracer = trace.current()
 tracer._log._lock.acquire()  # as a reader's build under way on another thread when the program forks
 child = os.fork()
 if child == 0:
-    before = tracer.ring.written()
-    train(model, optimizer, 300)  # records for several builds: the child's hooks must be able to build them
+    train(model, optimizer, 300)  # records past the limit: the child's hooks must be able to cut them
     pending = sum(len(t.events) for t in tracer._log._threads.values())
-    print(json.dumps({"built": tracer.ring.written() - before, "pending": pending}), flush=True)
+    print(json.dumps({"pending": pending, "cut": tracer._log.steps_cut}), flush=True)
     os._exit(0)
 os.waitpid(child, 0)
 """
 
 
-def test_a_forked_child_builds_its_own_records() -> None:
+def test_a_forked_child_bounds_its_own_records() -> None:
     """A child forked while the parent's agent was building spans (its lock held) gets a lock of its own:
-    its hooks' records are built as they accumulate, not kept for ever."""
+    its hooks cut their records at the limit, not keep them for ever."""
     done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True,
                           timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["built"] >= 2 * 8192 // 4 and seen["pending"] < 8192, seen
+    assert seen["cut"] > 0 and seen["pending"] < limit_for(100), seen

@@ -105,8 +105,10 @@ def status_lines(status: Dict[str, Any]) -> Iterator[str]:
     yield "trace: %s (%s), memory from %s" % (state, ", ".join(parts), status.get("device", "?"))
     if status.get("failure"):
         yield "  switched off by an error in a hook: %s" % visible(str(status["failure"]))
-    yield "  rows held: %s of %s (%s spans recorded)" % (status.get("rows"), status.get("size"),
-                                                       status.get("spans_recorded"))
+    dropped = status.get("spans_dropped_unread")
+    yield "  rows held: %s of %s (%s spans recorded%s)" % (
+        status.get("rows"), status.get("size"), status.get("spans_recorded"),
+        "; about %s older ones dropped before any read, unbuilt" % dropped if dropped else "")
     yield "  step: %s (%s steps seen)" % (status.get("step"), status.get("steps_seen"))
     yield "  overhead: %.3f%% of wall time inside the hooks (%.3f s; %s us per step)" % (
         status.get("overhead_percent", 0.0), status.get("hook_seconds", 0.0), status.get("hook_us_per_step"))

@@ -115,6 +115,7 @@ def status() -> Dict[str, Any]:
         "rows": tracer.ring.held(),
         "size": tracer.ring.size,
         "spans_recorded": tracer.ring.written(),
+        "spans_dropped_unread": tracer.spans_cut(),  # about: records dropped unbuilt, older than the ring holds
         "step": tracer.step,
         "steps_seen": tracer.steps_seen,
         "hook_seconds": round(hook_ns / 1e9, 6),

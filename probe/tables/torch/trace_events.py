@@ -23,9 +23,13 @@ keep no module or optimizer alive (a model the program drops is freed while reco
   (on the host, RSS: one a step at most, shared as ``CpuMemory`` shares readings).
 
 Who builds: whoever reads the table (its spans are then current: a step in progress, or one that hangs,
-shows the spans it has completed), ``trace stop`` and ``trace status``, and the training thread when
-its list reaches ``FLUSH_AT`` items (every ~100 steps of a small model: a build of ~2 ms). A lock keeps
-two builds apart; a hook never waits for it (a reader building is building its records too).
+shows the spans it has completed), ``trace stop`` and ``trace status``. The training thread never
+builds while it can help it: a span costs ~1 us to build, and spans that no one reads before the ring
+would overwrite them need never be built. When a thread's list reaches its limit (``limit_for``: room for the ring's worth of
+spans, and more), its hook drops the oldest whole steps, down to about half, unbuilt (~1 ms every few
+thousand spans): a read then builds the newest, which are what the ring would hold anyway. Only
+a list with no step mark to cut at (a forward longer than the limit, or no optimizer stepping) is built
+there instead. A lock keeps two builds (or a build and a cut) apart; a hook never waits for it.
 """
 
 import itertools
@@ -37,11 +41,18 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from probe.tables.torch.trace_ring import FORWARD, OPTIMIZER, RECORD_BYTES
 
-__all__ = ["EventLog", "FLUSH_AT", "APPEND_NS"]
+__all__ = ["EventLog", "FLUSH_AT", "APPEND_NS", "limit_for"]
 
-FLUSH_AT = 8192  # items in a thread's list: past this, its hook builds the spans (~2000 module calls)
+FLUSH_AT = 8192  # items in a thread's list, at least, before its hook cuts (or builds) it (~2000 module calls)
 APPEND_NS = 600  # a hook call's estimated cost right after a matmul (0.3-1.2 us measured: bench_trace)
 _MAX_OPEN = 10_000  # open calls on one thread: more means forwards raised and left theirs (start afresh)
+
+
+def limit_for(size: int) -> int:
+    """Items a thread's list may reach before its hook cuts it: a span is 4 items (its begin and end), so
+    a cut to about half still holds the ring's ``size`` spans, with room for the steps' own records (at
+    most ~2.5 MB a thread for the default 10000 spans: the list, and the clock readings it holds)."""
+    return max(FLUSH_AT, 10 * size)
 
 
 class _Marker:
@@ -83,10 +94,13 @@ class EventLog:
         self._compiling = compiling
         self._local = threading.local()
         self._threads: Dict[int, _Thread] = {}
-        self._lock = threading.Lock()  # builds, and the list of threads
+        self._lists: List[List[Any]] = []  # each thread's ``events``, for the step marks (as ``_threads``)
+        self._lock = threading.Lock()  # builds and cuts, and the list of threads
         self._step: Tuple[int, int, Any] = (0, 0, None)  # (step, its start, memory) for a thread's first records
         self.active = False
-        self.calls = 0  # module hook calls built so far (the hooks do not time themselves: see APPEND_NS)
+        self.calls = 0  # module hook calls built or cut so far (the hooks do not time themselves: see APPEND_NS)
+        self.spans_cut = 0  # spans whose records a cut dropped before any read (about: 4 items a span)
+        self.steps_cut = 0
         self.pre, self.post = self._hooks(compiling)
         self.fast_optimizer: Callable[[Any], None] = lambda reference: None  # see optimizer_hooks
         _logs.add(self)
@@ -97,10 +111,11 @@ class EventLog:
         self.active = True
 
     def _hooks(self, compiling: Callable[[], bool]) -> Tuple[Callable[..., None], Callable[..., None]]:
-        local, clock, mine, limit, named = self._local, time.perf_counter_ns, self._mine, FLUSH_AT, self._names.get
+        local, clock, mine, named = self._local, time.perf_counter_ns, self._mine, self._names.get
+        limit = limit_for(self._tracer.ring.size)
 
         def full() -> None:
-            self.flush(wait=0)  # a reader building them now: they are being built
+            self.cut()
 
         def pre(module: Any, args: Any) -> None:
             if compiling():  # Dynamo folds this to True: a hook it traces is empty (see trace_hooks)
@@ -145,6 +160,7 @@ class EventLog:
         if thread is None:
             thread = _Thread(ident, *self._step)
             self._threads[ident] = thread
+            self._lists = self._lists + [thread.events]  # a new list: a step mark may be iterating the old
         self._local.events = thread.events
         return thread.events
 
@@ -200,8 +216,9 @@ class EventLog:
     def step_begins(self, now: int, step: int, memory: Any) -> None:
         """The primary optimizer finished a step (``step`` begins at ``now``): a mark in every thread's list."""
         self._step = (step, now, memory)
-        for thread in list(self._threads.values()):
-            thread.events += (now, STEP_BEGINS, memory)
+        mark = (now, STEP_BEGINS, memory)
+        for events in self._lists:
+            events += mark
 
     def flush(self, wait: float = 1.0) -> bool:
         """Build the spans of every thread's records so far (any thread may call it; a failure switches the
@@ -214,24 +231,73 @@ class EventLog:
             return False
         built = False
         try:
+            half = limit_for(tracer.ring.size) // 2
             for thread in list(self._threads.values()):
-                events = thread.events
-                n = len(events)  # records are whole (one extend each); the owner may add more
-                if n:
-                    items = events[:n]
-                    del events[:n]
-                    self._build(thread, items)
-                    built = True
+                if len(thread.events) > half:
+                    self._cut(thread, half)  # what the ring could not hold is not built
+                built = self._build_all(thread) or built
             if len(self._threads) > 1:  # a thread that has ended leaves (its id may be given to a new one)
                 alive = {t.ident for t in threading.enumerate()}
                 for ident in [i for i in self._threads if i not in alive]:
                     del self._threads[ident]
+                self._lists = [t.events for t in self._threads.values()]
         except Exception as exc:
             tracer._fail(exc)
         finally:
             self._lock.release()
         if built:  # the trace's time (a read that finds nothing to build is the reader's)
             tracer.hook_ns += time.perf_counter_ns() - started
+        return True
+
+    def cut(self) -> None:
+        """A hook's list is full: each full list loses its oldest whole steps, unbuilt (see the module's
+        docstring), down to about half, or, with no step mark in its second half to cut at, is built. Never waits: while a
+        reader builds, the records are being consumed."""
+        tracer = self._tracer
+        started = time.perf_counter_ns()
+        if not self._lock.acquire(False):
+            return
+        try:
+            limit = limit_for(tracer.ring.size)
+            for thread in list(self._threads.values()):
+                if len(thread.events) >= limit and not self._cut(thread, limit // 2):
+                    self._build_all(thread)
+        except Exception as exc:
+            tracer._fail(exc)
+        finally:
+            self._lock.release()
+        tracer.hook_ns += time.perf_counter_ns() - started
+
+    def _cut(self, thread: _Thread, keep: int) -> bool:
+        """Drop ``thread``'s records before the first step mark among its last ``keep`` items; False if there
+        is none (or the search failed: a module left unnamed with an ``__eq__`` that raises)."""
+        events = thread.events
+        try:
+            # the mark's record: (clock, STEP_BEGINS, memory)
+            at = events.index(STEP_BEGINS, max(len(events) - keep, 0)) - 1
+            dropped = events[:at]
+            steps = dropped.count(STEP_BEGINS)
+        except Exception:
+            return False
+        if at <= 0:
+            return False
+        del events[:at]
+        thread.step += steps  # the mark now first begins the step after them; it clears what was open
+        items = len(dropped) - 3 * steps
+        self.steps_cut += steps
+        self.spans_cut += items // 4
+        self.calls += items // 2
+        return True
+
+    def _build_all(self, thread: _Thread) -> bool:
+        """Build the records ``thread`` holds now (the lock held); whether there were any."""
+        events = thread.events
+        n = len(events)  # records are whole (one extend each); the owner may add more
+        if not n:
+            return False
+        items = events[:n]
+        del events[:n]
+        self._build(thread, items)
         return True
 
     def _build(self, thread: _Thread, items: List[Any]) -> None:

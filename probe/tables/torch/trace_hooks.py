@@ -174,6 +174,10 @@ class Tracer:
         """Calls of the append-only hooks built so far (``hook_time_ns`` counts each at ``APPEND_NS``)."""
         return self._log.calls if self._log is not None else 0
 
+    def spans_cut(self) -> int:
+        """Spans (about) whose records were dropped unbuilt: the ring would not have held them (trace_events)."""
+        return self._log.spans_cut if self._log is not None else 0
+
     def hooks_left(self) -> int:
         """Hooks of this trace still registered in torch (0 once a stopped trace has fully left)."""
         return len(self._module_handles) + len(self._optimizer_handles) + (self._janitor_handle is not None)
