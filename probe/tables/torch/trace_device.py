@@ -6,13 +6,13 @@
   completed (``Event.query()`` does not block), at the next step boundary or at query time.
 * CPU only: ``allocated`` is the process's resident set (RSS) in MB, read from ``/proc/self/statm`` with
   one ``pread`` on a descriptor kept open, after an ``fstat`` that makes sure the number is still that
-  file (two system calls: 3 us in a tight loop here, 10-50 us right after a step's matmuls or its
-  backward, this machine being a nested VM); ``max_allocated`` is the highest RSS this trace has seen;
+  file (two system calls: 3 us in a tight loop here, 30-60 us at a step's end, after the optimizer's pass
+  over every parameter, this machine being a nested VM); ``max_allocated`` is the highest RSS this trace has seen;
   ``cached`` and ``max_cached`` are NaN (NULL in the table): there is no caching allocator. Spans that
-  end soon after a reading share it: within 1 ms, or within 2000 times what the last reading took where
-  that is longer (up to 100 ms), so reading RSS takes at most about 0.05 % of the process's time however
-  short its modules are (before, a reading was shared for 100 us only: most spans of a real model paid
-  one). A child forked with ``os.fork`` (its at-fork hook) opens its own entry at its first reading.
+  end soon after a reading share it: within 1 ms, or within 5000 times what the last reading took where
+  that is longer (up to 250 ms), so reading RSS takes at most about 0.02 % of the process's time however
+  short its modules or steps are (a 40 ms step reads every third to sixth step; a leak of 2 MB a step
+  still shows step by step). A child forked with ``os.fork`` (its at-fork hook) opens its own entry at its first reading.
 
 The descriptor is the program's to close: a program that closes every descriptor it does not know may
 give its number to a file of its own. Before each use the reader checks the number still refers to the
@@ -36,8 +36,8 @@ MB = 1024.0 * 1024.0
 Memory = Tuple[float, float, float, float]
 _NAN = math.nan
 _REUSE_NS = 1_000_000
-_REUSE_FACTOR = 2000
-_REUSE_MAX_NS = 100_000_000
+_REUSE_FACTOR = 5000
+_REUSE_MAX_NS = 250_000_000
 _perf_ns = time.perf_counter_ns
 
 
