@@ -189,14 +189,21 @@ class TraceToggle:
     """The trace, every step, in for one step and out for the next: between steps (not timed) its module
     and optimizer hooks are put in or taken out, as a trace's start and stop do but keeping its buffer,
     names and step, so an on step pays all that a traced step costs and an off step nothing. For
-    ``alternating``: ``enter``, ``is_on``, ``switch``, and ``leave``, which builds the round's spans (on
-    this thread, timed: a training thread builds them every ~100 steps) and returns that CPU time."""
+    ``alternating``: ``enter``, ``is_on``, ``switch``, and ``leave``, which returns the CPU time of what the
+    round's records cost later, to be shared out over its on steps:
 
-    def __init__(self, trace: Any, options: Any) -> None:
-        self.trace, self.options = trace, options
+    * ``read=True``: every span is read: their build (a reader's, in the target) is timed and counted;
+    * ``read=False``: nobody reads: a training thread cuts its records once they pass their limit
+      (``trace_events``), so what is counted is what that cut costs them (half of them cut here and timed,
+      the cost scaled to all of them); they are then built, untimed (``build_us_per_span`` says how long).
+    """
+
+    def __init__(self, trace: Any, options: Any, read: bool = True) -> None:
+        self.trace, self.options, self.read = trace, options, read
         self.tracer: Any = None
         self.on = False
         self.hook_us = 0.0  # time in the hooks over the last round's timed steps (Tracer.hook_time_ns)
+        self.build_us_per_span: List[float] = []
         self._hook_ns: Any = None
 
     def enter(self) -> None:
@@ -222,12 +229,27 @@ class TraceToggle:
             tracer._arm(False)
 
     def leave(self) -> int:
+        later = 0
+        log = self.tracer._log
+        if not self.read:
+            threads = list(log._threads.values())
+            held = sum(len(t.events) for t in threads)
+            started = CLOCK()
+            for thread in threads:
+                log._cut(thread, len(thread.events) // 2)
+            took = CLOCK() - started
+            cut = held - sum(len(t.events) for t in threads)
+            later = int(took * held / cut) if cut > 0 else 0
+        hook_ns = self.tracer.hook_time_ns()  # without the build that follows (a reader's)
+        written = self.tracer.ring.written()
         started = CLOCK()
         self.tracer.flush()
         built = CLOCK() - started
+        if self.tracer.ring.written() > written:
+            self.build_us_per_span.append(built / 1e3 / (self.tracer.ring.written() - written))
         self.trace.stop()
-        self.hook_us = (self.tracer.hook_time_ns() - self._hook_ns) / 1e3
-        return built
+        self.hook_us = ((self.tracer.hook_time_ns() if self.read else hook_ns + later) - self._hook_ns) / 1e3
+        return built if self.read else later
 
 
 class HookSet:
@@ -408,19 +430,20 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
             if state[0]:
                 _spin(planted_ns)
 
-        toggle = TraceToggle(trace, TraceOptions())
+        toggle, unread = TraceToggle(trace, TraceOptions()), TraceToggle(trace, TraceOptions(), read=False)
 
         def trace_out(name: str = "forward, every step", toggle: "TraceToggle" = toggle,
                       hooks: Dict[str, List[float]] = hooks) -> int:
-            built = toggle.leave()
+            later = toggle.leave()
             hooks.setdefault(name + " (steps)", []).append(toggle.hook_us / pairs)
-            return built
+            return later
 
         def is_on(state: List[bool] = state) -> bool:
             return state[0]
 
         floor = HookSet(torch, floor=True)
         steps_of = {"forward, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
+                    UNREAD: (step, unread.enter, lambda unread=unread: trace_out(UNREAD, unread), unread.is_on, unread.switch),
                     "two empty global hooks (torch's part)": (step, begin, empty_out, is_on, flip(empty_in, empty_out)),
                     "the floor: module and optimizer hooks, a clock reading appended": (
                         step, floor.enter, floor.leave, floor.is_on, floor.switch),
@@ -441,6 +464,8 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
                 key = name + " (steps)" if e == "steps" else name
                 if key in hooks and hooks[key]:
                     note = "%.0f us in hooks a step" % statistics.median(hooks[key])
+                    if e == "steps" and name == UNREAD and unread.build_us_per_span:
+                        note += "; a read builds a span in %.2f us" % statistics.median(unread.build_us_per_span)
                     if spans.get(name) and e != "steps":
                         note += ", %.1f spans a step" % statistics.median(spans[name])
                 elif name.startswith("planted"):
@@ -457,6 +482,7 @@ def overhead(torch: Any, rounds: int, steps: int, only: str = "", extra: bool = 
 
 
 PLANTED = 0.003
+UNREAD = "forward, every step, nobody reads (records cut, not built)"
 
 
 def worst_case(torch: Any, rounds: int) -> List[List[str]]:
