@@ -9,7 +9,8 @@ in bench_trace.py), an MLP (8 x Linear(512) + ReLU, batch 64) trained with SGD e
 (2 encoder layers, d_model 128, batch 8 x 32) compiled the same way, and bench_trace.py's MLP (8 x
 Linear(1024), batch 64) compiled; each compiled and warmed up first (``--model`` picks by label).
 For each, as bench_trace.py's section 1: steps alternate one by one between the trace on and off (all
-its hooks in and out between steps: ``bench_trace.TraceToggle``; the spans' build counted), and in the
+its hooks in and out between steps: ``bench_trace.TraceToggle``; twice: with every span read, their build
+counted, and with nobody reading, the cut of their records counted), and in the
 same rounds empty global hooks (torch's part), the floor of a recording hook (each appends one clock
 reading: ``bench_trace.HookSet``), a planted cost (a busy-wait of 0.3 % of the untraced step) and the
 method's zero alternate the same way; every step timed in CPU time of the
@@ -221,7 +222,6 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             times.append(time.thread_time_ns() - t0)
         untraced_ns = statistics.median(times)
         state = [False]
-        hook = [None, 0, 0.0]
 
         def flip(state: List[bool] = state) -> None:
             state[0] = not state[0]
@@ -235,15 +235,20 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             if state[0]:
                 _spin(ns)
 
-        toggle = TraceToggle(trace, TraceOptions())
+        toggle, unread = TraceToggle(trace, TraceOptions()), TraceToggle(trace, TraceOptions(), read=False)
+        hook_us: Dict[str, float] = {}
 
-        def trace_out(hook: List[Any] = hook, toggle: TraceToggle = toggle) -> int:
-            built = toggle.leave()
-            hook[2] += toggle.hook_us
-            return built
+        def trace_out(name: str, toggle: TraceToggle, hook_us: Dict[str, float] = hook_us) -> int:
+            later = toggle.leave()
+            hook_us[name] = hook_us.get(name, 0.0) + toggle.hook_us
+            return later
 
         empty, floor = HookSet(torch, floor=False), HookSet(torch, floor=True)
-        settings = {"trace, every step": (step, toggle.enter, trace_out, toggle.is_on, toggle.switch),
+        read, left = "trace, every step", "trace, every step, nobody reads (records cut, not built)"
+        settings = {read: (step, toggle.enter, lambda toggle=toggle, read=read: trace_out(read, toggle), toggle.is_on,
+                           toggle.switch),
+                    left: (step, unread.enter, lambda unread=unread, left=left: trace_out(left, unread), unread.is_on,
+                           unread.switch),
                     "empty global hooks (torch's part)": (step, empty.enter, empty.leave, empty.is_on, empty.switch),
                     "the floor: a clock reading appended": (step, floor.enter, floor.leave, floor.is_on,
                                                             floor.switch),
@@ -261,8 +266,8 @@ def measure_steps(backend: str, rounds: int, pairs: int, only: str = "") -> List
             summary = Summary.of(values)
             low, high = bootstrap_ci(values, block=4)
             extra = ""
-            if name.startswith("trace"):
-                extra = "%.0f us in hooks a traced step" % (hook[2] / (rounds * pairs))
+            if name in hook_us:
+                extra = "%.0f us in hooks a traced step" % (hook_us[name] / (rounds * pairs))
             elif name.startswith("planted"):
                 share = int(untraced_ns * PLANTED) / statistics.median(off[name])
                 extra = "planted %.2f %% of the off steps' median: %s" % (share * 100, "seen" if 0 < low <= share <= high

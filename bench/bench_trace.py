@@ -16,8 +16,9 @@
 
    * step by step (the figure held to the goal): steps alternate one by one between on and off; for
      the trace, all its hooks (modules' and optimizer's) go in before an on step and out after it
-     (``TraceToggle``), and the spans of a round's steps, which a training thread builds every ~100
-     steps, are built at the round's end and their CPU time shared out over its on steps; each on step
+     (``TraceToggle``). Twice: with every span read (the round's spans, which a reader builds, are
+     built at the round's end and their CPU time shared out over its on steps), and with nobody reading
+     (what a training thread's cut of the records costs them is shared out instead); each on step
      against the mean of the off steps on either side. ``--rounds`` rounds of ``--pairs`` pairs per
      setting, settings rotating.
    * blocks: ``--steps`` steps of each setting (the trace started and stopped around them, as ``probe T
