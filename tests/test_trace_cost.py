@@ -41,7 +41,7 @@ _SCRIPT = textwrap.dedent("""
     time.sleep(0.03)
     before = reads()
     started = time.perf_counter()
-    for _ in range(5):
+    for _ in range(20):
         model(x)
     took = time.perf_counter() - started
     after = reads()
@@ -56,9 +56,9 @@ def test_spans_that_end_soon_after_a_reading_share_it() -> None:
                           env=target_env(probe=False), cwd=REPO)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["spans"] == 6 * 41, seen  # every module call of the 6 forwards has its span
-    # 205 spans over >= 80 ms, ~0.4 ms apart: before, one reading each (200 reads); now readings 1 ms
-    # apart at least (2000 x what one takes where that is longer: 10-100 ms here).
+    assert seen["spans"] == 21 * 41, seen  # every module call of the 21 forwards has its span
+    # 820 spans over >= 320 ms, ~0.4 ms apart: before, one reading each (800 reads); now readings 1 ms
+    # apart at least (5000 x what one takes where that is longer: 25-250 ms here).
     assert 0 < seen["reads"] <= seen["took"] / 0.001 + 1, seen
 
 

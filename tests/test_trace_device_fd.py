@@ -12,7 +12,7 @@ from procs import REPO, scaled, target_env
 
 _PRELUDE = textwrap.dedent("""
     import json, os, sys, time
-    from probe.tables.torch.trace_device import CpuMemory
+    from probe.tables.torch.trace_device import _REUSE_MAX_NS, CpuMemory
 
     def fds():
         return sorted(int(n) for n in os.listdir("/proc/self/fd"))
@@ -22,7 +22,7 @@ _PRELUDE = textwrap.dedent("""
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1048576.0
 
     def later():
-        time.sleep(0.12)  # past the window in which readings share one (100 ms at most)
+        time.sleep(_REUSE_MAX_NS / 1e9 + 0.02)  # past the window in which readings share one
 """)
 
 
