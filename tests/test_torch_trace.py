@@ -272,6 +272,33 @@ def test_records_nobody_reads_stay_bounded_and_a_read_builds_the_newest_steps_wh
     assert seen["written"] + seen["dropped"] >= 30_000, seen  # each dropped span counted, about
 
 
+_ENDED_THREAD = _TRAIN + """
+import threading
+from probe.tables.torch.trace_options import TraceOptions
+model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(20)])
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+trace.start(TraceOptions(size=100))
+train(model, optimizer, 2)
+evaluator = threading.Thread(target=lambda: model(torch.zeros(1, 4)))  # a forward, then the thread ends
+evaluator.start()
+evaluator.join()
+train(model, optimizer, 400)  # past the limit: the training thread's hook cuts its records
+log = trace.current()._log
+print(json.dumps({"cut": log.steps_cut, "lists": len(log._threads), "built": trace.current().ring.written()}))
+"""
+
+
+def test_a_thread_that_ended_has_its_spans_built_and_its_list_dropped_at_a_cut() -> None:
+    """A thread that ran a forward and ended: when the training thread's hook cuts its own records, it
+    builds what the ended thread left and forgets its list (the step marks would grow it for ever)."""
+    done = subprocess.run([sys.executable, "-c", _ENDED_THREAD], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["cut"] > 0 and seen["lists"] == 1, seen
+    assert seen["built"] == 22 + 21, seen  # the first step's spans (built by its hooks), then the ended thread's
+
+
 _DROPPED_MODEL = _TRAIN + """
 trace.start()
 first = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())

@@ -78,6 +78,17 @@ class CpuMemory:
         self._reuse = min(max(_REUSE_NS, (_perf_ns() - now) * _REUSE_FACTOR), _REUSE_MAX_NS)
         return self._last
 
+    @property
+    def last(self) -> Memory:
+        """The last reading (NaN before the first)."""
+        return self._last
+
+    def fresh(self, now: int) -> Tuple[Memory, int]:
+        """A reading (made now unless the last one still serves), and the clock until which it serves:
+        for the trace's step marks, which then skip this call while it does."""
+        last = self()
+        return last, self._at + self._reuse
+
     def _ours(self) -> bool:
         """Whether ``self._fd`` still refers to the file it was opened on (never true of -1)."""
         return self._fd >= 0 and self._identity is not None and fd_identity(self._fd) == self._identity

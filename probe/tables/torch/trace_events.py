@@ -23,13 +23,13 @@ keep no module or optimizer alive (a model the program drops is freed while reco
   (on the host, RSS: one a step at most, shared as ``CpuMemory`` shares readings).
 
 Who builds: whoever reads the table (its spans are then current: a step in progress, or one that hangs,
-shows the spans it has completed), ``trace stop`` and ``trace status``. The training thread never
-builds while it can help it: a span costs ~1 us to build, and spans that no one reads before the ring
-would overwrite them need never be built. When a thread's list reaches its limit (``limit_for``: room for the ring's worth of
+shows the spans it has completed), ``trace stop`` and ``trace status``. The training thread does not
+build: a span costs ~1 us to build, and spans that no one reads before the ring would overwrite them
+need never be built. When a thread's list reaches its limit (``limit_for``: room for the ring's worth of
 spans, and more), its hook drops the oldest whole steps, down to about half, unbuilt (~1 ms every few
-thousand spans): a read then builds the newest, which are what the ring would hold anyway. Only
-a list with no step mark to cut at (a forward longer than the limit, or no optimizer stepping) is built
-there instead. A lock keeps two builds (or a build and a cut) apart; a hook never waits for it.
+thousand spans): a read then builds the newest, which are what the ring would hold anyway. Only a list
+with no step mark to cut at (a forward longer than the limit, or no optimizer stepping) is built there
+instead. A lock keeps two builds (or a build and a cut) apart; a hook never waits for it.
 """
 
 import itertools
@@ -96,7 +96,6 @@ class EventLog:
         self._threads: Dict[int, _Thread] = {}
         self._lists: List[List[Any]] = []  # each thread's ``events``, for the step marks (as ``_threads``)
         self._lock = threading.Lock()  # builds and cuts, and the list of threads
-        self._step: Tuple[int, int, Any] = (0, 0, None)  # (step, its start, memory) for a thread's first records
         self.active = False
         self.calls = 0  # module hook calls built or cut so far (the hooks do not time themselves: see APPEND_NS)
         self.spans_cut = 0  # spans whose records a cut dropped before any read (about: 4 items a span)
@@ -105,14 +104,13 @@ class EventLog:
         self.fast_optimizer: Callable[[Any], None] = lambda reference: None  # see optimizer_hooks
         _logs.add(self)
 
-    def activate(self, step: int, step_start: int, memory: Any) -> None:
-        """From now on the records say which step they belong to: ``step`` began at ``step_start``."""
-        self._step = (step, step_start, memory)
+    def activate(self) -> None:
+        """From now on the records say which step they belong to (a thread's first records: the tracer's)."""
         self.active = True
 
     def _hooks(self, compiling: Callable[[], bool]) -> Tuple[Callable[..., None], Callable[..., None]]:
         local, clock, mine, named = self._local, time.perf_counter_ns, self._mine, self._names.get
-        limit = limit_for(self._tracer.ring.size)
+        limit, unnamed = limit_for(self._tracer.ring.size), self._tracer.module_unnamed
 
         def full() -> None:
             self.cut()
@@ -126,7 +124,11 @@ class EventLog:
                 except AttributeError:
                     events = mine()
                 entry = named(id(module))  # a live module's entry is its own (trace_names)
-                events += (module if entry is None else entry, clock())
+                if entry is None:  # named at the build; a compiled module's wrapper, maybe, about to compile
+                    events += (module, clock())
+                    unnamed()
+                else:
+                    events += (entry, clock())
                 if len(events) >= limit:
                     full()
             except Exception as exc:
@@ -158,7 +160,8 @@ class EventLog:
         ident = threading.get_ident()
         thread = self._threads.get(ident)
         if thread is None:
-            thread = _Thread(ident, *self._step)
+            tracer = self._tracer
+            thread = _Thread(ident, tracer.step, tracer.step_start, _last_reading(tracer.memory))
             self._threads[ident] = thread
             self._lists = self._lists + [thread.events]  # a new list: a step mark may be iterating the old
         self._local.events = thread.events
@@ -169,9 +172,10 @@ class EventLog:
         """The trace's optimizer step pre and post hooks: the tracer's own (``slow_*``) until ``fast_optimizer``
         names the primary optimizer, then a record each, and ``step_ends(now)`` after the primary's step.
         Closures, so that right after the optimizer's pass over every parameter they touch little."""
-        clock, here, compiling, tracer = time.perf_counter_ns, self._here, self._compiling, self._tracer
+        clock, here, compiling, tracer, log = time.perf_counter_ns, self._here, self._compiling, self._tracer, self
         on = False
         primary: Any = None  # weak reference to the optimizer whose steps count
+        memory, fresh_until = _last_reading(tracer.memory), 0  # see _fresh_reading
 
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             if compiling():
@@ -186,6 +190,7 @@ class EventLog:
                 tracer._fail(exc)
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+            nonlocal memory, fresh_until
             if compiling():
                 return
             if not on:
@@ -196,7 +201,12 @@ class EventLog:
                 events = here()
                 events += (now, OPTIMIZER_ENDS, type(optimizer))
                 first = primary()
-                if optimizer is first:
+                if optimizer is first:  # the step mark, here: a step's end touches as little as it can
+                    if now >= fresh_until:
+                        memory, fresh_until = _fresh_reading(tracer.memory, now)
+                    mark = (now, STEP_BEGINS, memory)
+                    for each in log._lists:
+                        each += mark
                     step_ends(now)
                     return
                 if first is not None:
@@ -213,9 +223,8 @@ class EventLog:
         self.fast_optimizer = fast_optimizer
         return pre, post
 
-    def step_begins(self, now: int, step: int, memory: Any) -> None:
-        """The primary optimizer finished a step (``step`` begins at ``now``): a mark in every thread's list."""
-        self._step = (step, now, memory)
+    def step_begins(self, now: int, memory: Any) -> None:
+        """A step begins at ``now`` (the tracer's, before its hooks append): a mark in every thread's list."""
         mark = (now, STEP_BEGINS, memory)
         for events in self._lists:
             events += mark
@@ -236,11 +245,7 @@ class EventLog:
                 if len(thread.events) > half:
                     self._cut(thread, half)  # what the ring could not hold is not built
                 built = self._build_all(thread) or built
-            if len(self._threads) > 1:  # a thread that has ended leaves (its id may be given to a new one)
-                alive = {t.ident for t in threading.enumerate()}
-                for ident in [i for i in self._threads if i not in alive]:
-                    del self._threads[ident]
-                self._lists = [t.events for t in self._threads.values()]
+            self._drop_ended()
         except Exception as exc:
             tracer._fail(exc)
         finally:
@@ -251,8 +256,8 @@ class EventLog:
 
     def cut(self) -> None:
         """A hook's list is full: each full list loses its oldest whole steps, unbuilt (see the module's
-        docstring), down to about half, or, with no step mark in its second half to cut at, is built. Never waits: while a
-        reader builds, the records are being consumed."""
+        docstring), down to about half, or, with no step mark in its second half to cut at, is built.
+        Never waits: while a reader builds, the records are being consumed."""
         tracer = self._tracer
         started = time.perf_counter_ns()
         if not self._lock.acquire(False):
@@ -262,11 +267,21 @@ class EventLog:
             for thread in list(self._threads.values()):
                 if len(thread.events) >= limit and not self._cut(thread, limit // 2):
                     self._build_all(thread)
+            self._drop_ended()
         except Exception as exc:
             tracer._fail(exc)
         finally:
             self._lock.release()
         tracer.hook_ns += time.perf_counter_ns() - started
+
+    def _drop_ended(self) -> None:
+        """Build what threads that have ended left, and forget their lists (the lock held): their id may be
+        given to a new thread, and the step marks would go on growing them."""
+        if len(self._threads) > 1:
+            alive = {t.ident for t in threading.enumerate()}
+            for ident in [i for i in self._threads if i not in alive]:
+                self._build_all(self._threads.pop(ident))
+            self._lists = [t.events for t in self._threads.values()]
 
     def _cut(self, thread: _Thread, keep: int) -> bool:
         """Drop ``thread``'s records before the first step mark among its last ``keep`` items; False if there
@@ -372,6 +387,18 @@ class EventLog:
 
 
 _NO_MEMORY = (float("nan"),) * 4
+
+
+def _fresh_reading(reading: Any, now: int) -> Tuple[Any, int]:
+    """A memory reading for the step marks, and until when it serves them: ``CpuMemory.fresh`` (a reading
+    shared for as long as its cost allows), else a reading each step."""
+    fresh = getattr(reading, "fresh", None)
+    return fresh(now) if fresh is not None else (reading(), now)
+
+
+def _last_reading(reading: Any) -> Any:
+    """The reading a new thread's first records get: the last one made, if the reader keeps it."""
+    return getattr(reading, "last", None)
 
 
 _logs: "weakref.WeakSet[EventLog]" = weakref.WeakSet()

@@ -424,13 +424,15 @@ class Tracer:
                     if stack:
                         stack.clear()
                     self._by_optimizer = True
-                    if fast is not None:
-                        self._step_ends(_perf_ns())
+                    if fast is not None:  # the primary optimizer was gone: this one's step ends the step
+                        now = _perf_ns()
+                        fast.step_begins(now, self.memory())
+                        self._step_ends(now)
                     else:
                         self._advance(_perf_ns())
                         log = self._log
                         if log is not None and self.running:  # from now on the append-only hooks (trace_events)
-                            log.activate(self.step, self.step_start, self.memory())
+                            log.activate()
                             self._fast = log
                             log.fast_optimizer(self._primary)
                             if self._module_handles:
@@ -440,21 +442,28 @@ class Tracer:
             self._fail(exc)
         self.hook_ns += _perf_ns() - t0
 
+    def module_unnamed(self) -> None:
+        """The append-only hooks met a module they have not named: it may be a compiled module's wrapper
+        whose first call compiles, so Dynamo's callbacks are looked at now (as ``_pre_slow`` does)."""
+        if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
+            _watch_compiles()
+
     def _step_ends(self, now: int) -> None:
-        """``_advance`` for the append-only hooks: the step mark in the records, the rest at the build."""
-        t0 = _perf_ns()
+        """``_advance`` for the append-only hooks, once their step mark is in the records (the rest is done
+        at the build); the hook's time from ``now``, its clock reading, on. Dynamo's callbacks are looked
+        at every 64 steps (after a ``reset()``, a compile may wait that long to hide the hooks)."""
         self.step += 1
         self.steps_seen += 1
         self.step_start = now
-        handler = _compile_handler
-        if handler is None or _compile_starts not in handler.start_callbacks:
-            _watch_compiles()
-        self._log.step_begins(now, self.step, self.memory())
+        if not self.steps_seen & 63:
+            handler = _compile_handler
+            if handler is None or _compile_starts not in handler.start_callbacks:
+                _watch_compiles()
         every = self.options.every
         if every > 1:
             self.sampled = self.step % every == 0
             self._arm(self.sampled)
-        self.hook_ns += _perf_ns() - t0
+        self.hook_ns += _perf_ns() - now
 
     def _optimizer_span(self, optimizer: Any, started: Any, end: int) -> None:
         start, seq, event = started
@@ -479,7 +488,7 @@ class Tracer:
             self.anomaly.step_ended(ended)
         log = self._log
         if log is not None and log.active:
-            log.step_begins(now, self.step, self.memory())
+            log.step_begins(now, self.memory())
         every = self.options.every
         self.sampled = self.step % every == 0
         if every > 1:
