@@ -6,13 +6,14 @@
   completed (``Event.query()`` does not block), at the next step boundary or at query time.
 * CPU only: ``allocated`` is the process's resident set (RSS) in MB, read from ``/proc/self/statm`` with
   one ``pread`` on a descriptor kept open, after an ``fstat`` that makes sure the number is still that
-  file (two system calls: 3 us in a tight loop here, 30-60 us at a step's end, after the optimizer's pass
-  over every parameter, this machine being a nested VM); ``max_allocated`` is the highest RSS this trace has seen;
-  ``cached`` and ``max_cached`` are NaN (NULL in the table): there is no caching allocator. Spans that
-  end soon after a reading share it: within 1 ms, or within 5000 times what the last reading took where
-  that is longer (up to 250 ms), so reading RSS takes at most about 0.02 % of the process's time however
-  short its modules or steps are (a 40 ms step reads every third to sixth step; a leak of 2 MB a step
-  still shows step by step). A child forked with ``os.fork`` (its at-fork hook) opens its own entry at its first reading.
+  file (two system calls: 3 us in a tight loop here, 30-60 us at a step's end, after the optimizer's
+  pass over every parameter, this machine being a nested VM); ``max_allocated`` is the highest RSS this
+  trace has seen; ``cached`` and ``max_cached`` are NaN (NULL in the table): there is no caching
+  allocator. Spans that end soon after a reading share it: within 1 ms, or within 5000 times what the
+  last reading took where that is longer (up to 250 ms), so reading RSS takes at most about 0.02 % of
+  the process's time however short its modules or steps are (a 40 ms step reads about every sixth step;
+  a leak of 2 MB a step still shows). A child forked with ``os.fork`` (its at-fork hook) opens its own
+  entry at its first reading.
 
 The descriptor is the program's to close: a program that closes every descriptor it does not know may
 give its number to a file of its own. Before each use the reader checks the number still refers to the

@@ -427,7 +427,7 @@ class Tracer:
                     if fast is not None:  # the primary optimizer was gone: this one's step ends the step
                         now = _perf_ns()
                         fast.step_begins(now, self.memory())
-                        self._step_ends(now)
+                        self._step_ends(now, timed=False)  # this hook times itself
                     else:
                         self._advance(_perf_ns())
                         log = self._log
@@ -448,10 +448,11 @@ class Tracer:
         if _compile_handler is None or _compile_starts not in _compile_handler.start_callbacks:
             _watch_compiles()
 
-    def _step_ends(self, now: int) -> None:
+    def _step_ends(self, now: int, timed: bool = True) -> None:
         """``_advance`` for the append-only hooks, once their step mark is in the records (the rest is done
-        at the build); the hook's time from ``now``, its clock reading, on. Dynamo's callbacks are looked
-        at every 64 steps (after a ``reset()``, a compile may wait that long to hide the hooks)."""
+        at the build); ``timed``: the hook's time counted from ``now``, its clock reading, on. Dynamo's
+        callbacks are looked at every 64 steps (after a ``reset()``, a compile may wait that long to hide
+        the hooks)."""
         self.step += 1
         self.steps_seen += 1
         self.step_start = now
@@ -463,7 +464,8 @@ class Tracer:
         if every > 1:
             self.sampled = self.step % every == 0
             self._arm(self.sampled)
-        self.hook_ns += _perf_ns() - now
+        if timed:
+            self.hook_ns += _perf_ns() - now
 
     def _optimizer_span(self, optimizer: Any, started: Any, end: int) -> None:
         start, seq, event = started
