@@ -2,6 +2,7 @@
 
     python bench/bench_trace.py [--rounds 40] [--pairs 5] [--steps 3] [--model MLP|transformer] [--extra]
                                 [--no-blocks] [--quick] [--only SECTION] [--before DIR [--runs 4]]
+                                [--read-every SECONDS]
 
 1. Overhead on a training step (forward, loss, backward, SGD step) of an MLP (8 x Linear(1024), batch 64)
    and of a small transformer (6 encoder layers, d_model 256, 4 heads, batch 16 x 32 tokens), in this
@@ -34,6 +35,8 @@
 3. The agent (a real target, ``tests/targets/train_trace.py`` with ``PROBE_TORCH_TRACE=1`` and backward
    spans): VmRSS before the trace starts and once the default buffer (10000 spans) is full; then the
    slow-module query of DESIGN.md, ``elapsed_ms`` as served inside the agent (DESIGN-like target 20 ms).
+4. (``--only read``) What a reader costs a step when it reads every ``--read-every`` seconds (5: the
+   page's refresh): the traced MLP trains that long, then a read builds those steps' spans, timed.
 
 ``--before DIR`` (a tree of an earlier commit: ``git archive REV | tar -x -C DIR``) measures that tree
 beside this one: section 2 alternates child processes running this bench with each tree's probe,
@@ -702,6 +705,46 @@ def compare_worst_case(before: str, rounds: int, runs: int) -> List[List[str]]:
     return rows
 
 
+def read_cost(torch: Any, seconds: float, reads: int) -> List[List[str]]:
+    """Section 4: what a reader that reads every ``seconds`` (the page refreshes every 5 s) costs each
+    step of the MLP: its spans are built at the read (on the reader's thread, in the target). The traced
+    MLP trains for ``seconds``, then a read builds what those steps left, its CPU time timed; ``reads``
+    times."""
+    from probe.tables.torch import trace
+
+    step = models(torch)["MLP 8 x Linear(1024), batch 64"]()
+    for _ in range(3):
+        step()
+    trace.start()
+    try:
+        tracer = trace.current()
+        step()
+        step()
+        tracer.flush()
+        per_step, per_span, steps_per_read, step_ms = [], [], [], []
+        for _ in range(reads):
+            steps, spans = tracer.steps_seen, tracer.ring.written()
+            started, end = CLOCK(), time.monotonic() + seconds
+            while time.monotonic() < end:
+                step()
+            trained = CLOCK() - started
+            started = CLOCK()
+            tracer.flush()
+            built = CLOCK() - started
+            steps, spans = tracer.steps_seen - steps, tracer.ring.written() - spans
+            per_step.append(built / steps / 1e3)
+            per_span.append(built / spans / 1e3)
+            steps_per_read.append(steps)
+            step_ms.append(trained / steps / 1e6)
+    finally:
+        trace.stop()
+    share = statistics.median(per_step) / 1e3 / statistics.median(step_ms) * 100
+    return [["MLP 8 x Linear(1024), batch 64", "a read every %g s: the build, a step" % seconds,
+             "%.1f us (%.1f-%.1f)" % (statistics.median(per_step), min(per_step), max(per_step)),
+             "%.3f %% of a %.1f ms step; %.2f us a span, %d steps a read" % (
+                 share, statistics.median(step_ms), statistics.median(per_span), statistics.median(steps_per_read))]]
+
+
 def _rss_mb(pid: int) -> float:
     with open("/proc/%d/status" % pid) as handle:
         for line in handle:
@@ -715,7 +758,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--steps", type=int, default=3, help="timed steps per block (section 1)")
     parser.add_argument("--quick", action="store_true", help="8 rounds of 2 steps")
-    parser.add_argument("--only", choices=("overhead", "worst", "agent"), help="run one section")
+    parser.add_argument("--only", choices=("overhead", "worst", "agent", "read"), help="run one section")
+    parser.add_argument("--read-every", type=float, default=5.0, help="section 4: seconds between reads")
     parser.add_argument("--model", default="", help="section 1: only the model whose label holds this (MLP, transformer)")
     parser.add_argument("--extra", action="store_true", help="section 1: also --every 10, backward and anomalies")
     parser.add_argument("--pairs", type=int, default=5, help="section 1: on/off step pairs per round and setting")
@@ -756,6 +800,9 @@ def main() -> None:
         print()
     if args.only in (None, "agent"):
         print(table(agent_figures(args.queries, args.before), ["agent, default buffer", "figure", "note"]))
+        print()
+    if args.only in (None, "read"):
+        print(table(read_cost(torch, args.read_every, 6), ["model", "reader", "median (min-max)", "note"]))
 
 
 if __name__ == "__main__":
