@@ -356,3 +356,32 @@ def test_a_forked_child_bounds_its_own_records() -> None:
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["cut"] > 0 and seen["pending"] < limit_for(100), seen
+
+
+_FORKED_MEMORY = _TRAIN + """
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.001)
+trace.start()
+train(model, optimizer, 3)  # the parent's step marks hold its last RSS reading
+parent = max(trace.columns()["allocated"])
+child = os.fork()
+if child == 0:
+    hog = b"x" * (300 << 20)  # the child's own 300 MB, touched
+    train(model, optimizer, 2)  # well within the 250 ms a reading may serve
+    columns = trace.columns()
+    last = max(columns["step"])
+    mine = [a for a, s in zip(columns["allocated"], columns["step"]) if s == last]
+    print(json.dumps({"parent": parent, "child": min(mine), "hog": len(hog) >> 20}), flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_forked_child_s_steps_carry_its_own_memory_reading() -> None:
+    """The step marks keep an RSS reading for up to 250 ms; a child forked from a traced process reads
+    its own at its first step, not the parent's last (a child that allocates 300 MB shows it)."""
+    done = subprocess.run([sys.executable, "-c", _FORKED_MEMORY], capture_output=True, text=True,
+                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["child"] > seen["parent"] + 150, seen

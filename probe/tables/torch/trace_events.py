@@ -96,6 +96,10 @@ class EventLog:
         self._threads: Dict[int, _Thread] = {}
         self._lists: List[List[Any]] = []  # each thread's ``events``, for the step marks (as ``_threads``)
         self._lock = threading.Lock()  # builds and cuts, and the list of threads
+        # the step marks' memory reading, and the clock until which it serves them (0 in a child just forked:
+        # it reads its own at its next step)
+        self._memory: Any = _last_reading(tracer.memory)
+        self._fresh_until = 0
         self.active = False
         self.calls = 0  # module hook calls built or cut so far (the hooks do not time themselves: see APPEND_NS)
         self.spans_cut = 0  # spans whose records a cut dropped before any read (about: 4 items a span)
@@ -175,7 +179,6 @@ class EventLog:
         clock, here, compiling, tracer, log = time.perf_counter_ns, self._here, self._compiling, self._tracer, self
         on = False
         primary: Any = None  # weak reference to the optimizer whose steps count
-        memory, fresh_until = _last_reading(tracer.memory), 0  # see _fresh_reading
 
         def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
             if compiling():
@@ -190,7 +193,6 @@ class EventLog:
                 tracer._fail(exc)
 
         def post(optimizer: Any, args: Any, kwargs: Any) -> None:
-            nonlocal memory, fresh_until
             if compiling():
                 return
             if not on:
@@ -202,9 +204,9 @@ class EventLog:
                 events += (now, OPTIMIZER_ENDS, type(optimizer))
                 first = primary()
                 if optimizer is first:  # the step mark, here: a step's end touches as little as it can
-                    if now >= fresh_until:
-                        memory, fresh_until = _fresh_reading(tracer.memory, now)
-                    mark = (now, STEP_BEGINS, memory)
+                    if now >= log._fresh_until:
+                        log._memory, log._fresh_until = _fresh_reading(tracer.memory, now)
+                    mark = (now, STEP_BEGINS, log._memory)
                     for each in log._lists:
                         each += mark
                     step_ends(now)
@@ -407,9 +409,11 @@ _logs: "weakref.WeakSet[EventLog]" = weakref.WeakSet()
 def _forked() -> None:
     """In a child just forked (a DataLoader worker, multiprocessing): a build that another thread of the
     parent had under way holds a lock no thread of the child will release; each log gets a new one (else
-    the child's hooks could never build, and their records would grow without end)."""
+    the child's hooks could never cut or build, and their records would grow without end). Its step
+    marks take a memory reading of the child's own at its next step, not the parent's last."""
     for log in list(_logs):
         log._lock = threading.Lock()
+        log._fresh_until = 0
 
 
 if hasattr(os, "register_at_fork"):
