@@ -309,8 +309,12 @@ gone = weakref.ref(first), weakref.ref(optimizer)
 del first, optimizer
 gc.collect()
 freed = [r() is None for r in gone]  # before anything builds the records
-second = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+second = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())  # first called once records are kept
 train(second, torch.optim.Adam(second.parameters()), 5)
+third = weakref.ref(second)
+del second
+gc.collect()
+freed.append(third() is None)  # the records of its calls wait too, unbuilt
 columns = trace.columns()
 kinds = sorted({(m, s) for m, s, step in zip(columns["module"], columns["stage"], columns["step"]) if step == 9})
 print(json.dumps({"pending": pending, "freed": freed, "step": trace.current().step,
@@ -320,12 +324,13 @@ print(json.dumps({"pending": pending, "freed": freed, "step": trace.current().st
 
 def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
     """Records not yet built keep no module or optimizer alive: a job that drops its model (and its GPU
-    memory) gets it back at once; the next optimizer then counts the steps."""
+    memory) gets it back at once, a model first called once the hooks only keep records too; the next
+    optimizer then counts the steps."""
     done = subprocess.run([sys.executable, "-c", _DROPPED_MODEL], capture_output=True, text=True,
                           timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
-    assert seen["pending"] > 0 and seen["freed"] == [True, True], seen
+    assert seen["pending"] > 0 and seen["freed"] == [True, True, True], seen
     assert seen["step"] == 10, seen
     assert seen["last"] == [["0", "forward"], ["1", "forward"], ["Adam", "optimizer"], ["Sequential", "forward"]], seen
 

@@ -14,7 +14,8 @@ Records (each appended in one ``list += tuple``: one C call, so a reader never s
 keep no module or optimizer alive (a model the program drops is freed while records of it wait):
 
 * ``(entry, clock)``: a module call begins; ``entry`` is the module's name entry (``trace_names``: it
-  holds the module weakly), or, for a module not named yet, the module itself (named at the build);
+  holds the module weakly), or, for a module not named yet, the module itself, and the hook then builds
+  the records at once, which names it (and its tree: once per new model);
 * ``(clock, id)``: a call ends (``id(module)``; a call whose forward raised has none: the build passes
   over it);
 * ``(clock, OPTIMIZER_BEGINS)`` and ``(clock, OPTIMIZER_ENDS, its class)``: an optimizer's step;
@@ -29,7 +30,8 @@ need never be built. When a thread's list reaches its limit (``limit_for``: room
 spans, and more), its hook drops the oldest whole steps, down to about half, unbuilt (~1 ms every few
 thousand spans): a read then builds the newest, which are what the ring would hold anyway. Only a list
 with no step mark to cut at (a forward longer than the limit, or no optimizer stepping) is built there
-instead. A lock keeps two builds (or a build and a cut) apart; a hook never waits for it.
+instead, and so are the records when a hook meets a module not named yet (see above). A lock keeps two
+builds (or a build and a cut) apart; a hook never waits for it.
 """
 
 import itertools
@@ -119,6 +121,13 @@ class EventLog:
         def full() -> None:
             self.cut()
 
+        def first_call() -> None:
+            """A module not named yet (a new model, a compiled module's wrapper about to compile): Dynamo's
+            callbacks looked at, and the records built now, which names it and its tree, so that no
+            record holds the module itself for longer than this (once per new tree)."""
+            unnamed()
+            self.flush(wait=0)
+
         def pre(module: Any, args: Any) -> None:
             if compiling():  # Dynamo folds this to True: a hook it traces is empty (see trace_hooks)
                 return
@@ -128,9 +137,9 @@ class EventLog:
                 except AttributeError:
                     events = mine()
                 entry = named(id(module))  # a live module's entry is its own (trace_names)
-                if entry is None:  # named at the build; a compiled module's wrapper, maybe, about to compile
+                if entry is None:
                     events += (module, clock())
-                    unnamed()
+                    first_call()
                 else:
                     events += (entry, clock())
                 if len(events) >= limit:
