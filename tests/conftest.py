@@ -1,5 +1,6 @@
 import os
 import shutil
+import signal
 import sys
 import tempfile
 
@@ -18,6 +19,13 @@ os.environ["PROBE_RUNTIME_DIR"] = _RUNTIME
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.pop("COLUMNS", None)
     os.environ.pop("LINES", None)
+
+# A shell starts a background job (`bash tests/run.sh &`, nohup, CI runners) with SIGINT ignored, and an ignored
+# signal stays ignored across exec: every target, CLI and terminal a test starts would then shrug off the
+# Ctrl-C the test sends it. A handler (unlike SIG_IGN) is reset to the default by exec, so installing
+# Python's own here gives every child SIGINT at its default, in the foreground or not.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from procs import Proc, spawn  # noqa: E402
 
