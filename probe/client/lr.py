@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Sequence
 
 from probe.client.client import Client
 from probe.client.results import EvalResult
-from probe.errors import EvalError, Forbidden, NotFound, Timeout, error_from_code
+from probe.errors import EvalError, Forbidden, NotFound, Timeout, UsageError, error_from_code
 
-__all__ = ["change_lr", "DEFAULT_STEP_WAIT_S"]
+__all__ = ["change_lr", "check_every_rank", "DEFAULT_STEP_WAIT_S"]
 
 DEFAULT_STEP_WAIT_S = 30.0
 _SNIPPET_S = 20.0  # the snippet's own time: finding the optimizer and its schedulers is bounded well below
@@ -53,6 +53,29 @@ def change_lr(client: Client, value: float, groups: Optional[Sequence[int]] = No
             done["readback"] = {"error": "no optimizer step came within %g s after the change, so it was not read "
                                          "back" % step_wait}
     return done
+
+
+def check_every_rank(targeted: Sequence[Optional[int]], world_sizes: Sequence[Optional[int]], how_all: str) -> None:
+    """Refuse (``UsageError``, exit 2) a change of lr that reaches only some ranks of a multi-rank job.
+
+    Replicas of a data-parallel job (DDP, FSDP, DeepSpeed) average their gradients but each steps with its
+    own lr: one rank changed alone keeps training, and the replicas silently drift apart. ``targeted`` are
+    the ranks the change would reach (None: a target that says no rank), ``world_sizes`` what each target
+    says its job has; ``how_all`` is the command that reaches every rank, for the message.
+    """
+    world = max((w for w in world_sizes if isinstance(w, int)), default=1)
+    reached = {r for r in targeted if isinstance(r, int)}
+    if world <= 1 or len(reached) >= world:
+        return
+    missing = sorted(set(range(world)) - reached)
+    shown = ", ".join(str(r) for r in missing[:8]) + (", ..." if len(missing) > 8 else "")
+    raise UsageError(
+        "this would change the lr of %s of a job of %d ranks, not of rank%s %s: data-parallel replicas would then "
+        "train with different rates and drift apart without any error" % (
+            "rank %d" % min(reached) if len(reached) == 1 else "%d ranks" % len(reached), world,
+            "" if len(missing) == 1 else "s", shown),
+        hint="change every rank at its next step: %s; or, to change only these on purpose, add --this-rank-only"
+             % how_all)
 
 
 def _run(client: Client, what: str, args: Sequence[Any], on: str, wait: Optional[float]) -> Dict[str, Any]:

@@ -8,7 +8,8 @@ import click
 from probe.cli.context import CliContext, each_target, pass_cli
 from probe.cli.options import TEXT, Seconds, output_format
 from probe.cli.output import emit, say
-from probe.client.lr import DEFAULT_STEP_WAIT_S, change_lr
+from probe.client.lr import DEFAULT_STEP_WAIT_S, change_lr, check_every_rank
+from probe.errors import ProbeError
 
 
 @click.command("lr")
@@ -24,10 +25,13 @@ from probe.client.lr import DEFAULT_STEP_WAIT_S, change_lr
               show_default=True, help="Seconds to wait for the optimizer step to change it after (and again for "
                                       "the one to read it back after).")
 @click.option("--no-check", is_flag=True, help="Do not wait for the next step to read the change back.")
+@click.option("--this-rank-only", is_flag=True,
+              help="Change the ranks targeted even where they are only some of a multi-rank job (refused by "
+                   "default: the replicas would drift apart).")
 @output_format(*TEXT, json_help="what was changed and read back")
 @pass_cli
 def lr(cli: CliContext, value: float, groups: Tuple[int, ...], optimizer: Optional[str], base: bool,
-       step_wait: float, no_check: bool, fmt: Optional[str]) -> None:
+       step_wait: float, no_check: bool, this_rank_only: bool, fmt: Optional[str]) -> None:
     """Set the learning rate to VALUE so that it sticks, and prove it after the next step.
 
     A scheduler such as LambdaLR (Hugging Face's Trainer makes one) sets each step's lr from its own
@@ -42,8 +46,11 @@ def lr(cli: CliContext, value: float, groups: Tuple[int, ...], optimizer: Option
     --between-steps), and read back right after the step that follows: the output gives each group's
     lr before, after, and after that step, and says whether it stuck (exit 1 where it was undone: the
     program sets lr itself). Needs eval enabled in the agent. Across ranks, each rank changes at its
-    own next step.
+    own next step. A change that reaches only some ranks of a multi-rank job is refused (exit 2) unless
+    --this-rank-only: use --all-ranks.
     """
+    if not this_rank_only:
+        _refuse_some_ranks(cli)
     several = len(cli.targets) > 1 or cli.is_cluster
     if cli.is_cluster and cli.deadline is None:
         cli.deadline = 2 * step_wait + 60.0
@@ -63,6 +70,27 @@ def lr(cli: CliContext, value: float, groups: Tuple[int, ...], optimizer: Option
             say("== %s ==" % cli.label(client))
         for line in render_lr(done):
             say(line, err=line.startswith("probe:"))
+
+
+def _refuse_some_ranks(cli: CliContext) -> None:
+    """Exit 2 where the targets are only some ranks of a job (each target's health says its rank and world)."""
+    if cli.is_cluster:
+        cluster = cli.cluster()
+        targeted = [m.rank for m in cluster.members]
+        worlds = [m.world_size for m in cluster.members]
+        if cluster.left_out:  # ranks the helpers listed but cannot reach: they would keep the old lr
+            worlds.append(len(set(targeted)) + 1)
+    else:
+        targeted, worlds = [], []
+        for client in cli.clients():
+            try:
+                health = client.health(fallback=False)
+            except ProbeError:
+                continue  # the change itself will say why this target cannot answer
+            targeted.append(health.get("rank"))
+            worlds.append(health.get("world_size"))
+    first = cli.targets[0] if cli.targets else "TARGET"
+    check_every_rank(targeted, worlds, "probe %s --all-ranks lr VALUE" % first)
 
 
 def render_lr(done: Dict[str, Any]) -> Iterator[str]:
