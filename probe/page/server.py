@@ -1,10 +1,10 @@
 """The page's HTTP server: the static files, and JSON gathered with the commands' own client calls.
 
 A ``ThreadingHTTPServer`` in the CLI process, bound to 127.0.0.1 unless asked otherwise. The job's
-token never leaves this process. Bound to a loopback address the page needs no token, and a request
-naming another host (``Host:``) is refused, so that a web site the browser visits cannot reach the
-server by a DNS name of its own that points here (DNS rebinding). Bound to any other address, every
-data request needs the page token (random, new each start, in the URL printed).
+token never leaves this process. Every request, the HTML included, passes probe.page.access first: the
+peer must run as the page's owner (its uid read from the kernel, as ``debug`` reads it) and carry the
+page token (random, new each start: in the printed URL, then a cookie), and a POST must show it was sent
+by the page itself (no cross-site request forgery).
 
 Each gathering runs at most once at a time, whatever the number of tabs: a request that finds one
 under way waits for it and takes its answer, and an answer younger than the refresh interval is given
@@ -12,7 +12,6 @@ again. What a gathering sends is bounded (see probe.page.data). Only reads are m
 diagnose, and ``trace export`` (the control scope, as the command); no eval, no trace start or stop.
 """
 
-import hmac
 import json
 import os
 import secrets
@@ -23,6 +22,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlsplit
 
 from probe.errors import ProbeError
+from probe.page.access import Gate, is_loopback, peer_uid
 
 __all__ = ["PageServer", "is_loopback", "STATIC"]
 
@@ -34,15 +34,6 @@ _MAX_BODY = 64 * 1024
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 """Nothing from elsewhere, no inline script: the page runs only the script shipped beside it."""
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 class _Once:
@@ -85,7 +76,7 @@ class PageServer:
         self.source = source
         self.refresh = refresh
         self.loopback = is_loopback(host)
-        self.token = token if token is not None else (None if self.loopback else secrets.token_urlsafe(24))
+        self.token = token or secrets.token_urlsafe(24)
         self.history = StepHistory(steps)
         ttl = max(1.0, refresh * 0.8)
         self._diagnose = _Once(self._gather_diagnose, ttl)
@@ -97,6 +88,7 @@ class PageServer:
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self.host = host
+        self.gate = Gate(host, self.port, self.token)
 
     # -- what is gathered ------------------------------------------------------------------------
 
@@ -194,10 +186,7 @@ class PageServer:
             import socket
 
             shown = socket.gethostname()
-        url = "http://%s:%d/" % (shown, self.port)
-        if self.token:
-            url += "?token=" + self.token
-        return {"url": url}
+        return {"url": "http://%s:%d/?token=%s" % (shown, self.port, self.token)}
 
     def serve(self) -> None:
         """Serve until Ctrl-C (KeyboardInterrupt), then close the socket; requests under way end with it."""
@@ -206,19 +195,6 @@ class PageServer:
             self.httpd.serve_forever(poll_interval=0.2)
         finally:
             self.httpd.server_close()
-
-    def _allowed(self, handler: BaseHTTPRequestHandler, query: Dict[str, Any]) -> Optional[str]:
-        """Why this request is refused, or None."""
-        if self.loopback:
-            host = (handler.headers.get("Host") or "").lower()
-            name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-            if host and not is_loopback(name.strip("[]")):
-                return "this page answers to 127.0.0.1 and localhost only (the request named %s)" % host[:100]
-            return None
-        given = handler.headers.get("X-Probe-Page-Token") or (query.get("token") or [""])[0]
-        if not self.token or not hmac.compare_digest(given.encode(), self.token.encode()):
-            return "the page token is missing or wrong: open the URL probe printed, with its ?token="
-        return None
 
     def _handler(self) -> Any:
         page = self
@@ -248,24 +224,36 @@ class PageServer:
                 self._send(code, json.dumps(value, allow_nan=False, default=str).encode(),
                            "application/json; charset=utf-8")
 
+            def _refused(self, method: str, path: str, query: Dict[str, Any]) -> Optional[str]:
+                """Why the gate refuses this request: its peer (read once a connection), then the request."""
+                if not hasattr(self, "_peer_refused"):
+                    self._peer_refused = page.gate.peer(peer_uid(self.connection))
+                return self._peer_refused or page.gate.refusal(method, path, self.headers, query)
+
             def _route(self, method: str) -> None:
                 parts = urlsplit(self.path)
                 query = parse_qs(parts.query)
                 path = parts.path
+                refused = self._refused(method, path, query)
+                if refused:  # the connection closed after: a refused POST's body is never read
+                    self.close_connection = True
+                    if path.startswith("/api/"):
+                        body, kind = json.dumps({"error": refused}).encode(), "application/json; charset=utf-8"
+                    else:
+                        body, kind = (refused + "\n").encode(), "text/plain; charset=utf-8"
+                    self._send(403, body, kind, {"Connection": "close"})
+                    return
                 if method == "GET" and path in _FILES:
                     name, kind = _FILES[path]
                     with open(os.path.join(STATIC, name), "rb") as handle:
-                        self._send(200, handle.read(), kind)
+                        extra = {"Set-Cookie": page.gate.set_cookie()} if query.get("token") else None
+                        self._send(200, handle.read(), kind, extra)
                     return
                 if path == "/favicon.ico":
                     self._send(204, b"", "image/x-icon")
                     return
                 if not path.startswith("/api/"):
                     self._json({"error": "no such page: %s" % path[:200]}, 404)
-                    return
-                refused = page._allowed(self, query)
-                if refused:
-                    self._json({"error": refused}, 403)
                     return
                 try:
                     self._api(method, path, query)
@@ -277,9 +265,7 @@ class PageServer:
                     self._json({"error": "%s: %s" % (type(exc).__name__, str(exc)[:500])}, 500)
 
             def _api(self, method: str, path: str, query: Dict[str, Any]) -> None:
-                if method == "POST" and path == "/api/sql":
-                    if "application/json" not in (self.headers.get("Content-Type") or ""):
-                        raise ProbeError("send the query as JSON (Content-Type: application/json)")
+                if method == "POST" and path == "/api/sql":  # its Content-Type, header and Origin checked by the gate
                     length = int(self.headers.get("Content-Length") or 0)
                     if length > _MAX_BODY:
                         raise ProbeError("a query of more than 64 KB")

@@ -15,7 +15,7 @@ from probe.errors import UsageError
 @click.option("--port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Port to serve on; 0: a free one (printed).")
 @click.option("--host", "host", default="127.0.0.1", show_default=True, metavar="ADDR",
-              help="Address to serve on. Any address but a loopback one needs the page token printed with the URL.")
+              help="Address to serve on. Any address but a loopback one admits other machines too (with the page token).")
 @click.option("--refresh", type=Seconds(1.0, 3600.0), default=5.0, show_default=True,
               help="Seconds between the page's refreshes (the page can pause them); answers younger than that "
                    "are given again to every tab.")
@@ -34,8 +34,9 @@ def page(cli: CliContext, port: int, host: str, refresh: float, steps: int, fmt:
     their ranks, where a minority departs marked; step time and memory per rank over the last --steps
     steps (the trace where it is on, else the step counter and RSS); a SQL box for one rank or all
     (with --merge), its table downloadable as CSV; and a button that exports the trace for Perfetto.
-    It only reads (no eval). The job's token stays in this process. Bound to 127.0.0.1 the page needs no
-    token; for another machine, the ssh -L line printed forwards it. Ctrl-C ends it.
+    It only reads (no eval). The job's token stays in this process. The page admits only you (your uid, as
+    the kernel says) with the page token of the URL printed; for another machine, the ssh -L line printed
+    forwards it. Ctrl-C ends it.
     """
     from probe.cli.commands.diagnose import _target
     from probe.page.data import JobSource, ProcessSource
@@ -63,17 +64,17 @@ def page(cli: CliContext, port: int, host: str, refresh: float, steps: int, fmt:
     if fmt == "json":
         import json
 
-        click.echo(json.dumps({"url": url, "host": host, "port": server.port, "token_needed": server.token is not None,
-                               "ssh": tunnel if is_loopback(host) else None}))
+        click.echo(json.dumps({"url": url, "host": host, "port": server.port, "token_needed": True,
+                               "admits_uid": server.gate.owner, "ssh": tunnel if is_loopback(host) else None}))
     else:
         click.echo("page: %s" % url)
     if is_loopback(host):
-        say("probe: serving the page of %s on this machine only; from another one: %s and open "
-            "http://127.0.0.1:%d/ there (Ctrl-C ends it)" % (label, tunnel, server.port), err=True)
+        say("probe: serving the page of %s on this machine only: %s; from another machine: %s and open the URL "
+            "there (Ctrl-C ends it)" % (label, server.gate.says(), tunnel), err=True)
     else:
-        say("probe: serving on %s, not only this machine: anyone who can reach it reads the job's stacks and runs "
-            "SQL in its ranks, so every request needs the page token in the URL above (new each start; the job's "
-            "own token stays here). Ctrl-C ends it." % host, err=True)
+        say("probe: serving on %s, not only this machine: whoever it admits reads the job's stacks and runs SQL in "
+            "its ranks, so every request needs the page token (new each start; the job's own token stays here): "
+            "%s. Ctrl-C ends it." % (host, server.gate.says()), err=True)
     try:
         server.serve()
     except KeyboardInterrupt:

@@ -4,7 +4,9 @@
 "use strict";
 
 const SVG = "http://www.w3.org/2000/svg";
-const TOKEN = new URLSearchParams(location.search).get("token");
+// The page token came in the URL probe printed; the server answered with a cookie that carries it from then
+// on (HttpOnly: no script here reads it), so the address bar drops it, out of the history and of sight.
+if (new URLSearchParams(location.search).has("token")) history.replaceState(null, "", location.pathname);
 const STATES = {running: "running", silent: "silent", gil_held: "GIL held", stopped: "stopped", dead: "dead"};
 const GROUP_COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
                        "#9c755f", "#bab0ac"];
@@ -36,7 +38,6 @@ function $(id) { return document.getElementById(id); }
 
 async function api(path, options) {
   const headers = Object.assign({}, (options && options.headers) || {});
-  if (TOKEN) headers["X-Probe-Page-Token"] = TOKEN;
   const response = await fetch(path, Object.assign({}, options || {}, {headers}));
   const kind = response.headers.get("Content-Type") || "";
   const body = kind.startsWith("application/json") ? await response.json() : await response.text();
@@ -339,7 +340,7 @@ async function runSql(ev) {
   $("sql-csv").disabled = true;
   const rank = $("sql-rank").value.trim();
   try {
-    const d = await api("/api/sql", {method: "POST", headers: {"Content-Type": "application/json"},
+    const d = await api("/api/sql", {method: "POST", headers: {"Content-Type": "application/json", "X-Probe-Page": "1"},
                                      body: JSON.stringify({sql: $("sql").value, rank: rank === "" ? null : rank,
                                                            merge: $("sql-merge").value.trim() || null})});
     lastRows = d;
@@ -384,8 +385,7 @@ async function exportTrace() {
   const status = $("trace-status");
   status.textContent = "exporting…";
   try {
-    const headers = TOKEN ? {"X-Probe-Page-Token": TOKEN} : {};
-    const response = await fetch("/api/trace", {headers});
+    const response = await fetch("/api/trace");
     if (!response.ok) throw new Error((await response.json()).error);
     const blob = await response.blob();
     const name = ((response.headers.get("Content-Disposition") || "").match(/filename="([^"]+)"/) || [])[1] || "probe-trace.json";
