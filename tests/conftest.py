@@ -38,7 +38,7 @@ def pytest_unconfigure(config) -> None:
 # Under pytest-xdist with --dist loadfile and --no-loadscope-reorder (tests/run.sh), a module runs whole on
 # one worker and the modules go out in collection order: these go first, so that none of them is left to
 # run alone at the end. A module missing here only costs balance, never a result.
-SLOW_MODULES = ("test_page.py", "test_snapshot_watch.py", "test_frameworks.py", "test_every_launcher.py",
+SLOW_MODULES = ("test_page.py", "test_page_access.py", "test_snapshot_watch.py", "test_frameworks.py", "test_every_launcher.py",
                 "test_checkpoint.py", "test_diagnose.py", "test_torch_tables.py", "test_cluster.py",
                 "test_diagnose_steps.py", "test_cluster_helper_answer.py", "test_cli_daily.py", "test_audit.py")
 
