@@ -59,6 +59,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from probe.errors import BadRequest, Busy, NotFound, ProbeError, Timeout
 from probe.tables.torch._common import is_dtensor, torch_or_raise
 from probe.tables.torch.discovery import found, resolve_expression, unwrap_module, unwrap_optimizer
+from probe.tables.torch.trainer import accelerate_step
 from probe._threads import daemon_thread
 
 #: Runs ``work(cancel)`` right after the next optimizer step: (its result, "") or (None, why it did not).
@@ -479,8 +480,9 @@ def _progress(trainer: Optional[Tuple[str, str, Any]]) -> Dict[str, Any]:
                 out["state"] = whole
         elif kind == "lightning":
             out = {"global_step": obj.global_step, "epoch": obj.current_epoch, "max_steps": obj.max_steps}
-        elif kind == "accelerate":
-            out = {"global_step": getattr(obj, "step", None), "epoch": None, "max_steps": None}
+        elif kind == "accelerate":  # Accelerator.step counts micro-batches, not steps: see accelerate_step
+            global_step, source = accelerate_step(obj)
+            out = {"global_step": global_step, "epoch": None, "max_steps": None, "step_source": source}
     except Exception:
         pass
     return {k: (v if isinstance(v, (int, float, str, dict)) or v is None else None) for k, v in out.items()}
@@ -561,7 +563,7 @@ def _step(torch: Any, optimizers: List[Tuple[str, Any]],
     """The training step: the trainer's global step, else an int global of ``__main__`` (global_step,
     step, ...), else the optimizers' own."""
     if isinstance(progress.get("global_step"), int):
-        return progress["global_step"], "trainer global_step"
+        return progress["global_step"], progress.get("step_source") or "trainer global_step"
     main = vars(sys.modules["__main__"])
     for name in _STEP_NAMES:
         value = main.get(name)

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 from probe.errors import ProbeError, TorchNotLoaded
 from probe.tables.spec import Column
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "watch", "arm", "RING", "MAX_OPTIMIZERS",
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "steps_seen", "watch", "arm", "RING", "MAX_OPTIMIZERS",
            "PROGRESS", "Progress", "read_progress", "remove_progress"]
 
 NAME = "torch.steps"
@@ -107,6 +107,14 @@ def count(optimizer: Any) -> None:
             _open_progress(now, took)
     except BaseException:
         pass
+
+
+def steps_seen(optimizer: Any) -> Optional[int]:
+    """The steps of ``optimizer`` this counter has seen (since the hook went in), or None where it saw none."""
+    counter = _counters.get(id(optimizer))
+    if counter is None or (counter.ref is not None and counter.ref() is not optimizer):
+        return None
+    return counter.steps
 
 
 def _new(optimizer: Any, key: int, now: float) -> _Counter:

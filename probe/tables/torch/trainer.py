@@ -5,10 +5,11 @@ accumulation, precision, callbacks. Read by attribute, never importing the frame
 from typing import Any, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
+from probe.tables.torch import steps
 from probe.tables.torch._common import torch_or_raise
 from probe.tables.torch.discovery import found, trainer_objects
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "accelerate_step"]
 
 NAME = "torch.trainer"
 DESCRIPTION = ("Each training framework object found (Hugging Face Trainer, Lightning Trainer, accelerate "
@@ -20,7 +21,8 @@ COLUMNS = (
     Column("kind", "VARCHAR", "transformers, lightning or accelerate."),
     Column("class", "VARCHAR", "Its class, e.g. transformers.trainer.Trainer."),
     Column("global_step", "BIGINT", "Optimizer steps taken (HF state.global_step, Lightning global_step; "
-                                    "accelerate: its step counter)."),
+                                    "accelerate, which keeps none: its optimizers' own step count, else the steps "
+                                    "probe's step counter saw; NULL where neither is known)."),
     Column("epoch", "DOUBLE", "Current epoch (HF: fractional, as its logs show it; Lightning: current_epoch)."),
     Column("max_steps", "BIGINT", "The step limit (HF state.max_steps, Lightning max_steps; -1 or NULL: none)."),
     Column("max_epochs", "DOUBLE", "The epoch limit (HF num_train_epochs, Lightning max_epochs)."),
@@ -98,5 +100,44 @@ def _read(kind: str, trainer: Any) -> Tuple[Any, ...]:
                 _int(_get(trainer, "max_steps")), _float(_get(trainer, "max_epochs")),
                 _int(_get(trainer, "accumulate_grad_batches")), _text(_get(trainer, "precision")),
                 _int(_get(trainer, "world_size")), _callbacks(_get(trainer, "callbacks")))
-    return (_int(_get(trainer, "step")), None, None, None, _int(_get(trainer, "gradient_accumulation_steps")),
+    return (accelerate_step(trainer)[0], None, None, None, _int(_get(trainer, "gradient_accumulation_steps")),
             _text(_get(trainer, "mixed_precision")), _int(_get(trainer, "num_processes")), None)
+
+
+_STATE_ENTRIES = 8  # parameters' state entries looked at for a step count: every entry of one step holds the same
+
+
+def accelerate_step(accelerator: Any) -> Tuple[Optional[int], Optional[str]]:
+    """The optimizer steps an ``accelerate.Accelerator``'s job has taken, and where that was read.
+
+    accelerate keeps no global step: ``Accelerator.step`` counts micro-batches towards the next gradient sync
+    and goes back to 0 at each dataloader's end, so it reads 0 at step 400, and a checkpoint that took it
+    would resume at 0. The optimizers it prepared know: Adam-like optimizers keep a per-parameter ``step``
+    (counted only when the step really ran). Else the steps probe's own step counter saw (all of them when
+    the agent was there from the start). (None, None) where neither is known: never a made-up 0.
+    """
+    wrappers = list(_get(accelerator, "_optimizers") or [])
+    best: Tuple[Optional[int], Optional[str]] = (None, None)
+    for index, wrapper in enumerate(wrappers):
+        optimizer = getattr(wrapper, "optimizer", wrapper)
+        try:
+            entries = list(getattr(optimizer, "state", {}).values())[:_STATE_ENTRIES]
+        except Exception:
+            entries = []
+        for entry in entries:
+            value = entry.get("step") if isinstance(entry, dict) else None
+            try:
+                if hasattr(value, "numel") and value.numel() == 1 and value.device.type == "cpu":
+                    value = float(value)
+            except Exception:
+                value = None
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if best[0] is None or int(value) > best[0]:
+                    best = (int(value), "accelerator._optimizers[%d] state step (%s)" % (index, type(optimizer).__name__))
+    if best[0] is not None:
+        return best
+    for index, wrapper in enumerate(wrappers):
+        seen = steps.steps_seen(getattr(wrapper, "optimizer", wrapper))
+        if seen:
+            return seen, "steps of accelerator._optimizers[%d] counted by probe since its agent started" % index
+    return None, None
