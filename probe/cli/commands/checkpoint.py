@@ -107,6 +107,9 @@ def render_checkpoint(saved: Dict[str, Any]) -> Iterator[str]:
         yield "  optimizer   none found (name one with --optimizer EXPR)"
     for scheduler in saved.get("schedulers", []):
         yield "  scheduler   %s: %s" % (scheduler["name"], scheduler["class"])
+    if not saved.get("schedulers") and saved.get("format") == "hf":
+        yield "  scheduler   none in the job: scheduler.pt holds a constant schedule at the lr now (transformers " \
+              "resumes the optimizer only beside one)"
     trainer = saved.get("trainer")
     if trainer:
         yield "  trainer     %s (%s): global step %s, epoch %s" % (trainer["name"], trainer["kind"],

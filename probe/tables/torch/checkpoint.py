@@ -59,6 +59,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from probe.errors import BadRequest, Busy, NotFound, ProbeError, Timeout
 from probe.tables.torch._common import is_dtensor, torch_or_raise
 from probe.tables.torch.discovery import found, resolve_expression, unwrap_module, unwrap_optimizer
+from probe.tables.torch.checkpoint_hf import constant_schedule, hf_rng, hf_trainer_state
 from probe.tables.torch.trainer import accelerate_step
 from probe._threads import daemon_thread
 
@@ -389,10 +390,9 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     model = _single("model", plan.models, "hf")
     optimizer = _single("optimizer", plan.optimizers, "hf")
     scheduler = _single("scheduler", plan.schedulers, "hf")
-    if optimizer is None or scheduler is None:
-        raise BadRequest("--format hf needs an optimizer and its LR scheduler (transformers resumes neither without "
-                         "the other); found %s" % ("no optimizer" if optimizer is None else "no scheduler"),
-                         hint="name the optimizer with --optimizer EXPR, or save in probe's format")
+    if optimizer is None:
+        raise BadRequest("--format hf needs an optimizer (transformers resumes its state with the scheduler's); "
+                         "none was found", hint="name the optimizer with --optimizer EXPR, or save in probe's format")
     if any(is_dtensor(p) for p in model[1].parameters()):
         raise BadRequest("--format hf holds whole tensors, and this model is sharded (DTensor)",
                          hint="save in probe's format, which keeps each rank's shard")
@@ -403,15 +403,18 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     with torch.no_grad():
         files["pytorch_model.bin"] = _module_state(model[1])
         files["optimizer.pt"] = optimizer[1].state_dict()
-    files["scheduler.pt"] = scheduler[1].state_dict()
+    # transformers loads optimizer.pt only beside a scheduler.pt: a job with no scheduler (a constant lr) gets the
+    # state of a constant schedule at each group's lr now, so the optimizer's state resumes too.
+    files["scheduler.pt"] = (scheduler[1].state_dict() if scheduler is not None
+                             else constant_schedule(torch, optimizer[1], step))
     world = _meta(torch)["world_size"] or 1
-    files["rng_state_%d.pth" % _rank() if world > 1 else "rng_state.pth"] = _hf_rng(torch, rng)
+    files["rng_state_%d.pth" % _rank() if world > 1 else "rng_state.pth"] = hf_rng(torch, rng)
     total, hashes = 0, hashlib.sha256()
     for name, value in files.items():
         size, digest = _write_atomically(torch, value, os.path.join(target, name), cancel)
         total += size
         hashes.update(digest.encode())
-    texts = {"trainer_state.json": _hf_trainer_state(plan.trainer, progress, step)}
+    texts = {"trainer_state.json": hf_trainer_state(torch, progress, step)}
     config = getattr(model[1], "config", None)
     if config is not None and callable(getattr(config, "to_json_string", None)):
         texts["config.json"] = config.to_json_string()
@@ -420,25 +423,6 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
         total += size
         hashes.update(digest.encode())
     return total, hashes.hexdigest(), sorted(list(files) + list(texts))
-
-
-def _hf_rng(torch: Any, rng: Dict[str, Any]) -> Dict[str, Any]:
-    """The RNG states under transformers' keys (numpy's as numpy's own tuple, as transformers saves it)."""
-    out: Dict[str, Any] = {"cpu": rng["torch"]}
-    if "python" in rng:
-        out["python"] = rng["python"]
-    if "numpy_state" in rng:
-        out["numpy"] = rng["numpy_state"]
-    if "cuda" in rng:
-        out["cuda"] = rng["cuda"]
-    return out
-
-
-def _hf_trainer_state(trainer: Optional[Tuple[str, str, Any]], progress: Dict[str, Any], step: Optional[int]) -> str:
-    state = progress.get("state")
-    if not isinstance(state, dict):
-        state = {"global_step": step or 0, "epoch": progress.get("epoch"), "max_steps": progress.get("max_steps") or 0}
-    return json.dumps(state, indent=2, sort_keys=True) + "\n"
 
 
 # Lightning strategies whose checkpoint is built from this process's own state, with no collective: the

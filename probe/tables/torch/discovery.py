@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from probe.tables.torch._common import Deadline
 
-__all__ = ["watch", "unwatch", "find_models", "find_optimizers", "find_schedulers", "find_trainers", "found", "trainer_objects",
+__all__ = ["watch", "user_frame_scopes", "unwatch", "find_models", "find_optimizers", "find_schedulers", "find_trainers", "found", "trainer_objects",
            "main_expression", "resolve_expression", "trainer_kind", "unwrap_module", "unwrap_optimizer",
            "Found", "GC_BUDGET_S"]
 
@@ -154,7 +154,7 @@ def resolve_expression(expression: str, scope: Any = None) -> Any:
     try:
         return main_expression(expression)
     except NameError as missing:
-        for globals_, locals_ in _user_frame_scopes():
+        for globals_, locals_ in user_frame_scopes():
             try:
                 return eval(expression, globals_, locals_)  # noqa: S307
             except NameError:
@@ -436,7 +436,7 @@ def _is_user_code(filename: str, libraries: Tuple[str, ...]) -> bool:
     return not filename.startswith(libraries) and "site-packages" not in filename and "dist-packages" not in filename
 
 
-def _user_frame_scopes() -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
+def user_frame_scopes() -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
     """(globals, locals) of the main thread's frames of the program's own code, innermost first; a
     module's top level (whose locals are its globals, ``__main__``'s already asked) is left out.
 
@@ -477,7 +477,7 @@ def _user_frame_scopes() -> List[Tuple[Dict[str, Any], Dict[str, Any]]]:
 def _in_frames() -> Iterable[Tuple[str, Any]]:
     """Outermost first, so that an object held by several frames (``model`` in ``main()``, ``module`` in a
     callback it calls) is named by the frame that lives longest: the name stays while the stack moves."""
-    for _, locals_ in reversed(_user_frame_scopes()):
+    for _, locals_ in reversed(user_frame_scopes()):
         yield from _in_namespace(locals_)
 
 
