@@ -1,6 +1,7 @@
-"""Checkpoints that frameworks resume from: the step an accelerate loop has really taken (accelerate keeps no global step:
-at each epoch's end. torch.trainer and a checkpoint must give the optimizer steps really taken (a resume from 0
-would redo the whole run), from the optimizers accelerate prepared."""
+"""Checkpoints that frameworks resume from. accelerate keeps no global step (`Accelerator.step` counts micro-batches
+towards the next sync and goes back to 0 at each epoch's end): torch.trainer and a checkpoint give the optimizer
+steps really taken (a resume from 0 would redo the whole run). And `-F hf` of a hand-written loop with no LR
+scheduler gives a directory transformers' Trainer resumes from."""
 
 import json
 
