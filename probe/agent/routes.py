@@ -622,7 +622,7 @@ class _Audited:
             outcome, error = self.request.__dict__.get("outcome") or ("ok", None)
             if exc is not None:
                 outcome, error = "error", getattr(exc, "message", None) or "%s: %s" % (type(exc).__name__, exc)
-            self.trail.end(self.seq, self.command, outcome, error, self.started)
+            self.trail.end(self.seq, self.command, outcome, error, self.started, scopes.NAMES[self.need])
         except Exception:
             pass
 
