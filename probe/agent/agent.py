@@ -251,9 +251,9 @@ class Agent:
         """The request's grant (``probe.agent.scopes.Grant``): the unix socket's peer was checked at accept
         and has the unix scope; TCP needs ``Authorization: Bearer <token>`` of one of our tokens."""
         if request.transport != "unix" and self._token is None:
-            raise Unauthorized("this agent requires a token on TCP",
-                               hint="pass --token-file FILE with the agent's token (on its host: %s)"
-                               % (self.token_file or "the file given to the agent"))
+            from probe.agent.scopes import TOKEN_HINT
+
+            raise Unauthorized("this agent requires a token on TCP", hint=TOKEN_HINT)
         return self.credentials.grant(request.transport, request.headers)
 
     # -- SQL --------------------------------------------------------------------------------------

@@ -65,7 +65,8 @@ def health(agent: "Agent", request: Request) -> Response:
         "unix_socket": agent.unix_path,
         "tcp": agent.tcp_address,
         "tcp_reach": _reachable(agent.tcp_address),
-        "token_file": getattr(agent, "token_file", None) if agent.tcp_address else None,
+        # the owner's to see (probe list shows it): a TCP caller holds a token already, maybe a weaker one
+        "token_file": getattr(agent, "token_file", None) if agent.tcp_address and request.transport == "unix" else None,
         "tcp_error": getattr(agent, "tcp_error", None),
         "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
                          "arrow": _available("pyarrow"),
