@@ -5,6 +5,7 @@ turns every exception into a JSON error envelope so that nothing escapes into th
 import importlib.util
 import json
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -57,6 +58,14 @@ def _available(module: str) -> bool:
         return False
 
 
+def _fallback_note() -> Optional[str]:
+    """Why the agent's socket is not in the default runtime directory (another user took it), or None."""
+    from probe import _paths
+
+    fallback = _paths.runtime_dir_fallback()
+    return None if fallback is None else "%s; the agent uses %s instead" % (fallback[1], fallback[0])
+
+
 def health(agent: "Agent", request: Request) -> Response:
     info = identity()
     info.update({
@@ -68,6 +77,8 @@ def health(agent: "Agent", request: Request) -> Response:
         # the owner's to see (probe list shows it): a TCP caller holds a token already, maybe a weaker one
         "token_file": getattr(agent, "token_file", None) if agent.tcp_address and request.transport == "unix" else None,
         "tcp_error": getattr(agent, "tcp_error", None),
+        "runtime_dir": os.path.dirname(agent.unix_path or "") or None,
+        "runtime_dir_fallback": _fallback_note(),
         "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
                          "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},

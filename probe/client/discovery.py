@@ -4,7 +4,7 @@ of them that is reached at HOST:PORT."""
 import os
 import socket
 import stat
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from probe import _paths
 from probe.client.client import Client
@@ -39,16 +39,8 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
     problem = _paths.runtime_dir_problem(directory)
     if problem:
         raise UsageError(*problem)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
     found: List[LocalAgent] = []
-    for name in sorted(names, key=lambda n: (len(n), n)):
-        pid = _paths.pid_from_socket_name(name)
-        if pid is None:
-            continue
-        path = os.path.join(directory, name)
+    for path, pid in _sockets():
         client = Client(parse_target("unix:" + path), timeout=timeout)
         try:
             found.append(LocalAgent(pid, path, client.health(fallback=False)))
@@ -60,6 +52,24 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
                 continue
             found.append(LocalAgent(pid, path, None, exc.message))
     return found
+
+
+def _sockets() -> List[Tuple[str, int]]:
+    """(path, pid) of every agent socket in the runtime directory and its private fallbacks
+    (``probe._paths.agent_dirs``), by pid."""
+    out: List[Tuple[str, int]] = []
+    for directory in _paths.agent_dirs():
+        if directory != _paths.runtime_dir() and _paths.runtime_dir_problem(directory):
+            continue
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in sorted(names, key=lambda n: (len(n), n)):
+            pid = _paths.pid_from_socket_name(name)
+            if pid is not None:
+                out.append((os.path.join(directory, name), pid))
+    return out
 
 
 def remove_stale_files(keep: Iterable[int] = ()) -> int:
@@ -102,7 +112,9 @@ def _short_reason(exc: AgentBlocked) -> str:
 
 
 def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
-    for stale in (path, _paths.token_path(pid), _paths.progress_path(pid)) if with_token else (path,):
+    directory = os.path.dirname(path)  # the runtime directory, or the fallback the agent used
+    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid))
+    for stale in (path,) + extra if with_token else (path,):
         try:
             os.unlink(stale)
         except OSError:
@@ -211,11 +223,7 @@ def _is_local(ip: str) -> bool:
 
 
 def _agent_pids() -> List[int]:
-    try:
-        names = os.listdir(_paths.runtime_dir())
-    except OSError:
-        return []
-    return [pid for pid in (_paths.pid_from_socket_name(n) for n in names) if pid is not None]
+    return [pid for _, pid in _sockets()]
 
 
 def _holds_socket(pid: int, inodes: Set[int]) -> bool:
