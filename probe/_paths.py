@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from probe.errors import UsageError
 
-__all__ = ["runtime_dir", "default_runtime_dir", "fallback_dirs", "runtime_dir_fallback", "agent_dirs",
+__all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback", "agent_dirs",
            "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
@@ -36,7 +36,7 @@ def runtime_dir() -> str:
     if explicit:
         return explicit
     default = default_runtime_dir()
-    if not _taken(default):
+    if not taken_by_another(default):
         return default
     chosen = _chosen.get(default)
     if chosen and _private(chosen):
@@ -60,7 +60,7 @@ def default_runtime_dir() -> str:
 _chosen: Dict[str, str] = {}
 
 
-def _taken(path: str) -> bool:
+def taken_by_another(path: str) -> bool:
     """Whether the default directory is someone else's doing: a link, not a directory, or another user's
     directory (in a shared /tmp anyone may make ``/tmp/probe-<uid>`` first). Ours with a loose mode is not:
     that is the user's own, and the error says to chmod it."""
@@ -165,7 +165,7 @@ def ensure_runtime_dir() -> str:
     directory of ours closed to others; its mode is never changed.
     """
     path = runtime_dir()
-    if not os.environ.get("PROBE_RUNTIME_DIR") and _taken(path):
+    if not os.environ.get("PROBE_RUNTIME_DIR") and taken_by_another(path):
         path = _make_fallback(path)
     try:
         os.makedirs(path, mode=0o700)

@@ -13,6 +13,7 @@ import pytest
 
 from procs import running, run_cli, target_env
 from test_files_tokens import _probe_lines, _stderr_until
+from test_inject import needs_ptrace
 
 NOBODY = 65534
 
@@ -116,3 +117,21 @@ def test_a_runtime_dir_the_user_named_is_never_replaced(shared_tmp, tmp_path):
         lines = _probe_lines(_stderr_until(proc, lambda t: "\n" in t, timeout=60))
         assert len(lines) == 1 and link in lines[0] and "symbolic link" in lines[0], lines
     assert [n for n in os.listdir(shared_tmp) if n != "named"] == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to be a second user")
+@needs_ptrace
+def test_an_agent_injected_while_another_user_holds_the_default_is_found(shared_tmp, target_factory):
+    default = os.path.join(shared_tmp, "probe-%d" % os.getuid())
+    _as_nobody(_planted(default, "a directory"))
+    env = _default_env(shared_tmp, probe=False)
+    target = env.copy()
+    target.pop("PYTHONPATH", None)  # the injector has to expose probe to it
+    proc = target_factory("inject_sleeping.py", probe=False, env=target)
+    done = run_cli(str(proc.pid), "inject", env=env)
+    assert done.code == 0, done.err
+    health = run_cli(str(proc.pid), "health", "--json", env=env)
+    assert health.code == 0, health.err
+    info = json.loads(health.out)
+    assert info["pid"] == proc.pid and info["runtime_dir"].startswith(default + "-"), info
+    assert default in info["runtime_dir_fallback"], info
