@@ -504,12 +504,15 @@ def torch_checkpoint(agent: "Agent", request: Request) -> Response:
     fmt = body.get("format", "probe")
     if not isinstance(fmt, str):
         raise BadRequest("format must be a string (probe, hf or lightning)")
+    overwrite = body.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise BadRequest("overwrite must be true or false")
     from probe.agent.frames import frame_scope, parse_frame
     from probe.agent.placement import run_between_steps
 
     scope = frame_scope(parse_frame(body["frame"])) if body.get("frame") is not None else None
     return Response.json(save(path, names["models"], names["optimizers"], timeout,
-                              None if concurrent else run_between_steps, scope=scope, fmt=fmt))
+                              None if concurrent else run_between_steps, scope=scope, fmt=fmt, overwrite=overwrite))
 
 
 def torch_trace(agent: "Agent", request: Request) -> Response:
@@ -647,7 +650,7 @@ def _audit_fields(path: str, body: Dict[str, Any]) -> Tuple[Optional[str], Dict[
     if path == "/v1/torch/checkpoint":
         exprs = [e for key in ("models", "optimizers") for e in (body.get(key) or []) if isinstance(e, str)]
         return ("\n".join(exprs) if exprs else None,
-                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent")})
+                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent", "overwrite")})
     if path == "/v1/complete":
         return (body.get("text") if isinstance(body.get("text"), str) else None, {"frame": body.get("frame")})
     return None, {k: v for k, v in body.items() if k not in ("code",)}

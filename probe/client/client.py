@@ -545,19 +545,22 @@ class Client:
 
     def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
                    timeout: float = 300.0, concurrent: bool = False, frame: Optional[str] = None,
-                   format: str = "probe") -> Dict[str, Any]:
+                   format: str = "probe", overwrite: bool = False) -> Dict[str, Any]:
         """Save the target's models, optimizers, schedulers, trainer progress and RNG states to ``path`` (in
         the target's file system; ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``:
         expressions in ``__main__`` (or in ``frame``, THREAD:DEPTH, or where the program's frames define
         them); default: those the agent finds. ``format``: probe (one file), hf (a directory transformers'
         Trainer resumes from) or lightning. Written between two optimizer steps when the job makes steps
-        (else, or with ``concurrent``, alongside the loop). Returns the path, bytes, sha256, what the
-        file holds, and ``taken``: how it was taken."""
+        (else, or with ``concurrent``, alongside the loop). An existing ``path`` is replaced only with
+        ``overwrite`` and only when it is a checkpoint; a symbolic link there never. Returns the path,
+        bytes, sha256, what the file holds, and ``taken``: how it was taken."""
         body: Dict[str, Any] = {"path": path, "timeout": timeout, "concurrent": concurrent}
         if frame is not None:
             body["frame"] = frame
         if format != "probe":
             body["format"] = format
+        if overwrite:
+            body["overwrite"] = True
         if models:
             body["models"] = list(models)
         if optimizers:
