@@ -47,7 +47,6 @@ the training thread), or bring torch or a framework in (the target must have imp
 import hashlib
 import json
 import os
-import re
 import socket
 import sys
 import threading
