@@ -234,6 +234,13 @@ def test_the_node_helper_takes_the_same_scopes(tmp_path):
                                    ("POST", "/v1/gather", {"op": "backtrace", "deadline": 10})):
             status, answer = _http(helper_port, method, path, READ_TOKEN, body)
             assert status == 200, (path, answer)
+            # issue 33 item 10: no TCP caller is told where a token's file is (the owner, on the unix socket, is)
+            assert not any(f in json.dumps(answer) for f in files.values()), (path, answer)
+        for token in (None, "wrong-token", READ_TOKEN):
+            answer = _http(helper_port, "POST", "/v1/nodes", token, {"node": 1})[1]
+            assert not any(f in json.dumps(answer) for f in files.values()), answer
+        listed = run_cli(master, *read, "ranks", env=job["env"])
+        assert listed.code == 0 and files["full"] not in listed.out + listed.err, listed
         status, answer = _http(helper_port, "POST", "/v1/nodes", READ_TOKEN, {"node": 1})
         assert status == 403 and "needs the eval scope" in answer["error"]["message"], answer
         status, answer = _http(helper_port, "POST", "/v1/nodes", CONTROL_TOKEN, {"node": 1})
