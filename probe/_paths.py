@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 
 from probe.errors import UsageError
 
-__all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback", "agent_dirs",
+__all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback", "runtime_dir_note", "agent_dirs",
            "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
@@ -101,6 +101,12 @@ def runtime_dir_fallback() -> Optional[Tuple[str, str]]:
         return None
     problem = runtime_dir_problem(default)
     return path, (problem[0] if problem else "the probe runtime directory %s was not usable" % default)
+
+
+def runtime_dir_note() -> Optional[str]:
+    """Why the runtime directory is not the default one (another user took it), for ``health``; or None."""
+    fallback = runtime_dir_fallback()
+    return None if fallback is None else "%s; the agent uses %s instead" % (fallback[1], fallback[0])
 
 
 def agent_dirs() -> List[str]:

@@ -22,8 +22,9 @@ def _free_port() -> int:
 def _post(port: int, token: str, path: str, body: dict, source: Optional[str] = None) -> int:
     """One request on its own connection, as a client sends it; the HTTP status of the answer."""
     data = json.dumps(body).encode()
-    head = ("POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\nContent-Type: application/json\r\n"
-            "Content-Length: %d\r\nConnection: close\r\n\r\n" % (path, token, len(data))).encode()
+    auth = "Authorization: Bearer %s\r\n" % token if token else ""
+    head = ("POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: application/json\r\n"
+            "Content-Length: %d\r\nConnection: close\r\n\r\n" % (path, auth, len(data))).encode()
     with socket.socket() as sock:
         sock.settimeout(scaled(30))
         if source:
@@ -127,3 +128,19 @@ def test_many_askers_and_recorded_reads_never_push_out_an_eval_and_every_file_st
         assert all(size <= 4096 for size in sizes.values()), sizes
         assert len(files) <= 3 + 2 + 2, sizes  # actions and two older; reads and refusals with one older each
         assert any(".refused." in name for name in sizes) and any(".reads." in name for name in sizes), sizes
+
+
+def test_requests_without_a_token_we_know_are_counted_in_the_trail_too(tmp_path):
+    """A guesser (no token, or wrong ones) is seen in the trail, counted: one row per asker and minute."""
+    port = _free_port()
+    env = target_env(PROBE_LISTEN="127.0.0.1:%d" % port, PROBE_TOKEN_FILE=_token(tmp_path, "full", "the-real-one"))
+    with running("idle.py", env=env) as proc:
+        assert set(_flood(port, "guess-%d" % os.getpid(), "/v1/eval", {"code": "1"}, 500)) == {401}
+        assert set(_flood(port, "", "/v1/query", {"sql": "SELECT 1"}, 300, workers=4)) == {401}
+        refused = [a for a in _audit(str(proc.pid), "-n", "1000") if a["outcome"] == "refused"]
+        by = {}
+        for action in refused:
+            by[(action["granted_by"], action["command"], action["scope"])] = \
+                by.get((action["granted_by"], action["command"], action["scope"]), 0) + action["count"]
+        assert by == {("a token it does not know", "eval", "eval"): 500, ("no token", "query", "read"): 300}, by
+        assert len(refused) <= 6, refused
