@@ -36,11 +36,11 @@ def runtime_dir() -> str:
     if explicit:
         return explicit
     default = default_runtime_dir()
-    if not taken_by_another(default):
-        return default
     chosen = _chosen.get(default)
     if chosen and _private(chosen):
-        return chosen
+        return chosen  # for this process's life, even once the default is free again: its files are there
+    if not taken_by_another(default):
+        return default
     found = fallback_dirs(default)
     if found:
         _chosen[default] = found[0]
