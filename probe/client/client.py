@@ -60,10 +60,10 @@ class Client:
     def _call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
               accept: Optional[str] = None, timeout: Optional[float] = None) -> transport.HttpResponse:
         if not self._token_sought:  # HOST:PORT without a token: an agent of ours on this host has it in a file
-            from probe.client.discovery import local_token
+            from probe.client.discovery import local_token_and_file
 
             self._token_sought = True
-            self._token = local_token(self.target.address)  # type: ignore[arg-type]
+            self._token, self._token_file_left = local_token_and_file(self.target.address)  # type: ignore[arg-type]
         headers = {}
         if self._token:
             headers["Authorization"] = "Bearer %s" % self._token
@@ -215,7 +215,12 @@ class Client:
             exc = error_from_code(error.get("code", "internal"), error.get("message", ""), error.get("hint"))
         except (ValueError, KeyError, TypeError, AttributeError):
             return self._not_an_agent("HTTP %d without probe's error envelope" % response.status)
-        if exc.code == "unauthorized" and not self._token and not exc.hint:
+        left = getattr(self, "_token_file_left", None)
+        if exc.code == "unauthorized" and not self._token and left:
+            # the agent names no file to a TCP caller; this host's own agent named it to us, its owner
+            exc.hint = ("the job's token file here, %s, is not a file of yours alone (a link, open to others, or gone), so probe did "
+                        "not read it: `chmod 600` it, or pass --token-file" % left)
+        elif exc.code == "unauthorized" and not self._token and not exc.hint:
             from probe.client.wording import option
 
             exc.hint = "pass %s (or set PROBE_TOKEN_FILE)" % option("--token-file FILE", "token_file=")

@@ -12,7 +12,8 @@ from probe.client.targets import parse_target
 from probe.client.transport import TcpAddress
 from probe.errors import AgentBlocked, ProbeError, UsageError
 
-__all__ = ["LocalAgent", "local_agents", "remove_stale_files", "local_token", "read_own_secret"]
+__all__ = ["LocalAgent", "local_agents", "remove_stale_files", "local_token", "local_token_and_file",
+           "read_own_secret"]
 
 
 class LocalAgent(NamedTuple):  # no dataclass: dataclasses imports inspect, ~5 ms of a command's start-up
@@ -129,17 +130,25 @@ def local_token(address: TcpAddress, timeout: float = 2.0) -> Optional[str]:
     started with PROBE_LISTEN): from the token file the agent names when asked over its unix socket, read
     only when that file is ours alone. None when anything is not so: ``address`` is not this host's (a
     token is never sent elsewhere), someone else listens there, or the file is not one we trust."""
+    return local_token_and_file(address, timeout)[0]
+
+
+def local_token_and_file(address: TcpAddress, timeout: float = 2.0) -> Tuple[Optional[str], Optional[str]]:
+    """(:func:`local_token`, the token file the agent named over its unix socket, read or not): where the
+    file was not read, the client can say which file it left alone, as the agent (to any TCP caller) does not."""
     listeners = _our_listeners(address)
     if not listeners:
-        return None
+        return None, None
     pids = [pid for pid in _agent_pids() if _holds_socket(pid, listeners)]
     if len(pids) != 1:  # none, or a forked child holds the listening socket too: its agent is elsewhere
-        return None
+        return None, None
     try:
         path = Client(parse_target(str(pids[0])), timeout=timeout).health(fallback=False).get("token_file")
     except ProbeError:
-        return None
-    return read_own_secret(path) if isinstance(path, str) else None
+        return None, None
+    if not isinstance(path, str):
+        return None, None
+    return read_own_secret(path), path
 
 
 def read_own_secret(path: str) -> Optional[str]:
