@@ -93,7 +93,8 @@ class Agent:
         fallback = _paths.runtime_dir_fallback()
         if fallback is not None:
             _say("probe: the agent in process %d keeps its socket in %s: %s (PROBE_RUNTIME_DIR=DIR sets a "
-                 "directory of your own; probe list and probe PID look there too)" % (self.pid, fallback[0], fallback[1]))
+                 "directory of your own; probe list and probe PID look there too)"
+                 % (self.pid, fallback[0], fallback[1]))
         path = _paths.socket_path(self.pid)
         _refuse_if_served(path)
         unix = Listener.unix(path, dispatcher)

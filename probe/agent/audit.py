@@ -151,7 +151,8 @@ class AuditLog:
         self.keep = keep if keep is not None else _env_int("PROBE_AUDIT_KEEP", KEEP, 1)
         minor = max(4096, self.max_bytes // 4)
         self._files = {kind: _Appender(lambda kind=kind: kind_path(self.path, kind),  # type: ignore[misc]
-                                       self.max_bytes if kind == ACTIONS else minor, self.keep if kind == ACTIONS else 1)
+                                       self.max_bytes if kind == ACTIONS else minor,
+                                       self.keep if kind == ACTIONS else 1)
                        for kind in KINDS}
         self._lock = threading.Lock()
         self._seq = 0

@@ -76,7 +76,8 @@ def _audit_fields(path: str, body: Dict[str, Any]) -> Tuple[Optional[str], Dict[
     if path == "/v1/torch/checkpoint":
         exprs = [e for key in ("models", "optimizers") for e in (body.get(key) or []) if isinstance(e, str)]
         return ("\n".join(exprs) if exprs else None,
-                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent", "overwrite")})
+                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent",
+                                          "overwrite")})
     if path == "/v1/complete":
         return (body.get("text") if isinstance(body.get("text"), str) else None, {"frame": body.get("frame")})
     return None, {k: v for k, v in body.items() if k not in ("code",)}

@@ -218,8 +218,8 @@ class Client:
         left = getattr(self, "_token_file_left", None)
         if exc.code == "unauthorized" and not self._token and left:
             # the agent names no file to a TCP caller; this host's own agent named it to us, its owner
-            exc.hint = ("the job's token file here, %s, is not a file of yours alone (a link, open to others, or gone), so probe did "
-                        "not read it: `chmod 600` it, or pass --token-file" % left)
+            exc.hint = ("the job's token file here, %s, is not a file of yours alone (a link, open to others, or "
+                        "gone), so probe did not read it: `chmod 600` it, or pass --token-file" % left)
         elif exc.code == "unauthorized" and not self._token and not exc.hint:
             from probe.client.wording import option
 
