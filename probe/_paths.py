@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Tuple
 from probe.errors import UsageError
 
 __all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback",
-           "runtime_dir_note", "agent_dirs", "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
+           "runtime_dir_note", "agent_dirs", "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir",
+           "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
            "node_log_path", "progress_path"]

@@ -215,7 +215,8 @@ class Helper:
         """Who this helper is; ``owner`` (the unix socket's peer) also learns where the job's token is kept:
         a TCP caller holds a token already, maybe a weaker one, and is not told the full one's file."""
         return {"helper": True, "kind": self.kind, "pid": os.getpid(), "host": node_host(), "node": self.members.node_key(),
-                "probe_port": self.base_port, "helper_port": self.port, "token_file": self.token_file if owner else None}
+                "probe_port": self.base_port, "helper_port": self.port,
+                "token_file": self.token_file if owner else None}
 
     # -- members ----------------------------------------------------------------------------------
 
