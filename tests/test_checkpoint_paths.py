@@ -13,6 +13,7 @@ from typing import Iterator
 
 import pytest
 
+import probe
 from procs import running, run_cli, target_env
 from test_runtime_fallback import _as_nobody
 
@@ -81,9 +82,22 @@ def test_a_control_token_cannot_make_a_checkpoint_replace_the_users_files(shared
             inside = save(os.path.join(dirlink, "ck.pt"), *extra)
             assert inside.code != 0 and "uid 65534" in inside.err, inside
         assert _sha(str(bashrc)) == before and os.listdir(str(keys)) == []
-        hf = run_cli(str(proc.pid), "checkpoint", str(keys), "-F", "hf")  # an existing directory: not unless asked
+        # hf writes a directory: an existing one (not made by this save) is not used unless asked
+        made = run_cli(str(proc.pid), "eval", "import torch; scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5)")
+        assert made.code == 0, made.err
+        hf = run_cli(str(proc.pid), "checkpoint", str(keys), "-F", "hf")
         assert hf.code != 0 and "exists already" in hf.err, hf
         assert os.listdir(str(keys)) == []
+        # the ranks of one save share its directory (one save_id, as the CLI gives every rank); another save not
+        client = probe.connect(str(proc.pid), timeout=120)
+        fresh = str(tmp_path / "hf-ck")
+        client.checkpoint(fresh, format="hf", save_id="save1")
+        assert client.checkpoint(fresh, format="hf", save_id="save1")["path"] == fresh  # another rank's turn
+        with pytest.raises(probe.ProbeError) as other:
+            client.checkpoint(fresh, format="hf", save_id="save2")
+        assert "exists already" in other.value.message
+        client.checkpoint(fresh, format="hf", save_id="save2", overwrite=True)
+        assert ".probe-save-save1" in os.listdir(fresh) and "pytorch_model.bin" in os.listdir(fresh)
 
         # Asked, a checkpoint replaces a checkpoint (the user's own way to save again to one name).
         mine = str(tmp_path / "mine.pt")
@@ -95,4 +109,4 @@ def test_a_control_token_cannot_make_a_checkpoint_replace_the_users_files(shared
         assert replaced.code == 0, replaced.err
         assert json.loads(replaced.out)["sha256"] == _sha(mine)
         assert torch.load(mine)["format"] == "probe.checkpoint/1"
-    assert sorted(os.listdir(str(tmp_path))) == ["control.token", "home", "mine.pt"]
+    assert sorted(os.listdir(str(tmp_path))) == ["control.token", "hf-ck", "home", "mine.pt"]

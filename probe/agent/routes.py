@@ -501,12 +501,16 @@ def torch_checkpoint(agent: "Agent", request: Request) -> Response:
     overwrite = body.get("overwrite", False)
     if not isinstance(overwrite, bool):
         raise BadRequest("overwrite must be true or false")
+    save_id = body.get("save_id", "")
+    if not isinstance(save_id, str) or len(save_id) > 64 or not all(c.isalnum() and c.isascii() for c in save_id):
+        raise BadRequest("save_id must be up to 64 letters and digits")
     from probe.agent.frames import frame_scope, parse_frame
     from probe.agent.placement import run_between_steps
 
     scope = frame_scope(parse_frame(body["frame"])) if body.get("frame") is not None else None
     return Response.json(save(path, names["models"], names["optimizers"], timeout,
-                              None if concurrent else run_between_steps, scope=scope, fmt=fmt, overwrite=overwrite))
+                              None if concurrent else run_between_steps, scope=scope, fmt=fmt, overwrite=overwrite,
+                              save_id=save_id))
 
 
 def torch_trace(agent: "Agent", request: Request) -> Response:

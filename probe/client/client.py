@@ -550,7 +550,7 @@ class Client:
 
     def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
                    timeout: float = 300.0, concurrent: bool = False, frame: Optional[str] = None,
-                   format: str = "probe", overwrite: bool = False) -> Dict[str, Any]:
+                   format: str = "probe", overwrite: bool = False, save_id: Optional[str] = None) -> Dict[str, Any]:
         """Save the target's models, optimizers, schedulers, trainer progress and RNG states to ``path`` (in
         the target's file system; ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``:
         expressions in ``__main__`` (or in ``frame``, THREAD:DEPTH, or where the program's frames define
@@ -558,7 +558,8 @@ class Client:
         Trainer resumes from) or lightning. Written between two optimizer steps when the job makes steps
         (else, or with ``concurrent``, alongside the loop). An existing ``path`` is replaced only with
         ``overwrite`` and only when it is a checkpoint; a symbolic link there never. Returns the path,
-        bytes, sha256, what the file holds, and ``taken``: how it was taken."""
+        bytes, sha256, what the file holds, and ``taken``: how it was taken. ``save_id``: the same for
+        every rank of one save to one hf directory (made fresh where not given)."""
         body: Dict[str, Any] = {"path": path, "timeout": timeout, "concurrent": concurrent}
         if frame is not None:
             body["frame"] = frame
@@ -566,6 +567,10 @@ class Client:
             body["format"] = format
         if overwrite:
             body["overwrite"] = True
+        if format == "hf":
+            import secrets
+
+            body["save_id"] = save_id or secrets.token_hex(8)
         if models:
             body["models"] = list(models)
         if optimizers:

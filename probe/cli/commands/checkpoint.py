@@ -2,6 +2,7 @@
 
 import json
 import os
+import secrets
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import click
@@ -74,6 +75,7 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     fmt = outputs[0] if outputs else None
     file_format = files[0] if files else "probe"
     several = len(cli.targets) > 1 or cli.is_cluster
+    save_id = secrets.token_hex(8)  # one for every rank: an hf directory one of them made is theirs all
     if cli.is_cluster and cli.deadline is None:  # every rank's save may take its time limit, and the step wait
         cli.deadline = checkpoint_timeout + STEP_WAIT_S + 5.0
         if not cli.timeout_given:
@@ -81,7 +83,7 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
                                                                   list(optimizers) or None, checkpoint_timeout,
                                                                   concurrent, frame=frame, format=file_format,
-                                                                  overwrite=overwrite)):
+                                                                  overwrite=overwrite, save_id=save_id)):
         if fmt == "json":
             member = cli.cluster_member(client)
             emit(json.dumps(dict(saved, rank=member.rank, host=member.host) if member is not None

@@ -77,7 +77,7 @@ class _Cancelled(Exception):
 
 def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional[Sequence[str]] = None,
          timeout: float = DEFAULT_TIMEOUT_S, between_steps: Optional[BetweenSteps] = None, scope: Any = None,
-         fmt: str = "probe", overwrite: bool = False) -> Dict[str, Any]:
+         fmt: str = "probe", overwrite: bool = False, save_id: str = "") -> Dict[str, Any]:
     """Write the checkpoint; what it holds, its path, size and sha256, and how it was taken. One at a time.
 
     ``between_steps`` (the agent's placement of work right after the next optimizer step) has it
@@ -85,7 +85,8 @@ def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional
     hung job, no optimizer): the checkpoint is then written concurrently, as it is without
     ``between_steps``. ``taken`` says which. ``scope``: the frame (``probe.agent.frames.Scope``) whose
     names ``models``/``optimizers`` use. ``fmt``: one of :data:`FORMATS`. ``overwrite``: replace a
-    checkpoint at ``path`` (never anything else; see ``probe.tables.torch.checkpoint_files``).
+    checkpoint at ``path`` (never anything else; see ``probe.tables.torch.checkpoint_files``); ``save_id``:
+    the same for every rank of one save (hf's directory is theirs whichever rank made it).
     """
     torch_or_raise()
     if fmt not in FORMATS:
@@ -94,7 +95,7 @@ def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional
         raise Busy("a checkpoint is being written in this process already", hint="wait for it to finish")
     try:
         def work(cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-            return _save(path, models, optimizers, scope, fmt, cancel, rng, overwrite)
+            return _save(path, models, optimizers, scope, fmt, cancel, rng, overwrite, save_id)
 
         taken = "concurrently with the training loop (as asked)"
         if between_steps is not None:
@@ -305,7 +306,7 @@ def _named(kind: type, exprs: Optional[Sequence[str]], found_: List[Tuple[str, A
 
 def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]], scope: Any,
           fmt: str, cancel: threading.Event, rng: Optional[Dict[str, Any]] = None,
-          overwrite: bool = False) -> Dict[str, Any]:
+          overwrite: bool = False, save_id: str = "") -> Dict[str, Any]:
     from probe.tables.torch.checkpoint_files import check_target
 
     torch = torch_or_raise()
@@ -317,7 +318,7 @@ def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Opti
     progress = _progress(plan.trainer)
     step, step_source = _step(torch, plan.optimizers, progress)
     if fmt == "hf":
-        size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel, overwrite)
+        size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel, overwrite, save_id)
     elif fmt == "lightning":
         size, digest = _write_lightning(torch, plan, target, cancel, overwrite)
         files = [os.path.basename(target)]
@@ -383,7 +384,8 @@ def _single(what: str, items: List[Tuple[str, Any]], fmt: str) -> Optional[Tuple
 
 
 def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
-              step: Optional[int], cancel: threading.Event, overwrite: bool = False) -> Tuple[int, str, List[str]]:
+              step: Optional[int], cancel: threading.Event, overwrite: bool = False,
+              save_id: str = "") -> Tuple[int, str, List[str]]:
     """The directory ``Trainer.train(resume_from_checkpoint=DIR)`` reads (transformers' own file names)."""
     from probe.tables.torch.checkpoint_files import make_directory
 
@@ -397,7 +399,7 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     if any(is_dtensor(p) for p in model[1].parameters()):
         raise BadRequest("--format hf holds whole tensors, and this model is sharded (DTensor)",
                          hint="save in probe's format, which keeps each rank's shard")
-    make_directory(target, overwrite)
+    overwrite = make_directory(target, overwrite, save_id)  # the files of this save's directory are its own
     files: Dict[str, Any] = {}
     with torch.no_grad():
         files["pytorch_model.bin"] = _module_state(model[1])

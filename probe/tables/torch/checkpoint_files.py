@@ -9,6 +9,8 @@ another user made, would replace a file the job's user owns. So:
 * a symbolic link at PATH is never written through nor replaced;
 * an existing PATH is replaced only when the request asks (``--overwrite``), and only when it is a regular
   file of the user's that is a checkpoint already (torch.save's zip or pickle, or the JSON probe writes);
+  hf's directory is the ranks' of one save when they made it (its ``.probe-save-ID`` marker), else it
+  too needs ``--overwrite``;
 * without ``--overwrite`` the new file takes its name with ``link(2)``, which fails where anything took
   the name meanwhile (a race lost is a clear error, never a file replaced).
 
@@ -41,18 +43,66 @@ def check_target(target: str, overwrite: bool, directory: bool = False) -> None:
         os.close(fd)
 
 
-def make_directory(target: str, overwrite: bool) -> None:
-    """The directory ``target`` (mode 0700) for a checkpoint of several files (hf's), made where missing; an
-    existing one only with ``overwrite`` (its files are then replaced one by one, each only if a checkpoint)."""
+def make_directory(target: str, overwrite: bool, save_id: str = "") -> bool:
+    """The directory ``target`` (0700) for a checkpoint of several files (hf's), and whether the files in it
+    may be replaced (each still only if a checkpoint). Made here with the marker ``.probe-save-SAVE_ID`` in
+    it, under a temporary name and renamed into place, so that the ranks of one save (one ``save_id``, which
+    the client gives them all) find it theirs whichever made it; an existing directory without that marker
+    is used only with ``overwrite``."""
+    marker = ".probe-save-%s" % save_id if save_id else ""
     fd, name = _open_dir(target)
     try:
         _check_name(fd, name, target, overwrite, True)
         try:
-            os.mkdir(name, 0o700, dir_fd=fd)
-        except FileExistsError:
+            os.stat(name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            if _make_marked(fd, name, marker):
+                return True
             _check_name(fd, name, target, overwrite, True)  # made meanwhile: the same rules
+        if marker and _has(fd, name, marker):
+            return True  # another rank of this save made it
+        if not overwrite:
+            raise BadRequest("%s exists already: probe replaces nothing unless asked" % target,
+                             hint="give a new path, or --overwrite to replace a checkpoint there")
+        return True
     finally:
         os.close(fd)
+
+
+def _make_marked(fd: int, name: str, marker: str) -> bool:
+    """Make ``name`` with ``marker`` in it, atomically; False where something took the name first."""
+    tmp = ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4))
+    os.mkdir(tmp, 0o700, dir_fd=fd)
+    inner = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    try:
+        if marker:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600, dir_fd=inner))
+        try:
+            os.rename(tmp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            return True
+        except OSError as exc:  # a directory that is not empty (or anything else) there already
+            if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR, errno.EPERM):
+                raise
+            if marker:
+                _unlink(marker, inner)
+            os.rmdir(tmp, dir_fd=fd)
+            return False
+    finally:
+        os.close(inner)
+
+
+def _has(fd: int, name: str, entry: str) -> bool:
+    try:
+        inner = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+    except OSError:
+        return False
+    try:
+        os.stat(entry, dir_fd=inner, follow_symlinks=False)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(inner)
 
 
 def write_file_atomically(write: Callable[[int], Any], target: str, overwrite: bool) -> Any:
@@ -107,16 +157,19 @@ def _check_name(dir_fd: int, name: str, target: str, overwrite: bool, directory:
     if stat.S_ISLNK(info.st_mode):
         raise BadRequest("%s is a symbolic link: probe writes a checkpoint neither through one nor over one" % target,
                          hint="give the path of the file itself, or a new one")
+    if directory:  # whether files in it may be replaced is make_directory's to say
+        if not stat.S_ISDIR(info.st_mode):
+            raise BadRequest("%s is a file; --format hf writes a directory" % target)
+        if info.st_uid != os.getuid():
+            raise BadRequest("%s belongs to uid %d, not to the job's user: probe writes nothing in it"
+                             % (target, info.st_uid))
+        return
     if not overwrite:
         raise BadRequest("%s exists already: probe replaces nothing unless asked" % target,
                          hint="give a new path, or --overwrite to replace a checkpoint there")
     if info.st_uid != os.getuid():
         raise BadRequest("%s belongs to uid %d, not to the job's user: probe does not replace it"
                          % (target, info.st_uid))
-    if directory:
-        if not stat.S_ISDIR(info.st_mode):
-            raise BadRequest("%s is a file; --format hf writes a directory" % target)
-        return
     if not stat.S_ISREG(info.st_mode) or not _is_checkpoint(dir_fd, name):
         raise BadRequest("%s is not a checkpoint: --overwrite replaces only a file torch.save (or probe) wrote"
                          % target, hint="give another path")
