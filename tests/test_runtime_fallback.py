@@ -77,6 +77,8 @@ def test_a_default_runtime_dir_made_by_another_user_is_left_and_a_private_one_is
     assert os.lstat(default).st_uid == NOBODY
     before = sorted(os.listdir(shared_tmp))
     client_env = _default_env(shared_tmp, probe=False)
+    nothing_yet = run_cli("list", "--agents-only", "--json", env=client_env)
+    assert nothing_yet.code == 0 and json.loads(nothing_yet.out) == [], nothing_yet
     with running("idle.py", env=_default_env(shared_tmp), wait_socket=False) as first, \
             running("idle.py", env=_default_env(shared_tmp), wait_socket=False) as second:
         said = {}

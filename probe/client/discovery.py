@@ -38,8 +38,8 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
     """
     directory = _paths.runtime_dir()
     problem = _paths.runtime_dir_problem(directory)
-    if problem:
-        raise UsageError(*problem)
+    if problem and not (directory == _paths.default_runtime_dir() and _paths.taken_by_another(directory)):
+        raise UsageError(*problem)  # (a default another user took holds none of ours: an agent makes a fallback)
     found: List[LocalAgent] = []
     for path, pid in _sockets():
         client = Client(parse_target("unix:" + path), timeout=timeout)
