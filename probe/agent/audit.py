@@ -28,6 +28,7 @@ Nothing here raises into the target: a trail that cannot be written says so once
 Stdlib only.
 """
 
+import atexit
 import hashlib
 import json
 import os
@@ -159,6 +160,7 @@ class AuditLog:
         self._failed = False
         self._refusals = Refusals(self._next_seq)
         self._refusals_pid = os.getpid()
+        atexit.register(self.flush)  # the counts of the last minute, where the process ends normally
 
     @property
     def path(self) -> str:
@@ -222,8 +224,10 @@ class AuditLog:
         self._write_refusals(due)
 
     def flush(self) -> None:
-        """Write the refusal counts not written yet (before the trail is read)."""
+        """Write the refusal counts not written yet (before the trail is read, and at exit)."""
         try:
+            if self._refusals_pid != os.getpid():
+                return  # a forked child's copy of its parent's counts: the parent's to write
             self._write_refusals(self._refusals.pending(os.getpid()))
         except Exception:
             pass
