@@ -64,9 +64,10 @@ def main() -> None:
             a, b, c = (os.path.join(directory, n) for n in ("a.pt", "b.pt", "c.pt"))
             code = ("torch.save({'model': model.state_dict(), 'optimizer': optimizer.state_dict()}, %r)" % b)
             runners: Dict[str, Callable[[], Tuple[float, float]]] = {
-                "probe checkpoint": measured(target, [probe, str(target.pid), "--timeout", "600", "checkpoint", a]),
+                "probe checkpoint": measured(target, [probe, str(target.pid), "--timeout", "600", "checkpoint",
+                                                      "--overwrite", a]),
                 "probe checkpoint --concurrent": measured(target, [probe, str(target.pid), "--timeout", "600",
-                                                                   "checkpoint", "--concurrent", c]),
+                                                                   "checkpoint", "--overwrite", "--concurrent", c]),
                 "torch.save via probe eval": measured(target, [probe, str(target.pid), "--timeout", "600", "eval",
                                                                "--eval-timeout", "300", code]),
             }

@@ -3,7 +3,10 @@
 One directory per user, entered only by its owner, holds ``<pid>.sock`` (the unix socket of the agent
 in process ``pid``) and ``<pid>.token`` (its TCP token, when it listens on TCP). Both the agent and the
 client derive paths from here, so the convention lives in exactly one place. A directory we did not
-make for ourselves is never changed (no chmod): it is refused, with the fix. Runs inside the target:
+make for ourselves is never changed (no chmod): it is refused, with the fix. Where the default name
+(``/tmp/probe-<uid>``, which anyone may make first in a shared /tmp) is another user's, a link or not a
+directory, a private directory beside it (``/tmp/probe-<uid>-<time>-<random>``, 0700) is used instead, and
+the client looks there too; a ``PROBE_RUNTIME_DIR`` the user named is never replaced. Runs inside the target:
 stdlib only, Python 3.9+.
 """
 
@@ -12,11 +15,13 @@ import os
 import socket
 import stat
 import time
-from typing import Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from probe.errors import UsageError
 
-__all__ = ["runtime_dir", "runtime_dir_problem", "ensure_runtime_dir", "socket_path", "token_path",
+__all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback",
+           "runtime_dir_note", "agent_dirs", "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir",
+           "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
            "node_log_path", "progress_path"]
@@ -26,14 +31,103 @@ STALE_AFTER_S = 2.0
 
 
 def runtime_dir() -> str:
-    """The per-user directory, ``$PROBE_RUNTIME_DIR`` or ``$XDG_RUNTIME_DIR/probe`` or ``/tmp/probe-<uid>``."""
+    """The per-user directory, ``$PROBE_RUNTIME_DIR`` or ``$XDG_RUNTIME_DIR/probe`` or ``/tmp/probe-<uid>``;
+    where that default is taken by someone else, the private fallback beside it (:func:`runtime_dir_fallback`)."""
     explicit = os.environ.get("PROBE_RUNTIME_DIR")
     if explicit:
         return explicit
+    default = default_runtime_dir()
+    chosen = _chosen.get(default)
+    if chosen and _private(chosen):
+        return chosen  # for this process's life, even once the default is free again: its files are there
+    if not taken_by_another(default):
+        return default
+    found = fallback_dirs(default)
+    if found:
+        _chosen[default] = found[0]
+        return found[0]
+    return default  # none yet: ensure_runtime_dir makes one
+
+
+def default_runtime_dir() -> str:
+    """``$XDG_RUNTIME_DIR/probe`` or ``$TMPDIR/probe-<uid>`` (``/tmp``): the name everyone can compute."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isdir(xdg):
         return os.path.join(xdg, "probe")
     return os.path.join(os.environ.get("TMPDIR") or "/tmp", "probe-%d" % os.getuid())
+
+
+# A default directory another user took -> the private one this process uses instead.
+_chosen: Dict[str, str] = {}
+
+
+def taken_by_another(path: str) -> bool:
+    """Whether the default directory is someone else's doing: a link, not a directory, or another user's
+    directory (in a shared /tmp anyone may make ``/tmp/probe-<uid>`` first). Ours with a loose mode is not:
+    that is the user's own, and the error says to chmod it."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid()
+
+
+def _private(path: str) -> bool:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not stat.S_IMODE(info.st_mode) & 0o077
+
+
+def fallback_dirs(default: Optional[str] = None) -> List[str]:
+    """The private fallbacks of the default directory, oldest first: ``<default>-<time>-<random>`` beside it,
+    real directories of ours that no one else may enter (a name alone proves nothing: anyone may make one)."""
+    default = default or default_runtime_dir()
+    parent, prefix = os.path.split(default)
+    try:
+        names = sorted(n for n in os.listdir(parent or ".") if n.startswith(prefix + "-"))
+    except OSError:
+        return []
+    return [os.path.join(parent, n) for n in names if _private(os.path.join(parent, n))]
+
+
+def runtime_dir_fallback() -> Optional[Tuple[str, str]]:
+    """(the fallback in use, why) where the default runtime directory is taken by someone else; else None."""
+    if os.environ.get("PROBE_RUNTIME_DIR"):
+        return None
+    default = default_runtime_dir()
+    path = runtime_dir()
+    if path == default:
+        return None
+    problem = runtime_dir_problem(default)
+    return path, (problem[0] if problem else "the probe runtime directory %s was not usable" % default)
+
+
+def runtime_dir_note() -> Optional[str]:
+    """Why the runtime directory is not the default one (another user took it), for ``health``; or None."""
+    fallback = runtime_dir_fallback()
+    return None if fallback is None else "%s; the agent uses %s instead" % (fallback[1], fallback[0])
+
+
+def agent_dirs() -> List[str]:
+    """Every directory where an agent of ours may have its socket: the runtime directory, and with the
+    default one (no ``PROBE_RUNTIME_DIR``) every private fallback of it (a process that started while
+    another user held the default one, before or after it was freed)."""
+    first = runtime_dir()
+    if os.environ.get("PROBE_RUNTIME_DIR"):
+        return [first]
+    return [first] + [d for d in fallback_dirs() if d != first]
+
+
+def find_socket_path(pid: int) -> str:
+    """The socket of the agent in process ``pid``: in the runtime directory, or in a fallback that holds
+    it (:func:`agent_dirs`); the runtime directory's name when none does."""
+    for directory in agent_dirs():
+        path = os.path.join(directory, "%d.sock" % pid)
+        if os.path.lexists(path):
+            return path
+    return socket_path(pid)
 
 
 _ELSEWHERE = "set PROBE_RUNTIME_DIR to a directory of your own"
@@ -78,6 +172,8 @@ def ensure_runtime_dir() -> str:
     directory of ours closed to others; its mode is never changed.
     """
     path = runtime_dir()
+    if not os.environ.get("PROBE_RUNTIME_DIR") and taken_by_another(path):
+        path = _make_fallback(path)
     try:
         os.makedirs(path, mode=0o700)
     except FileExistsError:
@@ -89,6 +185,26 @@ def ensure_runtime_dir() -> str:
     if problem:
         raise UsageError(*problem)
     return path
+
+
+def _make_fallback(default: str) -> str:
+    """A new private fallback beside ``default`` (mode 0700, a name no one can take first); of those made at
+    once by several processes (the ranks of a job), each keeps the oldest, so they meet in one."""
+    name = "%s-%016x-%s" % (default, time.time_ns(), os.urandom(4).hex())
+    try:
+        os.mkdir(name, 0o700)
+    except OSError as exc:
+        raise UsageError("the probe runtime directory %s is taken by someone else, and no private one could be made "
+                         "beside it: %s" % (default, exc.strerror or exc), hint=_ELSEWHERE) from None
+    found = fallback_dirs(default)
+    chosen = found[0] if found else name
+    if chosen != name:
+        try:
+            os.rmdir(name)
+        except OSError:
+            pass
+    _chosen[default] = chosen
+    return chosen
 
 
 def socket_path(pid: int) -> str:

@@ -17,15 +17,17 @@ from procs import running, run_cli, scaled, target_env
 from terminal import run_in_pty
 
 
-def _trail_path(pid: int) -> str:
+def _trail_path(pid: int, kind: str = "") -> str:
+    """The file of one kind of record: the actions (""), "reads" or "refused"."""
     directory = os.environ["PROBE_RUNTIME_DIR"]
-    names = [n for n in os.listdir(directory) if n.startswith("audit-%d-" % pid) and n.endswith(".jsonl")]
+    names = [n for n in os.listdir(directory) if n.startswith("audit-%d-" % pid) and n.endswith(".jsonl")
+             and n.count(".") == (2 if kind else 1) and (not kind or ".%s." % kind in n)]
     assert len(names) == 1, names
     return os.path.join(directory, names[0])
 
 
-def _trail(pid: int) -> list:
-    with open(_trail_path(pid)) as handle:
+def _trail(pid: int, kind: str = "") -> list:
+    with open(_trail_path(pid, kind)) as handle:
         return [json.loads(line) for line in handle]
 
 
@@ -125,7 +127,7 @@ def test_reads_are_recorded_when_the_target_asks(tmp_path):
     with running("idle.py", env=target_env(PROBE_AUDIT_READS="1")) as proc:
         run_cli(str(proc.pid), "query", "SELECT 'read-case-10' AS x")
         run_cli(str(proc.pid), "backtrace")
-        records = [r for r in _trail(proc.pid) if r["phase"] == "start"]
+        records = [r for r in _trail(proc.pid, "reads") if r["phase"] == "start"]
         assert any(r["command"] == "query" and "read-case-10" in json.dumps(r.get("detail")) and r["scope"] == "read"
                    for r in records), records
         assert any(r["command"] == "backtrace" for r in records), records

@@ -103,7 +103,7 @@ def test_sigkill_mid_write_leaves_the_old_file(tmp_path):
     try:
         old = _checkpoint(proc.pid, path)["sha256"]
         _eval(proc.pid, "model.gate.gate.path = %r; model.gate.gate.armed = True" % entered)
-        cli = subprocess.Popen([sys.executable, "-m", "probe", str(proc.pid), "checkpoint", path],
+        cli = subprocess.Popen([sys.executable, "-m", "probe", str(proc.pid), "checkpoint", path, "--overwrite"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=target_env(probe=False), cwd=REPO)
         try:
             deadline = time.monotonic() + 30
@@ -124,7 +124,7 @@ def test_sigkill_mid_write_leaves_the_old_file(tmp_path):
     assert _sha256(path) == old
     assert torch.load(path)["format"] == "probe.checkpoint/1"
     with running("train.py", "--idle") as again:  # the next checkpoint there removes the dead one's leftover
-        _checkpoint(again.pid, path)
+        _checkpoint(again.pid, path, "--overwrite")
     assert sorted(os.listdir(tmp_path)) == ["ck.pt", "entered"]
 
 
@@ -134,7 +134,7 @@ def test_death_at_an_exact_byte_mid_write_leaves_the_old_file(tmp_path):
         saved = _checkpoint(proc.pid, path)
         limit = saved["bytes"] // 2
         _eval(proc.pid, "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (%d, %d))" % (limit, limit))
-        done = run_cli(str(proc.pid), "checkpoint", path)
+        done = run_cli(str(proc.pid), "checkpoint", path, "--overwrite")
         assert done.code != 0
         assert proc.popen.wait(10) == -signal.SIGXFSZ  # killed by the kernel while writing byte `limit`
     leftovers = glob.glob(str(tmp_path / ".ck.pt.probe-*.tmp"))
@@ -173,7 +173,7 @@ def test_a_save_past_its_time_limit_is_stopped_and_the_old_file_stays(tmp_path):
     with running("train.py", "--idle") as proc:
         old = _checkpoint(proc.pid, path)["sha256"]
         _eval(proc.pid, "model.gate.gate.path = %r; model.gate.gate.armed = True" % entered)
-        done = run_cli(str(proc.pid), "checkpoint", path, "--checkpoint-timeout", "1")
+        done = run_cli(str(proc.pid), "checkpoint", path, "--checkpoint-timeout", "1", "--overwrite")
         assert done.code == 5 and "did not finish within 1 s" in done.err, done.err
         _eval(proc.pid, "model.gate.gate.armed = False")
         assert _sha256(path) == old

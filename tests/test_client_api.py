@@ -91,7 +91,7 @@ def test_a_token_file_open_to_others_is_not_read(job) -> None:
     finally:
         os.chmod(path, 0o600)
     assert result.code == 4, result
-    assert path in result.err  # the agent's hint still names it
+    assert path in result.err  # the client names it: this host's agent told its owner, over the unix socket
 
 
 def test_an_agent_with_a_tcp_listener_of_its_own_gives_its_token(target_factory) -> None:

@@ -90,6 +90,11 @@ class Agent:
         dispatcher = Dispatcher(self)
         keep_stdio_open()  # before anything is opened: a process started with 0-2 closed would get them
         _paths.ensure_runtime_dir()
+        fallback = _paths.runtime_dir_fallback()
+        if fallback is not None:
+            _say("probe: the agent in process %d keeps its socket in %s: %s (PROBE_RUNTIME_DIR=DIR sets a "
+                 "directory of your own; probe list and probe PID look there too)"
+                 % (self.pid, fallback[0], fallback[1]))
         path = _paths.socket_path(self.pid)
         _refuse_if_served(path)
         unix = Listener.unix(path, dispatcher)
@@ -251,9 +256,9 @@ class Agent:
         """The request's grant (``probe.agent.scopes.Grant``): the unix socket's peer was checked at accept
         and has the unix scope; TCP needs ``Authorization: Bearer <token>`` of one of our tokens."""
         if request.transport != "unix" and self._token is None:
-            raise Unauthorized("this agent requires a token on TCP",
-                               hint="pass --token-file FILE with the agent's token (on its host: %s)"
-                               % (self.token_file or "the file given to the agent"))
+            from probe.agent.scopes import TOKEN_HINT
+
+            raise Unauthorized("this agent requires a token on TCP", hint=TOKEN_HINT)
         return self.credentials.grant(request.transport, request.headers)
 
     # -- SQL --------------------------------------------------------------------------------------

@@ -1,36 +1,45 @@
 """The audit trail: who asked this process to do what, recorded before it runs and with its outcome after.
 
 Every control and eval request (eval and REPL input, checkpoint, debug start and stop, trace changes and
-export, learning-rate changes, interrupts) and every refused one is written as two JSON lines (one for
-a refusal) to ``audit-PID-TICKS.jsonl`` in the runtime directory, beside the agent's socket:
+export, learning-rate changes, interrupts) is written as two JSON lines to ``audit-PID-TICKS.jsonl`` in the
+runtime directory, beside the agent's socket:
 
     {"seq": 3, "phase": "start", "time": 1764090000.123, "pid": 4242, "scope": "eval", "by": "full token",
      "peer": "10.0.0.5:51234", "command": "eval", "detail": {...}, "code": "...", "code_sha256": "...",
      "code_bytes": 27}
     {"seq": 3, "phase": "end", "time": ..., "pid": 4242, "command": "eval", "outcome": "ok" | "error" |
-     "interrupted" | "refused", "error": "...", "elapsed_ms": 1.9}
+     "interrupted", "error": "...", "elapsed_ms": 1.9}
 
-The file is the owner's only (0600), opened with O_APPEND, and each record is one ``os.write``, so that
-records of concurrent requests never interleave. It is bounded: past ``PROBE_AUDIT_MAX_BYTES`` (1 MB) it
-is renamed to ``.1`` (the older ``.1`` to ``.2``; ``PROBE_AUDIT_KEEP`` such files, default 2) and a new
-one begun. It stays when the process ends, for a post-mortem (``probe PID audit`` reads it); the trails of
-processes that no longer run are pruned to the newest ``KEEP_DEAD`` when a new trail is begun.
-Reads (queries, backtraces) are recorded only with ``PROBE_AUDIT_READS=1``.
+Refused requests go to ``audit-PID-TICKS.refused.jsonl``, counted per asker and minute
+(``probe.agent.audit_refusals``: ``{"phase": "refused", ..., "count": 512, "last": ...}``), and reads,
+recorded only with ``PROBE_AUDIT_READS=1``, to ``audit-PID-TICKS.reads.jsonl``: a caller with a read token
+can neither refuse nor read the records of what ran out of the trail.
+
+Each file is the owner's only (0600), opened with O_APPEND, and each record is one ``os.write``, so that
+records of concurrent requests never interleave. Each kind is bounded on its own: past
+``PROBE_AUDIT_MAX_BYTES`` (1 MB) the actions' file is renamed to ``.1`` (the older ``.1`` to ``.2``;
+``PROBE_AUDIT_KEEP`` such files, default 2) and a new one begun; the refusals' and the reads' files rotate
+at a quarter of that (at least 4 KB) with one older file each. So one process's trail holds at most
+(KEEP + 1) x MAX_BYTES + 4 x MAX_BYTES / 4: 4 MB by default. It stays when the process ends, for a
+post-mortem (``probe PID audit`` reads it); the trails of processes that no longer run are pruned to the
+newest ``KEEP_DEAD`` when a new trail is begun.
 
 Nothing here raises into the target: a trail that cannot be written says so once on stderr.
 Stdlib only.
 """
 
+import atexit
 import hashlib
 import json
 import os
 import re
 import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from probe import _paths
 from probe._stderr import say as _say
+from probe.agent.audit_refusals import Refusals
 
 __all__ = ["AuditLog", "trail", "records", "actions", "trail_files", "MAX_SNIPPET", "NAME", "COLUMNS", "DESCRIPTION",
            "EXAMPLE", "rows"]
@@ -40,12 +49,22 @@ MAX_DETAIL = 1024  # characters of a detail value
 MAX_BYTES = 1 << 20
 KEEP = 2
 KEEP_DEAD = 32  # trails of processes that no longer run, kept in the runtime directory
-_NAME = re.compile(r"^audit-(\d+)-(\d+)\.jsonl(\.\d+)?$")
+ACTIONS, READS, REFUSED = "", "reads", "refused"
+KINDS = (ACTIONS, READS, REFUSED)
+_NAME = re.compile(r"^audit-(\d+)-(\d+)(?:\.(reads|refused))?\.jsonl(\.\d+)?$")
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def trail_path(pid: int, ticks: int) -> str:
     return os.path.join(_paths.runtime_dir(), "audit-%d-%d.jsonl" % (pid, ticks))
+
+
+def kind_path(path: str, kind: str) -> str:
+    """The file of one kind of record beside the actions' ``path``: ``audit-P-T.refused.jsonl``."""
+    if not kind:
+        return path
+    stem, dot, ext = path.rpartition(".")
+    return "%s.%s.%s" % (stem, kind, ext) if dot else "%s.%s" % (path, kind)
 
 
 def _env_int(name: str, default: int, low: int) -> int:
@@ -55,102 +74,40 @@ def _env_int(name: str, default: int, low: int) -> int:
         return default
 
 
-class AuditLog:
-    """The trail of one process (re-made in a forked child that serves requests: its own file)."""
+class _Appender:
+    """One kind of record's files: ``BASE`` (owner-only, O_APPEND, one ``os.write`` a line), rotated to
+    ``BASE.1`` .. ``BASE.KEEP`` past ``max_bytes``. Re-opened in a forked child (its own path)."""
 
-    def __init__(self, path: Optional[str] = None, max_bytes: Optional[int] = None, keep: Optional[int] = None) -> None:
-        self._fixed = path
-        self._path: Optional[str] = None
-        self._path_pid = -1
-        self.max_bytes = max_bytes if max_bytes is not None else _env_int("PROBE_AUDIT_MAX_BYTES", MAX_BYTES, 4096)
-        self.keep = keep if keep is not None else _env_int("PROBE_AUDIT_KEEP", KEEP, 1)
-        self._lock = threading.Lock()
-        self._fd = -1
-        self._pid = -1
-        self._size = 0
-        self._seq = 0
-        self._failed = False
+    def __init__(self, path: Callable[[], str], max_bytes: int, keep: int) -> None:
+        self._where = path
+        self.max_bytes, self.keep = max_bytes, keep
+        self.fd, self.pid, self.size = -1, -1, 0
+        self.path = ""
 
-    @property
-    def path(self) -> str:
-        """This process's trail file (``audit-PID-TICKS.jsonl``, unless one was given)."""
-        if self._fixed is not None:
-            return self._fixed
-        if self._path is None or self._path_pid != os.getpid():
-            try:
-                ticks = _paths.process_start_ticks()
-            except (OSError, ValueError):
-                ticks = 0
-            self._path, self._path_pid = trail_path(os.getpid(), ticks), os.getpid()
-        return self._path
-
-    # -- writing ----------------------------------------------------------------------------------
-
-    def begin(self, scope: str, by: str, peer: str, command: str, detail: Optional[Dict[str, Any]] = None,
-              code: Optional[str] = None) -> int:
-        """Record an action about to run; its number, for :meth:`end`."""
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-        record: Dict[str, Any] = {"seq": seq, "phase": "start", "time": round(time.time(), 6), "pid": os.getpid(),
-                                  "scope": scope, "by": by, "peer": peer, "command": command}
-        if detail:
-            record["detail"] = {k: _bounded(v) for k, v in detail.items() if v is not None}
-        if code is not None:
-            raw = code.encode("utf-8", "surrogatepass")
-            record["code"] = raw[:MAX_SNIPPET].decode("utf-8", "ignore")
-            record["code_sha256"] = hashlib.sha256(raw).hexdigest()
-            record["code_bytes"] = len(raw)
-        self.write(record)
-        return seq
-
-    def end(self, seq: int, command: str, outcome: str, error: Optional[str], started: float) -> None:
-        record = {"seq": seq, "phase": "end", "time": round(time.time(), 6), "pid": os.getpid(), "command": command,
-                  "outcome": outcome, "elapsed_ms": round((time.monotonic() - started) * 1000.0, 3)}
-        if error:
-            record["error"] = error[:MAX_DETAIL]
-        self.write(record)
-
-    def refused(self, scope: str, by: str, peer: str, command: str, error: str) -> None:
-        with self._lock:
-            self._seq += 1
-            seq = self._seq
-        self.write({"seq": seq, "phase": "refused", "time": round(time.time(), 6), "pid": os.getpid(), "scope": scope,
-                    "by": by, "peer": peer, "command": command, "outcome": "refused", "error": error[:MAX_DETAIL]})
-
-    def write(self, record: Dict[str, Any]) -> None:
-        """One line, one ``os.write`` on an O_APPEND descriptor; never raises."""
-        try:
-            line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode("utf-8", "replace")
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._open()
-                if self._size + len(line) > self.max_bytes and self._size > 0:
-                    self._rotate()
-                if self._fd < 0:
-                    return
-                os.write(self._fd, line)
-                self._size += len(line)
-        except Exception as exc:
-            if not self._failed:
-                self._failed = True
-                _say("probe: the audit trail %s cannot be written: %s" % (self._path, exc))
+    def write(self, line: bytes) -> None:
+        """Called under the trail's lock; raises OSError where the file cannot be written."""
+        if self.pid != os.getpid():
+            self._open()
+        if self.size + len(line) > self.max_bytes and self.size > 0:
+            self._rotate()
+        if self.fd < 0:
+            return
+        os.write(self.fd, line)
+        self.size += len(line)
 
     def _open(self) -> None:
-        if self._fd >= 0 and self._pid != os.getpid():
-            self._fd = -1  # the parent's descriptor, inherited across fork: the parent's trail, not ours
-        path = self.path
-        self._pid = os.getpid()
-        first = not os.path.exists(path)
-        if first:
+        self.fd = -1  # a descriptor inherited across fork is the parent's trail, not ours
+        path = self.path = self._where()
+        self.pid = os.getpid()
+        if not os.path.exists(path):
             _prune_dead(os.path.dirname(path))
-        self._fd = os.open(path, _FLAGS, 0o600)
-        info = os.fstat(self._fd)
+        self.fd = os.open(path, _FLAGS, 0o600)
+        info = os.fstat(self.fd)
         if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            os.close(self._fd)
-            self._fd = -1
+            os.close(self.fd)
+            self.fd = -1
             raise OSError("%s is not a file of this user's alone (mode %04o)" % (path, info.st_mode & 0o7777))
-        self._size = info.st_size
+        self.size = info.st_size
 
     def _rotate(self) -> None:
         path = self.path
@@ -164,19 +121,137 @@ class AuditLog:
             except OSError:
                 pass
         os.rename(path, path + ".1")
-        os.close(self._fd)
-        self._fd = -1
-        self._fd = os.open(path, _FLAGS | os.O_EXCL, 0o600)
-        self._size = 0
+        os.close(self.fd)
+        self.fd = -1
+        self.fd = os.open(path, _FLAGS | os.O_EXCL, 0o600)
+        self.size = 0
 
     def close(self) -> None:
+        if self.fd >= 0 and self.pid == os.getpid():
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+        self.fd, self.pid = -1, -1
+
+
+class AuditLog:
+    """The trail of one process (re-made in a forked child that serves requests: its own files).
+
+    Three kinds of record go to three sets of files, each rotated on its own, so that no kind pushes
+    another out: the eval and control actions (``BASE``, ``keep`` rotated files of ``max_bytes``), the
+    reads recorded with ``PROBE_AUDIT_READS=1`` (``BASE`` with ``.reads``, one rotated file) and the
+    refusals, counted per asker and minute (``.refused``, one rotated file; ``probe.agent.audit_refusals``).
+    """
+
+    def __init__(self, path: Optional[str] = None, max_bytes: Optional[int] = None, keep: Optional[int] = None) -> None:
+        self._fixed = path
+        self._path: Optional[str] = None
+        self._path_pid = -1
+        self.max_bytes = max_bytes if max_bytes is not None else _env_int("PROBE_AUDIT_MAX_BYTES", MAX_BYTES, 4096)
+        self.keep = keep if keep is not None else _env_int("PROBE_AUDIT_KEEP", KEEP, 1)
+        minor = max(4096, self.max_bytes // 4)
+        self._files = {kind: _Appender(lambda kind=kind: kind_path(self.path, kind),  # type: ignore[misc]
+                                       self.max_bytes if kind == ACTIONS else minor,
+                                       self.keep if kind == ACTIONS else 1)
+                       for kind in KINDS}
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._failed = False
+        self._refusals = Refusals(self._next_seq)
+        self._refusals_pid = os.getpid()
+        atexit.register(self.flush)  # the counts of the last minute, where the process ends normally
+
+    @property
+    def path(self) -> str:
+        """This process's trail file of actions (``audit-PID-TICKS.jsonl``, unless one was given)."""
+        if self._fixed is not None:
+            return self._fixed
+        if self._path is None or self._path_pid != os.getpid():
+            try:
+                ticks = _paths.process_start_ticks()
+            except (OSError, ValueError):
+                ticks = 0
+            self._path, self._path_pid = trail_path(os.getpid(), ticks), os.getpid()
+        return self._path
+
+    @property
+    def max_disk(self) -> int:
+        """The most bytes this trail's files ever hold together."""
+        return sum(f.max_bytes * (f.keep + 1) for f in self._files.values())
+
+    def _next_seq(self) -> int:
         with self._lock:
-            if self._fd >= 0 and self._pid == os.getpid():
-                try:
-                    os.close(self._fd)
-                except OSError:
-                    pass
-            self._fd, self._pid = -1, -1
+            self._seq += 1
+            return self._seq
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def begin(self, scope: str, by: str, peer: str, command: str, detail: Optional[Dict[str, Any]] = None,
+              code: Optional[str] = None) -> int:
+        """Record an action about to run; its number, for :meth:`end`."""
+        seq = self._next_seq()
+        record: Dict[str, Any] = {"seq": seq, "phase": "start", "time": round(time.time(), 6), "pid": os.getpid(),
+                                  "scope": scope, "by": by, "peer": peer, "command": command}
+        if detail:
+            record["detail"] = {k: _bounded(v) for k, v in detail.items() if v is not None}
+        if code is not None:
+            raw = code.encode("utf-8", "surrogatepass")
+            record["code"] = raw[:MAX_SNIPPET].decode("utf-8", "ignore")
+            record["code_sha256"] = hashlib.sha256(raw).hexdigest()
+            record["code_bytes"] = len(raw)
+        self.write(record, READS if scope == "read" else ACTIONS)
+        self._write_refusals(self._refusals.due(os.getpid(), time.time()))
+        return seq
+
+    def end(self, seq: int, command: str, outcome: str, error: Optional[str], started: float,
+            scope: str = "") -> None:
+        record = {"seq": seq, "phase": "end", "time": round(time.time(), 6), "pid": os.getpid(), "command": command,
+                  "outcome": outcome, "elapsed_ms": round((time.monotonic() - started) * 1000.0, 3)}
+        if error:
+            record["error"] = error[:MAX_DETAIL]
+        self.write(record, READS if scope == "read" else ACTIONS)
+
+    def refused(self, scope: str, by: str, peer: str, command: str, error: str) -> None:
+        """Count a refusal (``probe.agent.audit_refusals``): written at once only when its window is new,
+        or its count reaches a power of two."""
+        try:
+            if self._refusals_pid != os.getpid():  # a forked child counts its own
+                self._refusals, self._refusals_pid = Refusals(self._next_seq), os.getpid()
+            due = self._refusals.add(os.getpid(), time.time(), scope, by, peer, command, error[:MAX_DETAIL])
+        except Exception:
+            return
+        self._write_refusals(due)
+
+    def flush(self) -> None:
+        """Write the refusal counts not written yet (before the trail is read, and at exit)."""
+        try:
+            if self._refusals_pid != os.getpid():
+                return  # a forked child's copy of its parent's counts: the parent's to write
+            self._write_refusals(self._refusals.pending(os.getpid()))
+        except Exception:
+            pass
+
+    def _write_refusals(self, records: List[Dict[str, Any]]) -> None:
+        for record in records:
+            self.write(record, REFUSED)
+
+    def write(self, record: Dict[str, Any], kind: str = ACTIONS) -> None:
+        """One line, one ``os.write`` on an O_APPEND descriptor; never raises."""
+        try:
+            line = (json.dumps(record, default=str, ensure_ascii=False) + "\n").encode("utf-8", "replace")
+            with self._lock:
+                self._files[kind].write(line)
+        except Exception as exc:
+            if not self._failed:
+                self._failed = True
+                _say("probe: the audit trail %s cannot be written: %s" % (self._files[kind].path or self.path, exc))
+
+    def close(self) -> None:
+        self.flush()
+        with self._lock:
+            for appender in self._files.values():
+                appender.close()
 
 
 def _bounded(value: Any) -> Any:
@@ -206,7 +281,8 @@ def _prune_dead(directory: str) -> None:
             continue
     for pid, ticks in sorted(dead, key=dead.__getitem__, reverse=True)[KEEP_DEAD:]:
         for name in names:
-            if name.startswith("audit-%d-%d.jsonl" % (pid, ticks)):
+            match = _NAME.match(name)
+            if match and (int(match.group(1)), int(match.group(2))) == (pid, ticks):
                 try:
                     os.unlink(os.path.join(directory, name))
                 except OSError:
@@ -237,22 +313,24 @@ def trail() -> AuditLog:
 # -- reading ----------------------------------------------------------------------------------------
 
 def trail_files(pid: int, directory: Optional[str] = None) -> List[str]:
-    """The files of the newest trail of process ``pid`` in ``directory`` (the runtime directory), oldest
-    first; [] when there is none."""
+    """The files of the newest trail of process ``pid`` in ``directory`` (the runtime directory): its
+    refusals and reads, then its actions, each kind oldest first (the current file of actions last);
+    [] when there is none."""
     directory = directory or _paths.runtime_dir()
     try:
         names = os.listdir(directory)
     except OSError:
         return []
-    trails: Dict[int, List[Tuple[int, str]]] = {}
+    trails: Dict[int, List[Tuple[int, int, str]]] = {}
     for name in names:
         match = _NAME.match(name)
         if match and int(match.group(1)) == pid:
-            trails.setdefault(int(match.group(2)), []).append((int((match.group(3) or ".0")[1:]), name))
+            order = KINDS.index(match.group(3) or ACTIONS)
+            trails.setdefault(int(match.group(2)), []).append((-order, -int((match.group(4) or ".0")[1:]), name))
     if not trails:
         return []
     newest = trails[max(trails)]
-    return [os.path.join(directory, name) for _, name in sorted(newest, reverse=True)]
+    return [os.path.join(directory, name) for _, _, name in sorted(newest)]
 
 
 def records(paths: List[str]) -> Iterator[Dict[str, Any]]:
@@ -284,17 +362,28 @@ def actions(paths: List[str]) -> List[Dict[str, Any]]:
     for record in records(paths):
         key = (record.get("pid"), record.get("seq"))
         phase = record.get("phase")
-        if phase in ("start", "refused"):
+        if phase == "refused" and key in by_seq:  # a window's count again: keep the highest
+            entry = by_seq[key]
+            if _number(record.get("count")) > _number(entry.get("count")):
+                entry.update(count=record.get("count"), last=record.get("last"))
+        elif phase in ("start", "refused"):
             entry = dict(record)
             entry.pop("phase", None)
             entry.setdefault("outcome", None)
+            if phase == "refused":
+                entry.setdefault("count", 1)  # a trail written before refusals were counted
             by_seq[key] = entry
             out.append(entry)
         elif phase == "end" and key in by_seq:
             entry = by_seq[key]
             entry.update(outcome=record.get("outcome"), error=record.get("error"), elapsed_ms=record.get("elapsed_ms"),
                          ended=record.get("time"))
+    out.sort(key=lambda e: _number(e.get("time")))  # the kinds' files interleaved, in the order they began
     return out
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
 
 # -- the table probe.audit --------------------------------------------------------------------------
@@ -324,6 +413,8 @@ def _columns() -> Tuple[Any, ...]:
         Column("outcome", "VARCHAR", "ok, error, interrupted, refused; NULL while it runs."),
         Column("error", "VARCHAR", "What went wrong (the error's first words)."),
         Column("elapsed_ms", "DOUBLE", "How long it ran."),
+        Column("count", "BIGINT", "Refusals: how many this row stands for (one asker, what gave it its scope, the "
+                                  "command, one minute; peer is the first of them); NULL for an action."),
     )
 
 
@@ -334,6 +425,8 @@ EXAMPLE = "SELECT time, peer, command, outcome, code FROM probe.audit ORDER BY t
 def rows() -> Iterator[Tuple[Any, ...]]:
     import datetime
 
+    if _trail is not None:
+        _trail.flush()
     for entry in actions(trail_files(os.getpid())):
         when = entry.get("time")
         stamp = (datetime.datetime.fromtimestamp(when, datetime.timezone.utc).replace(tzinfo=None)
@@ -342,4 +435,4 @@ def rows() -> Iterator[Tuple[Any, ...]]:
         yield (stamp, entry.get("seq"), entry.get("pid"), entry.get("scope"), entry.get("by"), entry.get("peer"),
                entry.get("command"), json.dumps(detail) if detail else None, entry.get("code"),
                entry.get("code_sha256"), entry.get("code_bytes"), entry.get("outcome"), entry.get("error"),
-               entry.get("elapsed_ms"))
+               entry.get("elapsed_ms"), entry.get("count"))

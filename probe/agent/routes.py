@@ -5,17 +5,20 @@ turns every exception into a JSON error envelope so that nothing escapes into th
 import importlib.util
 import json
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import probe
+from probe import _paths
 from probe.agent import scopes
 from probe.agent.budget import Hold, ResultBudget, work_slot
+from probe.agent.audit_request import Audited, record_unauthorized
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
 from probe.agent.limits import Ceilings, within
 from probe.agent.switch import fast_switching
-from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, TooLarge
+from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, TooLarge, Unauthorized
 from probe.tables import get_table, list_tables, produce_rows
 
 if TYPE_CHECKING:
@@ -65,8 +68,11 @@ def health(agent: "Agent", request: Request) -> Response:
         "unix_socket": agent.unix_path,
         "tcp": agent.tcp_address,
         "tcp_reach": _reachable(agent.tcp_address),
-        "token_file": getattr(agent, "token_file", None) if agent.tcp_address else None,
+        # the owner's to see (probe list shows it): a TCP caller holds a token already, maybe a weaker one
+        "token_file": getattr(agent, "token_file", None) if agent.tcp_address and request.transport == "unix" else None,
         "tcp_error": getattr(agent, "tcp_error", None),
+        "runtime_dir": os.path.dirname(agent.unix_path or "") or None,
+        "runtime_dir_fallback": _paths.runtime_dir_note(),
         "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
                          "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
@@ -492,12 +498,19 @@ def torch_checkpoint(agent: "Agent", request: Request) -> Response:
     fmt = body.get("format", "probe")
     if not isinstance(fmt, str):
         raise BadRequest("format must be a string (probe, hf or lightning)")
+    overwrite = body.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise BadRequest("overwrite must be true or false")
+    save_id = body.get("save_id", "")
+    if not isinstance(save_id, str) or len(save_id) > 64 or not all(c.isalnum() and c.isascii() for c in save_id):
+        raise BadRequest("save_id must be up to 64 letters and digits")
     from probe.agent.frames import frame_scope, parse_frame
     from probe.agent.placement import run_between_steps
 
     scope = frame_scope(parse_frame(body["frame"])) if body.get("frame") is not None else None
     return Response.json(save(path, names["models"], names["optimizers"], timeout,
-                              None if concurrent else run_between_steps, scope=scope, fmt=fmt))
+                              None if concurrent else run_between_steps, scope=scope, fmt=fmt, overwrite=overwrite,
+                              save_id=save_id))
 
 
 def torch_trace(agent: "Agent", request: Request) -> Response:
@@ -539,13 +552,17 @@ class Dispatcher:
     def __call__(self, request: Request) -> Response:
         audit: Any = None
         try:
-            grant = self._agent.authorize(request)
+            try:
+                grant = self._agent.authorize(request)
+            except Unauthorized as exc:
+                record_unauthorized(request, exc, _once(request))
+                raise
             route = self._route(request)
             path = request.path.split("?", 1)[0]
             body = _once(request)
             need = scopes.needed(scopes.AGENT_ROUTES, request.method, path, body)
             if need > scopes.READ or self._audit_reads or grant.scope < need:
-                audit = _Audited(request, path, grant, need, body)  # before it runs (or its refusal)
+                audit = Audited(request, path, grant, need, body)  # before it runs (or its refusal)
             if grant.scope < need:
                 raise self._agent.credentials.refuse(grant, need, audit.command)
             response = route(self._agent, request)
@@ -583,59 +600,3 @@ def _once(request: Request) -> Callable[[], Dict[str, Any]]:
         return parsed[0]
 
     return body
-
-
-class _Audited:
-    """One request in the audit trail: its start written at once, its end by :meth:`done`; never raises."""
-
-    def __init__(self, request: Request, path: str, grant: Any, need: int, body: Callable[[], Dict[str, Any]]) -> None:
-        self.request = request
-        self.started = time.monotonic()
-        self.refused = grant.scope < need
-        self.need, self.grant = need, grant
-        self.seq = 0
-        self.trail: Any = None
-        self.command = path
-        try:
-            from probe.agent.audit import trail
-
-            self.command = scopes.command_of(path, body)
-            self.trail = trail()
-            if self.refused:
-                return  # one record, written by done() with the refusal's words
-            fields = body() if request.method == "POST" else {}
-            code, detail = _audit_fields(path, fields)
-            if path == "/v1/eval" and fields.get("origin") == "repl":
-                self.command = "repl"  # the REPL's input (the client says so; the scope is eval's either way)
-            self.seq = self.trail.begin(scopes.NAMES[need], grant.by, request.peer, self.command, detail, code)
-        except Exception:
-            self.trail = None
-
-    def done(self, exc: Optional[BaseException]) -> None:
-        if self.trail is None:
-            return
-        try:
-            if self.refused:
-                self.trail.refused(scopes.NAMES[self.need], self.grant.by, self.request.peer, self.command,
-                                   getattr(exc, "message", None) or str(exc))
-                return
-            outcome, error = self.request.__dict__.get("outcome") or ("ok", None)
-            if exc is not None:
-                outcome, error = "error", getattr(exc, "message", None) or "%s: %s" % (type(exc).__name__, exc)
-            self.trail.end(self.seq, self.command, outcome, error, self.started)
-        except Exception:
-            pass
-
-
-def _audit_fields(path: str, body: Dict[str, Any]) -> Tuple[Optional[str], Dict[str, Any]]:
-    """What of a request goes into its audit record: (code, detail)."""
-    if path == "/v1/eval":
-        return (body.get("code") if isinstance(body.get("code"), str) else None,
-                {k: body.get(k) for k in ("on", "frame", "id", "timeout")})
-    if path == "/v1/torch/checkpoint":
-        exprs = [e for key in ("models", "optimizers") for e in (body.get(key) or []) if isinstance(e, str)]
-        return ("\n".join(exprs) if exprs else None,
-                {k: body.get(k) for k in ("path", "format", "models", "optimizers", "frame", "concurrent")})
-    if path == "/v1/complete":
-        return (body.get("text") if isinstance(body.get("text"), str) else None, {"frame": body.get("frame")})
-    return None, {k: v for k, v in body.items() if k not in ("code",)}

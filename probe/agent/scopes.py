@@ -38,6 +38,10 @@ def _checkpoint(body: Mapping[str, Any]) -> int:
 
 Needed = Union[int, Callable[[Mapping[str, Any]], int]]
 
+#: What a caller without a token is told: how to get one in general words, never where the job keeps it.
+TOKEN_HINT = ("pass --token-file FILE with a token of the job: its owner has the full token and may give you a "
+              "read or control token")
+
 #: (method, path) -> the scope it needs, or a function of the JSON body for the routes whose body decides.
 #: ``GET /v1/tables/NAME`` (a table's schema) is looked up as ("GET", "/v1/tables/").
 AGENT_ROUTES: Dict[Tuple[str, str], Needed] = {
@@ -141,9 +145,7 @@ class Credentials:
             return Grant(self.unix_scope, "unix socket owner")
         scheme, _, value = headers.get("authorization", "").partition(" ")
         if not self.tokens or scheme.lower() != "bearer" or not value:
-            raise Unauthorized("%s requires a token on TCP" % what,
-                               hint="pass --token-file FILE with a token of the job (on its host: %s)"
-                               % (self.files.get(EVAL) or "the file given to it"))
+            raise Unauthorized("%s requires a token on TCP" % what, hint=TOKEN_HINT)
         given = value.strip().encode("utf-8")
         found: Optional[Grant] = None
         for token, scope, by in self.tokens:  # every token compared, in constant time each
@@ -164,15 +166,12 @@ class Credentials:
                          hint=hint)
 
     def gives(self, need: int) -> str:
-        """Which tokens grant ``need``, with their files where known."""
+        """Which tokens grant ``need``, by the variables that name them: never a file's path, as a refusal
+        goes to whoever asked, and the path of the full token's file is a target for them."""
         names = [(EVAL, "the full token", "PROBE_TOKEN_FILE"), (CONTROL, "the control token", "PROBE_CONTROL_TOKEN_FILE"),
                  (READ, "the read token", "PROBE_READ_TOKEN_FILE")]
-        out = []
-        for scope, name, variable in names:
-            if scope >= need:
-                where = self.files.get(scope)
-                out.append("%s (%s%s)" % (name, variable, ": %s" % where if where else ""))
-        return " or ".join(out)
+        out = ["%s (%s)" % (name, variable) for scope, name, variable in names if scope >= need]
+        return " or ".join(out) + "; ask the job's owner for it"
 
 
 def helper_credentials(full: bytes, full_file: Optional[str], environ: Optional[Mapping[str, str]] = None) -> Credentials:

@@ -60,10 +60,10 @@ class Client:
     def _call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
               accept: Optional[str] = None, timeout: Optional[float] = None) -> transport.HttpResponse:
         if not self._token_sought:  # HOST:PORT without a token: an agent of ours on this host has it in a file
-            from probe.client.discovery import local_token
+            from probe.client.discovery import local_token_and_file
 
             self._token_sought = True
-            self._token = local_token(self.target.address)  # type: ignore[arg-type]
+            self._token, self._token_file_left = local_token_and_file(self.target.address)  # type: ignore[arg-type]
         headers = {}
         if self._token:
             headers["Authorization"] = "Bearer %s" % self._token
@@ -215,7 +215,12 @@ class Client:
             exc = error_from_code(error.get("code", "internal"), error.get("message", ""), error.get("hint"))
         except (ValueError, KeyError, TypeError, AttributeError):
             return self._not_an_agent("HTTP %d without probe's error envelope" % response.status)
-        if exc.code == "unauthorized" and not self._token and not exc.hint:
+        left = getattr(self, "_token_file_left", None)
+        if exc.code == "unauthorized" and not self._token and left:
+            # the agent names no file to a TCP caller; this host's own agent named it to us, its owner
+            exc.hint = ("the job's token file here, %s, is not a file of yours alone (a link, open to others, or "
+                        "gone), so probe did not read it: `chmod 600` it, or pass --token-file" % left)
+        elif exc.code == "unauthorized" and not self._token and not exc.hint:
             from probe.client.wording import option
 
             exc.hint = "pass %s (or set PROBE_TOKEN_FILE)" % option("--token-file FILE", "token_file=")
@@ -545,19 +550,27 @@ class Client:
 
     def checkpoint(self, path: str, models: Optional[List[str]] = None, optimizers: Optional[List[str]] = None,
                    timeout: float = 300.0, concurrent: bool = False, frame: Optional[str] = None,
-                   format: str = "probe") -> Dict[str, Any]:
+                   format: str = "probe", overwrite: bool = False, save_id: Optional[str] = None) -> Dict[str, Any]:
         """Save the target's models, optimizers, schedulers, trainer progress and RNG states to ``path`` (in
         the target's file system; ``{rank}`` becomes its rank), atomically. ``models``/``optimizers``:
         expressions in ``__main__`` (or in ``frame``, THREAD:DEPTH, or where the program's frames define
         them); default: those the agent finds. ``format``: probe (one file), hf (a directory transformers'
         Trainer resumes from) or lightning. Written between two optimizer steps when the job makes steps
-        (else, or with ``concurrent``, alongside the loop). Returns the path, bytes, sha256, what the
-        file holds, and ``taken``: how it was taken."""
+        (else, or with ``concurrent``, alongside the loop). An existing ``path`` is replaced only with
+        ``overwrite`` and only when it is a checkpoint; a symbolic link there never. Returns the path,
+        bytes, sha256, what the file holds, and ``taken``: how it was taken. ``save_id``: the same for
+        every rank of one save to one hf directory (made fresh where not given)."""
         body: Dict[str, Any] = {"path": path, "timeout": timeout, "concurrent": concurrent}
         if frame is not None:
             body["frame"] = frame
         if format != "probe":
             body["format"] = format
+        if overwrite:
+            body["overwrite"] = True
+        if format == "hf":
+            import secrets
+
+            body["save_id"] = save_id or secrets.token_hex(8)
         if models:
             body["models"] = list(models)
         if optimizers:

@@ -4,7 +4,7 @@ of them that is reached at HOST:PORT."""
 import os
 import socket
 import stat
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Set, Tuple
 
 from probe import _paths
 from probe.client.client import Client
@@ -12,7 +12,8 @@ from probe.client.targets import parse_target
 from probe.client.transport import TcpAddress
 from probe.errors import AgentBlocked, ProbeError, UsageError
 
-__all__ = ["LocalAgent", "local_agents", "remove_stale_files", "local_token", "read_own_secret"]
+__all__ = ["LocalAgent", "local_agents", "remove_stale_files", "local_token", "local_token_and_file",
+           "read_own_secret"]
 
 
 class LocalAgent(NamedTuple):  # no dataclass: dataclasses imports inspect, ~5 ms of a command's start-up
@@ -37,18 +38,10 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
     """
     directory = _paths.runtime_dir()
     problem = _paths.runtime_dir_problem(directory)
-    if problem:
-        raise UsageError(*problem)
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
+    if problem and not (directory == _paths.default_runtime_dir() and _paths.taken_by_another(directory)):
+        raise UsageError(*problem)  # (a default another user took holds none of ours: an agent makes a fallback)
     found: List[LocalAgent] = []
-    for name in sorted(names, key=lambda n: (len(n), n)):
-        pid = _paths.pid_from_socket_name(name)
-        if pid is None:
-            continue
-        path = os.path.join(directory, name)
+    for path, pid in _sockets():
         client = Client(parse_target("unix:" + path), timeout=timeout)
         try:
             found.append(LocalAgent(pid, path, client.health(fallback=False)))
@@ -60,6 +53,24 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
                 continue
             found.append(LocalAgent(pid, path, None, exc.message))
     return found
+
+
+def _sockets() -> List[Tuple[str, int]]:
+    """(path, pid) of every agent socket in the runtime directory and its private fallbacks
+    (``probe._paths.agent_dirs``), by pid."""
+    out: List[Tuple[str, int]] = []
+    for directory in _paths.agent_dirs():
+        if directory != _paths.runtime_dir() and _paths.runtime_dir_problem(directory):
+            continue
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            continue
+        for name in sorted(names, key=lambda n: (len(n), n)):
+            pid = _paths.pid_from_socket_name(name)
+            if pid is not None:
+                out.append((os.path.join(directory, name), pid))
+    return out
 
 
 def remove_stale_files(keep: Iterable[int] = ()) -> int:
@@ -102,7 +113,9 @@ def _short_reason(exc: AgentBlocked) -> str:
 
 
 def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
-    for stale in (path, _paths.token_path(pid), _paths.progress_path(pid)) if with_token else (path,):
+    directory = os.path.dirname(path)  # the runtime directory, or the fallback the agent used
+    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid))
+    for stale in (path,) + extra if with_token else (path,):
         try:
             os.unlink(stale)
         except OSError:
@@ -117,17 +130,25 @@ def local_token(address: TcpAddress, timeout: float = 2.0) -> Optional[str]:
     started with PROBE_LISTEN): from the token file the agent names when asked over its unix socket, read
     only when that file is ours alone. None when anything is not so: ``address`` is not this host's (a
     token is never sent elsewhere), someone else listens there, or the file is not one we trust."""
+    return local_token_and_file(address, timeout)[0]
+
+
+def local_token_and_file(address: TcpAddress, timeout: float = 2.0) -> Tuple[Optional[str], Optional[str]]:
+    """(:func:`local_token`, the token file the agent named over its unix socket, read or not): where the
+    file was not read, the client can say which file it left alone, as the agent (to any TCP caller) does not."""
     listeners = _our_listeners(address)
     if not listeners:
-        return None
+        return None, None
     pids = [pid for pid in _agent_pids() if _holds_socket(pid, listeners)]
     if len(pids) != 1:  # none, or a forked child holds the listening socket too: its agent is elsewhere
-        return None
+        return None, None
     try:
         path = Client(parse_target(str(pids[0])), timeout=timeout).health(fallback=False).get("token_file")
     except ProbeError:
-        return None
-    return read_own_secret(path) if isinstance(path, str) else None
+        return None, None
+    if not isinstance(path, str):
+        return None, None
+    return read_own_secret(path), path
 
 
 def read_own_secret(path: str) -> Optional[str]:
@@ -211,11 +232,7 @@ def _is_local(ip: str) -> bool:
 
 
 def _agent_pids() -> List[int]:
-    try:
-        names = os.listdir(_paths.runtime_dir())
-    except OSError:
-        return []
-    return [pid for pid in (_paths.pid_from_socket_name(n) for n in names) if pid is not None]
+    return [pid for _, pid in _sockets()]
 
 
 def _holds_socket(pid: int, inodes: Set[int]) -> bool:

@@ -36,7 +36,7 @@ def parse_target(text: str) -> Target:
         raise UsageError("empty target", hint="give a pid, HOST:PORT, unix:PATH, core:PATH or snapshot:PATH")
     if text.isdigit():
         pid = int(text)
-        return Target(text, UnixAddress(_paths.socket_path(pid)), pid)
+        return Target(text, UnixAddress(_paths.find_socket_path(pid)), pid)
     if text.startswith("core:"):
         path = text[len("core:"):]
         if not path:

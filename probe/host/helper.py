@@ -189,8 +189,10 @@ class Helper:
     def _route(self, request: Request) -> Response:
         path = request.path.split("?", 1)[0]
         if request.method == "GET" and path == "/v1/health":
-            return Response.json(self._identity())
+            return Response.json(self._identity(request.transport == "unix"))
         if request.method == "GET" and path == "/v1/ranks":
+            if request.transport == "unix":  # the owner's: with the token file's path, made for it alone
+                return Response(200, self._ranks_body(True))
             return self._ranks_response()
         if request.method == "GET" and path.startswith("/v1/outside/"):
             return Response.json(self.outside(path[len("/v1/outside/"):]))
@@ -209,9 +211,12 @@ class Helper:
             return gather(self, request)
         raise NotFound("no such endpoint on the host helper: %s %s" % (request.method, path[:200]))
 
-    def _identity(self) -> Dict[str, Any]:
+    def _identity(self, owner: bool = False) -> Dict[str, Any]:
+        """Who this helper is; ``owner`` (the unix socket's peer) also learns where the job's token is kept:
+        a TCP caller holds a token already, maybe a weaker one, and is not told the full one's file."""
         return {"helper": True, "kind": self.kind, "pid": os.getpid(), "host": node_host(), "node": self.members.node_key(),
-                "probe_port": self.base_port, "helper_port": self.port, "token_file": self.token_file}
+                "probe_port": self.base_port, "helper_port": self.port,
+                "token_file": self.token_file if owner else None}
 
     # -- members ----------------------------------------------------------------------------------
 
@@ -276,11 +281,7 @@ class Helper:
             shared = self._ranks_shared
             if shared is None or time.monotonic() - shared.made >= RANKS_CACHE_S:
                 self._ranks_shared = shared = None  # the old one goes with its last request
-                body = bytearray(json.dumps(dict(self._identity(), nodes=self._node_list())).encode("utf-8"))
-                body[-1:] = b', "members": '
-                self._write_members(body)
-                body += b"}"
-                shared = _SharedBody(time.monotonic(), body)
+                shared = _SharedBody(time.monotonic(), self._ranks_body(False))
                 self._ranks_shared = shared
             shared.users += 1
 
@@ -291,6 +292,13 @@ class Helper:
                     self._ranks_shared = None
 
         return Response(200, shared.body, on_sent=sent)
+
+    def _ranks_body(self, owner: bool) -> bytearray:
+        body = bytearray(json.dumps(dict(self._identity(owner), nodes=self._node_list())).encode("utf-8"))
+        body[-1:] = b', "members": '
+        self._write_members(body)
+        body += b"}"
+        return body
 
     def _node_list(self) -> List[Dict[str, Any]]:
         now = time.monotonic()

@@ -87,6 +87,8 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[f
     if problems:
         raise _error(problems)
     code = bootstrap_code(opts.to_json(), exposure_dir(info.uid, pid))
+    socket = expected_socket_path(pid, info.uid)  # the runtime directory may be new: a private fallback
+    token_file = _token_file(opts, socket)
     try:
         if remote:
             chosen = inject_with_remote_exec(info, code)

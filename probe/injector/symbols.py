@@ -24,7 +24,6 @@ the libraries themselves with their debug information, as before.
 
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 import time
@@ -49,19 +48,12 @@ class SymbolFiles:
 
 
 def private_cache_dir(name: str) -> Optional[str]:
-    """``$XDG_CACHE_HOME/probe/NAME`` (``~/.cache/probe/NAME``), made if missing: a directory of ours alone,
-    None where it is not or cannot be made (gdb trusts what it finds there as it reads a library)."""
-    try:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        path = os.path.join(base, "probe", name)
-        os.makedirs(path, mode=0o700, exist_ok=True)
-        for directory in (os.path.dirname(path), path):
-            info = os.lstat(directory)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-                return None
-    except OSError:
-        return None
-    return path if "\n" not in path else None
+    """``$XDG_CACHE_HOME/probe/NAME`` (``~/.cache/probe/NAME``), made if missing: a directory of ours alone
+    that no other user can change on the way (``probe.injector.cache_dir``), None where there is none (gdb
+    trusts what it finds there as it reads a library)."""
+    from probe.injector.cache_dir import cache_dir
+
+    return cache_dir(name)[0]
 
 
 def symbol_files(libraries: Sequence[Tuple[str, int]], timeout: float, executable: str = "") -> SymbolFiles:

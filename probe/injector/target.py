@@ -9,6 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from probe import _paths
 from probe.injector.elf import python_version_of
 
 __all__ = ["TargetInfo", "read_target", "tracer_pid", "process_state", "running_threads", "target_environ",
@@ -118,6 +119,11 @@ def expected_socket_path(pid: int, uid: int) -> str:
     else:
         tmp = next((env[k] for k in ("TMPDIR", "TEMP", "TMP") if env.get(k) and os.path.isdir(env[k])), "/tmp")
         base = os.path.join(tmp, "probe-%d" % uid)
+    if not env.get("PROBE_RUNTIME_DIR") and uid == os.getuid() and _paths.taken_by_another(base):
+        # another user made the default first: the agent uses the oldest private fallback beside it
+        fallbacks = _paths.fallback_dirs(base)
+        held = [d for d in fallbacks if os.path.lexists(os.path.join(d, "%d.sock" % pid))]
+        base = (held or fallbacks or [base])[0]
     return os.path.join(base, "%d.sock" % pid)
 
 

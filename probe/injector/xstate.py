@@ -87,14 +87,14 @@ def _shim() -> str:
 
 
 def _cache_dir() -> str:
-    """``$XDG_CACHE_HOME/probe`` or ``~/.cache/probe``: ours alone, since gdb loads code from it."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    path = os.path.join(base, "probe")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise InjectError("%s must be a directory that only you can write (gdb loads code from it)" % path,
-                          hint="chmod go-w %s, or set XDG_CACHE_HOME to a private directory" % path)
+    """``$XDG_CACHE_HOME/probe`` or ``~/.cache/probe``: ours alone, since gdb loads code from it; where
+    another user could change it (root with their HOME), our own home's (``probe.injector.cache_dir``)."""
+    from probe.injector.cache_dir import cache_dir
+
+    path, why = cache_dir()
+    if path is None:
+        raise InjectError("probe has no cache directory that only you can write (gdb loads code from it): %s" % why,
+                          hint="set XDG_CACHE_HOME to a private directory of yours")
     return path
 
 

@@ -13,7 +13,7 @@ from probe.cli.render import visible
 from probe.errors import ConnectError, ProbeError, UsageError
 
 _FIELDS = ("time", "seq", "pid", "scope", "granted_by", "peer", "command", "detail", "code", "code_sha256",
-           "code_bytes", "outcome", "error", "elapsed_ms")
+           "code_bytes", "outcome", "error", "elapsed_ms", "count")
 
 
 @click.command("audit")
@@ -83,6 +83,8 @@ def _lines(entry: Dict[str, Any]) -> List[str]:
     what = entry.get("command") or "?"
     outcome = entry.get("outcome") or "running"
     took = "" if entry.get("elapsed_ms") is None else " %.0f ms" % entry["elapsed_ms"]
+    if (entry.get("count") or 1) > 1:
+        took += " x%d in that minute" % entry["count"]
     head = "%s  %-8s %-22s %-11s by %s (%s)%s" % (when, outcome, what, "[%s]" % entry.get("scope"),
                                                    entry.get("peer"), entry.get("granted_by"), took)
     extra = []

@@ -2,6 +2,7 @@
 
 import json
 import os
+import secrets
 from typing import Any, Dict, Iterator, Optional, Tuple
 
 import click
@@ -37,6 +38,9 @@ STEP_WAIT_S = 2.0
 @click.option("--concurrent", is_flag=True,
               help="Write alongside the training loop instead of between two optimizer steps (no pause; a step "
                    "that runs meanwhile may show in some tensors).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a checkpoint already at PATH. Without it, an existing PATH is refused; with it, only "
+                   "a file torch.save (or probe) wrote is replaced, never a symbolic link nor another file.")
 @click.option("--json", "as_json", is_flag=True, help="The same as -F json: what was saved, as JSON.")
 @click.option("-F", "--format", "fmt_given", type=click.Choice(("text", "json") + FILE_FORMATS), multiple=True,
               help="What to write: probe (default: one file, see below), hf (PATH is a directory that Hugging "
@@ -45,12 +49,15 @@ STEP_WAIT_S = 2.0
                    "(default) or json (exact, for scripts). Give both as -F hf -F json.")
 @pass_cli
 def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: Tuple[str, ...], frame: Optional[str],
-               checkpoint_timeout: float, concurrent: bool, as_json: bool, fmt_given: Tuple[str, ...]) -> None:
+               checkpoint_timeout: float, concurrent: bool, overwrite: bool, as_json: bool,
+               fmt_given: Tuple[str, ...]) -> None:
     """Save models, optimizers, LR schedulers, trainer progress and RNG states to PATH, atomically.
 
     PATH is in the target's file system ({rank} becomes its rank); a relative PATH is taken from this
     shell's directory for a target on this host, else from the target's. Written to a temporary file,
-    fsynced, then renamed: a crash never leaves a truncated file nor loses an older one at PATH.
+    fsynced, then renamed: a crash never leaves a truncated file nor loses an older one at PATH. An
+    existing PATH is replaced only with --overwrite, and only if it is a checkpoint; a symbolic link at
+    PATH, or one of another user on the way to it, is never followed.
     The model is saved unwrapped (keys without module.), loadable with a strict load into its class.
     Taken between two optimizer steps, on the training thread (the loop waits, and model, optimizer,
     scheduler and step count are of one step); a job that makes no step within 2 s (hung) is saved
@@ -68,13 +75,15 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     fmt = outputs[0] if outputs else None
     file_format = files[0] if files else "probe"
     several = len(cli.targets) > 1 or cli.is_cluster
+    save_id = secrets.token_hex(8)  # one for every rank: an hf directory one of them made is theirs all
     if cli.is_cluster and cli.deadline is None:  # every rank's save may take its time limit, and the step wait
         cli.deadline = checkpoint_timeout + STEP_WAIT_S + 5.0
         if not cli.timeout_given:
             cli.timeout = cli.deadline
     for client, saved in each_target(cli, lambda c: c.checkpoint(_where(c, path), list(models) or None,
                                                                   list(optimizers) or None, checkpoint_timeout,
-                                                                  concurrent, frame=frame, format=file_format)):
+                                                                  concurrent, frame=frame, format=file_format,
+                                                                  overwrite=overwrite, save_id=save_id)):
         if fmt == "json":
             member = cli.cluster_member(client)
             emit(json.dumps(dict(saved, rank=member.rank, host=member.host) if member is not None

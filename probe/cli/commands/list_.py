@@ -101,7 +101,7 @@ def _worker_ids(pid: int) -> Dict[int, Any]:
     from probe.client import connect
     from probe.errors import ProbeError
 
-    if not os.path.exists(_paths.socket_path(pid)):
+    if not os.path.exists(_paths.find_socket_path(pid)):
         return {}
     try:
         table = connect(str(pid), timeout=WORKER_IDS_S).table_rows("python.workers")

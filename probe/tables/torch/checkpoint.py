@@ -44,12 +44,9 @@ recorded), run ``state_dict`` hooks in the probe and hf formats (FSDP2's would r
 the training thread), or bring torch or a framework in (the target must have imported them).
 """
 
-import glob
 import hashlib
 import json
 import os
-import re
-import secrets
 import socket
 import sys
 import threading
@@ -82,14 +79,16 @@ class _Cancelled(Exception):
 
 def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional[Sequence[str]] = None,
          timeout: float = DEFAULT_TIMEOUT_S, between_steps: Optional[BetweenSteps] = None, scope: Any = None,
-         fmt: str = "probe") -> Dict[str, Any]:
+         fmt: str = "probe", overwrite: bool = False, save_id: str = "") -> Dict[str, Any]:
     """Write the checkpoint; what it holds, its path, size and sha256, and how it was taken. One at a time.
 
     ``between_steps`` (the agent's placement of work right after the next optimizer step) has it
     taken between two steps (see the module's doc); it answers (None, why) when no step came soon (a
     hung job, no optimizer): the checkpoint is then written concurrently, as it is without
     ``between_steps``. ``taken`` says which. ``scope``: the frame (``probe.agent.frames.Scope``) whose
-    names ``models``/``optimizers`` use. ``fmt``: one of :data:`FORMATS`.
+    names ``models``/``optimizers`` use. ``fmt``: one of :data:`FORMATS`. ``overwrite``: replace a
+    checkpoint at ``path`` (never anything else; see ``probe.tables.torch.checkpoint_files``); ``save_id``:
+    the same for every rank of one save (hf's directory is theirs whichever rank made it).
     """
     torch_or_raise()
     if fmt not in FORMATS:
@@ -98,7 +97,7 @@ def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional
         raise Busy("a checkpoint is being written in this process already", hint="wait for it to finish")
     try:
         def work(cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-            return _save(path, models, optimizers, scope, fmt, cancel, rng)
+            return _save(path, models, optimizers, scope, fmt, cancel, rng, overwrite, save_id)
 
         taken = "concurrently with the training loop (as asked)"
         if between_steps is not None:
@@ -308,24 +307,25 @@ def _named(kind: type, exprs: Optional[Sequence[str]], found_: List[Tuple[str, A
 
 
 def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]], scope: Any,
-          fmt: str, cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          fmt: str, cancel: threading.Event, rng: Optional[Dict[str, Any]] = None,
+          overwrite: bool = False, save_id: str = "") -> Dict[str, Any]:
+    from probe.tables.torch.checkpoint_files import check_target
+
     torch = torch_or_raise()
     started = time.monotonic()
     target = expand_path(path)
-    directory = os.path.dirname(target)
-    if not os.path.isdir(directory):
-        raise BadRequest("the directory %s does not exist (in the target's file system)" % directory)
+    check_target(target, overwrite, directory=fmt == "hf")  # before anything is built: a clear refusal at once
     plan = _plan(torch, model_exprs, optimizer_exprs, scope)
     rng = rng if rng is not None else _rng_states(torch)
     progress = _progress(plan.trainer)
     step, step_source = _step(torch, plan.optimizers, progress)
     if fmt == "hf":
-        size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel)
+        size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel, overwrite, save_id)
     elif fmt == "lightning":
-        size, digest = _write_lightning(torch, plan, target, cancel)
+        size, digest = _write_lightning(torch, plan, target, cancel, overwrite)
         files = [os.path.basename(target)]
     else:
-        size, digest = _write_probe(torch, plan, target, rng, progress, step, step_source, cancel)
+        size, digest = _write_probe(torch, plan, target, rng, progress, step, step_source, cancel, overwrite)
         files = [os.path.basename(target)]
     return {"path": target, "format": fmt, "files": files, "bytes": size, "sha256": digest,
             "seconds": round(time.monotonic() - started, 3),
@@ -346,7 +346,8 @@ def _count_dtensors(plan: _Plan) -> int:
 
 
 def _write_probe(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
-                 step: Optional[int], step_source: Optional[str], cancel: threading.Event) -> Tuple[int, str]:
+                 step: Optional[int], step_source: Optional[str], cancel: threading.Event,
+                 overwrite: bool = False) -> Tuple[int, str]:
     dtensors: Dict[str, Any] = {}
     state: Dict[str, Any] = {"format": FORMAT, "models": {}, "optimizers": {}, "schedulers": {}, "dtensors": dtensors}
     with torch.no_grad():
@@ -360,7 +361,7 @@ def _write_probe(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], prog
     state["step"], state["step_source"] = step, step_source
     state["rng"] = {k: v for k, v in rng.items() if k != "numpy_state"}
     state["meta"] = _meta(torch)
-    return _write_atomically(torch, state, target, cancel)
+    return _write_atomically(torch, state, target, cancel, overwrite)
 
 
 def _plain(value: Any) -> Any:
@@ -385,8 +386,11 @@ def _single(what: str, items: List[Tuple[str, Any]], fmt: str) -> Optional[Tuple
 
 
 def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
-              step: Optional[int], cancel: threading.Event) -> Tuple[int, str, List[str]]:
+              step: Optional[int], cancel: threading.Event, overwrite: bool = False,
+              save_id: str = "") -> Tuple[int, str, List[str]]:
     """The directory ``Trainer.train(resume_from_checkpoint=DIR)`` reads (transformers' own file names)."""
+    from probe.tables.torch.checkpoint_files import make_directory
+
     model = _single("model", plan.models, "hf")
     optimizer = _single("optimizer", plan.optimizers, "hf")
     scheduler = _single("scheduler", plan.schedulers, "hf")
@@ -396,9 +400,7 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     if any(is_dtensor(p) for p in model[1].parameters()):
         raise BadRequest("--format hf holds whole tensors, and this model is sharded (DTensor)",
                          hint="save in probe's format, which keeps each rank's shard")
-    if os.path.exists(target) and not os.path.isdir(target):
-        raise BadRequest("%s is a file; --format hf writes a directory" % target)
-    os.makedirs(target, mode=0o700, exist_ok=True)
+    overwrite = make_directory(target, overwrite, save_id)  # the files of this save's directory are its own
     files: Dict[str, Any] = {}
     with torch.no_grad():
         files["pytorch_model.bin"] = _module_state(model[1])
@@ -411,7 +413,7 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     files["rng_state_%d.pth" % _rank() if world > 1 else "rng_state.pth"] = hf_rng(torch, rng)
     total, hashes = 0, hashlib.sha256()
     for name, value in files.items():
-        size, digest = _write_atomically(torch, value, os.path.join(target, name), cancel)
+        size, digest = _write_atomically(torch, value, os.path.join(target, name), cancel, overwrite)
         total += size
         hashes.update(digest.encode())
     texts = {"trainer_state.json": hf_trainer_state(torch, progress, step)}
@@ -419,7 +421,7 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
     if config is not None and callable(getattr(config, "to_json_string", None)):
         texts["config.json"] = config.to_json_string()
     for name, text in texts.items():
-        size, digest = _write_text_atomically(text, os.path.join(target, name), cancel)
+        size, digest = _write_text_atomically(text, os.path.join(target, name), cancel, overwrite)
         total += size
         hashes.update(digest.encode())
     return total, hashes.hexdigest(), sorted(list(files) + list(texts))
@@ -430,7 +432,8 @@ def _write_hf(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progres
 _LIGHTNING_LOCAL_STRATEGIES = ("SingleDeviceStrategy", "DDPStrategy", "DataParallelStrategy")
 
 
-def _write_lightning(torch: Any, plan: _Plan, target: str, cancel: threading.Event) -> Tuple[int, str]:
+def _write_lightning(torch: Any, plan: _Plan, target: str, cancel: threading.Event,
+                     overwrite: bool = False) -> Tuple[int, str]:
     if plan.trainer is None or plan.trainer[1] != "lightning":
         raise BadRequest("--format lightning needs a Lightning Trainer, and none was found in the target",
                          hint="save in probe's format (the default)")
@@ -443,7 +446,7 @@ def _write_lightning(torch: Any, plan: _Plan, target: str, cancel: threading.Eve
     dump = getattr(connector, "dump_checkpoint", None)
     if dump is None:
         raise BadRequest("this Lightning Trainer has no checkpoint connector probe knows (dump_checkpoint)")
-    return _write_atomically(torch, dump(weights_only=False), target, cancel)
+    return _write_atomically(torch, dump(weights_only=False), target, cancel, overwrite)
 
 
 # -- trainer progress --------------------------------------------------------------------------------
@@ -621,63 +624,29 @@ class _HashingWriter:
         pass
 
 
-def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: threading.Event) -> Tuple[int, str]:
+def _write_atomically(torch: Any, state: Dict[str, Any], target: str, cancel: threading.Event,
+                      overwrite: bool = False) -> Tuple[int, str]:
     """``state`` saved with ``torch.save`` to ``target``: (bytes, sha256)."""
-    return _write_file_atomically(lambda writer: torch.save(state, writer), target, cancel)
+    return _write_file_atomically(lambda writer: torch.save(state, writer), target, cancel, overwrite)
 
 
-def _write_text_atomically(text: str, target: str, cancel: threading.Event) -> Tuple[int, str]:
+def _write_text_atomically(text: str, target: str, cancel: threading.Event, overwrite: bool = False) -> Tuple[int, str]:
     """A small text file (JSON), written as the state files are."""
     data = text.encode("utf-8")
-    return _write_file_atomically(lambda writer: writer.write(data), target, cancel)
+    return _write_file_atomically(lambda writer: writer.write(data), target, cancel, overwrite)
 
 
-def _write_file_atomically(write: Callable[["_HashingWriter"], Any], target: str,
-                           cancel: threading.Event) -> Tuple[int, str]:
-    """``write(writer)`` into a temporary file beside ``target``, fsync, rename over ``target``: a reader
-    sees the old file or the whole new one, never a part. (bytes, sha256 of them)."""
-    directory, name = os.path.split(target)
-    _remove_leftovers(directory, name)
-    tmp = os.path.join(directory, ".%s.probe-%d-%s.tmp" % (name, os.getpid(), secrets.token_hex(4)))
-    # Owner-only, whatever the umask: a checkpoint holds the weights, and probe writes it on the user's behalf.
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
+def _write_file_atomically(write: Callable[["_HashingWriter"], Any], target: str, cancel: threading.Event,
+                           overwrite: bool = False) -> Tuple[int, str]:
+    """``write(writer)`` into a temporary file beside ``target``, fsynced, then named ``target``
+    (``probe.tables.torch.checkpoint_files``: no link followed, nothing replaced unless ``overwrite``):
+    a reader sees the old file or the whole new one, never a part. (bytes, sha256 of them)."""
+    from probe.tables.torch.checkpoint_files import write_file_atomically
+
+    def into(fd: int) -> "_HashingWriter":
         writer = _HashingWriter(fd, cancel)
         write(writer)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        _unlink(tmp)
-        raise
-    os.close(fd)
-    try:
-        os.replace(tmp, target)
-    except BaseException:
-        _unlink(tmp)
-        raise
-    _fsync_dir(directory)
+        return writer
+
+    writer = write_file_atomically(into, target, overwrite)
     return writer.size, writer.sha.hexdigest()
-
-
-def _remove_leftovers(directory: str, name: str) -> None:
-    """Temporary files of earlier checkpoints to ``name`` whose process is gone (it crashed mid-write)."""
-    pattern = re.compile(r"^\.%s\.probe-(\d+)-[0-9a-f]{8}\.tmp$" % re.escape(name))
-    for path in glob.glob(os.path.join(glob.escape(directory), ".%s.probe-*.tmp" % glob.escape(name))):
-        match = pattern.match(os.path.basename(path))
-        if match and not os.path.exists("/proc/%s" % match.group(1)):
-            _unlink(path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
