@@ -50,12 +50,25 @@ name) stays visible; PROBE_EVAL=0 makes the agent read-only, not secret-free.
 
 import os
 import re
+import threading
 from typing import List, Tuple
 
 __all__ = ["MASK", "looks_secret", "points_to_file", "is_path", "mask_env_value", "mask_text", "mask_argv",
-           "mask_url_userinfo"]
+           "mask_url_userinfo", "mask_local", "reading"]
 
 MASK = "********"
+
+reading = threading.local()
+"""``reading.shows_secrets``: True while the agent answers a request of the eval scope on this thread
+(which could read every value anyway; or any request where PROBE_SHOW_SECRETS=1), so that ``python.locals`` shows the values of secret-looking
+locals; any other request (read, control: a read token, ``probe mcp``, the page) sees them masked by
+:func:`mask_local`, as a snapshot writes them. Unset (not a request) is masked."""
+
+
+def mask_local(name: str, value: str) -> str:
+    """A local variable's short repr as it may be shown below the eval scope (and written in a snapshot):
+    rules 1 and 2 by its name (``password`` -> ``********``, the name stays), rule 3 inside any value."""
+    return mask_env_value(name, value)[0]
 
 _SECRET_NAME = re.compile(
     r"SECRET|PASSW|PASSPHRASE|TOKEN(?!I[ZS])|CREDENTIAL|PRIVATE|SESSION|COOKIE|SIGNATURE|WEBHOOK"
