@@ -1,0 +1,73 @@
+"""A bound on what a record or a dump, once parsed, may hold: how deep, how many values, how big an integer.
+
+A file read from a shared directory is hostile. JSON and a plain pickle can only build containers and
+scalars, yet a few hundred bytes of pickle can name one list from many places, again and again (a
+"billion laughs": each level doubles what every later walk over it visits), and a list nested a million
+deep or an integer of 200,000 digits ends the first recursive walk or text conversion in a traceback.
+:func:`check` walks a parsed value once, without recursion, counting each shared container once but
+weighing it as often as it is named (what later walks will visit), and says what is wrong, or None.
+"""
+
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+__all__ = ["MAX_DEPTH", "MAX_WEIGHT", "MAX_INT_BITS", "check"]
+
+MAX_DEPTH = 64
+"""Containers inside containers at most (a record nests some 10 deep; torch's dump 6)."""
+MAX_WEIGHT = 20_000_000
+"""Values at most, counted as every walk over the whole will meet them (a shared list each time it is
+named), a string as one value per 256 characters: a 2000-entry dump with its stacks weighs well under 1M."""
+MAX_INT_BITS = 128
+"""An integer of more bits is no sequence number, time or size (torch's are 64-bit)."""
+
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
+
+def _children(value: Any) -> List[Any]:
+    if isinstance(value, dict):
+        out: List[Any] = []
+        for key, item in value.items():
+            out.append(key)
+            out.append(item)
+        return out
+    return list(value)
+
+
+def _weight(value: Any) -> int:
+    if isinstance(value, (str, bytes, bytearray)):
+        return 1 + len(value) // 256
+    return 1
+
+
+def check(value: Any, max_depth: int = MAX_DEPTH, max_weight: int = MAX_WEIGHT,
+          max_int_bits: int = MAX_INT_BITS) -> Optional[str]:
+    """Why ``value`` (containers and scalars, as JSON or a plain pickle build them) is too much to read, in a
+    few words; None where it is within the bounds. Linear in the distinct containers it holds."""
+    weights: Dict[int, int] = {}  # id of a container walked whole -> what it weighs, shared uses included
+    open_: Set[int] = set()  # ids of the containers on the path from the top to the one being walked
+    stack: List[Tuple[Any, int, bool]] = [(value, 0, False)]
+    while stack:
+        item, depth, finished = stack.pop()
+        if finished:
+            total = 1
+            for child in _children(item):
+                total += weights.get(id(child), 0) if isinstance(child, _CONTAINERS) else _weight(child)
+            if total > max_weight:
+                return "it expands to more than %d values (lists named again and again)" % max_weight
+            weights[id(item)] = total
+            open_.discard(id(item))
+            continue
+        if isinstance(item, int) and not isinstance(item, bool):
+            if item.bit_length() > max_int_bits:
+                return "it holds an integer of %d bits (more than %d)" % (item.bit_length(), max_int_bits)
+            continue
+        if not isinstance(item, _CONTAINERS) or id(item) in weights:
+            continue
+        if id(item) in open_:
+            return "a container holds itself"
+        if depth >= max_depth:
+            return "it nests more than %d levels deep" % max_depth
+        open_.add(id(item))
+        stack.append((item, depth, True))
+        stack.extend((child, depth + 1, False) for child in _children(item))
+    return None
