@@ -104,3 +104,26 @@ def test_the_page_s_sql_and_a_snapshot_mask_as_the_read_scope_does(target, tmp_p
     _masked(recorded)
     read = _values("--token-file", target["files"]["read"], str(target["address"]))
     assert {n: read[n] for n in recorded} == recorded  # one rule: the snapshot and the read scope agree
+
+
+def test_every_rank_through_its_node_helper_answers_a_read_token_masked(tmp_path) -> None:
+    """--all-ranks goes through the node helper, which asks its ranks over their unix sockets (where it has
+    every scope): it asks with the scope of whoever asked it, so a read token still sees masks."""
+    from test_node_helper import ranks_of
+
+    read = tmp_path / "read"
+    read.write_text("locals-test-job-read-token\n")
+    read.chmod(0o600)
+    with ranks_of(tmp_path, 2, "hostile_locals.py", PROBE_READ_TOKEN_FILE=str(read)) as job:
+        master = "127.0.0.1:%d" % job["port"]
+        env = job["env"]
+        masked = run_cli("--token-file", str(read), master, "--via", "helpers", "--all-ranks", "query", SQL, "-f",
+                         "json", env=env, timeout=scaled(90))
+        full = run_cli(master, "--via", "helpers", "--all-ranks", "query", SQL, "-f", "json", env=env, timeout=scaled(90))
+    assert masked.code == 0 and full.code == 0, (masked.err, full.err)
+    rows = json.loads(masked.out)
+    assert sorted({row["rank"] for row in rows}) == [0, 1], rows
+    for rank in (0, 1):
+        _masked({row["name"]: row["value"] for row in rows if row["rank"] == rank})
+    shown = {row["name"]: row["value"] for row in json.loads(full.out) if row["rank"] == 1}
+    assert shown["password"] == repr(SECRETS["password"]), shown
