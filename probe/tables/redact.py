@@ -51,7 +51,7 @@ name) stays visible; PROBE_EVAL=0 makes the agent read-only, not secret-free.
 import os
 import re
 import threading
-from typing import List, Tuple
+from typing import Dict, List, Tuple
 
 __all__ = ["MASK", "looks_secret", "points_to_file", "is_path", "mask_env_value", "mask_text", "mask_argv",
            "mask_url_userinfo", "mask_local", "reading"]
@@ -98,10 +98,19 @@ _ARG_ASSIGN = re.compile(r"([+~]*[A-Za-z_][\w.\-]*)=(.*)\Z", re.DOTALL)
 _LONG_OPTION = re.compile(r"--[A-Za-z]")
 
 
+_LOOKED: Dict[str, bool] = {}  # name -> looks_secret: python.locals asks of the same few names again and again
+_MAX_LOOKED = 4096
+
+
 def looks_secret(name: str) -> bool:
     """True when ``name`` (a variable, flag or key; leading ``-+~`` ignored) names a secret (rule 1)."""
-    name = name.lstrip("-+~")
-    return name not in _NOT_SECRET_NAMES and bool(_SECRET_NAME.search(name))
+    found = _LOOKED.get(name)
+    if found is None:
+        bare = name.lstrip("-+~")
+        found = bare not in _NOT_SECRET_NAMES and bool(_SECRET_NAME.search(bare))
+        if len(_LOOKED) < _MAX_LOOKED:
+            _LOOKED[name] = found
+    return found
 
 
 def points_to_file(name: str) -> bool:
