@@ -87,6 +87,9 @@ def shared() -> Iterator[Dict[str, str]]:
         pytest.skip("planting another user's records needs root to become uid 65534")
     root = tempfile.mkdtemp(prefix="probe-shared-", dir="/tmp")
     os.chmod(root, 0o1777)
+    alone = os.path.join(root, "only-theirs")  # not a snapshot's name: a shared directory of its own
+    os.mkdir(alone)
+    os.chmod(alone, 0o1777)
     try:
         with running("idle.py") as proc:
             made = run_cli(str(proc.pid), "snapshot", "--dir", root, "--json", timeout=scaled(90))
@@ -95,19 +98,21 @@ def shared() -> Iterator[Dict[str, str]]:
         later = time.time() + 600
         planted = os.path.join(root, snapshot_id("pid6121", later))
         deep = os.path.join(root, snapshot_id("pid777", later + 1))
-        work = [("dir", planted, b""), ("dir", deep, b"")]
+        theirs = os.path.join(alone, snapshot_id("pid6121", later))
+        work = [("dir", planted, b""), ("dir", deep, b""), ("dir", theirs, b"")]
         for name in os.listdir(ours):
             with open(os.path.join(ours, name), "rb") as handle:
                 raw = json.loads(handle.read())
             raw["job"] = "pid6121"
             work.append(("file", os.path.join(planted, name), json.dumps(raw).encode()))
+            work.append(("file", os.path.join(theirs, name), json.dumps(raw).encode()))
         work.append(("file", os.path.join(deep, "rank-00000.json"), b"[" * 1_000_000 + b"]" * 1_000_000))
         _as(NOBODY, work)
         damaged = os.path.join(root, snapshot_id("pid888", time.time() - 3600))
         os.mkdir(damaged, 0o700)
         with open(os.path.join(damaged, "rank-00000.json"), "wb") as handle:
             handle.write(b'{"format": "probe-snapshot 1", "x": ' + b"[" * 200 + b"]" * 200 + b"}")
-        yield {"root": root, "ours": ours, "planted": planted, "deep": deep, "damaged": damaged}
+        yield {"root": root, "ours": ours, "planted": planted, "deep": deep, "damaged": damaged, "alone": alone}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -136,3 +141,6 @@ def test_the_newest_snapshot_is_yours_and_another_user_s_is_read_by_path_with_a_
     deep = run_cli("snapshot:" + shared["deep"], "diagnose", timeout=scaled(60))
     assert deep.code == 2 and "Traceback" not in deep.err and "rank-00000.json is not a probe snapshot record" \
         in deep.err, (deep.code, deep.err[-2000:])
+    alone = run_cli("snapshot:" + shared["alone"], "diagnose", timeout=scaled(60))
+    assert alone.code == 2 and "no snapshot of yours in %s (1 by other users, not read unless named by path)" \
+        % shared["alone"] in alone.err, (alone.code, alone.err)

@@ -325,10 +325,15 @@ def resolve(path_text: str) -> List[str]:
             if any(d.path == here.path for d in group):
                 return _files(group)
         return _files([here])
-    found = [s for s in list_snapshots(path) if s.owner is None]
+    listed = list_snapshots(path)
+    found = [s for s in listed if s.owner is None]
     if not found:
-        raise UsageError("no snapshot in %s" % path_text, hint="`probe snapshots %s` lists what was recorded; "
-                         "`probe TARGET snapshot --dir %s` records one" % (path_text, path_text))
+        others = len(listed) - len(found)
+        raise UsageError("no snapshot%s in %s%s" % (
+            " of yours" if others else "", path_text,
+            " (%d by other users, not read unless named by path)" % others if others else ""),
+            hint="`probe snapshots %s` lists what was recorded; `probe TARGET snapshot --dir %s` records one"
+            % (path_text, path_text))
     newest = found[-1]
     return _files([d for d in _dirs(path) if d.path in newest.dirs])
 
