@@ -3,8 +3,8 @@ of secret-looking locals masked by the one rule of probe.tables.redact (the name
 in a worker's deeper frames, whether the agent or the client runs the SQL; the eval scope still sees them."""
 
 import json
-import os
 import socket
+import urllib.error
 import urllib.request
 from typing import Dict, Iterator
 
@@ -119,7 +119,8 @@ def test_every_rank_through_its_node_helper_answers_a_read_token_masked(tmp_path
         env = job["env"]
         masked = run_cli("--token-file", str(read), master, "--via", "helpers", "--all-ranks", "query", SQL, "-f",
                          "json", env=env, timeout=scaled(90))
-        full = run_cli(master, "--via", "helpers", "--all-ranks", "query", SQL, "-f", "json", env=env, timeout=scaled(90))
+        full = run_cli(master, "--via", "helpers", "--all-ranks", "query", SQL, "-f", "json", env=env,
+                       timeout=scaled(90))
     assert masked.code == 0 and full.code == 0, (masked.err, full.err)
     rows = json.loads(masked.out)
     assert sorted({row["rank"] for row in rows}) == [0, 1], rows

@@ -160,7 +160,8 @@ def serve(settings: Settings) -> None:
             result = await anyio.to_thread.run_sync(lambda: run_command(settings, command_name, target, all_ranks,
                                                                         **params))
         except Exception as exc:  # a bug of ours: the SDK would hide its words from the agent
-            raise ToolError(as_data("probe mcp could not run %s: %s: %s" % (command_name, type(exc).__name__, exc))) from None
+            raise ToolError(as_data("probe mcp could not run %s: %s: %s"
+                                    % (command_name, type(exc).__name__, exc))) from None
         return answer(settings, result, ask_less, ToolError)
 
     default = " (default: %s)" % settings.target if settings.target else ""

@@ -60,9 +60,10 @@ MASK = "********"
 
 reading = threading.local()
 """``reading.shows_secrets``: True while the agent answers a request of the eval scope on this thread
-(which could read every value anyway; or any request where PROBE_SHOW_SECRETS=1), so that ``python.locals`` shows the values of secret-looking
-locals; any other request (read, control: a read token, ``probe mcp``, the page) sees them masked by
-:func:`mask_local`, as a snapshot writes them. Unset (not a request) is masked."""
+(which could read every value anyway; or any request where PROBE_SHOW_SECRETS=1), so that
+``python.locals`` shows the values of secret-looking locals; any other request (read, control: a read
+token, ``probe mcp``, the page) sees them masked by :func:`mask_local`, as a snapshot writes them. Unset
+(not a request) is masked."""
 
 
 def mask_local(name: str, value: str) -> str:
