@@ -99,7 +99,9 @@ def shared() -> Iterator[Dict[str, str]]:
         planted = os.path.join(root, snapshot_id("pid6121", later))
         deep = os.path.join(root, snapshot_id("pid777", later + 1))
         theirs = os.path.join(alone, snapshot_id("pid6121", later))
-        work = [("dir", planted, b""), ("dir", deep, b""), ("dir", theirs, b"")]
+        forged = os.path.join(root, "x\npid1-20260101T000000Z  forged line")  # a name that would print a row
+        work = [("dir", planted, b""), ("dir", deep, b""), ("dir", theirs, b""), ("dir", forged, b""),
+                ("file", os.path.join(forged, "rank-00000.json"), b"{}")]
         for name in os.listdir(ours):
             with open(os.path.join(ours, name), "rb") as handle:
                 raw = json.loads(handle.read())
@@ -126,6 +128,7 @@ def test_another_user_s_records_are_listed_apart_with_their_owner(shared: Dict[s
         line = next(l for l in others.splitlines() if os.path.basename(path) in l)
         assert "nobody (uid 65534)" in line, others
     assert os.path.join(shared["damaged"], "rank-00000.json") in listed.out and "nests more than" in listed.out
+    assert "x\\npid1-20260101T000000Z  forged line" in others and "\npid1-" not in listed.out, others
     rows = [json.loads(line) for line in run_cli("snapshots", shared["root"], "--json").out.splitlines()]
     owners = {row["id"]: row["owner"] for row in rows}
     assert owners[os.path.basename(shared["ours"])] is None, owners

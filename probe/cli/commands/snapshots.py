@@ -82,13 +82,16 @@ def render(found: List[Any], root: str, now: float) -> List[str]:
 
 
 def render_others(found: List[Any], root: str) -> List[str]:
-    """Other users' directories: never read, so only their ids, owners and sizes."""
+    """Other users' directories: never read, so only their ids (their names: a newline in one is written
+    out, so that it cannot forge a line), owners and sizes."""
+    from probe.cli.render import visible
+
     if not found:
         return []
     out = ["", "written by other users (not read: their records could be planted; a path reads one, with a warning):"]
     rows = [("ID", "OWNER", "WHEN (UTC)", "SIZE")]
     for info in found:
-        rows.append((info.id, info.owner or "?", time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.when)),
+        rows.append((visible(info.id), info.owner or "?", time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.when)),
                      size_text(info.bytes)))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
@@ -100,4 +103,6 @@ def render_problems(found: List[Any]) -> List[str]:
     problems = [p for info in found for p in info.problems]
     if not problems:
         return []
-    return ["", "could not be read (left out):"] + ["  %s" % p for p in problems]
+    from probe.cli.render import visible
+
+    return ["", "could not be read (left out):"] + ["  %s" % visible(p) for p in problems]
