@@ -8,7 +8,8 @@ deep or an integer of 200,000 digits ends the first recursive walk or text conve
 weighing it as often as it is named (what later walks will visit), and says what is wrong, or None.
 """
 
-from typing import Any, Dict, List, Optional, Set, Tuple
+import itertools
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 __all__ = ["MAX_DEPTH", "MAX_WEIGHT", "MAX_INT_BITS", "check"]
 
@@ -23,51 +24,56 @@ MAX_INT_BITS = 128
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 
-def _children(value: Any) -> List[Any]:
+def _children(value: Any) -> Iterable[Any]:
     if isinstance(value, dict):
-        out: List[Any] = []
-        for key, item in value.items():
-            out.append(key)
-            out.append(item)
-        return out
-    return list(value)
+        return itertools.chain.from_iterable(value.items())
+    return value
 
 
-def _weight(value: Any) -> int:
-    if isinstance(value, (str, bytes, bytearray)):
-        return 1 + len(value) // 256
-    return 1
+def _big_int(value: Any, max_int_bits: int) -> Optional[str]:
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > max_int_bits:
+        return "it holds an integer of %d bits (more than %d)" % (value.bit_length(), max_int_bits)
+    return None
 
 
 def check(value: Any, max_depth: int = MAX_DEPTH, max_weight: int = MAX_WEIGHT,
           max_int_bits: int = MAX_INT_BITS) -> Optional[str]:
     """Why ``value`` (containers and scalars, as JSON or a plain pickle build them) is too much to read, in a
-    few words; None where it is within the bounds. Linear in the distinct containers it holds."""
+    few words; None where it is within the bounds. Linear in the values it holds, each shared container
+    walked once."""
+    if not isinstance(value, _CONTAINERS):
+        return _big_int(value, max_int_bits)
     weights: Dict[int, int] = {}  # id of a container walked whole -> what it weighs, shared uses included
     open_: Set[int] = set()  # ids of the containers on the path from the top to the one being walked
     stack: List[Tuple[Any, int, bool]] = [(value, 0, False)]
     while stack:
         item, depth, finished = stack.pop()
+        key = id(item)
         if finished:
             total = 1
             for child in _children(item):
-                total += weights.get(id(child), 0) if isinstance(child, _CONTAINERS) else _weight(child)
+                if isinstance(child, _CONTAINERS):
+                    total += weights[id(child)]
+                elif isinstance(child, (str, bytes, bytearray)):
+                    total += 1 + len(child) // 256
+                else:
+                    total += 1
             if total > max_weight:
                 return "it expands to more than %d values (lists named again and again)" % max_weight
-            weights[id(item)] = total
-            open_.discard(id(item))
+            weights[key] = total
+            open_.discard(key)
             continue
-        if isinstance(item, int) and not isinstance(item, bool):
-            if item.bit_length() > max_int_bits:
-                return "it holds an integer of %d bits (more than %d)" % (item.bit_length(), max_int_bits)
+        if key in weights:
             continue
-        if not isinstance(item, _CONTAINERS) or id(item) in weights:
-            continue
-        if id(item) in open_:
+        if key in open_:
             return "a container holds itself"
         if depth >= max_depth:
             return "it nests more than %d levels deep" % max_depth
-        open_.add(id(item))
+        open_.add(key)
         stack.append((item, depth, True))
-        stack.extend((child, depth + 1, False) for child in _children(item))
+        for child in _children(item):
+            if isinstance(child, _CONTAINERS):
+                stack.append((child, depth + 1, False))
+            elif type(child) is int and child.bit_length() > max_int_bits:
+                return _big_int(child, max_int_bits)
     return None
