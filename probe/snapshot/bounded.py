@@ -22,6 +22,8 @@ MAX_INT_BITS = 128
 """An integer of more bits is no sequence number, time or size (torch's are 64-bit)."""
 
 _CONTAINERS = (dict, list, tuple, set, frozenset)
+_TYPES = frozenset(_CONTAINERS)  # JSON and a plain pickle build these exact types: a set lookup is quicker
+_TEXTS = frozenset((str, bytes, bytearray))
 
 
 def _children(value: Any) -> Iterable[Any]:
@@ -41,7 +43,7 @@ def check(value: Any, max_depth: int = MAX_DEPTH, max_weight: int = MAX_WEIGHT,
     """Why ``value`` (containers and scalars, as JSON or a plain pickle build them) is too much to read, in a
     few words; None where it is within the bounds. Linear in the values it holds, each shared container
     walked once."""
-    if not isinstance(value, _CONTAINERS):
+    if type(value) not in _TYPES:
         return _big_int(value, max_int_bits)
     weights: Dict[int, int] = {}  # id of a container walked whole -> what it weighs, shared uses included
     open_: Set[int] = set()  # ids of the containers on the path from the top to the one being walked
@@ -52,9 +54,10 @@ def check(value: Any, max_depth: int = MAX_DEPTH, max_weight: int = MAX_WEIGHT,
         if finished:
             total = 1
             for child in _children(item):
-                if isinstance(child, _CONTAINERS):
+                kind = type(child)
+                if kind in _TYPES:
                     total += weights[id(child)]
-                elif isinstance(child, (str, bytes, bytearray)):
+                elif kind in _TEXTS:
                     total += 1 + len(child) // 256
                 else:
                     total += 1
@@ -72,8 +75,9 @@ def check(value: Any, max_depth: int = MAX_DEPTH, max_weight: int = MAX_WEIGHT,
         open_.add(key)
         stack.append((item, depth, True))
         for child in _children(item):
-            if isinstance(child, _CONTAINERS):
+            kind = type(child)
+            if kind in _TYPES:
                 stack.append((child, depth + 1, False))
-            elif type(child) is int and child.bit_length() > max_int_bits:
+            elif kind is int and child.bit_length() > max_int_bits:
                 return _big_int(child, max_int_bits)
     return None

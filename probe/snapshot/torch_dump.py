@@ -51,6 +51,7 @@ _PLAIN_OPCODES = frozenset((
     "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_SET", "ADDITEMS", "FROZENSET",
     "PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET", "MEMOIZE",
 ))
+_LONGS = frozenset(("LONG", "LONG1", "LONG4"))  # INT's text past 4300 digits is Python's own ValueError
 """Opcodes that build plain values only. Left out: GLOBAL, STACK_GLOBAL, INST, OBJ, NEWOBJ(_EX), REDUCE,
 BUILD, PERSID, BINPERSID, EXT1/2/4, NEXT_BUFFER, READONLY_BUFFER: each imports or calls something."""
 
@@ -111,7 +112,7 @@ def _plain_unpickle(data: bytes, path: str) -> Any:
             if count >= MAX_OPCODES:
                 raise UsageError("%s is refused: its pickle has more than %d opcodes" % (path, MAX_OPCODES),
                                  hint="probe reads dumps that torch wrote; this file was made otherwise")
-            if isinstance(arg, int) and not isinstance(arg, bool) and arg.bit_length() > MAX_INT_BITS:
+            if opcode.name in _LONGS and arg.bit_length() > MAX_INT_BITS:
                 raise UsageError("%s is refused: it holds an integer of %d bits (more than %d)" % (
                     path, arg.bit_length(), MAX_INT_BITS), hint="probe reads dumps that torch wrote; this file "
                                                                   "was made otherwise")
