@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 import probe
 from probe import _paths
 from probe.agent import scopes
+from probe.tables import process_env, redact
 from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.audit_request import Audited, record_unauthorized
 from probe.agent.http import Request, Response
@@ -553,10 +554,12 @@ class Dispatcher:
         audit: Any = None
         try:
             try:
-                grant = self._agent.authorize(request)
+                grant = scopes.capped(self._agent.authorize(request), request.headers)
             except Unauthorized as exc:
                 record_unauthorized(request, exc, _once(request))
                 raise
+            except ValueError as exc:
+                raise BadRequest(str(exc)) from None
             route = self._route(request)
             path = request.path.split("?", 1)[0]
             body = _once(request)
@@ -565,7 +568,13 @@ class Dispatcher:
                 audit = Audited(request, path, grant, need, body)  # before it runs (or its refusal)
             if grant.scope < need:
                 raise self._agent.credentials.refuse(grant, need, audit.command)
-            response = route(self._agent, request)
+            # python.locals shows secret-looking values to eval (it could read them anyway) or where the
+            # agent shows secrets (PROBE_SHOW_SECRETS=1, as process.env does); see probe.tables.redact
+            redact.reading.shows_secrets = grant.scope >= scopes.EVAL or process_env.show_secrets
+            try:
+                response = route(self._agent, request)
+            finally:
+                redact.reading.shows_secrets = False
         except ProbeError as exc:
             if audit is not None:
                 audit.done(exc)

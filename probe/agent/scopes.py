@@ -16,10 +16,10 @@ eval: a new route is closed until someone gives it its scope here. Stdlib only: 
 import hmac
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from probe.errors import Forbidden, Unauthorized
+from probe.errors import BadRequest, Forbidden, Unauthorized
 
 __all__ = ["READ", "CONTROL", "EVAL", "NAMES", "AGENT_ROUTES", "HELPER_ROUTES", "Grant", "Credentials",
-           "needed", "parse_scope", "check", "command_of", "helper_credentials"]
+           "needed", "parse_scope", "capped", "check", "command_of", "helper_credentials"]
 
 READ, CONTROL, EVAL = 1, 2, 3
 NAMES = {READ: "read", CONTROL: "control", EVAL: "eval"}
@@ -107,6 +107,17 @@ def command_of(path: str, body: Callable[[], Mapping[str, Any]]) -> str:
     except Exception:
         pass
     return word or path[:100]
+
+
+def capped(grant: "Grant", headers: Mapping[str, str]) -> "Grant":
+    """``grant`` lowered to the scope the request asks for in ``X-Probe-Scope`` (a client that serves
+    others what it reads, ``probe mcp`` or the page, asks for no more than it needs); never raised.
+    ValueError for a header that names no scope."""
+    asked = headers.get("x-probe-scope")
+    if not asked:
+        return grant
+    cap = parse_scope(asked, "X-Probe-Scope")
+    return grant if cap >= grant.scope else Grant(cap, grant.by)
 
 
 def parse_scope(text: Optional[str], what: str) -> int:
@@ -204,7 +215,10 @@ def check(credentials: Credentials, table: Mapping[Tuple[str, str], Needed], met
           transport: str, headers: Mapping[str, str], body: Callable[[], Mapping[str, Any]],
           what: str = "this agent") -> Tuple[Grant, int]:
     """Authorise one request: (its grant, the scope it needs); ``Unauthorized`` or ``Forbidden`` if not."""
-    grant = credentials.grant(transport, headers, what)
+    try:
+        grant = capped(credentials.grant(transport, headers, what), headers)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     need = needed(table, method, path, body)
     if grant.scope < need:
         raise credentials.refuse(grant, need, command_of(path, body))

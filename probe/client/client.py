@@ -30,6 +30,9 @@ class Client:
     """A connection-less client: each call is one HTTP request to the agent."""
 
     _quick = False  # set by backtrace() for its request alone: see _watched
+    scope_cap: Optional[str] = None
+    """The most this client's requests may do (``read``, ``control``; None: what the token gives), sent as
+    ``X-Probe-Scope``: a host helper asking its ranks for a client asks with that client's scope."""
 
     def __init__(self, target: Target, token: Optional[str] = None, timeout: Optional[float] = None,
                  wait: Optional[float] = None, executable: Optional[str] = None) -> None:
@@ -69,6 +72,8 @@ class Client:
             headers["Authorization"] = "Bearer %s" % self._token
         if accept:
             headers["Accept"] = accept
+        if self.scope_cap:
+            headers["X-Probe-Scope"] = self.scope_cap
         payload = json.dumps(body).encode("utf-8") if body is not None else None
         if self.target.core is not None:
             raise ProcessDead("%s is a core file: it holds stacks only, and nothing runs there" % self.target.label,

@@ -220,6 +220,13 @@ def request(address: Address, method: str, path: str, body: Optional[bytes] = No
     return read_response(sock, address, timeout, deadline)
 
 
+scope_cap: Optional[str] = None
+"""The most that this process's requests may do (``read``, ``control``), sent as ``X-Probe-Scope`` on
+each: set by a process that serves others what it reads (``probe mcp``, the page), so that an agent
+grants no more, and shows a read or control request no secret-looking local (``probe.tables.redact``).
+A request's own ``X-Probe-Scope`` header (a host helper asking for a client) takes its place."""
+
+
 def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
                  headers: Optional[Dict[str, str]] = None, timeout: float = 30.0,
                  queue_wait: Optional[float] = None) -> socket.socket:
@@ -234,6 +241,8 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     if body:
         lines.append("Content-Type: application/json")
     lines.extend("%s: %s" % item for item in (headers or {}).items())
+    if scope_cap and not any(k.lower() == "x-probe-scope" for k in (headers or {})):
+        lines.append("X-Probe-Scope: %s" % scope_cap)
     payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
     try:
         sock = _connect(address, timeout, queue_wait)

@@ -77,6 +77,7 @@ class _Asked:
         self.max_rows: Optional[int] = None
         self.timeout: Optional[float] = None
         self.query_id: Optional[str] = None
+        self.scope = "read"
         if op == "query":
             sql = body.get("sql")
             if not isinstance(sql, str) or not sql.strip() or len(sql) > MAX_SQL_CHARS:
@@ -94,6 +95,7 @@ class _Asked:
 def gather(helper: Any, request: Request) -> Response:
     """Answer ``POST /v1/gather`` for ``helper``'s local ranks (see the module's docstring)."""
     asked = _Asked(request.json())
+    asked.scope = _asker_scope(helper, request)
     with _slots_lock:  # a helper's own bound (a process may hold several helpers: the bench's do)
         slots = helper.__dict__.setdefault("_gather_slots", threading.BoundedSemaphore(MAX_GATHERS))
     if not slots.acquire(blocking=False):
@@ -270,7 +272,24 @@ def _client(member: Dict[str, Any], asked: _Asked) -> Any:
     from probe.client.client import Client
     from probe.client.targets import parse_target
 
-    return Client(parse_target(str(member["pid"])), None, asked.deadline + _MARGIN_S)
+    client = Client(parse_target(str(member["pid"])), None, asked.deadline + _MARGIN_S)
+    client.scope_cap = asked.scope  # the helper has every scope on its ranks' sockets: ask with the asker's
+    return client
+
+
+def _asker_scope(helper: Any, request: Request) -> str:
+    """The scope of whoever asked the gather (its token's, or the unix peer's: every scope), lowered by its
+    own ``X-Probe-Scope``: the ranks answer the helper as they would answer the asker."""
+    from probe.agent.scopes import EVAL, NAMES, READ, Grant, capped
+
+    grant = Grant(EVAL, "unix socket owner")
+    if request.transport != "unix":
+        credentials = helper.__dict__.get("_credentials")
+        grant = credentials.grant(request.transport, request.headers) if credentials is not None else Grant(READ, "")
+    try:
+        return NAMES[capped(grant, request.headers).scope]
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
 
 def _backtrace(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[Dict[str, Key], Optional[str]]:

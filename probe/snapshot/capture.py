@@ -134,7 +134,7 @@ def _tables(client: Any, last: Any, record: Dict[str, Any]) -> None:
 def _masked_locals(columns: Sequence[Tuple[str, str]], rows: List[List[Any]]) -> List[List[Any]]:
     """A local whose name looks secret shows the mask; credentials inside any value are masked (the rules of
     process.env's values, probe.tables.redact)."""
-    from probe.tables.redact import mask_env_value
+    from probe.tables.redact import mask_local
 
     names = [n for n, _ in columns]
     if "name" not in names or "value" not in names:
@@ -142,7 +142,7 @@ def _masked_locals(columns: Sequence[Tuple[str, str]], rows: List[List[Any]]) ->
     at_name, at_value = names.index("name"), names.index("value")
     for row in rows:
         if isinstance(row[at_value], str):
-            row[at_value] = mask_env_value(str(row[at_name]), row[at_value])[0]
+            row[at_value] = mask_local(str(row[at_name]), row[at_value])
     return rows
 
 

@@ -243,10 +243,17 @@ def _load(path: str, what: str) -> Any:
     if len(data) > 8 * max_rank_bytes():
         raise UsageError("%s is too big for a %s (over %d bytes)" % (path, what, 8 * max_rank_bytes()))
     try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        raw = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UsageError("%s is not a %s: cut short or not JSON (%s)" % (path, what, exc),
                          hint="a record is written whole or not at all: this file was not written by probe") from None
+    from probe.snapshot.bounded import check
+
+    too_much = check(raw)
+    if too_much is not None:
+        raise UsageError("%s is not a %s: %s" % (path, what, too_much),
+                         hint="probe writes records 10 levels deep at most: this file was not written by probe")
+    return raw
 
 
 def read_rank(path: str) -> Dict[str, Any]:

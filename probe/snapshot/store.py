@@ -12,6 +12,11 @@ Nodes that record the same stall on a shared file system each make their own dir
 directories of one job whose recordings began within :data:`GROUP_WINDOW_S` of the first of them are one
 snapshot, named by that first directory.
 
+Directories another user made (or that hold another user's files) in a shared root are no record of
+yours: they are listed apart, with their owner, never grouped with yours, read only when named by path
+(with a warning: see :func:`foreign_owner`), never cleaned. A file that cannot be read (damaged, not
+probe's, too deep or too big) is named in the listing, and the rest is listed.
+
 Cleanup (after a node writes): of the snapshots of the same job that this host wrote, only the newest
 ``PROBE_SNAPSHOT_KEEP`` (default 20) are kept, and any of this host's older than
 ``PROBE_SNAPSHOT_MAX_AGE_DAYS`` (default 14) are removed. Only directories that hold nothing but probe's
@@ -30,7 +35,7 @@ from probe.errors import UsageError
 from probe.snapshot.record import read_meta, read_rank
 
 __all__ = ["SnapshotInfo", "snapshot_root", "new_snapshot_dir", "list_snapshots", "resolve", "clean", "GROUP_WINDOW_S",
-           "job_id", "snapshot_id", "save_snapshot"]
+           "job_id", "snapshot_id", "save_snapshot", "foreign_owner"]
 
 GROUP_WINDOW_S = 120.0
 KEEP = 20
@@ -44,7 +49,9 @@ class SnapshotInfo(NamedTuple):
     """One snapshot: ``id`` (its first directory's name), ``path`` (that directory), ``dirs`` (every
     directory of it, one per node that recorded), ``job``, ``when`` (epoch s, recording began), ``reason``,
     ``ranks`` (recorded), ``failed`` (rank -> why it could not be recorded), ``bytes``, ``complete`` (every
-    node's meta written and each rank it names has its file), ``hosts``."""
+    node's meta written and each rank it names has its file), ``hosts``, ``owner`` (``user (uid N)`` for
+    a snapshot another user made: nothing of it was read; None for yours), ``problems`` (``file: why``
+    for each file that could not be read)."""
 
     id: str
     path: str
@@ -57,12 +64,15 @@ class SnapshotInfo(NamedTuple):
     bytes: int
     complete: bool
     hosts: List[str]
+    owner: Optional[str] = None
+    problems: Tuple[str, ...] = ()
 
     def as_json(self) -> Dict[str, Any]:
         return {"id": self.id, "path": self.path, "dirs": self.dirs, "job": self.job, "when": self.when,
                 "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.when)), "reason": self.reason,
                 "ranks": self.ranks, "failed": {str(k): v for k, v in sorted(self.failed.items())},
-                "bytes": self.bytes, "complete": self.complete, "hosts": self.hosts}
+                "bytes": self.bytes, "complete": self.complete, "hosts": self.hosts, "owner": self.owner,
+                "problems": list(self.problems)}
 
 
 def snapshot_root(explicit: Optional[str] = None) -> str:
@@ -140,30 +150,65 @@ class _Dir(NamedTuple):
     metas: List[Dict[str, Any]]
     rank_files: Dict[int, str]
     bytes: int
+    owner: Optional[int] = None  # the uid of another user who made it or a file in it; None: this user's
+    problems: Tuple[str, ...] = ()
+
+
+def _uid_of(path: str) -> Optional[int]:
+    """The uid of another user than this process's that owns ``path`` or, for a link, the link itself;
+    None where both are this user's (or cannot be looked at)."""
+    try:
+        uids = {os.lstat(path).st_uid, os.stat(path).st_uid}
+    except OSError:
+        return None
+    other = sorted(uid for uid in uids if uid != os.geteuid())
+    return other[0] if other else None
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return "%s (uid %d)" % (pwd.getpwuid(uid).pw_name, uid)
+    except (ImportError, KeyError):
+        return "uid %d" % uid
+
+
+def foreign_owner(path: str) -> Optional[str]:
+    """``user (uid N)`` where ``path`` (or the link it is) belongs to another user: what it says may have
+    been planted there; None where it is this user's own."""
+    uid = _uid_of(path)
+    return None if uid is None else _user(uid)
 
 
 def _scan(path: str) -> Optional[_Dir]:
-    """One snapshot directory, or None for what is not one."""
+    """One snapshot directory, or None for what is not one. Another user's is not read: its files are
+    named from the directory's listing alone."""
     name = os.path.basename(path.rstrip("/"))
     try:
         names = os.listdir(path)
     except OSError:
         return None
+    owner = _uid_of(path)
+    ours = [e for e in names if _RANK.match(e) or (e.startswith("meta-") and e.endswith(".json"))]
+    for entry in ours if owner is None else ():
+        owner = _uid_of(os.path.join(path, entry))
+        if owner is not None:
+            break
     rank_files: Dict[int, str] = {}
     metas: List[Dict[str, Any]] = []
+    problems: List[str] = []
     size = 0
-    for entry in names:
+    for entry in ours:
         full = os.path.join(path, entry)
         match = _RANK.match(entry)
         if match:
             rank_files[int(match.group(1))] = full
-        elif entry.startswith("meta-") and entry.endswith(".json"):
+        elif owner is None:
             try:
                 metas.append(read_meta(full))
-            except UsageError:
-                pass
-        else:
-            continue
+            except UsageError as exc:
+                problems.append("%s: %s" % (full, exc.message))
         try:
             size += os.stat(full).st_size
         except OSError:
@@ -180,7 +225,7 @@ def _scan(path: str) -> Optional[_Dir]:
             when = os.stat(path).st_mtime
         except OSError:
             when = 0.0
-    return _Dir(path, name, job, when, metas, rank_files, size)
+    return _Dir(path, name, job, when, metas, rank_files, size, owner, tuple(problems))
 
 
 def _dirs(root: str) -> List[_Dir]:
@@ -204,10 +249,12 @@ def _dirs(root: str) -> List[_Dir]:
 
 
 def _groups(dirs: List[_Dir]) -> List[List[_Dir]]:
-    """Directories of one job whose recordings began within GROUP_WINDOW_S of the group's first."""
+    """Directories of one job and one owner whose recordings began within GROUP_WINDOW_S of the group's
+    first."""
     groups: List[List[_Dir]] = []
-    for d in sorted(dirs, key=lambda d: (d.job, d.when, d.name)):
-        if groups and groups[-1][0].job == d.job and d.when - groups[-1][0].when <= GROUP_WINDOW_S:
+    for d in sorted(dirs, key=lambda d: (d.owner is not None, d.owner or 0, d.job, d.when, d.name)):
+        if (groups and groups[-1][0].job == d.job and groups[-1][0].owner == d.owner
+                and d.when - groups[-1][0].when <= GROUP_WINDOW_S):
             groups[-1].append(d)
         else:
             groups.append([d])
@@ -221,6 +268,7 @@ def _info(group: List[_Dir]) -> SnapshotInfo:
     complete = True
     reason = ""
     hosts: List[str] = []
+    problems = [p for d in group for p in d.problems]
     for d in group:
         if not d.metas:
             complete = False
@@ -235,24 +283,26 @@ def _info(group: List[_Dir]) -> SnapshotInfo:
                     pass
             if any(int(r) not in d.rank_files for r in meta.get("ranks") or () if isinstance(r, int)):
                 complete = False
-    if not reason:
+    if not reason and first.owner is None:
         for d in group:
             for path in d.rank_files.values():
                 try:
                     reason = str(read_rank(path).get("reason") or "")
-                except UsageError:
+                except UsageError as exc:
+                    problems.append("%s: %s" % (path, exc.message))
                     continue
                 break
             if reason:
                 break
     recorded = [r for r in ranks if r not in failed]
     return SnapshotInfo(first.name, first.path, [d.path for d in group], first.job, first.when, reason, recorded,
-                        failed, sum(d.bytes for d in group), complete, sorted(set(hosts)))
+                        failed, sum(d.bytes for d in group), complete, sorted(set(hosts)),
+                        None if first.owner is None else _user(first.owner), tuple(problems))
 
 
 def list_snapshots(root: str) -> List[SnapshotInfo]:
     """The snapshots under ``root``, oldest first (a missing directory holds none; a snapshot's own
-    directory lists itself)."""
+    directory lists itself), other users' among them with their ``owner``."""
     here = _scan(root) if os.path.isdir(root) else None
     if here is not None and (here.rank_files or here.metas):
         return [_info([here])]
@@ -275,10 +325,15 @@ def resolve(path_text: str) -> List[str]:
             if any(d.path == here.path for d in group):
                 return _files(group)
         return _files([here])
-    found = list_snapshots(path)
+    listed = list_snapshots(path)
+    found = [s for s in listed if s.owner is None]
     if not found:
-        raise UsageError("no snapshot in %s" % path_text, hint="`probe snapshots %s` lists what was recorded; "
-                         "`probe TARGET snapshot --dir %s` records one" % (path_text, path_text))
+        others = len(listed) - len(found)
+        raise UsageError("no snapshot%s in %s%s" % (
+            " of yours" if others else "", path_text,
+            " (%d by other users, not read unless named by path)" % others if others else ""),
+            hint="`probe snapshots %s` lists what was recorded; `probe TARGET snapshot --dir %s` records one"
+            % (path_text, path_text))
     newest = found[-1]
     return _files([d for d in _dirs(path) if d.path in newest.dirs])
 
@@ -319,8 +374,8 @@ def clean(root: str, job: str) -> None:
         max_age = _env_number("PROBE_SNAPSHOT_MAX_AGE_DAYS", MAX_AGE_DAYS) * 86400.0
         host = socket.gethostname()
         now = time.time()
-        mine = [d for d in _dirs(root)
-                if any(m.get("host") == host for m in d.metas) or (not d.metas and now - d.when > 3600)]
+        mine = [d for d in _dirs(root) if d.owner is None and (
+                any(m.get("host") == host for m in d.metas) or (not d.metas and now - d.when > 3600))]
         same_job = sorted((d for d in mine if d.job == job), key=lambda d: (d.when, d.name))
         doomed = {d.path for d in same_job[:-keep]}
         doomed |= {d.path for d in mine if now - d.when > max_age}

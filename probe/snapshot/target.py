@@ -41,10 +41,12 @@ class Snapshot:
 
         self.path = path_text
         self.torch = torch_dump.looks_like_dumps(path_text)
+        files = list(torch_dump.dump_files(path_text).values()) if self.torch else store.resolve(path_text)
+        _warn_foreign(files, with_directory=not self.torch)
         if self.torch:
             found = torch_dump.records(path_text)
         else:
-            found = [read_rank(f) for f in store.resolve(path_text)]
+            found = [read_rank(f) for f in files]
         self.records: Dict[int, Dict[str, Any]] = {}
         for record in found:
             self.records.setdefault(int(record["rank"]), record)
@@ -205,6 +207,21 @@ def _ago(seconds: float) -> str:
     if seconds < 172800:
         return "%.1f h" % (seconds / 3600)
     return "%d days" % (seconds // 86400)
+
+
+def _warn_foreign(files: Sequence[str], with_directory: bool) -> None:
+    """One line on stderr where another user wrote what is about to be read (asked for by its path: a
+    listing leaves such records out): a record in a shared directory can be planted. ``with_directory``:
+    a snapshot's directory too (probe made it; a torch dump's directory may be anyone's, /tmp)."""
+    from probe._stderr import say
+    from probe.snapshot.store import foreign_owner
+
+    for path in (sorted({os.path.dirname(f) for f in files}) if with_directory else []) + list(files):
+        owner = foreign_owner(path)
+        if owner is not None:
+            say("probe: warning: %s was written by %s, not by you: anyone who can write there could have planted "
+                "it, so take what it says as that user's word" % (path, owner))
+            return
 
 
 def open_snapshot(target_text: str) -> Snapshot:

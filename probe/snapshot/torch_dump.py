@@ -36,6 +36,9 @@ MAX_DUMP_BYTES = 256 * 1024 * 1024
 """A dump bigger than this is refused (2000 entries with their stacks take a few MB)."""
 MAX_ENTRIES = 100_000
 """Entries read from one dump at most, the newest (a pickle can repeat one entry cheaply)."""
+MAX_OPCODES = 3_000_000
+"""Pickle opcodes read at most: each costs a step of Python to check (a 2000-entry dump with stacks has
+well under 1M), so that a file made of tiny opcodes is refused in a few seconds, not read for minutes."""
 
 REASON = "torch Flight Recorder dump"
 
@@ -48,6 +51,7 @@ _PLAIN_OPCODES = frozenset((
     "EMPTY_TUPLE", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3", "EMPTY_SET", "ADDITEMS", "FROZENSET",
     "PUT", "BINPUT", "LONG_BINPUT", "GET", "BINGET", "LONG_BINGET", "MEMOIZE",
 ))
+_LONGS = frozenset(("LONG", "LONG1", "LONG4"))  # INT's text past 4300 digits is Python's own ValueError
 """Opcodes that build plain values only. Left out: GLOBAL, STACK_GLOBAL, INST, OBJ, NEWOBJ(_EX), REDUCE,
 BUILD, PERSID, BINPERSID, EXT1/2/4, NEXT_BUFFER, READONLY_BUFFER: each imports or calls something."""
 
@@ -81,6 +85,12 @@ def load_dump(path: str) -> Dict[str, Any]:
             raise UsageError("%s is not a Flight Recorder dump: not JSON (%s)" % (path, exc)) from None
     else:
         raw = _plain_unpickle(data, path)
+    from probe.snapshot.bounded import check
+
+    too_much = check(raw)
+    if too_much is not None:
+        raise UsageError("%s is refused: %s; a Flight Recorder dump holds plain entries" % (path, too_much),
+                         hint="probe reads dumps that torch wrote; this file was made otherwise")
     if not isinstance(raw, dict) or not isinstance(raw.get("entries", []), list):
         raise UsageError("%s is not a Flight Recorder dump: no entries list" % path,
                          hint="torch writes one a rank as $TORCH_FR_DUMP_TEMP_FILE<rank>")
@@ -91,12 +101,21 @@ def _plain_unpickle(data: bytes, path: str) -> Any:
     if data[:1] != b"\x80":
         raise UsageError("%s is not a Flight Recorder dump: neither a pickle nor JSON" % path,
                          hint="torch writes one a rank as $TORCH_FR_DUMP_TEMP_FILE<rank>")
+    from probe.snapshot.bounded import MAX_INT_BITS
+
     try:
-        for opcode, _, _ in pickletools.genops(data):
+        for count, (opcode, arg, _) in enumerate(pickletools.genops(data)):
             if opcode.name not in _PLAIN_OPCODES:
                 raise UsageError("%s is refused: its pickle uses %s, which can import or call code; a Flight "
                                  "Recorder dump holds plain values only" % (path, opcode.name),
                                  hint="probe reads dumps that torch wrote; this file was made otherwise")
+            if count >= MAX_OPCODES:
+                raise UsageError("%s is refused: its pickle has more than %d opcodes" % (path, MAX_OPCODES),
+                                 hint="probe reads dumps that torch wrote; this file was made otherwise")
+            if opcode.name in _LONGS and arg.bit_length() > MAX_INT_BITS:
+                raise UsageError("%s is refused: it holds an integer of %d bits (more than %d)" % (
+                    path, arg.bit_length(), MAX_INT_BITS), hint="probe reads dumps that torch wrote; this file "
+                                                                  "was made otherwise")
         return _PlainUnpickler(io.BytesIO(data)).load()
     except UsageError:
         raise

@@ -19,6 +19,7 @@ import types
 from typing import Any, Dict, List, Optional, Tuple
 
 from probe.tables.python_backtrace import is_agent_thread
+from probe.tables.redact import mask_local, reading
 from probe.tables.spec import Column
 from probe._threads import daemon_thread
 
@@ -37,7 +38,9 @@ COLUMNS = (
     Column("name", "VARCHAR", "Name of the local variable."),
     Column("type", "VARCHAR", "Type of its value, as module.qualname (builtins without a module)."),
     Column("value", "VARCHAR", "A short repr (at most %d characters; tensors and arrays as shape, dtype and "
-                               "device); NULL when it was not computed in time." % 200),
+                               "device); NULL when it was not computed in time. Below the eval scope, '********' "
+                               "where the name looks secret (password, api_key, TOKEN...) and credentials "
+                               "inside any value masked, as in process.env." % 200),
 )
 EXAMPLE = "SELECT name, type, value FROM python.locals WHERE thread_name = 'MainThread' AND depth = 1"
 
@@ -54,8 +57,11 @@ _stuck = threading.Event()  # set while a helper is stuck in someone's __repr__
 def rows() -> List[Tuple[Any, ...]]:
     places, values = _read_frames()
     texts = _describe_all(values)
+    shown = bool(getattr(reading, "shows_secrets", False))
     out = []
     for (place, name, value), text in zip(values, texts):
+        if text is not None and not shown:
+            text = mask_local(name, text)
         out.append(places[place] + (name, _type_name(value), text))
     return out
 

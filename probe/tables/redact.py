@@ -50,12 +50,26 @@ name) stays visible; PROBE_EVAL=0 makes the agent read-only, not secret-free.
 
 import os
 import re
-from typing import List, Tuple
+import threading
+from typing import Dict, List, Tuple
 
 __all__ = ["MASK", "looks_secret", "points_to_file", "is_path", "mask_env_value", "mask_text", "mask_argv",
-           "mask_url_userinfo"]
+           "mask_url_userinfo", "mask_local", "reading"]
 
 MASK = "********"
+
+reading = threading.local()
+"""``reading.shows_secrets``: True while the agent answers a request of the eval scope on this thread
+(which could read every value anyway; or any request where PROBE_SHOW_SECRETS=1), so that
+``python.locals`` shows the values of secret-looking locals; any other request (read, control: a read
+token, ``probe mcp``, the page) sees them masked by :func:`mask_local`, as a snapshot writes them. Unset
+(not a request) is masked."""
+
+
+def mask_local(name: str, value: str) -> str:
+    """A local variable's short repr as it may be shown below the eval scope (and written in a snapshot):
+    rules 1 and 2 by its name (``password`` -> ``********``, the name stays), rule 3 inside any value."""
+    return mask_env_value(name, value)[0]
 
 _SECRET_NAME = re.compile(
     r"SECRET|PASSW|PASSPHRASE|TOKEN(?!I[ZS])|CREDENTIAL|PRIVATE|SESSION|COOKIE|SIGNATURE|WEBHOOK"
@@ -85,10 +99,19 @@ _ARG_ASSIGN = re.compile(r"([+~]*[A-Za-z_][\w.\-]*)=(.*)\Z", re.DOTALL)
 _LONG_OPTION = re.compile(r"--[A-Za-z]")
 
 
+_LOOKED: Dict[str, bool] = {}  # name -> looks_secret: python.locals asks of the same few names again and again
+_MAX_LOOKED = 4096
+
+
 def looks_secret(name: str) -> bool:
     """True when ``name`` (a variable, flag or key; leading ``-+~`` ignored) names a secret (rule 1)."""
-    name = name.lstrip("-+~")
-    return name not in _NOT_SECRET_NAMES and bool(_SECRET_NAME.search(name))
+    found = _LOOKED.get(name)
+    if found is None:
+        bare = name.lstrip("-+~")
+        found = bare not in _NOT_SECRET_NAMES and bool(_SECRET_NAME.search(bare))
+        if len(_LOOKED) < _MAX_LOOKED:
+            _LOOKED[name] = found
+    return found
 
 
 def points_to_file(name: str) -> bool:

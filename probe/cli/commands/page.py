@@ -34,9 +34,9 @@ def page(cli: CliContext, port: int, host: str, refresh: float, steps: int, fmt:
     their ranks, where a minority departs marked; step time and memory per rank over the last --steps
     steps (the trace where it is on, else the step counter and RSS); a SQL box for one rank or all
     (with --merge), its table downloadable as CSV; and a button that exports the trace for Perfetto.
-    It only reads (no eval). The job's token stays in this process. The page admits only you (your uid, as
-    the kernel says) with the page token of the URL printed; for another machine, the ssh -L line printed
-    forwards it. Ctrl-C ends it.
+    It only reads (no eval; its SQL sees secret-looking locals masked, as a snapshot writes them). The
+    job's token stays in this process. The page admits only you (your uid, as the kernel says) with the
+    page token of the URL printed; for another machine, the ssh -L line printed forwards it. Ctrl-C ends it.
     """
     from probe.cli.commands.diagnose import _target
     from probe.page.data import JobSource, ProcessSource
@@ -45,6 +45,9 @@ def page(cli: CliContext, port: int, host: str, refresh: float, steps: int, fmt:
     if any(t.strip().startswith("snapshot:") for t in cli.targets):
         raise UsageError("a snapshot does not change: the page is for a live job or process",
                          hint="read the snapshot with `probe snapshot:PATH diagnose` or `query`")
+    from probe.client import transport
+
+    transport.scope_cap = "control"  # trace export at most: its SQL sees secret-looking locals masked
     _, single, command = _target(cli)  # the same reading of TARGET as diagnose's
     label = " ".join(cli.targets) or (("--hosts %s" % cli.hosts) if cli.hosts else "$PROBE_TARGET")
     deadline = cli.deadline or min(10.0, cli.timeout)

@@ -21,7 +21,9 @@ def snapshots(cli: CliContext, directory: Optional[str], fmt: Optional[str]) -> 
     \b
     DIR: default $PROBE_SNAPSHOT_DIR, else the runtime directory's snapshots/. Read one with
     `probe snapshot:DIR/ID diagnose` (or backtrace, query ...). A snapshot is incomplete while a node is
-    still writing it, or where a node died before it finished.
+    still writing it, or where a node died before it finished. In a shared DIR, what another user wrote is
+    listed apart with its owner and not read (by path only, with a warning: it could be planted); a file
+    that cannot be read is named, and the rest listed.
     """
     from probe.snapshot.store import list_snapshots, snapshot_root
 
@@ -31,12 +33,17 @@ def snapshots(cli: CliContext, directory: Optional[str], fmt: Optional[str]) -> 
         for info in found:
             emit(json.dumps(info.as_json()))
         return
-    if not found:
-        say("no snapshot in %s" % root)
+    yours = [info for info in found if info.owner is None]
+    if not yours:
+        say("no snapshot%s in %s" % (" of yours" if found else "", root))
         say("(snapshots go to --dir DIR, else $PROBE_SNAPSHOT_DIR, else the runtime directory's snapshots/; "
             "`probe TARGET snapshot` records one now)")
-        return
-    for line in render(found, root, time.time()):
+    else:
+        for line in render(yours, root, time.time()):
+            say(line)
+    for line in render_others([info for info in found if info.owner is not None], root):
+        say(line)
+    for line in render_problems(found):
         say(line)
 
 
@@ -72,3 +79,30 @@ def render(found: List[Any], root: str, now: float) -> List[str]:
     out.append("(%d snapshot%s in %s; read one: probe snapshot:%s/ID diagnose)" % (
         len(found), "" if len(found) == 1 else "s", root, root))
     return out
+
+
+def render_others(found: List[Any], root: str) -> List[str]:
+    """Other users' directories: never read, so only their ids (their names: a newline in one is written
+    out, so that it cannot forge a line), owners and sizes."""
+    from probe.cli.render import visible
+
+    if not found:
+        return []
+    out = ["", "written by other users (not read: their records could be planted; a path reads one, with a warning):"]
+    rows = [("ID", "OWNER", "WHEN (UTC)", "SIZE")]
+    for info in found:
+        rows.append((visible(info.id), info.owner or "?", time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.when)),
+                     size_text(info.bytes)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return out
+
+
+def render_problems(found: List[Any]) -> List[str]:
+    """The files that could not be read, one line each (the listing goes on without them)."""
+    problems = [p for info in found for p in info.problems]
+    if not problems:
+        return []
+    from probe.cli.render import visible
+
+    return ["", "could not be read (left out):"] + ["  %s" % visible(p) for p in problems]
