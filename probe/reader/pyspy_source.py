@@ -58,7 +58,7 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
         raise ReaderError("py-spy gave an answer that is not JSON for process %d" % pid) from None
     threads = tuple(_thread(t, pid) for t in raw if isinstance(t, dict))
     return Stacks(pid, "read from outside the live process by py-spy, %s" % how_read(stop, stopped, native),
-                  threads, None, {"native": native, "consistent": stop or stopped})
+                  threads, None, {"native": native, "consistent": stop or stopped, "live": True})
 
 
 def _thread(raw: Dict[str, Any], pid: int) -> ThreadStack:

@@ -55,7 +55,7 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     else:
         source = "read from outside the live process by pystack, %s" % how_read(stop, False, native)
     return Stacks(pid, source, tuple(_convert(t, pid, names, comm, native) for t in threads),
-                  _version(threads), {"native": native, "consistent": stop or stopped})
+                  _version(threads), {"native": native, "consistent": stop or stopped, "live": True})
 
 
 def read_core(path: str, executable: Optional[str] = None, native: bool = False) -> Stacks:

@@ -38,6 +38,9 @@ COLUMNS = (
     Column("type", "VARCHAR", "Type of its value, as module.qualname (builtins without a module)."),
     Column("value", "VARCHAR", "A short repr (at most %d characters; tensors and arrays as shape, dtype and "
                                "device); NULL when it was not computed in time." % 200),
+    Column("source", "VARCHAR", "'agent': read by the agent inside the process; 'outside': read from outside it "
+                                "by py-spy while the agent could not answer (simple values only: numbers, strings, "
+                                "None, bools, short containers; other objects as their class name)."),
 )
 EXAMPLE = "SELECT name, type, value FROM python.locals WHERE thread_name = 'MainThread' AND depth = 1"
 
@@ -56,7 +59,7 @@ def rows() -> List[Tuple[Any, ...]]:
     texts = _describe_all(values)
     out = []
     for (place, name, value), text in zip(values, texts):
-        out.append(places[place] + (name, _type_name(value), text))
+        out.append(places[place] + (name, _type_name(value), text, "agent"))
     return out
 
 
