@@ -94,3 +94,27 @@ def test_a_hostile_answer_is_bounded_and_skipped_where_malformed():
                                          "locals": [{"name": "v%d" % i, "repr": "1"} for i in range(2000)]}] * 300}]
     started = time.monotonic()
     assert len(rows_of(many, 1)) == 50_000 and time.monotonic() - started < scaled(10)
+
+
+def test_locals_read_by_pystack_where_py_spy_is_missing_and_from_a_core_file(target_factory, tmp_path):
+    import shutil
+    import subprocess
+
+    from probe.reader import locals_source
+
+    proc = target_factory("gil_locals.py", probe=False)
+    rows = locals_source._by_pystack(proc.pid, None, None)  # what read_locals does without py-spy
+    _check({(r[4], r[7]): (r[8], r[9]) for r in rows if r[1] == "MainThread"})
+    assert {r[10] for r in rows} == {"outside"}
+    if shutil.which("gcore") is None:
+        pytest.skip("gcore comes with gdb (apt-get install gdb)")
+    prefix = str(tmp_path / "core")
+    done = subprocess.run(["gcore", "-o", prefix, str(proc.pid)], capture_output=True, text=True, timeout=scaled(120))
+    core = "%s.%d" % (prefix, proc.pid)
+    assert done.returncode == 0 and os.path.exists(core), done.stderr[-2000:]
+    proc.kill()
+    result = run_cli("core:" + core, "query", QUERY, "-f", "json", timeout=scaled(60))
+    assert result.code == 0, result.err
+    rows = json.loads(result.out)
+    assert {r["source"] for r in rows} == {"outside"}
+    _check({(r["func"], r["name"]): (r["type"], r["value"]) for r in rows})

@@ -7,7 +7,8 @@ class name and address. Nothing runs in the target, so no ``__repr__`` runs. Eac
 (as a Python literal, bounded) to give the row the type and the repr the agent would give, and is
 masked as a record's locals are (``probe.tables.redact``: a secret-looking name hides its value, a
 password inside any value is cut out). Every row says ``source = 'outside'``. The process is stopped for
-the read, as for stacks (``probe.reader.live``), unless it is stopped already.
+the read, as for stacks (``probe.reader.live``), unless it is stopped already. Where py-spy is not
+installed, and for a core file, pystack reads them (the same texts).
 """
 
 import ast
@@ -19,7 +20,7 @@ from typing import Any, List, Optional, Tuple
 from probe.errors import ReaderError
 from probe.reader import proc
 
-__all__ = ["read_locals", "describe", "SOURCE"]
+__all__ = ["read_locals", "read_core_locals", "rows_of", "describe", "SOURCE"]
 
 SOURCE = "outside"
 TIMEOUT_S = 20.0
@@ -38,8 +39,7 @@ def read_locals(pid: int) -> List[Tuple[Any, ...]]:
 
     exe = pyspy_source.binary()
     if exe is None:
-        raise ReaderError("reading locals from outside needs py-spy, which is not installed here",
-                          hint="pip install py-spy")
+        return _by_pystack(pid, None, None)
     stopped = proc.state(pid) in ("T", "t")
     argv = [exe, "dump", "--pid", str(pid), "--json", "--locals"] + (["--nonblocking"] if stopped else [])
     try:
@@ -57,6 +57,36 @@ def read_locals(pid: int) -> List[Tuple[Any, ...]]:
     except ValueError:
         raise ReaderError("py-spy gave an answer that is not JSON for process %d" % pid) from None
     return rows_of(raw if isinstance(raw, list) else [], pid)
+
+
+def read_core_locals(path: str, executable: Optional[str], pid: int) -> List[Tuple[Any, ...]]:
+    """Rows of ``python.locals`` of the process a core file holds (``executable``: the one that made it)."""
+    return _by_pystack(pid, path, executable)
+
+
+def _by_pystack(pid: int, core: Optional[str], executable: Optional[str]) -> List[Tuple[Any, ...]]:
+    from probe.reader import pystack_source
+
+    engine = pystack_source._engine()
+    off = engine.NativeReportingMode.OFF
+    try:
+        if core is None:
+            threads = list(engine.get_process_threads(pid, stop_process=True, native_mode=off, locals=True))
+        else:
+            threads = list(engine.get_process_threads_for_core(core, executable, native_mode=off, locals=True))
+    except Exception as exc:
+        raise pystack_source._explain(exc, None if core else pid, core=core) from None
+    names = proc.thread_names(pid) if core is None else {}
+    shaped = []  # as py-spy writes them: innermost frame first, locals as name and text
+    for thread in threads:
+        tid = int(thread.tid)
+        frames = [{"name": f.code.scope, "filename": f.code.filename, "line": int(f.code.location.lineno),
+                   "locals": [{"name": str(k), "repr": str(v)} for part in (f.arguments, f.locals)
+                              for k, v in dict(part).items()]} for f in thread.frames]
+        frames.reverse()
+        shaped.append({"thread_id": None, "os_thread_id": tid, "frames": frames,
+                       "thread_name": "MainThread" if tid == pid else names.get(tid)})
+    return rows_of(shaped, pid)
 
 
 def rows_of(threads: List[Any], pid: int) -> List[Tuple[Any, ...]]:

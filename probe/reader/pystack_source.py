@@ -80,7 +80,7 @@ def read_core(path: str, executable: Optional[str] = None, native: bool = False)
     except Exception as exc:
         raise _explain(exc, None, core=path) from None
     signal_number = failure.get("si_signo")
-    facts = {"executable": executable, "signal": _signal_name(signal_number), "native": native}
+    facts = {"executable": executable, "signal": _signal_name(signal_number), "native": native, "core": path}
     return Stacks(pid, "core file %s (executable %s)" % (path, executable),
                   tuple(_convert(t, pid, {}, None, native) for t in threads), _version(threads), facts)
 
