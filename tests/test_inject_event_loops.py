@@ -16,7 +16,7 @@ import pytest
 
 from probe.injector.methods import GIL_ENSURE, PENDING, plan
 from probe.injector.threads import Frame, ThreadState, is_parked_safely, parse_backtraces, with_libraries
-from procs import run_cli, scaled, target_env
+from procs import pyenv_python, run_cli, scaled, target_env
 from test_inject import needs_ptrace
 
 SELECT_SO = "/usr/lib/python3.11/lib-dynload/select.cpython-311-x86_64-linux-gnu.so"
@@ -112,6 +112,13 @@ def _in_syscall(pid: int) -> bool:
     return bool(fields) and fields[0] not in ("running", "-1")
 
 
+def _wait_in_syscall(pid: int) -> None:
+    deadline = time.monotonic() + scaled(10)
+    while not _in_syscall(pid):
+        assert time.monotonic() < deadline, "the loop never waited"
+        time.sleep(0.02)
+
+
 @needs_ptrace
 @pytest.mark.parametrize("mode", ["asyncio-sleep", "asyncio-server", "asyncio-pipeline", "selector-default",
                                   "selector-poll", "selector-select"])
@@ -120,10 +127,7 @@ def test_inject_into_a_program_waiting_in_its_event_loop(target_factory, mode):
     env.pop("PYTHONPATH", None)  # the injector must expose probe itself
     proc = target_factory("inject_event_loop.py", mode, probe=False, env=env)
     port = int(next(line.split()[1] for line in proc.lines if line.startswith("PORT")))
-    deadline = time.monotonic() + scaled(10)
-    while not _in_syscall(proc.pid):
-        assert time.monotonic() < deadline, "the loop never waited"
-        time.sleep(0.02)
+    _wait_in_syscall(proc.pid)
     started = time.monotonic()
     result = run_cli(str(proc.pid), "inject", "--timeout", str(int(scaled(15))))
     took = time.monotonic() - started
@@ -136,3 +140,22 @@ def test_inject_into_a_program_waiting_in_its_event_loop(target_factory, mode):
     if port:  # the loop still serves: the wait the agent started from went on as before
         assert _echo(port, b"after the injection\n") == b"after the injection\n"
     assert proc.alive()
+
+
+@needs_ptrace
+@pytest.mark.parametrize("version", ["3.9", "3.10", "3.12", "3.13"])
+def test_inject_into_an_asyncio_server_of_each_cpython(target_factory, version):
+    """Each version's select module and call glue differ (3.12 and 3.13 enter C functions otherwise)."""
+    python = pyenv_python(version)
+    if not python:
+        pytest.skip("CPython %s is not installed" % version)
+    env = target_env(probe=False)
+    env.pop("PYTHONPATH", None)
+    proc = target_factory("inject_event_loop.py", "asyncio-server", probe=False, env=env, python=python)
+    port = int(next(line.split()[1] for line in proc.lines if line.startswith("PORT")))
+    _wait_in_syscall(proc.pid)
+    result = run_cli(str(proc.pid), "inject", "--timeout", str(int(scaled(20))))
+    assert result.code == 0 and "gil_ensure" in result.out, result.err
+    answer = run_cli(str(proc.pid), "eval", "import sys; sys.version_info[:2]")
+    assert answer.code == 0 and answer.out.strip() == str(tuple(int(p) for p in version.split("."))), answer.err
+    assert _echo(port, b"still serving\n") == b"still serving\n"
