@@ -32,7 +32,16 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     try:
         return pyspy_source.read_live(pid, native, stop)
     except ReaderError as first:
-        if not native or not pystack_source.available() or proc.state(pid) is None:
+        if proc.state(pid) in (None, "Z", "X"):
+            raise
+        if not native:
+            if not stop or not first.message.startswith("py-spy could not read process"):
+                raise  # refused (ptrace, no interpreter): a second read would be refused as well
+            try:  # a stop that failed (a thread that ended while py-spy stopped them): read it running
+                return pyspy_source.read_live(pid, native, stop=False)
+            except ReaderError:
+                raise first from None
+        if not pystack_source.available():
             raise
         try:
             return pystack_source.read_live(pid, native, stop)
