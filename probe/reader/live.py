@@ -22,7 +22,7 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     """Every thread of live process ``pid``; ``native`` adds C frames. With ``stop`` (the default) or
     ``native`` the process is stopped for the read (milliseconds), so that no stack is torn by a call or
     a return made while it is read: a busy recursion read running showed impossible stacks (a caller at
-    a line that calls nothing) in about 2 reads of 100. ``stop=False`` leaves it running, for the callers that
+    a line that calls nothing) in 2 reads of 100, with a second busy thread 14. ``stop=False`` leaves it running, for the callers that
     count its threads' context switches around the read (a stop counts as one) and can tell by other
     means that no Python code ran meanwhile; ``Stacks.may_be_torn`` then says so."""
     if pyspy_source.binary() is None:
