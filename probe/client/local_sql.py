@@ -233,21 +233,38 @@ def _columns_read(serialized: str, tables: Set[str]) -> Optional[List[str]]:
 
 def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optional[float], why: Any,
                   label: str) -> Any:
-    """SQL over stacks read from outside a process (``probe.reader``): ``python.backtrace`` is there;
-    any other table needs the agent, and the error says why it cannot answer."""
+    """SQL over stacks read from outside a process (``probe.reader``): ``python.backtrace`` is there, and
+    for a live process on this host or a core file ``python.locals``, read from outside when a query names it
+    (``probe.reader.locals_source``); any other table needs the agent, and the error says why it cannot
+    answer."""
     from probe.engine import Engine
-    from probe.errors import AgentBlocked, ProcessDead
+    from probe.errors import AgentBlocked, ProcessDead, ReaderError
     from probe.tables.arrow import to_arrow
     from probe.tables.python_backtrace import COLUMNS
+
+    core = stacks.facts.get("core") if isinstance(stacks.facts.get("core"), str) else None
+    live = (bool(stacks.facts.get("live")) or core is not None) and stacks.pid is not None
+    reason = why.message if why is not None else "%s is read from outside" % label
+    cls = type(why) if isinstance(why, (AgentBlocked, ProcessDead)) else ProcessDead
+    how = getattr(why, "hint", None)  # how to get an agent, where one can be had
 
     def fetch(name: str) -> Any:
         if name == "python.backtrace":
             return to_arrow(tuple((c.name, c.type) for c in COLUMNS), stacks.rows())
-        reason = why.message if why is not None else "%s is read from outside" % label
-        cls = type(why) if isinstance(why, (AgentBlocked, ProcessDead)) else ProcessDead
-        how = getattr(why, "hint", None)  # how to get an agent, where one can be had
+        if name == "python.locals" and live:
+            from probe.reader.locals_source import read_core_locals, read_locals
+            from probe.tables import python_locals
+
+            try:
+                rows = (read_core_locals(core, stacks.facts.get("executable"), stacks.pid) if core
+                        else read_locals(stacks.pid))
+            except ReaderError as exc:
+                raise cls("python.locals needs the agent, and %s; reading them from outside failed: %s"
+                          % (reason[0].lower() + reason[1:], exc.message), hint=exc.hint or how) from None
+            return to_arrow(tuple((c.name, c.type) for c in python_locals.COLUMNS), rows)
+        what = "python.backtrace and python.locals are" if live else "only python.backtrace is"
         raise cls("%s needs the agent, and %s" % (name, reason[0].lower() + reason[1:]),
-                  hint="only python.backtrace is read from outside the process" + ("; %s" % how if how else ""))
+                  hint="%s read from outside the process" % what + ("; %s" % how if how else ""))
 
     engine = Engine(fetch)
     try:

@@ -113,7 +113,9 @@ def heartbeat_age(socket_path: str) -> Optional[float]:
 _last_problem: Optional[str] = None  # why the last read from outside failed, for the final message
 
 
-def _read(pid: int) -> "Optional[Stacks]":
+def _read(pid: int, stop: bool = True) -> "Optional[Stacks]":
+    """The stacks read from outside; ``stop=False`` for a read inside :func:`_watch`, which counts the
+    holder's voluntary context switches around it (stopping the process for the read counts as one)."""
     global _last_problem
     from probe.errors import ReaderError
     from probe.reader import live
@@ -122,7 +124,7 @@ def _read(pid: int) -> "Optional[Stacks]":
         _last_problem = "no reader installed (pip install py-spy)"
         return None
     try:
-        return live.read_live(pid, native=False)
+        return live.read_live(pid, native=False, stop=stop)
     except ReaderError as exc:
         _last_problem = exc.message + (" -- %s" % exc.hint if exc.hint else "")
         return None
@@ -312,7 +314,7 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, age
     # kind: under a C call that keeps the GIL 0.12 s at a time it grew past 0.6 s while the agent's
     # other threads took the GIL between the calls.
     beat = _mtime(socket_path)
-    stacks = _read(pid)
+    stacks = _read(pid, stop=False)
     holder = _program_holder(stacks)
     if stacks is None or holder is None or holder.native_id not in before:
         return "moving", stacks, holder
@@ -321,7 +323,7 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, age
     tid = holder.native_id
     if _seen_held_before(pid, socket_path, tid, before[tid], beat) and (
             quick or (heartbeat_age(socket_path) or 0.0) >= STALE_TRIGGER_S + CONFIRM_S):
-        return "held", stacks, holder  # kept since an earlier look saw it (without quick: for as long as below)
+        return "held", _frozen(stacks), holder  # kept since an earlier look saw it (without quick: for as long as below)
     start = time.monotonic()
     queued_at_start = proc.queued_ns(pid, tid)
     while True:
@@ -342,15 +344,29 @@ def _watch(pid: int, socket_path: str, sock: Optional[socket.socket] = None, age
             if (elapsed >= QUICK_MIN_S and time.monotonic() - since >= HELD_MIN_S and asked >= AGENT_WAITS
                     and not kept_off_cpu):
                 _remember_held(pid, socket_path, tid, before[tid], beat)
-                return "held", stacks, holder
+                return "held", _frozen(stacks), holder
         elif kept_off_cpu and queued is not None and elapsed < LOADED_CONFIRM_S:
             continue  # a holder waiting for a CPU cannot let go: on a loaded machine, watch it longer
         if elapsed >= CONFIRM_S:  # no quick answer (not a backtrace, no accept thread seen, a loaded CPU)
-            again = _program_holder(_read(pid))
+            again = _program_holder(_read(pid, stop=False))
             if again is None or _runs_agent_code(again):
                 return "moving", stacks, holder
             _remember_held(pid, socket_path, tid, before[tid], beat)
-            return "held", stacks, holder
+            return "held", _frozen(stacks), holder
+
+
+def _frozen(stacks: "Optional[Stacks]") -> "Optional[Stacks]":
+    """Stacks read without stopping the process, of a holder then seen keeping the GIL since before the
+    read (no voluntary switch while the agent asked for it): no Python code ran during the read, so no
+    stack in it is torn. Said so in their source."""
+    if stacks is None or not stacks.may_be_torn:
+        return stacks
+    import dataclasses
+
+    from probe.reader.stacks import TORN_WORDS
+
+    source = stacks.source.replace("(%s)" % TORN_WORDS, "(the GIL stayed held in C meanwhile: no Python frame moved)")
+    return dataclasses.replace(stacks, source=source, facts=dict(stacks.facts, consistent=True))
 
 
 def _held_record(socket_path: str) -> Optional[str]:

@@ -287,7 +287,7 @@ def gil_kept_in_c(pid: int, stacks: Any) -> Any:
     from probe.reader import live
 
     try:
-        again = live.read_live(pid)
+        again = live.read_live(pid, stop=False)  # a stop would count as a voluntary switch of the holder
     except ReaderError:
         return None
     still = again.gil_holder()

@@ -33,7 +33,7 @@ from typing import List, Optional, Sequence, Tuple
 from probe.injector.gdb import GdbSession
 from probe.injector.target import TargetInfo
 from probe.injector.threads import (ThreadState, describe, is_in_bytecode, is_parked_safely, is_waiting_for_gil,
-                                    parse_backtraces, parse_gil_checks, wait_site, with_gil)
+                                    parse_backtraces, parse_gil_checks, wait_site, with_gil, with_libraries)
 
 __all__ = ["Plan", "plan", "attach_and_look", "run_plan", "inject_with_remote_exec", "can_remote_exec", "PENDING",
            "GIL_ENSURE", "REMOTE_EXEC"]
@@ -105,6 +105,8 @@ def attach_and_look(info: TargetInfo, deadline: float) -> "tuple[GdbSession, Lis
                          then=["thread apply all bt 16"])
     try:
         threads = parse_backtraces(session.attached_output)
+        if any(f.func == "??" for t in threads for f in t.frames[:16]):
+            threads = with_libraries(threads, _regions(info.pid))
         main = next((t for t in threads if t.lwp == info.pid), None)
         if main is not None and is_in_bytecode(main):
             # Executing bytecode needs the GIL: the main thread holds it, and a pending call is the plan
@@ -157,6 +159,21 @@ def _pending_call(session: GdbSession, thread: Optional[ThreadState], code: str,
         ], _left(deadline))
     _mapped(out)
     _check_zero(_after_address(out), "Py_AddPendingCall")
+
+
+def _regions(pid: int) -> List[Tuple[int, int, str]]:
+    """The target's file mappings (start, end, path), to tell which library a frame gdb cannot name is in."""
+    found: List[Tuple[int, int, str]] = []
+    try:
+        with open("/proc/%d/maps" % pid) as handle:
+            for line in handle:
+                parts = line.split(None, 5)
+                if len(parts) == 6 and parts[5].startswith("/"):
+                    start, _, end = parts[0].partition("-")
+                    found.append((int(start, 16), int(end, 16), parts[5].strip()))
+    except (OSError, ValueError):
+        pass
+    return found
 
 
 def _libraries(info: TargetInfo) -> List[Tuple[str, int]]:

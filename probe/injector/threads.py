@@ -6,6 +6,18 @@ thread parked in a wait that CPython entered with the GIL released (a lock acqui
 thread may run Python, so taking the GIL on it (``PyGILState_Ensure``) and running one line is the same
 as a C callback. Everywhere else (inside bytecode, inside malloc, inside an unknown C library) it may
 not. These are pure functions over gdb's text, so the rules are tested without a process.
+
+Two rules find such a wait. The named one: a CPython function known to wait with the GIL released
+(``SAFE_WAIT_SITES``). The general one (:func:`_released_wait`), for any blocking system call entered
+through ``Py_BEGIN_ALLOW_THREADS``: libc's frames, innermost, are a blocking call and the waiting
+primitives under it (epoll_wait, poll, select, read, a futex wait, ...), and the frame that called
+them is either code of a Python extension module (its symbols are not loaded, so gdb names it ``??``;
+the library its address lies in says what it is: asyncio's ``select.epoll.poll``, a selector, uvloop,
+a Cython ``with nogil`` block) or an interpreter function called straight from the evaluation loop's
+call glue (a builtin entered from Python code). Either way the wait was entered by a C function that
+Python code called and that let go of the GIL itself; gdb's check that the thread holds no GIL comes on
+top. A wait reached through another library (libstdc++, libtorch, libffi) is not taken: that library
+may hold locks of its own across the wait.
 """
 
 import re
@@ -13,12 +25,13 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["Frame", "ThreadState", "parse_backtraces", "parse_gil_checks", "with_gil", "is_parked_safely",
-           "is_waiting_for_gil", "is_in_bytecode", "describe", "SAFE_WAIT_SITES"]
+           "is_waiting_for_gil", "is_in_bytecode", "describe", "SAFE_WAIT_SITES", "wait_site", "with_libraries",
+           "is_extension"]
 
 _THREAD = re.compile(r"^Thread (\d+) \((.*)\):\s*$")
 _LWP = re.compile(r"LWP (\d+)")
 _NAME = re.compile(r'"([^"]*)"\s*\)?\s*$')
-_FRAME = re.compile(r"^#(\d+)\s+(?:0x[0-9a-fA-F]+ in )?(\S+) ")
+_FRAME = re.compile(r"^#(\d+)\s+(?:(0x[0-9a-fA-F]+) in )?(\S+) ")
 _VALUE = re.compile(r"^\$\d+ = (-?\d+)")
 
 # Where a thread waits with the GIL released, and which callers prove that (None: any caller).
@@ -43,6 +56,22 @@ _INLINED_INTO = {"time_sleep": "pysleep", "os_waitpid": "os_waitpid_impl", "os_w
 # Frames inside libc's waiting primitives, below the CPython function that called them.
 _LIBC_PREFIXES = ("__", "do_futex_wait", "futex_", "sem_", "pthread_cond_", "clock_nanosleep", "nanosleep",
                   "select", "poll", "ppoll", "epoll_wait", "read", "recv", "accept", "wait4", "waitpid", "waitid")
+# The general rule (:func:`_released_wait`): libc's blocking calls, one of which must be innermost, and
+# the waiting primitives that may stand between it and its caller; names as :func:`_libc_base` reduces them.
+_BLOCKING_CALLS = frozenset((
+    "epoll_wait", "epoll_pwait", "epoll_pwait2", "poll", "ppoll", "select", "pselect", "pselect6", "read", "readv",
+    "pread", "recv", "recvfrom", "recvmsg", "recvmmsg", "accept", "accept4", "connect", "wait4", "waitpid", "waitid",
+    "wait", "nanosleep", "clock_nanosleep", "pause", "sigsuspend", "sigtimedwait", "sigwaitinfo", "sigwait",
+    "futex_abstimed_wait_common", "futex_abstimed_wait_cancelable", "futex_wait", "do_futex_wait",
+    "syscall_cancel_arch", "syscall_cancel", "internal_syscall_cancel"))
+_WAIT_FAMILY = frozenset(("pthread_cond_wait", "pthread_cond_timedwait", "pthread_cond_clockwait",
+                          "pthread_cond_wait_common", "sem_wait", "sem_timedwait", "sem_clockwait", "sem_wait_slow",
+                          "pthread_join", "pthread_clockjoin_ex", "pthread_timedjoin_np", "sleep", "usleep"))
+# The interpreter's glue between the evaluation loop and a C function that Python code calls.
+_CALL_GLUE = ("vectorcall", "Vectorcall", "cfunction_call", "_PyObject_MakeTpCall", "_PyObject_Call", "PyObject_Call",
+              "_PyEval_EvalFrame")
+# A Python extension module's file: ``_socket.cpython-311-x86_64-linux-gnu.so``, ``_foo.abi3.so``, ``x.pypy39-pp73.so``.
+_EXTENSION = re.compile(r"\.(cpython-[^./]+|abi3|pypy[^./]*)\.so$|/lib-dynload/[^/]+\.so$")
 _GIL_WAITS = ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread", "_PyThreadState_Attach")
 _GLUE = ("vectorcall", "Vectorcall", "_PyObject_Call", "PyObject_Call", "call_function", "_PyFunction_")
 _C_CALLS = ("vectorcall", "_Call", "call_function", "builtin_", "do_call_core")
@@ -54,6 +83,9 @@ _DATA_SYMBOL = re.compile(r"^(_PyRuntime|_Py_\w*Struct|_?PyExc_\w+|\w+_Type|_Py_
 @dataclass(frozen=True)
 class Frame:
     func: str
+    address: Optional[int] = None
+    library: Optional[str] = None
+    """The file mapped at ``address`` (filled in from the target's maps, for frames gdb cannot name)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +119,7 @@ def parse_backtraces(text: str) -> List[ThreadState]:
             continue
         frame = _FRAME.match(line)
         if frame and current:
-            frames.append(Frame(frame.group(2)))
+            frames.append(Frame(frame.group(3), int(frame.group(2), 16) if frame.group(2) else None))
     if current:
         threads.append(ThreadState(current[0], current[1], current[2], tuple(frames)))
     return threads
@@ -126,13 +158,68 @@ def wait_site(thread: ThreadState) -> Optional[str]:
         if i and func in _INLINED_INTO:
             return _INLINED_INTO[func]
         if func not in SAFE_WAIT_SITES:
-            return None
+            break
         callers = SAFE_WAIT_SITES[func]
         caller = funcs[i + 1] if i + 1 < len(funcs) else ""
         if callers is None or caller in callers or (caller == "??" and _called_from_python(funcs[i + 1:])):
             return func
+        break
+    return _released_wait(thread)
+
+
+def _libc_base(func: str) -> str:
+    """libc's names of one call reduced to one: ``__GI___poll``, ``__libc_read``, ``__futex_abstimed_wait_common64``
+    -> ``poll``, ``read``, ``futex_abstimed_wait_common``."""
+    name = func.lstrip("_")
+    for prefix in ("GI_", "libc_", "new_"):
+        if name.startswith(prefix):
+            name = name[len(prefix):].lstrip("_")
+    for suffix in ("_time64", "64"):
+        if name.endswith(suffix):
+            name = name[:-len(suffix)]
+    return name
+
+
+def is_extension(path: Optional[str]) -> bool:
+    """``path`` is a Python extension module's shared object."""
+    return bool(path) and _EXTENSION.search(path or "") is not None
+
+
+def _released_wait(thread: ThreadState) -> Optional[str]:
+    """The general rule (the module's docstring): ``"epoll_wait in select.cpython-311-x86_64-linux-gnu.so"``
+    or ``"select_epoll_poll (epoll_wait)"`` for a blocking call entered by a C function that Python code
+    called, else None."""
+    frames = thread.frames[:16]
+    if not frames or _libc_base(frames[0].func) not in _BLOCKING_CALLS:
         return None
+    k = 1
+    while k < len(frames) and _libc_base(frames[k].func) in _BLOCKING_CALLS | _WAIT_FAMILY:
+        k += 1
+    if k >= len(frames):
+        return None
+    caller = frames[k]
+    call = _libc_base(frames[0].func)
+    if caller.func == "??":
+        if is_extension(caller.library):
+            return "%s in %s" % (call, (caller.library or "").rsplit("/", 1)[-1])
+        return None
+    above = frames[k + 1].func if k + 1 < len(frames) else ""
+    if caller.func.startswith(("_Py", "Py", "eval_", "__")) or "gil" in caller.func.lower():
+        return None  # the interpreter's own machinery (an import lock, the GIL), not a builtin Python code called
+    if any(glue in above for glue in _CALL_GLUE):
+        return "%s (%s)" % (caller.func, call)
     return None
+
+
+def with_libraries(threads: Sequence[ThreadState], regions: Sequence[Tuple[int, int, str]]) -> List[ThreadState]:
+    """Each frame gdb could not name gets the file mapped at its address (``regions``: start, end, path)."""
+    def library(address: Optional[int]) -> Optional[str]:
+        if address is None:
+            return None
+        return next((path for start, end, path in regions if start <= address < end), None)
+
+    return [ThreadState(t.num, t.lwp, t.name, tuple(Frame(f.func, f.address, library(f.address)) if f.func == "??" else f
+                                                     for f in t.frames), t.holds_gil) for t in threads]
 
 
 def _called_from_python(funcs: Sequence[str]) -> bool:

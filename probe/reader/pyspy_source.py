@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional
 
 from probe.errors import ReaderError
 from probe.reader import proc
-from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
+from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack, how_read
 
 __all__ = ["read_live", "binary"]
 
@@ -31,14 +31,19 @@ def binary() -> Optional[str]:
     return shutil.which("py-spy")
 
 
-def read_live(pid: int, native: bool = False) -> Stacks:
-    """Every thread of ``pid``. Without ``native`` the process is not stopped (``--nonblocking``);
-    with it, it is stopped while the C stacks are unwound."""
+def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
+    """Every thread of ``pid``. With ``stop`` (or ``native``) the process is stopped for the read, as
+    py-spy does by default, so that every stack is one the program was in; without, it is read as it
+    runs (``--nonblocking``), and a thread running Python may show a stack torn by a call or a return
+    made during the read. A process stopped already (SIGSTOP) is read without ``stop``: py-spy fails to
+    stop it again, and nothing in it moves."""
     exe = binary()
+    stopped = proc.state(pid) in ("T", "t")
+    stop = (stop or native) and not stopped
     if exe is None:
         raise ReaderError("reading a process from outside needs py-spy, which is not installed here",
                           hint="pip install py-spy")
-    argv = [exe, "dump", "--pid", str(pid), "--json", "--native" if native else "--nonblocking"]
+    argv = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else []) + ([] if stop else ["--nonblocking"])
     try:
         done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -52,8 +57,8 @@ def read_live(pid: int, native: bool = False) -> Stacks:
     except ValueError:
         raise ReaderError("py-spy gave an answer that is not JSON for process %d" % pid) from None
     threads = tuple(_thread(t, pid) for t in raw if isinstance(t, dict))
-    how = "which stopped it for the native frames" if native else "without stopping it"
-    return Stacks(pid, "read from outside the live process by py-spy, %s" % how, threads, None, {"native": native})
+    return Stacks(pid, "read from outside the live process by py-spy, %s" % how_read(stop, stopped, native),
+                  threads, None, {"native": native, "consistent": stop or stopped, "live": True})
 
 
 def _thread(raw: Dict[str, Any], pid: int) -> ThreadStack:

@@ -14,7 +14,7 @@ from typing import Any, List, Optional, Tuple
 
 from probe.errors import ReaderError
 from probe.reader import proc
-from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
+from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack, how_read
 
 __all__ = ["read_live", "read_core", "available"]
 
@@ -36,15 +36,16 @@ def _engine() -> Any:
     return engine
 
 
-def read_live(pid: int, native: bool = False) -> Stacks:
-    """Every thread of live process ``pid``. Without ``native`` the process is not stopped (a thread
-    running Python may show a frame that just ended); with it, it is stopped for the read (tens of
-    milliseconds), which unwinding native stacks needs."""
+def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
+    """Every thread of live process ``pid``. With ``stop`` or ``native`` it is stopped for the read
+    (tens of milliseconds): every stack is one the program was in, and native stacks need it. Without,
+    a thread running Python may show a stack torn by a call or a return made during the read."""
     engine = _engine()
     mode = engine.NativeReportingMode.PYTHON if native else engine.NativeReportingMode.OFF
     stopped = proc.state(pid) == "T"  # SIGSTOP or Ctrl-Z: it stays stopped after the read
+    stop = stop or native
     try:
-        threads = engine.get_process_threads(pid, stop_process=native, native_mode=mode)
+        threads = engine.get_process_threads(pid, stop_process=stop, native_mode=mode)
     except Exception as exc:
         raise _explain(exc, pid) from None
     names = proc.thread_names(pid)
@@ -52,10 +53,9 @@ def read_live(pid: int, native: bool = False) -> Stacks:
     if stopped:
         source = "read from outside the stopped process by pystack (it stays stopped; `kill -CONT %d` resumes it)" % pid
     else:
-        source = "read from outside the live process by pystack%s" % (", which stopped it for the native frames"
-                                                                      if native else ", without stopping it")
+        source = "read from outside the live process by pystack, %s" % how_read(stop, False, native)
     return Stacks(pid, source, tuple(_convert(t, pid, names, comm, native) for t in threads),
-                  _version(threads), {"native": native})
+                  _version(threads), {"native": native, "consistent": stop or stopped, "live": True})
 
 
 def read_core(path: str, executable: Optional[str] = None, native: bool = False) -> Stacks:
@@ -80,7 +80,7 @@ def read_core(path: str, executable: Optional[str] = None, native: bool = False)
     except Exception as exc:
         raise _explain(exc, None, core=path) from None
     signal_number = failure.get("si_signo")
-    facts = {"executable": executable, "signal": _signal_name(signal_number), "native": native}
+    facts = {"executable": executable, "signal": _signal_name(signal_number), "native": native, "core": path}
     return Stacks(pid, "core file %s (executable %s)" % (path, executable),
                   tuple(_convert(t, pid, {}, None, native) for t in threads), _version(threads), facts)
 

@@ -7,7 +7,9 @@ Stdlib only: a crash record is read with nothing else installed.
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["OutsideFrame", "ThreadStack", "Stacks"]
+__all__ = ["OutsideFrame", "ThreadStack", "Stacks", "how_read", "TORN_WORDS"]
+
+TORN_WORDS = "a thread that ran Python meanwhile may show a stack torn by a call or return made during the read"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,11 @@ class Stacks:
     python_version: Optional[str] = None
     facts: Dict[str, Any] = field(default_factory=dict)  # source-specific: signal, executable, cause, ...
 
+    @property
+    def may_be_torn(self) -> bool:
+        """Read from a live process left running: a stack may mix two moments of a thread."""
+        return self.facts.get("consistent") is False
+
     def gil_holder(self) -> Optional[ThreadStack]:
         return next((t for t in self.threads if t.holds_gil), None)
 
@@ -80,6 +87,15 @@ class Stacks:
                 out.append((ident, thread.name, thread.native_id, thread.is_main, depth, frame.func, frame.file,
                             frame.lineno, frame.frame_type, _source_line(frame)))
         return out
+
+
+def how_read(stop: bool, stopped: bool, native: bool) -> str:
+    """How a live read went, for ``Stacks.source``: whether each stack is one the program was in."""
+    if stopped:
+        return "as it is, stopped (nothing in it moved during the read)"
+    if stop:
+        return "which stopped it for the read%s (every stack is one it was in)" % (" and its native frames" if native else "")
+    return "without stopping it (%s)" % TORN_WORDS
 
 
 def _source_line(frame: OutsideFrame) -> Optional[str]:

@@ -41,6 +41,9 @@ COLUMNS = (
                                "device); NULL when it was not computed in time. Below the eval scope, '********' "
                                "where the name looks secret (password, api_key, TOKEN...) and credentials "
                                "inside any value masked, as in process.env." % 200),
+    Column("source", "VARCHAR", "'agent': read by the agent inside the process; 'outside': read from outside it "
+                                "by py-spy while the agent could not answer (simple values only: numbers, strings, "
+                                "None, bools, short containers; other objects as their class name)."),
 )
 EXAMPLE = "SELECT name, type, value FROM python.locals WHERE thread_name = 'MainThread' AND depth = 1"
 
@@ -62,7 +65,7 @@ def rows() -> List[Tuple[Any, ...]]:
     for (place, name, value), text in zip(values, texts):
         if text is not None and not shown:
             text = mask_local(name, text)
-        out.append(places[place] + (name, _type_name(value), text))
+        out.append(places[place] + (name, _type_name(value), text, "agent"))
     return out
 
 
