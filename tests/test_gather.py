@@ -35,7 +35,7 @@ def _token(port: int) -> str:
 
 def _gather(port: int, body: bytes, token: str = "") -> transport.HttpResponse:
     return transport.request(transport.TcpAddress("127.0.0.1", port - 1), "POST", "/v1/gather", body,
-                             {"Authorization": "Bearer %s" % (token or _token(port))}, scaled(20))
+                             None, scaled(20), token=token or _token(port))
 
 
 def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):

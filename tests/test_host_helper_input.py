@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Tuple
 
+import hmac_auth
 from procs import TARGETS, Proc, run_cli, scaled, stop, target_env
 
 TOKEN = "host-helper-input-token"
@@ -66,7 +67,8 @@ def _post(port: int, body: Any) -> Tuple[int, Dict[str, Any]]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
     conn = http.client.HTTPConnection("127.0.0.1", port - 1, timeout=scaled(10))
     try:
-        conn.request("POST", "/v1/nodes", data, {"Authorization": "Bearer " + TOKEN,
+        conn.request("POST", "/v1/nodes", data, {"Authorization": hmac_auth.authorization(port - 1, TOKEN, "POST",
+                                                                                        "/v1/nodes", data),
                                                  "Content-Type": "application/json"})
         answer = conn.getresponse()
         return answer.status, json.loads(answer.read() or b"{}")
@@ -77,7 +79,8 @@ def _post(port: int, body: Any) -> Tuple[int, Dict[str, Any]]:
 def _get_ranks(port: int) -> Dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port - 1, timeout=scaled(30))
     try:
-        conn.request("GET", "/v1/ranks", headers={"Authorization": "Bearer " + TOKEN})
+        conn.request("GET", "/v1/ranks", headers={"Authorization": hmac_auth.authorization(port - 1, TOKEN, "GET",
+                                                                                           "/v1/ranks")})
         answer = conn.getresponse()
         assert answer.status == 200, answer.status
         return json.loads(answer.read())

@@ -10,6 +10,7 @@ import time
 from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
+import hmac_auth
 from procs import Proc, run_cli, running, target_env
 
 import probe
@@ -193,10 +194,36 @@ def test_tcp_with_a_wrong_token_is_unauthorized(tcp_target, authorization):
 
 
 def test_tcp_with_the_right_token_answers(tcp_target):
-    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health",
-                                  {"Authorization": "Bearer %s" % tcp_target.token()})
+    value = hmac_auth.authorization(tcp_target.port, tcp_target.token(), "GET", "/v1/health")
+    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health", {"Authorization": value})
     assert status == 200 and answer["pid"] == tcp_target.proc.pid
     assert answer["tcp"] == tcp_target.address
+    again, refused = _tcp_request(tcp_target.port, "GET", "/v1/health", {"Authorization": value})
+    assert again == 401 and "used already" in refused["error"]["message"], "a request's proof is good once"
+
+
+def test_tcp_takes_no_bearer_token_even_the_right_one(tcp_target):
+    """A client that sends its token sends it to whoever holds the port: the agent takes none that way."""
+    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health",
+                                  {"Authorization": "Bearer %s" % tcp_target.token()})
+    assert status == 401 and "takes no bearer token" in answer["error"]["message"]
+    assert "/v1/hello" in answer["error"]["hint"]
+
+
+@pytest.mark.parametrize("change", ["method", "path", "body", "nonce", "scope", "token"])
+def test_a_proof_made_for_another_request_or_token_is_refused(tcp_target, change):
+    """The request's MAC binds its method, path and body, the hello's nonces, the scope and the token."""
+    token = tcp_target.token()
+    value = hmac_auth.authorization(tcp_target.port, "x" + token if change == "token" else token, "POST", "/v1/query",
+                                    b'{"sql": "SELECT 1"}')
+    if change == "nonce":
+        value = value.replace("cn=", "cn=0").replace("cn=0" + value.split("cn=")[1][:32], "cn=0" + value.split("cn=")[1][:31])
+    if change == "scope":
+        value = value.replace("scope=eval", "scope=read")
+    method, path, body = (("GET" if change == "method" else "POST"), ("/v1/eval" if change == "path" else "/v1/query"),
+                          (b'{"sql": "SELECT 2"}' if change == "body" else b'{"sql": "SELECT 1"}'))
+    status, answer = _tcp_request(tcp_target.port, method, path, {"Authorization": value}, body)
+    assert status == 401 and answer["error"]["code"] == "unauthorized", answer
 
 
 def _elsewhere(tmp_path) -> str:

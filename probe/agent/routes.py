@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional,
 
 import probe
 from probe.agent import scopes
+from probe.agent.handshake import HELLO_PATH
 from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
@@ -67,6 +68,7 @@ def health(agent: "Agent", request: Request) -> Response:
         "tcp_reach": _reachable(agent.tcp_address),
         "token_file": getattr(agent, "token_file", None) if agent.tcp_address else None,
         "tcp_error": getattr(agent, "tcp_error", None),
+        "tcp_note": getattr(agent, "tcp_note", None),
         "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
                          "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
@@ -539,6 +541,8 @@ class Dispatcher:
     def __call__(self, request: Request) -> Response:
         audit: Any = None
         try:
+            if request.path == HELLO_PATH and request.method == "GET":  # no token: the listener proves it has one
+                return Response.json(self._agent.credentials.hello(request))
             grant = self._agent.authorize(request)
             route = self._route(request)
             path = request.path.split("?", 1)[0]

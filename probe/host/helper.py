@@ -164,6 +164,8 @@ class Helper:
 
     def __call__(self, request: Request) -> Response:
         try:
+            if request.path == "/v1/hello" and request.method == "GET" and request.transport == "tcp":
+                return Response.json(self._credentials().hello(request))  # no token: it proves it has one
             self._authorize(request)
             return self._route(request)
         except ProbeError as exc:
@@ -175,16 +177,21 @@ class Helper:
         """The job's tokens with their scopes (``probe.agent.scopes``), as the ranks take them: the full
         token, and the read and control tokens of this process's environment; the unix peer (checked by the
         listener) has every scope. Every route the helper serves is a read but a node's report (full token)."""
-        from probe.agent.scopes import HELPER_ROUTES, check, helper_credentials
+        from probe.agent.scopes import HELPER_ROUTES, check
 
         if request.transport == "unix":
             return  # the listener checked the peer's uid
-        credentials = self.__dict__.get("_credentials")
+        credentials = self._credentials()
+        check(credentials, HELPER_ROUTES, request, request.json, "the host helper")
+
+    def _credentials(self) -> Any:
+        """The tokens TCP takes (``probe.agent.scopes.Credentials``), made at the first TCP request."""
+        from probe.agent.scopes import helper_credentials
+
+        credentials = self.__dict__.get("_tcp_credentials")
         if credentials is None:
-            credentials = self.__dict__["_credentials"] = helper_credentials(self._token, self.token_file)
-        path = request.path.split("?", 1)[0]
-        check(credentials, HELPER_ROUTES, request.method, path, request.transport, request.headers, request.json,
-              "the host helper")
+            credentials = self.__dict__["_tcp_credentials"] = helper_credentials(self._token, self.token_file)
+        return credentials
 
     def _route(self, request: Request) -> Response:
         path = request.path.split("?", 1)[0]
@@ -432,8 +439,8 @@ class Helper:
             body = json.dumps({"node": node, "host": node_host(), "members": members,
                                "helper": "%s:%d" % (node_host(), self.port)}).encode("utf-8")
             address = transport.TcpAddress(master, int(os.environ.get("PROBE_MASTER_HELPER_PORT") or self.port))
-            answer = transport.request(address, "POST", "/v1/nodes", body,
-                                       {"Authorization": "Bearer %s" % self._token.decode("utf-8")}, 2.0)
+            answer = transport.request(address, "POST", "/v1/nodes", body, None, 2.0,
+                                       token=self._token.decode("utf-8"))
             if answer.status >= 400 and not self._complained:
                 self._complained = True
                 if answer.status == 401:
