@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Dict, Tuple
 
-from probe.agent.handshake import client_mac, server_proof
+from probe.agent.handshake import address_name, client_mac, server_proof
 
 
 def hello(port: int, host: str = "127.0.0.1", nonce: str = "") -> Tuple[str, Dict[str, object]]:
@@ -37,3 +37,26 @@ def authorization(port: int, token: str, method: str, path: str, body: bytes = b
     scope = next((name for name, proof in proofs.items() if proof == server_proof(key, cn, sn, address)), "eval")
     return "Probe-HMAC scope=%s, cn=%s, sn=%s, mac=%s" % (scope, cn, sn,
                                                          client_mac(key, cn, sn, address, method, path, body))
+
+
+def hello_body(cn: str, token: str, sockname: object) -> bytes:
+    """The answer to a hello with nonce ``cn`` of a listener that holds ``token`` (a fake agent or helper
+    of a test, standing in for one of the job's: what it answers after the hello is what the test is about)."""
+    sn, address = os.urandom(16).hex(), address_name(sockname)
+    return json.dumps({"nonce": sn, "address": address, "scheme": "Probe-HMAC",
+                       "proofs": {"eval": server_proof(token.encode("utf-8"), cn, sn, address)}}).encode()
+
+
+def answer_hello(conn: socket.socket, request: bytes, token: str) -> bool:
+    """When ``request`` (its head at least) is a hello: answer it on ``conn`` for ``token`` and say True."""
+    if not request.startswith(b"GET /v1/hello "):
+        return False
+    cn = ""
+    for line in request.split(b"\r\n\r\n")[0].split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"x-probe-nonce":
+            cn = value.strip().decode("ascii", "replace")
+    body = hello_body(cn, token, conn.getsockname())
+    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
+                 % len(body) + body)
+    return True

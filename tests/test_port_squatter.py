@@ -200,6 +200,10 @@ def test_a_squatter_on_the_jobs_ports_gets_no_token_and_the_client_refuses_in_wo
         ranks = run_cli(address, "--token-file", token_file, "ranks", env=job["env"])  # type: ignore[arg-type]
         assert ranks.code == 4 and "the listener at 127.0.0.1:%d could not prove" % (port - 1) in ranks.err, ranks  # type: ignore[operator]
         _nothing_usable(job)
+        if relay:  # a forward the user set up on purpose: told so, the client takes the agent's proof for its address
+            forwarded = run_cli(address, "--token-file", token_file, "eval", "6 * 7",
+                                env=dict(job["env"], PROBE_FORWARDED="1"))  # type: ignore[arg-type]
+            assert forwarded.code == 0 and forwarded.out.strip() == "42", forwarded
         # The agent itself, where it moved, proves it and answers (the job's token did not change).
         moved = str(job["health"]["tcp"])  # type: ignore[index]
         ok = run_cli(moved, "--token-file", token_file, "eval", "6 * 7", env=job["env"])  # type: ignore[arg-type]

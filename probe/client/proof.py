@@ -57,7 +57,7 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
             raise _unproven(address, "its proof does not match the token given: either the token is refused there "
                                      "(not one of this job's), or another process holds the port",
                             "check --token-file against the job's token; on that host `probe list` says who holds the port")
-        if os.environ.get("PROBE_FORWARDED") != "1":
+        if not _same_place(claimed, here) and os.environ.get("PROBE_FORWARDED") != "1":
             raise _unproven(address, "it proved it for %s, not for this connection (to %s): something relays the "
                                      "connection (another user's listener on the port, or a forward)" % (claimed, here),
                             "connect to the agent's own address (`probe list` on its host); if you forward the port "
@@ -98,6 +98,18 @@ def _match(key: bytes, cn: str, sn: str, address: str, proofs: Dict[str, str]) -
         if proof.isascii() and hmac.compare_digest(expected, proof[:64].lower()) and scope in ("read", "control", "eval"):
             found = scope
     return found
+
+
+def _same_place(claimed: str, here: str) -> bool:
+    """The same port on loopback at both ends (``127.0.0.1`` and ``::1``, as an SSH tunnel to ``localhost``
+    may give): one place. A relay of a squatter that made the agent move is on another port."""
+    host_a, _, port_a = claimed.rpartition(":")
+    host_b, _, port_b = here.rpartition(":")
+    return port_a == port_b and all(_loopback(h.strip("[]")) for h in (host_a, host_b))
+
+
+def _loopback(host: str) -> bool:
+    return host == "::1" or host.startswith("127.")
 
 
 def _unproven(address: Any, why: str, hint: str) -> ProbeError:
