@@ -455,7 +455,8 @@ class Helper:
         except Exception as exc:
             if not self._complained:
                 self._complained = True
-                _say("probe: cannot report this node's ranks to the master's host helper: %s" % exc)
+                same = "; give every node the same PROBE_TOKEN" if getattr(exc, "code", "") == "unauthorized" else ""
+                _say("probe: cannot report this node's ranks to the master's host helper: %s%s" % (exc, same))
 
 
 _REPORT_SHAPE = ('{"node": N, "host": H, "helper": "H:PORT", "members": [{"rank", "local_rank", "world_size", '
