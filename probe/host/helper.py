@@ -47,6 +47,7 @@ MAX_NODES = 4096
 MAX_MEMBERS = 1024  # ranks of one node
 MAX_RANKS = 1 << 17  # ranks of all the other nodes together, where the world size is not known here
 MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+MAX_NOTES = 64  # members of one report whose note (their port was taken: by whom) is kept
 RANKS_CACHE_S = 0.5  # a member list made this recently serves the next request too, while one is being sent
 
 _STATES = ("running", "silent", "stopped", "starting", "dead")  # what a node says of its ranks
@@ -73,6 +74,7 @@ class _Report(NamedTuple):
     helper: str
     world_size: int
     packed: "array[int]"
+    notes: Dict[int, str]  # rank -> why it serves off its port (``port 9701 taken by uid N; ...``), a few at most
 
     @property
     def count(self) -> int:
@@ -273,6 +275,8 @@ class Helper:
                         rank, "null" if local_rank < 0 else local_rank, report.world_size, node, host, port, pid,
                         "unreported" if stale else _STATES[state], restarts,
                         "null" if age_ms < 0 else "%.2f" % (age_ms / 1000.0), helper)).encode("utf-8")
+            if rank in report.notes:
+                out[-1:] = (', "note": %s}' % json.dumps(report.notes[rank])).encode("utf-8")
         out += b"]"
 
     def _ranks_response(self) -> Response:
@@ -351,7 +355,12 @@ class Helper:
                            -1 if age is None else int(age * 1000)))
         if len(packed) // len(_FIELDS) != len({packed[i] for i in range(0, len(packed), len(_FIELDS))}):
             raise BadRequest("node %d's report names a rank twice" % node)
-        report = _Report(time.monotonic(), host, helper, world_size, packed)
+        notes: Dict[int, str] = {}
+        for member in members:  # checked above; a note is words for a person: short and printable, or dropped
+            note = member.get("note")
+            if isinstance(note, str) and len(note) <= 300 and note.isprintable() and len(notes) < MAX_NOTES:
+                notes[member["rank"]] = note
+        report = _Report(time.monotonic(), host, helper, world_size, packed, notes)
         with self._nodes_lock:
             self._forget_old(report.heard)
             others = [r for n, r in self._nodes.items() if n != node]
