@@ -31,7 +31,7 @@ pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a 
 class Squatter:
     """A forked child of uid nobody on 127.0.0.1:``port``; ``received()`` is every byte it was sent."""
 
-    def __init__(self, port: int, relay: bool) -> None:
+    def __init__(self, port: int, mode: str) -> None:
         self.port = port
         self._bytes = bytearray()
         ready_r, ready_w = os.pipe()
@@ -44,7 +44,7 @@ class Squatter:
                 os.close(ready_r), os.close(record_r), os.close(self._relay_w)
                 os.setgid(NOBODY)
                 os.setuid(NOBODY)
-                _squat(port, relay, ready_w, self._relay_r, record_w)
+                _squat(port, mode, ready_w, self._relay_r, record_w)
             finally:
                 os._exit(0)
         os.close(ready_w), os.close(record_w), os.close(self._relay_r)
@@ -78,29 +78,30 @@ class Squatter:
         self._reader.join(scaled(10))
 
 
-def _squat(port: int, relay: bool, ready: int, relay_fd: int, record: int) -> None:  # pragma: no cover - the child
+def _squat(port: int, mode: str, ready: int, relay_fd: int, record: int) -> None:  # pragma: no cover - the child
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("127.0.0.1", port))
     server.listen(16)
     os.write(ready, b"R")
-    target = int(os.read(relay_fd, 16).split(b"\n")[0]) if relay else 0
+    target = int(os.read(relay_fd, 16).split(b"\n")[0]) if mode != "pretends" else 0
     while True:
         conn, _ = server.accept()
         conn.settimeout(10)
         try:
-            if relay:
+            if mode == "relays":
                 _relay(conn, target, record)
             else:
-                _pretend(conn, port, record)
+                _pretend(conn, port, record, target if mode == "replays" else 0)
         except OSError:
             pass
         finally:
             conn.close()
 
 
-def _pretend(conn: socket.socket, port: int, record: int) -> None:  # pragma: no cover - the child
-    """Answer every request as an agent's hello would look, with proofs made without the token."""
+def _pretend(conn: socket.socket, port: int, record: int, agent: int) -> None:  # pragma: no cover - the child
+    """Answer every request as an agent's hello would look: with proofs made without the token, or (given the
+    ``agent``'s port) with a genuine hello answer the agent gave the squatter for a nonce of its own."""
     got = b""
     while b"\r\n\r\n" not in got:
         chunk = conn.recv(65536)
@@ -110,6 +111,17 @@ def _pretend(conn: socket.socket, port: int, record: int) -> None:  # pragma: no
         os.write(record, chunk)
     body = json.dumps({"nonce": os.urandom(16).hex(), "address": "127.0.0.1:%d" % port, "scheme": "Probe-HMAC",
                        "proofs": {"eval": os.urandom(32).hex(), "read": os.urandom(32).hex()}}).encode()
+    if agent:
+        with socket.create_connection(("127.0.0.1", agent), timeout=10) as upstream:
+            upstream.sendall(b"GET /v1/hello HTTP/1.1\r\nHost: x\r\nX-Probe-Nonce: %s\r\nContent-Length: 0\r\n\r\n"
+                             % os.urandom(16).hex().encode())
+            answer = b""
+            while True:
+                chunk = upstream.recv(65536)
+                if not chunk:
+                    break
+                answer += chunk
+        body = answer.partition(b"\r\n\r\n")[2]
     conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n"
                  % len(body) + body)
 
@@ -132,7 +144,7 @@ def _relay(conn: socket.socket, target: int, record: int) -> None:  # pragma: no
 
 
 @contextmanager
-def _job_behind_squatters(tmp_path, relay: bool, helper_port_too: bool = True) -> Iterator[Dict[str, object]]:
+def _job_behind_squatters(tmp_path, mode: str, helper_port_too: bool = True) -> Iterator[Dict[str, object]]:
     """One rank of a job (PROBE_PORT, as srun starts one) whose port (and its node helper's) another user
     took first; yields the port, the token file, the runtime directory, the rank and the squatters."""
     runtime = str(tmp_path / "run")
@@ -142,7 +154,7 @@ def _job_behind_squatters(tmp_path, relay: bool, helper_port_too: bool = True) -
     squatters: List[Squatter] = []
     popen = None
     try:
-        squatters = [Squatter(port, relay)] + ([Squatter(port - 1, False)] if helper_port_too else [])
+        squatters = [Squatter(port, mode)] + ([Squatter(port - 1, "pretends")] if helper_port_too else [])
         env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
                          PROBE_TOKEN_FILE=token_file, SLURM_NTASKS="1", SLURM_NODEID="0", SLURM_PROCID="0",
                          SLURM_LOCALID="0")
@@ -183,16 +195,17 @@ def _nothing_usable(job: Dict[str, object]) -> None:
         assert set(line.split(b" ")[0] for line in got.split(b"\r\n") if b" HTTP/1.1" in line) == {b"GET"}
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["pretends", "relays"])
-def test_a_squatter_on_the_jobs_ports_gets_no_token_and_the_client_refuses_in_words(tmp_path, relay):
-    with _job_behind_squatters(tmp_path, relay) as job:
+@pytest.mark.parametrize("mode", ["pretends", "replays", "relays"])
+def test_a_squatter_on_the_jobs_ports_gets_no_token_and_the_client_refuses_in_words(tmp_path, mode):
+    """The squatter answers with proofs it made up, replays a genuine answer the agent gave it, or relays."""
+    with _job_behind_squatters(tmp_path, mode) as job:
         port, token_file = job["port"], str(job["token_file"])
         address = "127.0.0.1:%d" % port  # type: ignore[str-format]
         for command in (("health",), ("eval", "6 * 7"), ("query", "SELECT pid FROM process.info")):
             out = run_cli(address, "--token-file", token_file, *command, env=job["env"])  # type: ignore[arg-type]
             assert out.code == 4, (command, out)
             assert "the listener at %s could not prove it holds the job's token" % address in out.err, out.err
-            assert ("relays" in out.err) == relay, out.err
+            assert ("relays" in out.err) == (mode == "relays"), out.err
             assert out.out == ""
         with pytest.raises(Unauthorized, match="could not prove it holds the job's token"):
             probe.connect(address, token_file=token_file).health()
@@ -200,7 +213,7 @@ def test_a_squatter_on_the_jobs_ports_gets_no_token_and_the_client_refuses_in_wo
         ranks = run_cli(address, "--token-file", token_file, "ranks", env=job["env"])  # type: ignore[arg-type]
         assert ranks.code == 4 and "the listener at 127.0.0.1:%d could not prove" % (port - 1) in ranks.err, ranks  # type: ignore[operator]
         _nothing_usable(job)
-        if relay:  # a forward the user set up on purpose: told so, the client takes the agent's proof for its address
+        if mode == "relays":  # a forward the user set up on purpose: told so, the client takes the agent's proof for its address
             forwarded = run_cli(address, "--token-file", token_file, "eval", "6 * 7",
                                 env=dict(job["env"], PROBE_FORWARDED="1"))  # type: ignore[arg-type]
             assert forwarded.code == 0 and forwarded.out.strip() == "42", forwarded
@@ -211,7 +224,7 @@ def test_a_squatter_on_the_jobs_ports_gets_no_token_and_the_client_refuses_in_wo
 
 
 def test_whose_the_taken_port_is_said_by_list_health_and_ranks(tmp_path):
-    with _job_behind_squatters(tmp_path, False, helper_port_too=False) as job:
+    with _job_behind_squatters(tmp_path, "pretends", helper_port_too=False) as job:
         port, pid = job["port"], job["rank"].popen.pid  # type: ignore[attr-defined]
         said = "port %d taken by uid %d" % (port, NOBODY)  # type: ignore[str-format]
         assert said in str(job["health"]["tcp_note"])  # type: ignore[index]

@@ -330,3 +330,25 @@ def test_socket_and_token_files_are_removed_at_a_clean_exit(target_factory, tmp_
     assert proc.popen.wait(10) == 0
     assert not os.path.exists(sock), "the socket file outlived its process"
     assert not os.path.exists(token), "the token file outlived its process"
+
+
+def test_server_nonces_are_single_use_short_lived_and_bounded(monkeypatch):
+    """What a listener keeps between a hello and its request: each nonce taken back once, by the client it
+    was issued to, within its life; at most MAX_NONCES held however many hellos come."""
+    from probe.agent import handshake
+
+    nonces, mine, other = handshake.Nonces(), "a" * 32, "b" * 32
+    sn = nonces.issue(mine)
+    assert not nonces.take(sn, other) and not nonces.take(sn, mine), "another client's try uses it up"
+    sn = nonces.issue(mine)
+    assert nonces.take(sn, mine) and not nonces.take(sn, mine)
+    first = nonces.issue(mine)
+    for _ in range(handshake.MAX_NONCES):
+        nonces.issue(mine)
+    assert len(nonces) == handshake.MAX_NONCES and not nonces.take(first, mine)
+    monkeypatch.setattr(handshake, "NONCE_LIFE_S", 0.0)
+    stale = nonces.issue(mine)
+    issued = time.monotonic()
+    while time.monotonic() == issued:
+        pass
+    assert not nonces.take(stale, mine), "a nonce past its life was taken"
