@@ -77,6 +77,11 @@ def _parse(answer: Any, address: Any) -> Tuple[str, str, Dict[str, str]]:
         said = ""
         if isinstance(raw, dict) and isinstance(raw.get("error"), dict):
             said = ": it says %s" % str(raw["error"].get("message"))[:300]
+            if raw["error"].get("code") in ("busy", "timeout"):  # every slot taken: wait, as for any request
+                from probe.errors import error_from_code
+
+                raise error_from_code(str(raw["error"]["code"]), str(raw["error"].get("message"))[:300],
+                                      str(raw["error"].get("hint") or "")[:300] or None)
         raise _unproven(address, "it does not answer GET %s (HTTP %d%s)" % (HELLO_PATH, answer.status, said),
                         "is it a probe agent or host helper of this version? Upgrade probe where the job runs")
     if not (isinstance(raw, dict) and isinstance(raw.get("nonce"), str) and isinstance(raw.get("address"), str)
