@@ -49,8 +49,12 @@ class Squatter:
                 os._exit(0)
         os.close(ready_w), os.close(record_w), os.close(self._relay_r)
         readable, _, _ = select.select([ready_r], [], [], scaled(10))
-        assert readable and os.read(ready_r, 1) == b"R", "the squatter did not start listening"
+        started = bool(readable) and os.read(ready_r, 1) == b"R"
         os.close(ready_r)
+        if not started:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            raise AssertionError("the squatter did not start listening on %d" % port)
         self._reader = threading.Thread(target=self._record, args=(record_r,), daemon=True)
         self._reader.start()
 
@@ -154,7 +158,9 @@ def _job_behind_squatters(tmp_path, mode: str, helper_port_too: bool = True) -> 
     squatters: List[Squatter] = []
     popen = None
     try:
-        squatters = [Squatter(port, mode)] + ([Squatter(port - 1, "pretends")] if helper_port_too else [])
+        squatters.append(Squatter(port, mode))  # one at a time: each is stopped below, whatever fails next
+        if helper_port_too:
+            squatters.append(Squatter(port - 1, "pretends"))
         env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
                          PROBE_TOKEN_FILE=token_file, SLURM_NTASKS="1", SLURM_NODEID="0", SLURM_PROCID="0",
                          SLURM_LOCALID="0")
