@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
+import hmac_auth
 from procs import run_cli, scaled, target_env
 
 TOKEN = "cluster-helper-answer-token"
@@ -27,6 +28,14 @@ class FakeHelper:
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+                if self.path == "/v1/hello":  # it holds the job's token: what it answers next is the test
+                    hello = hmac_auth.hello_body(self.headers.get("X-Probe-Nonce", ""), TOKEN,
+                                                 self.connection.getsockname())
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(hello)))
+                    self.end_headers()
+                    self.wfile.write(hello)
+                    return
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))

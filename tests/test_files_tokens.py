@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator, List
 
 import pytest
+import hmac_auth
 from procs import TARGETS, Proc, run_cli, target_env, wait_for_socket
 
 import probe
@@ -56,8 +57,8 @@ def _unused_pid(offset: int = 0) -> int:
 def _status(port: int, token: str) -> int:
     """The HTTP status of GET /v1/health over TCP with ``token``."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-        sock.sendall(("GET /v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer %s\r\n"
-                      "Content-Length: 0\r\n\r\n" % token).encode())
+        sock.sendall(("GET /v1/health HTTP/1.1\r\nHost: x\r\nAuthorization: %s\r\n"
+                      "Content-Length: 0\r\n\r\n" % hmac_auth.authorization(port, token, "GET", "/v1/health")).encode())
         head = b""
         while b"\r\n" not in head:
             chunk = sock.recv(4096)

@@ -12,6 +12,7 @@ import pytest
 
 from probe import _paths
 from probe.client import transport
+import hmac_auth
 from procs import run_cli, scaled
 from test_cluster import _until, needs_torchrun, torchrun_job
 
@@ -35,7 +36,7 @@ def _token(port: int) -> str:
 
 def _gather(port: int, body: bytes, token: str = "") -> transport.HttpResponse:
     return transport.request(transport.TcpAddress("127.0.0.1", port - 1), "POST", "/v1/gather", body,
-                             {"Authorization": "Bearer %s" % (token or _token(port))}, scaled(20))
+                             None, scaled(20), token=token or _token(port))
 
 
 def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
@@ -49,7 +50,9 @@ def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
         assert answer.status == 400, (body, answer.status, bytes(answer.body))
         error = json.loads(bytes(answer.body))["error"]
         assert error["code"] == "bad_request" and said in error["message"], (body, error)
-    refused = _gather(port, b'{"op": "backtrace"}', token="not-the-token")
+    wrong = hmac_auth.authorization(port - 1, "not-the-token", "POST", "/v1/gather", b'{"op": "backtrace"}')
+    refused = transport.request(transport.TcpAddress("127.0.0.1", port - 1), "POST", "/v1/gather", b'{"op": "backtrace"}',
+                                {"Authorization": wrong}, scaled(20))
     assert refused.status == 401
     # still serving: a good gather answers, grouped
     answer = _gather(port, json.dumps({"op": "backtrace", "ranks": [0, 2], "deadline": 5}).encode())

@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, Tuple
 
+import hmac_auth
 from procs import TARGETS, Proc, run_cli, scaled, stop, target_env
 
 TOKEN = "host-helper-input-token"
@@ -66,7 +67,8 @@ def _post(port: int, body: Any) -> Tuple[int, Dict[str, Any]]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode("utf-8")
     conn = http.client.HTTPConnection("127.0.0.1", port - 1, timeout=scaled(10))
     try:
-        conn.request("POST", "/v1/nodes", data, {"Authorization": "Bearer " + TOKEN,
+        conn.request("POST", "/v1/nodes", data, {"Authorization": hmac_auth.authorization(port - 1, TOKEN, "POST",
+                                                                                        "/v1/nodes", data),
                                                  "Content-Type": "application/json"})
         answer = conn.getresponse()
         return answer.status, json.loads(answer.read() or b"{}")
@@ -77,7 +79,8 @@ def _post(port: int, body: Any) -> Tuple[int, Dict[str, Any]]:
 def _get_ranks(port: int) -> Dict[str, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port - 1, timeout=scaled(30))
     try:
-        conn.request("GET", "/v1/ranks", headers={"Authorization": "Bearer " + TOKEN})
+        conn.request("GET", "/v1/ranks", headers={"Authorization": hmac_auth.authorization(port - 1, TOKEN, "GET",
+                                                                                           "/v1/ranks")})
         answer = conn.getresponse()
         assert answer.status == 200, answer.status
         return json.loads(answer.read())
@@ -190,3 +193,18 @@ def test_a_node_that_stops_reporting_is_forgotten():
         while [m["rank"] for m in _ranks(port)] != [0]:
             assert time.monotonic() < deadline, "node 1's ranks still listed long after its last report"
             time.sleep(0.5)
+
+
+def test_a_ranks_note_on_another_node_reaches_ranks_and_a_note_not_fit_to_print_is_dropped():
+    """A rank of another node whose port was taken: its node's helper reports whose the port is, and the
+    master's helper passes the note on to `probe ranks` (bounded words; control characters dropped)."""
+    with launcher(world=4) as (port, _):
+        taken = "port %d taken by uid 65534; serving on 40001 instead" % (port + 1)
+        status, answer = _post(port, _report(port, [_member(port, 1, note=taken),
+                                                    _member(port, 2, note="\x1b]52;c;aGk=\x07 evil"),
+                                                    _member(port, 3, note="x" * 301)]))
+        assert status == 200, answer
+        members = {m["rank"]: m for m in _get_ranks(port)["members"]}
+        assert members[1]["note"] == taken and "note" not in members[2] and "note" not in members[3], members
+        out = run_cli("127.0.0.1:%d" % port, "ranks", env=target_env(probe=False, PROBE_TOKEN=TOKEN))
+        assert "probe: rank 1: %s" % taken in out.err and "evil" not in out.err, out

@@ -125,8 +125,8 @@ def test_a_rank_whose_port_is_taken_serves_on_another_and_says_which(target_fact
         health = _health(rank.pid)
         assert health["tcp"] and health["tcp"] != "127.0.0.1:%d" % (port + 1), health
         said = _stderr_until(rank, "instead")
-        assert ("probe: the agent in process %d serves TCP on %s instead: 127.0.0.1:%d is taken"
-                % (rank.pid, health["tcp"], port + 1)) in said, said
+        assert ("probe: the agent in process %d: port %d taken by uid %d" % (rank.pid, port + 1, os.getuid())) in said, said
+        assert "serving on %s instead" % health["tcp"] in said and health["tcp_note"] in said, said
 
 
 def test_launcher_variables_in_their_order_of_precedence():

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from typing import Dict, Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import pytest
 from procs import Proc, running, target_env
@@ -24,11 +24,11 @@ QUERY = json.dumps({"sql": "SELECT 1 AS one"}).encode()
 
 
 @pytest.fixture(scope="module", params=["unix", "tcp"])
-def served(request) -> Iterator[Tuple[Proc, transport.Address, Dict[str, str]]]:
+def served(request) -> Iterator[Tuple[Proc, transport.Address, Optional[str]]]:
     """busy.py with an agent, and how to reach it: its unix socket, or TCP with the token."""
     if request.param == "unix":
         with running("busy.py") as proc:
-            yield proc, transport.UnixAddress(_paths.socket_path(proc.pid)), {}
+            yield proc, transport.UnixAddress(_paths.socket_path(proc.pid)), None
         return
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as free:
         free.bind(("127.0.0.1", 0))
@@ -36,7 +36,7 @@ def served(request) -> Iterator[Tuple[Proc, transport.Address, Dict[str, str]]]:
     with running("busy.py", env=target_env(PROBE_LISTEN="127.0.0.1:%d" % port)) as proc:
         with open(_paths.token_path(proc.pid)) as handle:
             token = handle.read().strip()
-        yield proc, transport.TcpAddress("127.0.0.1", port), {"Authorization": "Bearer %s" % token}
+        yield proc, transport.TcpAddress("127.0.0.1", port), token
 
 
 def _counter(client: "probe.Client") -> int:
@@ -45,14 +45,14 @@ def _counter(client: "probe.Client") -> int:
     return int(result.value or "0")
 
 
-def _one(address: transport.Address, headers: Dict[str, str], kind: str) -> str:
+def _one(address: transport.Address, token: Optional[str], kind: str) -> str:
     """One real request; what came of it: "ok", "busy", or a description of the failure."""
     if kind == "health":
-        response = transport.request(address, "GET", "/v1/health", None, headers, timeout=30.0)
+        response = transport.request(address, "GET", "/v1/health", None, None, timeout=30.0, token=token)
     elif kind == "query":
-        response = transport.request(address, "POST", "/v1/query", QUERY, headers, timeout=30.0)
+        response = transport.request(address, "POST", "/v1/query", QUERY, None, timeout=30.0, token=token)
     else:
-        response = transport.request(address, "GET", "/v1/backtrace", None, headers, timeout=30.0)
+        response = transport.request(address, "GET", "/v1/backtrace", None, None, timeout=30.0, token=token)
     if response.status == 200:
         answer = json.loads(response.body)
         if kind == "query":
@@ -66,7 +66,7 @@ def _one(address: transport.Address, headers: Dict[str, str], kind: str) -> str:
 
 
 def test_fifty_concurrent_clients_all_get_an_answer(served):
-    busy, address, headers = served
+    busy, address, token = served
     client = probe.connect(str(busy.pid), timeout=20.0)
     client.query_rows("SELECT 1")  # DuckDB loaded once, before the clock starts
     outcomes: List[Tuple[str, str]] = []
@@ -78,7 +78,7 @@ def test_fifty_concurrent_clients_all_get_an_answer(served):
         for _ in range(ROUNDS):
             for kind in ("health", "query", "backtrace"):
                 try:
-                    outcome = _one(address, headers, kind)
+                    outcome = _one(address, token, kind)
                 except ProbeError as exc:  # no answer at all: the finding this test guards against
                     outcome = "dropped: %s" % exc
                 except Exception as exc:  # noqa: BLE001 - counted and reported, not raised in a thread

@@ -175,7 +175,7 @@ def test_registration_is_checked_and_tcp_may_not_register(tmp_path):
         token = open(os.path.join(job["runtime"], "job-%d.token" % job["port"])).read().strip()  # type: ignore[str-format]
         tcp = transport.TcpAddress("127.0.0.1", job["port"] - 1)  # type: ignore[operator]
         answer = transport.request(tcp, "POST", "/v1/register", b'{"pid": %d, "rank": 5, "source": "x"}' % os.getpid(),
-                                   {"Authorization": "Bearer %s" % token}, 5.0)
+                                   None, 5.0, token=token)
         assert answer.status == 403 and "unix socket" in bytes(answer.body).decode()
         assert [m["rank"] for m in _ranks(job)] == [0], "nothing that was refused is listed"
 

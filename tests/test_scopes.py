@@ -10,6 +10,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
 
+import hmac_auth
 from procs import Proc, run_cli, running, target_env
 from test_node_helper import _until, ranks_of
 
@@ -39,7 +40,7 @@ def _http(port: int, method: str, path: str, token: Optional[str], body: Optiona
     data = json.dumps(body).encode() if body is not None else b""
     head = ["%s %s HTTP/1.1" % (method, path), "Host: x", "Content-Length: %d" % len(data)]
     if token:
-        head.append("Authorization: Bearer %s" % token)
+        head.append("Authorization: %s" % hmac_auth.authorization(port, token, method, path, data))
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + data)
         chunks = []

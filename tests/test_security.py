@@ -10,6 +10,7 @@ import time
 from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
+import hmac_auth
 from procs import Proc, run_cli, running, target_env
 
 import probe
@@ -193,10 +194,36 @@ def test_tcp_with_a_wrong_token_is_unauthorized(tcp_target, authorization):
 
 
 def test_tcp_with_the_right_token_answers(tcp_target):
-    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health",
-                                  {"Authorization": "Bearer %s" % tcp_target.token()})
+    value = hmac_auth.authorization(tcp_target.port, tcp_target.token(), "GET", "/v1/health")
+    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health", {"Authorization": value})
     assert status == 200 and answer["pid"] == tcp_target.proc.pid
     assert answer["tcp"] == tcp_target.address
+    again, refused = _tcp_request(tcp_target.port, "GET", "/v1/health", {"Authorization": value})
+    assert again == 401 and "used already" in refused["error"]["message"], "a request's proof is good once"
+
+
+def test_tcp_takes_no_bearer_token_even_the_right_one(tcp_target):
+    """A client that sends its token sends it to whoever holds the port: the agent takes none that way."""
+    status, answer = _tcp_request(tcp_target.port, "GET", "/v1/health",
+                                  {"Authorization": "Bearer %s" % tcp_target.token()})
+    assert status == 401 and "takes no bearer token" in answer["error"]["message"]
+    assert "/v1/hello" in answer["error"]["hint"]
+
+
+@pytest.mark.parametrize("change", ["method", "path", "body", "nonce", "scope", "token"])
+def test_a_proof_made_for_another_request_or_token_is_refused(tcp_target, change):
+    """The request's MAC binds its method, path and body, the hello's nonces, the scope and the token."""
+    token = tcp_target.token()
+    value = hmac_auth.authorization(tcp_target.port, "x" + token if change == "token" else token, "POST", "/v1/query",
+                                    b'{"sql": "SELECT 1"}')
+    if change == "nonce":
+        value = value.replace("cn=", "cn=0").replace("cn=0" + value.split("cn=")[1][:32], "cn=0" + value.split("cn=")[1][:31])
+    if change == "scope":
+        value = value.replace("scope=eval", "scope=read")
+    method, path, body = (("GET" if change == "method" else "POST"), ("/v1/eval" if change == "path" else "/v1/query"),
+                          (b'{"sql": "SELECT 2"}' if change == "body" else b'{"sql": "SELECT 1"}'))
+    status, answer = _tcp_request(tcp_target.port, method, path, {"Authorization": value}, body)
+    assert status == 401 and answer["error"]["code"] == "unauthorized", answer
 
 
 def _elsewhere(tmp_path) -> str:
@@ -303,3 +330,25 @@ def test_socket_and_token_files_are_removed_at_a_clean_exit(target_factory, tmp_
     assert proc.popen.wait(10) == 0
     assert not os.path.exists(sock), "the socket file outlived its process"
     assert not os.path.exists(token), "the token file outlived its process"
+
+
+def test_server_nonces_are_single_use_short_lived_and_bounded(monkeypatch):
+    """What a listener keeps between a hello and its request: each nonce taken back once, by the client it
+    was issued to, within its life; at most MAX_NONCES held however many hellos come."""
+    from probe.agent import handshake
+
+    nonces, mine, other = handshake.Nonces(), "a" * 32, "b" * 32
+    sn = nonces.issue(mine)
+    assert not nonces.take(sn, other) and not nonces.take(sn, mine), "another client's try uses it up"
+    sn = nonces.issue(mine)
+    assert nonces.take(sn, mine) and not nonces.take(sn, mine)
+    first = nonces.issue(mine)
+    for _ in range(handshake.MAX_NONCES):
+        nonces.issue(mine)
+    assert len(nonces) == handshake.MAX_NONCES and not nonces.take(first, mine)
+    monkeypatch.setattr(handshake, "NONCE_LIFE_S", 0.0)
+    stale = nonces.issue(mine)
+    issued = time.monotonic()
+    while time.monotonic() == issued:
+        pass
+    assert not nonces.take(stale, mine), "a nonce past its life was taken"

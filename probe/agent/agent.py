@@ -68,6 +68,8 @@ class Agent:
         self.crash_record: Optional[str] = None
         """The file this process's last stacks go to should it crash (None: not armed)."""
         self.tcp_error: Optional[str] = None
+        self.tcp_note: Optional[str] = None
+        """Where TCP is not served on the port asked for (PROBE_PORT taken): whose it is, and where instead."""
         """Why the agent serves no TCP although asked to (bind failed, unusable token file); else None."""
         self._token: Optional[bytes] = None
         self.credentials = _unix_only(options.unix_scope, self.pid)
@@ -134,7 +136,7 @@ class Agent:
                 tcp = Listener.tcp(host, port, dispatcher)
             except OSError as exc:
                 if self.options.listen_fallback and port:  # a rank under PROBE_PORT: never left without TCP
-                    tcp = self._any_free_port(host, dispatcher, "%s is taken (%s)" % (listen, exc.strerror or exc))
+                    tcp = self._any_free_port(host, port, dispatcher, exc)
                 if tcp is None:
                     raise UsageError("cannot listen on %s: %s" % (listen, exc.strerror or exc),
                                      hint="give each process its own port, or PROBE_LISTEN=%s:0 for any free one"
@@ -158,13 +160,20 @@ class Agent:
             _say("probe: the agent in process %d serves TCP on every interface (%s; token required); "
                  "PROBE_LISTEN=ADDRESS:PORT binds one" % (self.pid, self.tcp_address))
 
-    def _any_free_port(self, host: str, dispatcher: Any, why: str) -> Optional[Listener]:
+    def _any_free_port(self, host: str, port: int, dispatcher: Any, exc: OSError) -> Optional[Listener]:
+        """Listen on a free port, the given one being taken; ``tcp_note`` says whose it is (``health``,
+        ``probe list`` and ``ranks`` show it), since clients sent to it meet that process instead."""
+        from probe.agent.port_holder import taken_note
+
         try:
             tcp = Listener.tcp(host, 0, dispatcher)
         except OSError:
             return None
-        _say("probe: the agent in process %d serves TCP on %s:%d instead: %s"
-             % (self.pid, "[%s]" % host if ":" in host else host, tcp.port, why))
+        taken = taken_note(port) if getattr(exc, "errno", None) == errno.EADDRINUSE else "port %d: %s" % (
+            port, exc.strerror or exc)
+        self.tcp_note = "%s; serving on %s:%d instead" % (taken, "[%s]" % host if ":" in host else host, tcp.port)
+        _say("probe: the agent in process %d: %s (clients given that port reach that process, which cannot prove "
+             "it holds the job's token)" % (self.pid, self.tcp_note))
         return tcp
 
     def stop(self) -> None:
@@ -254,12 +263,12 @@ class Agent:
 
     def authorize(self, request: Request) -> Any:
         """The request's grant (``probe.agent.scopes.Grant``): the unix socket's peer was checked at accept
-        and has the unix scope; TCP needs ``Authorization: Bearer <token>`` of one of our tokens."""
+        and has the unix scope; TCP needs the proof of one of our tokens (``probe.agent.handshake``)."""
         if request.transport != "unix" and self._token is None:
             from probe.agent.scopes import TOKEN_HINT
 
             raise Unauthorized("this agent requires a token on TCP", hint=TOKEN_HINT)
-        return self.credentials.grant(request.transport, request.headers)
+        return self.credentials.grant(request)
 
     # -- SQL --------------------------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ import json
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
+from probe.agent.handshake import address_name
 from probe.errors import BadRequest, ProbeError, TooLarge
 
 __all__ = ["Request", "Response", "Handler", "read_request", "send", "MAX_BODY_BYTES", "MAX_HEADER_BYTES"]
@@ -40,6 +41,8 @@ class Request:
     body: bytes
     transport: str  # "unix" or "tcp"
     peer: str = ""  # who sent it: "uid U pid P" (unix, SO_PEERCRED) or "HOST:PORT" (TCP); for the audit trail
+    local: str = ""  # TCP: the address this end has on the connection, which the handshake binds to
+    grant: Any = None  # the scope its credentials proved (probe.agent.scopes.Grant), once checked: a proof is single-use
 
     def json(self) -> Dict[str, object]:
         """The body as a JSON object; a clear ``bad_request`` for anything else.
@@ -116,7 +119,8 @@ def read_request(conn: socket.socket, transport: str) -> Request:
         raise TooLarge("request headers larger than %d bytes" % MAX_HEADER_BYTES)
     method, path, headers = _parse_head(head)
     body = _read_body(conn, headers, rest)
-    return Request(method, path, headers, body, transport)
+    local = address_name(conn.getsockname()) if transport == "tcp" else ""
+    return Request(method, path, headers, body, transport, local=local)
 
 
 def _bare_lf(buf: bytes, start: int, stop: int) -> bool:

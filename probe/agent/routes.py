@@ -13,6 +13,7 @@ import probe
 from probe import _paths
 from probe.agent import scopes
 from probe.tables import process_env, redact
+from probe.agent.handshake import HELLO_PATH
 from probe.agent.budget import Hold, ResultBudget, work_slot
 from probe.agent.audit_request import Audited, record_unauthorized
 from probe.agent.http import Request, Response
@@ -74,6 +75,7 @@ def health(agent: "Agent", request: Request) -> Response:
         "tcp_error": getattr(agent, "tcp_error", None),
         "runtime_dir": os.path.dirname(agent.unix_path or "") or None,
         "runtime_dir_fallback": _paths.runtime_dir_note(),
+        "tcp_note": getattr(agent, "tcp_note", None),
         "capabilities": {"sql": agent.sql_available(), "sql_in_agent": agent.sql_available() and agent.sql_here(),
                          "arrow": _available("pyarrow"),
                          "eval": agent.options.eval_enabled},
@@ -553,6 +555,8 @@ class Dispatcher:
     def __call__(self, request: Request) -> Response:
         audit: Any = None
         try:
+            if request.path == HELLO_PATH and request.method == "GET":  # no token: the listener proves it has one
+                return Response.json(self._agent.credentials.hello(request))
             try:
                 grant = scopes.capped(self._agent.authorize(request), request.headers)
             except Unauthorized as exc:

@@ -14,9 +14,13 @@ eval: a new route is closed until someone gives it its scope here. Stdlib only: 
 """
 
 import hmac
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
+from probe.agent import handshake
 from probe.errors import BadRequest, Forbidden, Unauthorized
+
+if TYPE_CHECKING:
+    from probe.agent.http import Request
 
 __all__ = ["READ", "CONTROL", "EVAL", "NAMES", "AGENT_ROUTES", "HELPER_ROUTES", "Grant", "Credentials",
            "needed", "parse_scope", "capped", "check", "command_of", "helper_credentials"]
@@ -149,22 +153,31 @@ class Credentials:
         self.tokens = [(t, s, by) for t, s, by in tokens if t]
         self.unix_scope = unix_scope
         self.files = files or {}  # scope -> the token file that holds the token of that scope (for hints)
+        self.nonces = handshake.Nonces()  # the hello nonces handed out, each taken back once
 
-    def grant(self, transport: str, headers: Mapping[str, str], what: str = "this agent") -> Grant:
-        """The scope of a request; ``Unauthorized`` for a TCP request without a token we know."""
-        if transport == "unix":
+    def grant(self, request: "Request", what: str = "this agent") -> Grant:
+        """The scope of a request; ``Unauthorized`` for a TCP request that does not prove it holds one of our
+        tokens (``probe.agent.handshake``: the token itself never travels, and a bearer token is refused)."""
+        if request.transport == "unix":
             return Grant(self.unix_scope, "unix socket owner")
-        scheme, _, value = headers.get("authorization", "").partition(" ")
-        if not self.tokens or scheme.lower() != "bearer" or not value:
+        value = request.headers.get("authorization", "")
+        fields = handshake.parse_authorization(value) if value else None
+        if not self.tokens or fields is None:
+            if value.partition(" ")[0].lower() == "bearer":
+                raise Unauthorized("%s takes no bearer token on TCP: a client that sends its token sends it to "
+                                   "whoever holds the port" % what,
+                                   hint="use probe (it proves it holds the token without sending it), or follow "
+                                        "README's wire protocol: GET %s, then Authorization: %s"
+                                        % (handshake.HELLO_PATH, handshake.SCHEME))
             raise Unauthorized("%s requires a token on TCP" % what, hint=TOKEN_HINT)
-        given = value.strip().encode("utf-8")
-        found: Optional[Grant] = None
-        for token, scope, by in self.tokens:  # every token compared, in constant time each
-            if hmac.compare_digest(given, token) and found is None:
-                found = Grant(scope, by)
-        if found is None:
-            raise Unauthorized("the token was refused", hint="check --token / --token-file against the job's token file")
-        return found
+        scope, by = handshake.verify(self.tokens, NAMES, self.nonces, fields, request.local, request.method,
+                                     request.path, request.body)
+        return Grant(scope, by)
+
+    def hello(self, request: "Request") -> Dict[str, Any]:
+        """The answer to ``GET /v1/hello`` (``probe.agent.handshake``): taken without a token, since it is how
+        a client asks the listener to prove it holds one."""
+        return handshake.hello(self.tokens, NAMES, self.nonces, request.headers, request.local)
 
     def refuse(self, grant: Grant, need: int, what: str) -> Forbidden:
         """The refusal of ``what`` (a command's words) to ``grant``: the scope it needs and what gives it."""
@@ -211,15 +224,15 @@ def helper_credentials(full: bytes, full_file: Optional[str], environ: Optional[
     return Credentials(tokens, EVAL, files)
 
 
-def check(credentials: Credentials, table: Mapping[Tuple[str, str], Needed], method: str, path: str,
-          transport: str, headers: Mapping[str, str], body: Callable[[], Mapping[str, Any]],
-          what: str = "this agent") -> Tuple[Grant, int]:
+def check(credentials: Credentials, table: Mapping[Tuple[str, str], Needed], request: "Request",
+          body: Callable[[], Mapping[str, Any]], what: str = "this agent") -> Tuple[Grant, int]:
     """Authorise one request: (its grant, the scope it needs); ``Unauthorized`` or ``Forbidden`` if not."""
     try:
-        grant = capped(credentials.grant(transport, headers, what), headers)
+        grant = capped(credentials.grant(request, what), request.headers)
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
-    need = needed(table, method, path, body)
+    path = request.path.split("?", 1)[0]
+    need = needed(table, request.method, path, body)
     if grant.scope < need:
         raise credentials.refuse(grant, need, command_of(path, body))
     return grant, need

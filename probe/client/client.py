@@ -67,9 +67,7 @@ class Client:
 
             self._token_sought = True
             self._token, self._token_file_left = local_token_and_file(self.target.address)  # type: ignore[arg-type]
-        headers = {}
-        if self._token:
-            headers["Authorization"] = "Bearer %s" % self._token
+        headers = {}  # the token goes to transport, which never sends it (probe.client.proof)
         if accept:
             headers["Accept"] = accept
         if self.scope_cap:
@@ -85,7 +83,7 @@ class Client:
                 response = self._helped(method, path, payload, headers, timeout or self.timeout)
             else:
                 response = transport.request(self.target.address, method, path, payload, headers,
-                                             timeout or self.timeout)
+                                             timeout or self.timeout, token=self._token)
         except ProbeError as exc:
             raise self._explain(exc) from None
         if response.status >= 400:
@@ -149,7 +147,7 @@ class Client:
         while True:
             try:
                 return transport.send_request(self.target.address, method, path, payload, headers, timeout,
-                                              queue_wait=_QUEUE_WAIT_S)
+                                              queue_wait=_QUEUE_WAIT_S, token=self._token)
             except transport.QueueFull:
                 pass
             from probe.client import outside
@@ -177,7 +175,7 @@ class Client:
             # A rank that cannot run accepts nothing; once its backlog is full (a hung job probed again and
             # again) a connect waits to its timeout: after a short wait the helper is asked why instead.
             sock = transport.send_request(self.target.address, method, path, payload, headers, timeout,
-                                          queue_wait=min(timeout, helped.CONNECT_S))
+                                          queue_wait=min(timeout, helped.CONNECT_S), token=self._token)
         except (ConnectError, Timeout) as exc:
             raw = helped.ask(helper, pid)
             error = helped.error_for(raw, helper, self.target.label) if raw is not None else None
@@ -186,7 +184,7 @@ class Client:
             if not isinstance(exc, Timeout) or deadline - time.monotonic() <= 0:
                 raise
             sock = transport.send_request(self.target.address, method, path, payload, headers,
-                                          max(deadline - time.monotonic(), 0.1))
+                                          max(deadline - time.monotonic(), 0.1), token=self._token)
         try:
             error = helped.await_answer(sock, helper, pid, self.target.label, timeout)
         except BaseException:

@@ -54,6 +54,7 @@ class Member(NamedTuple):
     restarts: Optional[int] = None
     heartbeat_age: Optional[float] = None
     helper: Optional[str] = None  # HOST:PORT of its node's host helper
+    note: Optional[str] = None  # its port was taken (by whom), as its node's helper says
 
     @property
     def label(self) -> str:
@@ -348,7 +349,6 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
         raise UsageError("PROBE_HELPER_PORT=%s is not a port" % _shown(given_helper),
                          hint="unset it (the helper listens one below PROBE_PORT), or give a number from 1 to 65535")
     helper = transport.TcpAddress(host, int(given_helper or port - 1))
-    headers = {"Authorization": "Bearer %s" % token} if token else {}
 
     def wrong_port() -> None:
         """Raise a usage error naming the job, where PORT is known here to be a rank's or a helper's port."""
@@ -366,7 +366,7 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
                                                                           "connect_all([\"HOST:PORT\", ...])"))
 
     try:
-        answer = transport.request(helper, "GET", "/v1/ranks", None, headers, timeout)
+        answer = transport.request(helper, "GET", "/v1/ranks", None, None, timeout, token=token)
     except ConnectError as exc:
         wrong_port()
         raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
@@ -522,8 +522,9 @@ def _member(raw: Any, typed_host: str, helper_host: Optional[str], helper: trans
     reach = typed_host if same_node else host  # the master's ranks: at the address the user gave
     if same_node:
         node_helper = "%s:%d" % ("[%s]" % helper.host if ":" in helper.host else helper.host, helper.port)
+    note = raw.get("note")
     return Member(rank, host, _with_port(reach.strip("[]"), port), port, pid, state, local_rank,  # type: ignore[arg-type]
-                  node, world_size, restarts, age, node_helper or None)
+                  node, world_size, restarts, age, node_helper or None, note[:300] if isinstance(note, str) else None)
 
 
 def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
@@ -546,7 +547,7 @@ def _port_of_a_local_job(host: str, port: int) -> Optional[Tuple[str, int]]:
         token = _job_token(job)
         try:
             answer = transport.request(transport.TcpAddress("127.0.0.1", job - 1), "GET", "/v1/ranks", None,
-                                       {"Authorization": "Bearer %s" % token} if token else {}, 2.0)
+                                       None, 2.0, token=token)
         except ProbeError:
             continue
         raw = _json(answer.body)

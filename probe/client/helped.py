@@ -35,9 +35,8 @@ class HostHelper(NamedTuple):
 def ask(helper: HostHelper, pid: int, timeout: float = ASK_TIMEOUT_S) -> Optional[Dict[str, Any]]:
     """The helper's view of rank process ``pid`` (``state``, ``message``, ``hint``, ``stacks``); None if it
     could not be asked."""
-    headers = {"Authorization": "Bearer %s" % helper.token} if helper.token else {}
     try:
-        answer = transport.request(helper.address, "GET", "/v1/outside/%d" % pid, None, headers, timeout)
+        answer = transport.request(helper.address, "GET", "/v1/outside/%d" % pid, None, None, timeout, token=helper.token)
         raw = json.loads(answer.body.decode("utf-8")) if answer.status == 200 else None
     except (ProbeError, ValueError, UnicodeDecodeError):
         return None

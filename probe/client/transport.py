@@ -81,10 +81,11 @@ class QueueFull(socket.timeout):
     every slot is taken). A unix socket refuses such a connect at once (EAGAIN) instead of queueing it."""
 
 
-def _connect(address: Address, timeout: float, queue_wait: Optional[float] = None) -> socket.socket:
+def _connect(address: Address, timeout: float, queue_wait: Optional[float] = None, to: Any = None) -> socket.socket:
     """A connected socket. ``queue_wait``: how long to keep trying while a unix agent's backlog is full
     (default: the whole ``timeout``); past it, :class:`QueueFull`. A unix connect never blocks: one that
-    would wait on a full backlog is refused at once and retried here, so the wait stays ours to bound."""
+    would wait on a full backlog is refused at once and retried here, so the wait stays ours to bound.
+    ``to``: the TCP socket address to connect to (the one a handshake proved), instead of resolving the host."""
     if isinstance(address, UnixAddress):
         deadline = time.monotonic() + (timeout if queue_wait is None else min(queue_wait, timeout))
         while True:
@@ -102,8 +103,17 @@ def _connect(address: Address, timeout: float, queue_wait: Optional[float] = Non
             except BaseException:
                 sock.close()
                 raise
-    sock = socket.create_connection((address.host, address.port), timeout=timeout if queue_wait is None
-                                    else min(queue_wait, timeout))
+    wait = timeout if queue_wait is None else min(queue_wait, timeout)
+    if to is not None:
+        sock = socket.socket(socket.AF_INET6 if len(to) == 4 else socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(wait)
+            sock.connect(to)
+        except BaseException:
+            sock.close()
+            raise
+    else:
+        sock = socket.create_connection((address.host, address.port), timeout=wait)
     sock.settimeout(timeout)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     context = tls_context()
@@ -213,10 +223,11 @@ def _tls_reason(exc: BaseException) -> str:
 
 
 def request(address: Address, method: str, path: str, body: Optional[bytes] = None,
-            headers: Optional[Dict[str, str]] = None, timeout: float = 30.0) -> HttpResponse:
-    """Send one request and read the whole response, all within ``timeout`` seconds."""
+            headers: Optional[Dict[str, str]] = None, timeout: float = 30.0, token: Optional[str] = None) -> HttpResponse:
+    """Send one request and read the whole response, all within ``timeout`` seconds (``token``: see
+    ``send_request``)."""
     deadline = time.monotonic() + timeout
-    sock = send_request(address, method, path, body, headers, timeout)
+    sock = send_request(address, method, path, body, headers, timeout, token=token)
     return read_response(sock, address, timeout, deadline)
 
 
@@ -229,12 +240,22 @@ A request's own ``X-Probe-Scope`` header (a host helper asking for a client) tak
 
 def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
                  headers: Optional[Dict[str, str]] = None, timeout: float = 30.0,
-                 queue_wait: Optional[float] = None) -> socket.socket:
+                 queue_wait: Optional[float] = None, token: Optional[str] = None) -> socket.socket:
     """Connect and send one request; the caller waits for the answer (``read_response``), or closes
     the socket to give up on it (the agent then runs nothing for it). ``queue_wait``: see ``_connect``;
     :class:`QueueFull` passes through to a caller that set it. Over TCP it bounds the connect: an agent
     that cannot run accepts nothing, and once its backlog is full the kernel drops new connections, so a
-    connect waits to its timeout (the caller then asks the rank's host helper why)."""
+    connect waits to its timeout (the caller then asks the rank's host helper why).
+
+    ``token``: over TCP, the listener first proves it holds it (``probe.client.proof``), and the request
+    carries a MAC, never the token; on a unix socket the peer's uid is what counts, and it is not used.
+    This is the one place a token goes out: nothing else sends ``Authorization``."""
+    to = None
+    if token and isinstance(address, TcpAddress):
+        from probe.client.proof import authorization
+
+        to, value = authorization(address, token, method, path, body, timeout, queue_wait)
+        headers = dict(headers or {}, Authorization=value)
     host = address.host if isinstance(address, TcpAddress) else "localhost"
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
              "Content-Length: %d" % len(body or b"")]
@@ -245,7 +266,7 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
         lines.append("X-Probe-Scope: %s" % scope_cap)
     payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
     try:
-        sock = _connect(address, timeout, queue_wait)
+        sock = _connect(address, timeout, queue_wait, to)
     except QueueFull:
         if queue_wait is not None:
             raise

@@ -90,14 +90,14 @@ def _gather(cluster: "Cluster", op: Dict[str, Any]) -> Tuple[List[Tuple[List["Me
     helpers = _by_helper(cluster.members)
     deadline = cluster.deadline
     inner = max(deadline - min(_MARGIN_S, deadline / 4), 0.05)
-    headers = {"Authorization": "Bearer %s" % cluster._token} if cluster._token else {}
 
     def ask(item: Tuple[str, List["Member"]]) -> Any:
         helper, members = item
         address = transport.TcpAddress(_host_of(helper), int(helper.rpartition(":")[2]))
         body = json.dumps(dict(op, ranks=[m.rank for m in members], deadline=round(inner, 3),
                                max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
-        answer = transport.request(address, "POST", "/v1/gather", body, headers, min(cluster.timeout, deadline + 1.0))
+        answer = transport.request(address, "POST", "/v1/gather", body, None, min(cluster.timeout, deadline + 1.0),
+                                   token=cluster._token)
         try:
             if answer.status != 200:
                 raise _error_of(answer, helper)

@@ -47,6 +47,7 @@ MAX_NODES = 4096
 MAX_MEMBERS = 1024  # ranks of one node
 MAX_RANKS = 1 << 17  # ranks of all the other nodes together, where the world size is not known here
 MAX_PID = 1 << 22  # the kernel's PID_MAX_LIMIT
+MAX_NOTES = 64  # members of one report whose note (their port was taken: by whom) is kept
 RANKS_CACHE_S = 0.5  # a member list made this recently serves the next request too, while one is being sent
 
 _STATES = ("running", "silent", "stopped", "starting", "dead")  # what a node says of its ranks
@@ -73,6 +74,7 @@ class _Report(NamedTuple):
     helper: str
     world_size: int
     packed: "array[int]"
+    notes: Dict[int, str]  # rank -> why it serves off its port (``port 9701 taken by uid N; ...``), a few at most
 
     @property
     def count(self) -> int:
@@ -164,6 +166,8 @@ class Helper:
 
     def __call__(self, request: Request) -> Response:
         try:
+            if request.path == "/v1/hello" and request.method == "GET" and request.transport == "tcp":
+                return Response.json(self._credentials().hello(request))  # no token: it proves it has one
             self._authorize(request)
             return self._route(request)
         except ProbeError as exc:
@@ -175,16 +179,21 @@ class Helper:
         """The job's tokens with their scopes (``probe.agent.scopes``), as the ranks take them: the full
         token, and the read and control tokens of this process's environment; the unix peer (checked by the
         listener) has every scope. Every route the helper serves is a read but a node's report (full token)."""
-        from probe.agent.scopes import HELPER_ROUTES, check, helper_credentials
+        from probe.agent.scopes import HELPER_ROUTES, check
 
         if request.transport == "unix":
             return  # the listener checked the peer's uid
-        credentials = self.__dict__.get("_credentials")
+        credentials = self._credentials()
+        request.grant, _ = check(credentials, HELPER_ROUTES, request, request.json, "the host helper")
+
+    def _credentials(self) -> Any:
+        """The tokens TCP takes (``probe.agent.scopes.Credentials``), made at the first TCP request."""
+        from probe.agent.scopes import helper_credentials
+
+        credentials = self.__dict__.get("_tcp_credentials")
         if credentials is None:
-            credentials = self.__dict__["_credentials"] = helper_credentials(self._token, self.token_file)
-        path = request.path.split("?", 1)[0]
-        check(credentials, HELPER_ROUTES, request.method, path, request.transport, request.headers, request.json,
-              "the host helper")
+            credentials = self.__dict__["_tcp_credentials"] = helper_credentials(self._token, self.token_file)
+        return credentials
 
     def _route(self, request: Request) -> Response:
         path = request.path.split("?", 1)[0]
@@ -271,6 +280,8 @@ class Helper:
                         rank, "null" if local_rank < 0 else local_rank, report.world_size, node, host, port, pid,
                         "unreported" if stale else _STATES[state], restarts,
                         "null" if age_ms < 0 else "%.2f" % (age_ms / 1000.0), helper)).encode("utf-8")
+            if rank in report.notes:
+                out[-1:] = (', "note": %s}' % json.dumps(report.notes[rank])).encode("utf-8")
         out += b"]"
 
     def _ranks_response(self) -> Response:
@@ -352,7 +363,12 @@ class Helper:
                            -1 if age is None else int(age * 1000)))
         if len(packed) // len(_FIELDS) != len({packed[i] for i in range(0, len(packed), len(_FIELDS))}):
             raise BadRequest("node %d's report names a rank twice" % node)
-        report = _Report(time.monotonic(), host, helper, world_size, packed)
+        notes: Dict[int, str] = {}
+        for member in members:  # checked above; a note is words for a person: short and printable, or dropped
+            note = member.get("note")
+            if isinstance(note, str) and len(note) <= 300 and note.isprintable() and len(notes) < MAX_NOTES:
+                notes[member["rank"]] = note
+        report = _Report(time.monotonic(), host, helper, world_size, packed, notes)
         with self._nodes_lock:
             self._forget_old(report.heard)
             others = [r for n, r in self._nodes.items() if n != node]
@@ -440,8 +456,8 @@ class Helper:
             body = json.dumps({"node": node, "host": node_host(), "members": members,
                                "helper": "%s:%d" % (node_host(), self.port)}).encode("utf-8")
             address = transport.TcpAddress(master, int(os.environ.get("PROBE_MASTER_HELPER_PORT") or self.port))
-            answer = transport.request(address, "POST", "/v1/nodes", body,
-                                       {"Authorization": "Bearer %s" % self._token.decode("utf-8")}, 2.0)
+            answer = transport.request(address, "POST", "/v1/nodes", body, None, 2.0,
+                                       token=self._token.decode("utf-8"))
             if answer.status >= 400 and not self._complained:
                 self._complained = True
                 if answer.status == 401:
@@ -456,7 +472,8 @@ class Helper:
         except Exception as exc:
             if not self._complained:
                 self._complained = True
-                _say("probe: cannot report this node's ranks to the master's host helper: %s" % exc)
+                same = "; give every node the same PROBE_TOKEN" if getattr(exc, "code", "") == "unauthorized" else ""
+                _say("probe: cannot report this node's ranks to the master's host helper: %s%s" % (exc, same))
 
 
 _REPORT_SHAPE = ('{"node": N, "host": H, "helper": "H:PORT", "members": [{"rank", "local_rank", "world_size", '

@@ -34,6 +34,7 @@ class Member(NamedTuple):
     state: str
     restarts: int
     heartbeat_age: Optional[float]
+    note: Optional[str] = None  # its PROBE_PORT + LOCAL_RANK was taken: by whom (``port 9701 taken by uid N``)
 
     def to_json(self) -> Dict[str, Any]:
         return self._asdict()
@@ -255,5 +256,10 @@ class Members:
         if port is None and info["local_rank"] is not None:
             port = self.base_port + info["local_rank"]  # found in /proc, not registered: the port it was given
         node = info["node"] if info["node"] is not None else self.node_key()
+        note = None
+        if port is not None and info["local_rank"] is not None and port != self.base_port + info["local_rank"]:
+            from probe.agent.port_holder import moved_note
+
+            note = moved_note(self.base_port + info["local_rank"], port)
         return Member(rank, info["local_rank"], info["world_size"], node, host, port, pid, state,
-                      info["restarts"], None if age is None else round(age, 2))
+                      info["restarts"], None if age is None else round(age, 2), note)

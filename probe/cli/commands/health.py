@@ -64,6 +64,8 @@ def detail_lines(info: Dict[str, Any]) -> Iterator[str]:
                                                      info.get("token_file") or "the token given to the agent")
     elif info.get("tcp_error"):
         yield "tcp: not served: %s" % info["tcp_error"]
+    if info.get("tcp_note"):
+        yield "tcp: %s" % info["tcp_note"]
     limits = info.get("limits") or {}
     if "query_timeout_ceiling_s" in limits:
         yield ("limits: query %gs (--query-timeout up to %gs), %d rows (--max-rows up to %d), eval %gs "

@@ -286,6 +286,8 @@ def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = F
                                               " --token-file %s" % info["token_file"] if info.get("token_file") else "")
         records.append({"pid": agent.pid, "agent": "yes", "state": "running", "rank": info.get("rank"),
                         "python": info.get("python"), "command": _command_of(agent.pid)[:100], "reach": reach})
+        if info.get("tcp_note"):  # its PROBE_PORT is taken: by whom (another user's process: a warning)
+            records[-1]["tcp_note"] = str(info["tcp_note"])
     if not agents_only:
         records.extend(dict(r, state=r.get("state", "running")) for r in _attachable({r["pid"] for r in records}))
     dead, hidden = _dead(show_all)
@@ -314,5 +316,8 @@ def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = F
         footer = "narrowed to fit; -x or --wide shows all"
     table = Rows(tuple((c, "") for c in names), cells)
     echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
+    for record in records:
+        if record.get("tcp_note"):
+            echo("process %d: %s" % (record["pid"], record["tcp_note"]))
     if note:
         echo(note)

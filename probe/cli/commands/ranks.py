@@ -39,6 +39,9 @@ def run(cli: CliContext, fmt: Optional[str] = None) -> None:
     cluster = cli.cluster()
     fmt = fmt or "table"
     print_rows(render_rows(cluster.ranks_rows(), fmt), fmt)
+    for member in cluster.members:
+        if member.note:  # its port was taken (another user's process there cannot prove it holds the token)
+            say("probe: rank %d: %s" % (member.rank, member.note), err=True)
     if cluster.token_file:
         say("probe: the job's token: %s (on the master's host)" % cluster.token_file, err=True)
 

@@ -1,0 +1,122 @@
+"""The client's half of the token handshake (``probe.agent.handshake``): the listener proves first.
+
+Every request that carries a token over TCP comes here (``transport.send_request(..., token=)``): a hello
+with a random nonce, the listener's proof checked against our token and the address we reached, and only
+then the request, with a MAC that holds neither the token nor anything that works for another request.
+A listener that cannot prove it holds the token (another user's process on the job's port, a relay to
+the real agent, an agent of another job) gets nothing more, and the user is told in words (exit 4).
+
+``PROBE_FORWARDED=1``: the connection is forwarded on purpose (NAT, a proxy, a port forward to another
+port number), so the listener sees itself at another address than the one dialled; its proof is then
+taken for the address it names. Without it such a proof is refused: it is what a relay looks like.
+"""
+
+import hmac
+import json
+import os
+import time
+from typing import Any, Dict, Optional, Tuple
+
+from probe.agent.handshake import HELLO_PATH, NONCE_HEADER, SCHEME, address_name, client_mac, server_proof
+from probe.errors import ProbeError, Unauthorized
+
+__all__ = ["authorization", "Unproven"]
+
+
+class Unproven(Unauthorized):
+    """The listener did not prove that it holds the token: nothing derived from it was sent there."""
+
+
+def authorization(address: Any, token: str, method: str, path: str, body: Optional[bytes], timeout: float,
+                  queue_wait: Optional[float] = None) -> Tuple[Any, str]:
+    """(the socket address the request must go to, its ``Authorization`` value), after the listener at
+    ``address`` proved it holds ``token``; :class:`Unproven` where it could not. ``queue_wait`` bounds the
+    hello's connect and answer (a rank that cannot run is then asked about instead, see ``helped``)."""
+    from probe.client import transport
+
+    key = token.strip().encode("utf-8")
+    cn = os.urandom(16).hex()
+    wait = timeout if queue_wait is None else min(queue_wait, timeout)
+    deadline = time.monotonic() + wait
+    sock = transport.send_request(address, "GET", HELLO_PATH, None, {NONCE_HEADER: cn}, timeout, queue_wait)
+    try:
+        peer = sock.getpeername()
+    except OSError:
+        sock.close()
+        raise
+    answer = transport.read_response(sock, address, wait, deadline)
+    try:
+        sn, claimed, proofs = _parse(answer, address)
+    finally:
+        transport.release(answer)
+    here = address_name(peer)
+    scope = _match(key, cn, sn, here, proofs)
+    if scope is None:
+        scope = _match(key, cn, sn, claimed, proofs)
+        if scope is None:
+            raise _unproven(address, "its proof does not match the token given: either the token is refused there "
+                                     "(not one of this job's), or another process holds the port",
+                            "check --token-file against the job's token; on that host `probe list` says who holds the port")
+        if not _same_place(claimed, here) and os.environ.get("PROBE_FORWARDED") != "1":
+            raise _unproven(address, "it proved it for %s, not for this connection (to %s): something relays the "
+                                     "connection (another user's listener on the port, or a forward)" % (claimed, here),
+                            "connect to the agent's own address (`probe list` on its host); if you forward the port "
+                            "yourself, set PROBE_FORWARDED=1")
+        here = claimed
+    mac = client_mac(key, cn, sn, here, method, path, body or b"")
+    return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn, mac)
+
+
+def _parse(answer: Any, address: Any) -> Tuple[str, str, Dict[str, str]]:
+    """The hello's nonce, the address the listener names, and its proofs; :class:`Unproven` otherwise."""
+    try:
+        raw = json.loads(bytes(answer.body).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raw = None
+    if answer.status != 200:
+        said = ""
+        if isinstance(raw, dict) and isinstance(raw.get("error"), dict):
+            said = ": it says %s" % str(raw["error"].get("message"))[:300]
+            if raw["error"].get("code") in ("busy", "timeout"):  # every slot taken: wait, as for any request
+                from probe.errors import error_from_code
+
+                raise error_from_code(str(raw["error"]["code"]), str(raw["error"].get("message"))[:300],
+                                      str(raw["error"].get("hint") or "")[:300] or None)
+        raise _unproven(address, "it does not answer GET %s (HTTP %d%s)" % (HELLO_PATH, answer.status, said),
+                        "is it a probe agent or host helper of this version? Upgrade probe where the job runs")
+    if not (isinstance(raw, dict) and isinstance(raw.get("nonce"), str) and isinstance(raw.get("address"), str)
+            and isinstance(raw.get("proofs"), dict) and len(raw["proofs"]) <= 8
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["proofs"].items())):
+        raise _unproven(address, "its answer to GET %s is not a probe hello" % HELLO_PATH,
+                        "is it a probe agent or host helper? `probe list` on its host says who holds the port")
+    nonce = raw["nonce"]
+    if not (len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
+        raise _unproven(address, "the nonce of its hello is not 32 hex digits", "is it a probe agent of this version?")
+    return nonce, raw["address"][:300], raw["proofs"]
+
+
+def _match(key: bytes, cn: str, sn: str, address: str, proofs: Dict[str, str]) -> Optional[str]:
+    """The scope whose proof matches ours for ``address``; None where none does. Every proof is compared."""
+    expected = server_proof(key, cn, sn, address)
+    found = None
+    for scope, proof in proofs.items():
+        if proof.isascii() and hmac.compare_digest(expected, proof[:64].lower()) and scope in ("read", "control", "eval"):
+            found = scope
+    return found
+
+
+def _same_place(claimed: str, here: str) -> bool:
+    """The same port on loopback at both ends (``127.0.0.1`` and ``::1``, as an SSH tunnel to ``localhost``
+    may give): one place. A relay of a squatter that made the agent move is on another port."""
+    host_a, _, port_a = claimed.rpartition(":")
+    host_b, _, port_b = here.rpartition(":")
+    return port_a == port_b and all(_loopback(h.strip("[]")) for h in (host_a, host_b))
+
+
+def _loopback(host: str) -> bool:
+    return host == "::1" or host.startswith("127.")
+
+
+def _unproven(address: Any, why: str, hint: str) -> ProbeError:
+    return Unproven("the listener at %s could not prove it holds the job's token: %s; nothing of the token was "
+                    "sent to it" % (address, why), hint=hint)
