@@ -10,6 +10,7 @@ import threading
 import time
 from typing import List, Optional
 
+import hmac_auth
 from procs import running, run_cli, scaled, target_env
 
 
@@ -22,7 +23,7 @@ def _free_port() -> int:
 def _post(port: int, token: str, path: str, body: dict, source: Optional[str] = None) -> int:
     """One request on its own connection, as a client sends it; the HTTP status of the answer."""
     data = json.dumps(body).encode()
-    auth = "Authorization: Bearer %s\r\n" % token if token else ""
+    auth = "Authorization: %s\r\n" % hmac_auth.authorization(port, token, "POST", path, data) if token else ""
     head = ("POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\n%sContent-Type: application/json\r\n"
             "Content-Length: %d\r\nConnection: close\r\n\r\n" % (path, auth, len(data))).encode()
     with socket.socket() as sock:

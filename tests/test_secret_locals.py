@@ -9,6 +9,7 @@ import urllib.request
 from typing import Dict, Iterator
 
 import pytest
+import hmac_auth
 from procs import Proc, run_cli, running, scaled, target_env
 from test_page import _end, _post, _serve
 
@@ -75,8 +76,10 @@ def test_a_client_may_ask_for_less_and_not_for_more(target) -> None:
     def ask(token_file: str, scope: str) -> urllib.request.Request:
         with open(token_file) as handle:
             token = handle.read().strip()
+        port = int(address.rsplit(":", 1)[1])
         return urllib.request.Request("http://%s/v1/rows" % address, data=body, method="POST", headers={
-            "Authorization": "Bearer %s" % token, "X-Probe-Scope": scope, "Content-Type": "application/json"})
+            "Authorization": hmac_auth.authorization(port, token, "POST", "/v1/rows", body), "X-Probe-Scope": scope,
+            "Content-Type": "application/json"})
 
     with urllib.request.urlopen(ask(files["full"], "read"), timeout=scaled(30)) as answer:
         text = answer.read().decode()
