@@ -234,7 +234,8 @@ class IsolatedEngine:
             with self._state:
                 if self._closing:
                     raise Busy("the SQL engine is closing: its process is exiting")
-                if query_id is not None and self._cancelled.pop(query_id, None) is not None:
+                if query_id is not None and query_id in self._cancelled:
+                    del self._cancelled[query_id]
                     raise _interrupted(limit)
                 self._running, self._killed = query_id, False
                 if self._worker is None:
@@ -261,6 +262,9 @@ class IsolatedEngine:
                 worker.wait_ready()
             except SQLUnavailable:
                 self._lose(worker)
+                with self._state:
+                    if self._killed:  # an interrupt came while it started
+                        raise _interrupted(limit) from None
                 raise
             header: Dict[str, Any] = {"op": "query", "sql": sql, "max_rows": cap, "timeout": limit, "max_bytes": byte_cap}
             given = [(name, ipc_bytes(data)) for name, data in (tables or {}).items()]
