@@ -15,7 +15,8 @@ from probe.client.results import Rows
 if TYPE_CHECKING:
     from probe.client.client import Client
 
-__all__ = ["TABLE_ROWS", "run_locally", "run_on_stacks", "run_on_members", "names_members", "rows_of"]
+__all__ = ["TABLE_ROWS", "run_locally", "run_here", "set_max_memory", "run_on_stacks", "run_on_members",
+           "names_members", "rows_of"]
 
 
 TABLE_ROWS = 100_000
@@ -264,7 +265,7 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
         raise cls("%s needs the agent, and %s" % (name, reason[0].lower() + reason[1:]),
                   hint="only python.backtrace is read from outside the process" + ("; %s" % how if how else ""))
 
-    result = _run_here(sql, fetch, max_rows, timeout)
+    result = run_here(sql, fetch, max_rows, timeout)
     return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false",
                                                  "probe.source": stacks.source})
 
@@ -304,10 +305,10 @@ def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Opt
                          hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
                               "with --merge 'SELECT ... FROM result'")
 
-    return _run_here(sql, fetch, max_rows, timeout).table
+    return run_here(sql, fetch, max_rows, timeout).table
 
 
-def _run_here(sql: str, source: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
+def run_here(sql: str, source: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
     """``sql`` in this process's engine (its worker), over the tables ``source`` gives."""
     _current.source = source
     try:

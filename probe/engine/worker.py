@@ -145,6 +145,8 @@ class _Worker:
             answer: Dict[str, Any] = {"ok": True, "truncated": result.truncated, "elapsed_ms": result.elapsed_ms}
             result = None
         except ProbeError as exc:
+            if isinstance(exc, TooLarge) and "memory" in exc.message:  # the engine's guard or DuckDB's limit
+                exc = TooLarge(self._too_much(), hint=exc.hint)
             answer, body = dict(exc.to_envelope()["error"], ok=False), b""  # type: ignore[arg-type]
         except MemoryError:
             answer, body = dict(TooLarge(self._too_much()).to_envelope()["error"], ok=False), b""  # type: ignore
@@ -156,8 +158,8 @@ class _Worker:
         send(self.out, answer, body)
 
     def _too_much(self) -> str:
-        return ("the query needed more memory than the %.0f MB the SQL worker may take; it was stopped"
-                % (self.config["max_memory"] / 1e6))
+        return ("the query needed more memory than SQL may take (DuckDB's limit %s; its worker process may grow "
+                "at most %.0f MB); it was stopped" % (self.config["memory_limit"], self.config["max_memory"] / 1e6))
 
 
 def _ignore_interrupts() -> None:
