@@ -16,7 +16,6 @@ cgroup the target runs in, as in the issue.
 import itertools
 import math
 import os
-import signal
 import subprocess
 import sys
 import threading
