@@ -124,8 +124,8 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
                       hint="narrow the query, or raise the limit with --query-timeout (up to %g s)"
                       % TIMEOUT_CEILING_S) from None
     except TooLarge as exc:
-        if "memory" not in exc.message and "SQL worker" not in exc.message:
-            raise
+        if not exc.message.startswith("the query needed more memory"):
+            raise  # the result's bound in bytes, or a value refused before it is built: not about --max-memory
         raise TooLarge("%s (it ran in the probe client, over the rows the agent sent)" % exc.message,
                        hint="select fewer or smaller values, or give the client more with --max-memory (now %s)"
                        % _size(MAX_MEMORY)) from None
@@ -181,7 +181,7 @@ def _engine() -> Any:
                 atexit.register(_close_kept)
                 _exit_hook.append(True)
             _kept.append(IsolatedEngine(_current_source, max_rows=MAX_ROWS_CEILING, timeout=TIMEOUT_CEILING_S,
-                                        memory_limit="%dB" % (MAX_MEMORY // 2), max_memory=MAX_MEMORY))
+                                        memory_limit="%dMiB" % max(1, MAX_MEMORY >> 21), max_memory=MAX_MEMORY))
         return _kept[0]
 
 

@@ -298,8 +298,9 @@ class IsolatedEngine:
                 raise Busy("the SQL engine is closing: its process is exiting") from None
             if killed:
                 raise _interrupted(limit) from None
-            raise TooLarge("the SQL worker running the query ended (%s); a value past the %.0f MB it may take "
-                           "ends it so" % (_status(status), self.max_memory / 1e6),
+            raise TooLarge("the query needed more memory than SQL may take, or its SQL worker failed: the worker "
+                           "ended (%s); a value past the %.0f MB it may take ends it so"
+                           % (_status(status), self.max_memory / 1e6),
                            hint="select fewer or smaller values (LIMIT, WHERE, an aggregate, left(s, n))") from None
 
     def _give(self, worker: _Process, name: str, deadline: float, failed: List[BaseException]) -> None:

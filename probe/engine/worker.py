@@ -27,6 +27,7 @@ from typing import Any, Dict, Optional, Tuple
 __all__ = ["main", "receive", "send", "ipc_bytes", "from_ipc"]
 
 _HEADER = struct.Struct(">I")
+_OUT_OF_MEMORY = "the query needed more memory"  # how the engine's words, and the worker's, begin
 MAX_HEADER = 1 << 20
 
 
@@ -145,7 +146,7 @@ class _Worker:
             answer: Dict[str, Any] = {"ok": True, "truncated": result.truncated, "elapsed_ms": result.elapsed_ms}
             result = None
         except ProbeError as exc:
-            if isinstance(exc, TooLarge) and "memory" in exc.message:  # the engine's guard or DuckDB's limit
+            if isinstance(exc, TooLarge) and exc.message.startswith(_OUT_OF_MEMORY):  # the guard, or DuckDB's limit
                 exc = TooLarge(self._too_much(), hint=exc.hint)
             answer, body = dict(exc.to_envelope()["error"], ok=False), b""  # type: ignore[arg-type]
         except MemoryError:
