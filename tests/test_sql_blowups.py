@@ -3,7 +3,7 @@
 `SELECT length(replace(repeat('a',40000),'a',repeat('b',40000)))`, run by an agent with
 PROBE_SQL_IN_AGENT=1, took the target to 3.6 GB, and a 2 GB memory cgroup killed it: replace() was not on
 the list of checked functions. No such list is complete, so the test does not write one: it asks DuckDB
-for every scalar function that returns a string or a blob, calls each with small inputs in this process
+for every scalar function that returns a string, a blob or a list of strings, calls each with small inputs in this process
 to find those whose output outgrows their input (and how: linearly, or as a product of their inputs),
 and sends a blow-up of each kind to a real target through the real CLI: the super-linear ones called once
 on 40,000-character inputs, the linear ones nested into themselves until the value would pass 4 GB. The
@@ -76,11 +76,13 @@ def _call(name: str, combo: Tuple[Tuple[str, str], ...], n: int, inner: Optional
 
 
 def _growers() -> List[Dict[str, object]]:
-    """Every scalar string or blob function of this DuckDB whose output outgrows its input, with the call
-    that grows it most, its growth exponent and ratio, one of each kind of growth (rounded)."""
+    """Every scalar string, blob or string-list function of this DuckDB whose output outgrows its input, with
+    the call that grows it most, its growth exponent and size; every super-linear one, and one of each kind of
+    linear growth (its result type, exponent and size, rounded)."""
     con = duckdb.connect(":memory:", config={"enable_external_access": False})
     rows = con.execute("SELECT DISTINCT function_name, parameter_types, varargs, return_type FROM duckdb_functions() "
-                       "WHERE function_type = 'scalar' AND return_type IN ('VARCHAR', 'BLOB') ORDER BY ALL").fetchall()
+                       "WHERE function_type = 'scalar' AND return_type IN ('VARCHAR', 'BLOB', 'VARCHAR[]') "
+                       "ORDER BY ALL").fetchall()
     found: Dict[Tuple[object, ...], Dict[str, object]] = {}
     for name, types, varargs, returns in rows:
         if not name.isidentifier():
@@ -97,7 +99,7 @@ def _growers() -> List[Dict[str, object]]:
             sizes = []
             for n in (64, 128):
                 try:
-                    sizes.append(con.execute("SELECT octet_length(CAST(%s AS BLOB))" % _call(name, combo, n)).fetchone()[0])
+                    sizes.append(con.execute("SELECT %s" % _size_of(_call(name, combo, n), returns)).fetchone()[0])
                 except duckdb.Error:
                     sizes.append(None)
             if None in sizes or not sizes[0] or sizes[1] <= 128 * bigs + 8:
@@ -107,7 +109,8 @@ def _growers() -> List[Dict[str, object]]:
                 best = {"name": name, "combo": combo, "exponent": exponent, "size": sizes[1], "returns": returns}
         if best is not None:  # every super-linear one; of the linear ones, one of each growth
             superlinear = float(best["exponent"]) >= 1.5
-            kind = (name, tuple(types)) if superlinear else (round(float(best["exponent"]), 1), int(best["size"]) // 16)
+            kind = (name, tuple(types)) if superlinear else (returns, round(float(best["exponent"]), 1),
+                                                             int(best["size"]) // 16)
             found.setdefault(kind, best)
     con.close()
     return sorted(found.values(), key=lambda g: (-float(g["exponent"]), str(g["name"])))
@@ -126,7 +129,14 @@ def _blowup(grower: Dict[str, object]) -> str:
         expression = None
         for _ in range(depth):
             expression = _call(name, combo, BIG, expression)  # type: ignore[arg-type]
-    return "SELECT octet_length(CAST(%s AS BLOB)) AS n" % expression
+    return "SELECT %s AS n" % _size_of(expression, str(grower["returns"]))
+
+
+def _size_of(expression: str, returns: str) -> str:
+    """SQL for the size of a value in bytes: a list's as its text (each element also costs DuckDB 16 bytes)."""
+    if returns.endswith("[]"):
+        return "octet_length(CAST(CAST(%s AS VARCHAR) AS BLOB))" % expression
+    return "octet_length(CAST(%s AS BLOB))" % expression
 
 
 GROWERS = _growers()
