@@ -106,6 +106,7 @@ def test_help_still_lists_every_command_with_its_summary(tmp_path):
     ["query", "SELECT 1 AS a, 'x' AS b"], ["query", "SELECT 1 AS a", "-f", "json"], ["query", "-x", "SELECT 1 AS a"],
     ["query", "SELECT 1 AS a", "--max-rows", "-1"], ["query", "SELECT 1 AS a", "--query-timeout", "nan"],
     ["query", "SELECT 1 AS a", "--max-rows", "1", "--query-timeout", "5", "--wide"],
+    ["query", "SELECT 1 AS a", "--max-memory", "512MB"], ["query", "SELECT 1 AS a", "--max-memory", "lots"],
     ["query", "SELECT '\x1b[31mred\u202e' AS s"], ["query", "SELECT '\x1b[31mred' AS s", "--json"],
     ["query", "SELEC 1"], ["query"], ["query", "SELECT 1", "SELECT 2"],
     ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],

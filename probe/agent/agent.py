@@ -342,17 +342,19 @@ class Agent:
                                      "(with pyarrow, some 100 MB) unless PROBE_SQL_IN_AGENT=1 is set where it "
                                      "starts", hint="the probe client runs such queries on its side, over the rows "
                                                     "of the tables they name")
-            self._loaded_libraries = tuple(lib for module, lib in (("duckdb", "duckdb"), ("pyarrow", "arrow"))
-                                           if module not in sys.modules) + self._loaded_libraries
+            # DuckDB itself loads into the engine's worker process only; pyarrow here carries the tables.
+            self._loaded_libraries = ("arrow",) if "pyarrow" not in sys.modules else self._loaded_libraries
             from probe.agent.limits import Ceilings
-            from probe.engine import Engine
+            from probe.engine.isolated import IsolatedEngine
 
-            # The engine's own bounds are the ceilings; each request passes the limits it runs under.
+            # The engine's own bounds are the ceilings; each request passes the limits it runs under. DuckDB
+            # runs in a worker process under a memory ceiling: in here no bound holds against one call that
+            # builds a gigabyte (probe.engine.isolated).
             ceilings = Ceilings.from_env()
-            self._engine = Engine(_produce_arrow, max_rows=max(self.options.max_rows, ceilings.max_rows),
-                                  timeout=max(self.options.query_timeout, ceilings.query_timeout),
-                                  memory_limit=self.options.memory_limit,
-                                  max_result_bytes=self.options.max_result_bytes)
+            self._engine = IsolatedEngine(_produce_arrow, max_rows=max(self.options.max_rows, ceilings.max_rows),
+                                          timeout=max(self.options.query_timeout, ceilings.query_timeout),
+                                          memory_limit=self.options.memory_limit,
+                                          max_result_bytes=self.options.max_result_bytes)
             self._engine_last_used = time.monotonic()
         return self._engine
 

@@ -57,6 +57,13 @@ def _count(value: str) -> int:
     return number
 
 
+def _memory(value: str) -> int:
+    """As ``query --max-memory`` takes it (``probe.cli.commands.query.memory_size``)."""
+    from probe.cli.commands.query import memory_size
+
+    return memory_size(value)
+
+
 def _formats(choices: Tuple[str, ...], older_f: bool) -> Dict[str, Tuple[str, Callable[[str], Any]]]:
     out = {"-F": ("fmt_given", _choice(*choices)), "--format": ("fmt_given", _choice(*choices))}
     if older_f:
@@ -75,8 +82,10 @@ _COMMANDS: Dict[str, _Spec] = {
     "query": ({"--json": "as_json", "-x": "vertical", "--vertical": "vertical", "--wide": "wide",
                "--native": "native"},
               dict(_formats(_TABLE, True), **{"--max-rows": ("max_rows", _count),
-                                             "--query-timeout": ("query_timeout", _seconds(0.001))}),
-              {"vertical": False, "wide": False, "native": False, "max_rows": None, "query_timeout": None}, True),
+                                             "--query-timeout": ("query_timeout", _seconds(0.001)),
+                                             "--max-memory": ("max_memory", _memory)}),
+              {"vertical": False, "wide": False, "native": False, "max_rows": None, "query_timeout": None,
+               "max_memory": None}, True),
 }
 """Each command's options read here: what click declares for it in its module, less what is left to click."""
 

@@ -15,7 +15,8 @@ from probe.client.results import Rows
 if TYPE_CHECKING:
     from probe.client.client import Client
 
-__all__ = ["TABLE_ROWS", "run_locally", "run_on_stacks", "run_on_members", "names_members", "rows_of"]
+__all__ = ["TABLE_ROWS", "run_locally", "run_here", "set_max_memory", "run_on_stacks", "run_on_members",
+           "names_members", "rows_of"]
 
 
 TABLE_ROWS = 100_000
@@ -24,9 +25,11 @@ TABLE_ROWS = 100_000
 result ``truncated``, and the client's ``note`` names it."""
 MAX_ROWS, TIMEOUT_S = 100_000, 10.0  # a query's limits here unless it asks for others, as an agent's defaults
 MAX_ROWS_CEILING, TIMEOUT_CEILING_S = 1_000_000, 60.0  # how far it may raise them, as an agent's ceilings
-_KEPT = 4  # engines kept for later queries (tables of one name but other columns need another engine)
+MAX_MEMORY = 1 << 30
+"""What SQL run here may take (``--max-memory``): the address space its worker process may grow by."""
 
-_kept: List[Any] = []
+_kept: List[Any] = []  # the engine of this process, once made
+_exit_hook: List[bool] = []
 _kept_lock = threading.Lock()
 _parser: List[Any] = []
 _current = threading.local()  # the tables of the query this thread runs
@@ -81,6 +84,8 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
     from probe.tables.arrow import to_arrow
 
     _check_size(sql)
+    engine = _engine()
+    engine.start()  # it imports DuckDB while the rows come
     ask = max(max_rows or 0, TABLE_ROWS)
     tables: Dict[str, Any] = {}
     cut: List[str] = []
@@ -102,7 +107,6 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
         if rows.truncated:
             cut.append(name)
         tables[name] = to_arrow(rows.columns, [_revive(rows.columns, r) for r in rows.rows])
-    engine, kept = _engine_for(tables)
     named = state["named"]
     state["engine"] = engine
     if query_id is not None:
@@ -110,21 +114,25 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
     if state["stop"] or (query_id is not None and query_id in client._stopped_early):
         engine.interrupt(named)  # its interrupt came first: it stops as it starts
     limit = min(TIMEOUT_S if timeout is None else timeout, TIMEOUT_CEILING_S)
-    _current.tables = tables
+    _current.source = tables.get
     try:
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
-                              timeout=limit, query_id=named)
+                              timeout=limit, query_id=named, tables=tables)
     except Timeout:
         raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
                       "over the rows the agent sent)" % limit,
                       hint="narrow the query, or raise the limit with --query-timeout (up to %g s)"
                       % TIMEOUT_CEILING_S) from None
+    except TooLarge as exc:
+        if not exc.message.startswith("the query needed more memory"):
+            raise  # the result's bound in bytes, or a value refused before it is built: not about --max-memory
+        raise TooLarge("%s (it ran in the probe client, over the rows the agent sent)" % exc.message,
+                       hint="select fewer or smaller values, or give the client more with --max-memory (now %s)"
+                       % _size(MAX_MEMORY)) from None
     finally:
-        _current.tables = None
+        _current.source = None
         if query_id is not None:
             client._local_queries.pop(query_id, None)
-        if not kept:
-            engine.close()
     if cut:
         client.note = ("run here over the rows the agent sent, and it sent the first %s rows of %s only: the "
                        "result may be incomplete (PROBE_SQL_IN_AGENT=1 where the target starts runs SQL there, "
@@ -143,29 +151,38 @@ class _Stopped:
 _STOPPED = _Stopped()
 
 
-def _current_table(name: str) -> Any:
-    return (getattr(_current, "tables", None) or {}).get(name)
+def _current_source(name: str) -> Any:
+    """The table ``name`` of the query this thread runs (given with it, or from its own source)."""
+    source = getattr(_current, "source", None)
+    return source(name) if source is not None else None
 
 
-def _engine_for(tables: Dict[str, Any]) -> Tuple[Any, bool]:
-    """(an engine for a query over ``tables``, whether it is kept): one kept already whose views have
-    these tables' columns, else a new one, kept while fewer than ``_KEPT`` are."""
-    from probe.engine import Engine
+def set_max_memory(size: int) -> None:
+    """What SQL run here may take (``probe T query --max-memory``): the worker's ceiling, DuckDB's own limit
+    half of it. An engine kept with another ceiling is closed; the next query starts one with this."""
+    global MAX_MEMORY
+    with _kept_lock:
+        MAX_MEMORY = int(size)
+        engines, _kept[:] = list(_kept), []
+    for engine in engines:
+        engine.close()
+
+
+def _engine() -> Any:
+    """The engine every query run here uses: DuckDB in a worker process under ``MAX_MEMORY``
+    (``probe.engine.isolated``), kept for the next queries (starting one costs 0.3-1 s)."""
+    from probe.engine.isolated import IsolatedEngine
 
     with _kept_lock:
-        for engine in _kept:
-            if engine.adopt(tables):
-                return engine, True
-        engine = Engine(_current_table, max_rows=MAX_ROWS_CEILING, timeout=TIMEOUT_CEILING_S)
-        engine.adopt(tables)  # its views made now, before another thread can make them of other columns
-        if len(_kept) >= _KEPT:
-            return engine, False
         if not _kept:
             import atexit
 
-            atexit.register(_close_kept)
-        _kept.append(engine)
-        return engine, True
+            if not _exit_hook:
+                atexit.register(_close_kept)
+                _exit_hook.append(True)
+            _kept.append(IsolatedEngine(_current_source, max_rows=MAX_ROWS_CEILING, timeout=TIMEOUT_CEILING_S,
+                                        memory_limit="%dMiB" % max(1, MAX_MEMORY >> 21), max_memory=MAX_MEMORY))
+        return _kept[0]
 
 
 def _close_kept() -> None:
@@ -237,7 +254,6 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
     for a live process on this host or a core file ``python.locals``, read from outside when a query names it
     (``probe.reader.locals_source``); any other table needs the agent, and the error says why it cannot
     answer."""
-    from probe.engine import Engine
     from probe.errors import AgentBlocked, ProcessDead, ReaderError
     from probe.tables.arrow import to_arrow
     from probe.tables.python_backtrace import COLUMNS
@@ -266,11 +282,7 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
         raise cls("%s needs the agent, and %s" % (name, reason[0].lower() + reason[1:]),
                   hint="%s read from outside the process" % what + ("; %s" % how if how else ""))
 
-    engine = Engine(fetch)
-    try:
-        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
-    finally:
-        engine.close()
+    result = run_here(sql, fetch, max_rows, timeout)
     return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false",
                                                  "probe.source": stacks.source})
 
@@ -300,7 +312,6 @@ def names_members(sql: str) -> bool:
 def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
     """SQL over a job's member list (``cluster.ranks``, as the host helpers report it), run here: the
     list is the helpers', not any rank's, so a query over it reaches no rank."""
-    from probe.engine import Engine
     from probe.errors import UsageError
 
     def fetch(name: str) -> Any:
@@ -311,12 +322,21 @@ def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Opt
                          hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
                               "with --merge 'SELECT ... FROM result'")
 
-    engine = Engine(fetch)
+    return run_here(sql, fetch, max_rows, timeout).table
+
+
+def run_here(sql: str, source: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
+    """``sql`` in this process's engine (its worker), over the tables ``source`` gives."""
+    _current.source = source
     try:
-        result = engine.query(sql, max_rows=max_rows, timeout=timeout)
+        return _engine().query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
+                               timeout=min(TIMEOUT_S if timeout is None else timeout, TIMEOUT_CEILING_S))
     finally:
-        engine.close()
-    return result.table
+        _current.source = None
+
+
+def _size(size: int) -> str:
+    return "%.0f MiB" % (size / (1 << 20)) if size < (1 << 30) else "%.3g GiB" % (size / (1 << 30))
 
 
 def rows_of(table: Any) -> Rows:

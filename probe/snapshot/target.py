@@ -329,8 +329,7 @@ class RecordClient:
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
               native: bool = False, query_id: Optional[str] = None) -> Any:
         """SQL over the recorded tables, in probe's locked-down engine (as for an agent without DuckDB)."""
-        from probe.client.local_sql import _revive
-        from probe.engine import Engine
+        from probe.client.local_sql import _revive, run_here
         from probe.tables.arrow import to_arrow
 
         if native:
@@ -354,11 +353,7 @@ class RecordClient:
             return self._union(name, one, left_out)
 
 
-        engine = Engine(fetch)
-        try:
-            result = engine.query(sql, max_rows=max_rows, timeout=timeout)
-        finally:
-            engine.close()
+        result = run_here(sql, fetch, max_rows, timeout)  # in the client's SQL worker, under its memory ceiling
         if left_out:
             self.note = "not in the record of %s" % "; ".join(left_out)
         return result.table.replace_schema_metadata({"probe.truncated": "true" if result.truncated else "false"})

@@ -29,13 +29,17 @@ def _command() -> Any:
                   help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
     @click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
     @click.option("--query-timeout", type=Seconds(0.001), help="Seconds the query may run in the agent.")
+    @click.option("--max-memory", metavar="SIZE", callback=lambda ctx, param, value: _click_size(value),
+                  help="Memory the query may take where it runs here, over the rows the agent sent (DuckDB in a "
+                       "worker process, its address space bounded by the kernel): 512MB, 2GiB... Default 1GiB.")
     @click.option("--native", is_flag=True,
                   help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
     @click.option("--merge", metavar="SQL",
                   help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`.")
     @pass_cli
     def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: bool, output: Optional[str],
-              max_rows: Optional[int], query_timeout: Optional[float], native: bool, merge: Optional[str] = None) -> None:
+              max_rows: Optional[int], query_timeout: Optional[float], max_memory: Optional[int], native: bool,
+              merge: Optional[str] = None) -> None:
         """Run one SELECT statement. Tables: see `probe TARGET tables`.
 
         \b
@@ -46,9 +50,35 @@ def _command() -> Any:
         On a terminal the table is fitted to its width, the widest columns cut first (a cut cell ends
         in "…"); -x prints one column per line with every value whole; --wide cuts nothing.
         """
-        run(cli, sql, fmt, vertical, wide, output, max_rows, query_timeout, native, merge)
+        run(cli, sql, fmt, vertical, wide, output, max_rows, query_timeout, native, merge, max_memory)
 
     return query
+
+
+MIN_MEMORY = 64 << 20
+"""The least ``--max-memory`` takes: DuckDB and pyarrow need some tens of MB before a query's own."""
+
+
+def memory_size(text: str) -> int:
+    """``--max-memory``'s value in bytes (``512MB``, ``2GiB``, a plain number of bytes); ValueError if it is
+    no size, or less than ``MIN_MEMORY``, or past 1 TiB."""
+    from probe.engine.memory import parse_size
+
+    size = parse_size(text)
+    if size is None or not MIN_MEMORY <= size <= 1 << 40:
+        raise ValueError(text)
+    return size
+
+
+def _click_size(value: Optional[str]) -> Optional[int]:
+    import click
+
+    if value is None:
+        return None
+    try:
+        return memory_size(value)
+    except ValueError:
+        raise click.BadParameter("%r is not a size from 64MiB to 1TiB (512MB, 2GiB, ...)" % value) from None
 
 
 __getattr__ = made_on_first_use("query", _command)
@@ -56,8 +86,12 @@ __getattr__ = made_on_first_use("query", _command)
 
 def run(cli: CliContext, sql: str, fmt: Optional[str] = None, vertical: bool = False, wide: bool = False,
         output: Optional[str] = None, max_rows: Optional[int] = None, query_timeout: Optional[float] = None,
-        native: bool = False, merge: Optional[str] = None) -> None:
+        native: bool = False, merge: Optional[str] = None, max_memory: Optional[int] = None) -> None:
     """The command (``probe.cli.fast`` calls it without click)."""
+    if max_memory is not None:
+        from probe.client.local_sql import set_max_memory
+
+        set_max_memory(max_memory)
     file_fmt = file_format(output) if output else None
     _refuse_conflicts(fmt, file_fmt, output, vertical, wide)
     if output:
