@@ -285,6 +285,9 @@ def forget(host: str, pid: Optional[int], rank: int) -> None:
 
     memory.forget((host, pid, rank))
     training.forget((host, pid))
+    from probe.diagnose import numerics
+
+    numerics.forget((host, pid))
 
 
 def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,
