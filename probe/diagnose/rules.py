@@ -326,7 +326,10 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         if straggler is not None:
             verdicts.append(straggler)
         else:  # without the trace: ranks whose own steps are slower, where no collective keeps them in step
-            verdicts += steps.slow_steps(last, answering, who, command)
+            from probe.diagnose import straggler as sampled
+
+            verdicts += steps.slow_steps(last, answering, who, command) or sampled.judge(first, last, answering, who,
+                                                                                         command)
 
     # Data loader stall, NaN/Inf, memory growth (and the OOM killer on a dead rank's verdict).
     from probe.diagnose import memory, training

@@ -125,6 +125,9 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
         from probe.diagnose import numerics
 
         numerics.gather(client, ev, query, out)  # without the opt-in check: the parameters, once a diagnosis
+        from probe.diagnose import straggler
+
+        straggler.gather(client, ev, query, out)  # where the main thread spends a step: more samples of its stack
     ev.training = out
 
 
