@@ -87,3 +87,42 @@ def test_a_mismatch_with_the_flight_recorder_off_is_named_from_the_stacks(jobs):
     verdict = _verdict(jobs["off"])
     assert (verdict["kind"], verdict["culprits"]) == ("collective_mismatch", [0, 1]), verdict
 
+
+
+def test_rules_sizes_or_dtypes_that_differ_under_one_op_are_a_mismatch_where_the_op_demands_them_equal():
+    """On the recorder's rows alone (3 ranks): the odd rank out is the culprit, the others wait; an earlier
+    number that differs is found though later ones agree; all_to_all's uneven inputs are no mismatch."""
+    from test_diagnose import _cmd, _in_all_reduce, _rank, _sample
+
+    from probe.diagnose.rules import judge
+
+    def fr(lines, done=False):
+        recent = "\n".join("\t".join(map(str, line)) for line in lines)
+        last = lines[-1]
+        return [{"pg": "0", "pg_desc": "default_pg", "last_seq": last[0], "last_op": last[1], "last_done": done,
+                 "last_age": 9.0, "period": 0.05, "recent": recent}]
+
+    ok = (11, "gloo:all_reduce", "[[3]]", '["Float"]')
+    odd = (12, "gloo:all_reduce", "[[4]]", '["Float"]')
+    even = (12, "gloo:all_reduce", "[[3]]", '["Float"]')
+    ranks = [_rank(0, _in_all_reduce(), 1.0, fr([ok, even])), _rank(1, _in_all_reduce(), 1.0, fr([ok, odd])),
+             _rank(2, _in_all_reduce(), 1.0, fr([ok, even]))]
+    report = judge(_sample(ranks, 0.0), _sample(ranks, 5.0), _cmd)
+    verdict = report.verdicts[0]
+    assert (verdict.kind, verdict.culprits, verdict.victims, report.status) == ("collective_mismatch", [1], [0, 2],
+                                                                                "stuck"), verdict
+    assert "at #12: ranks 0,2 gloo:all_reduce (sizes [[3]]" in verdict.summary and "rank 1 gloo:all_reduce (sizes [[4]]" \
+        in verdict.summary and "input sizes differ" in verdict.evidence[0].text, verdict.summary
+
+    dtype = (12, "gloo:all_reduce", "[[3]]", '["Double"]')
+    later = (13, "gloo:barrier", "[]", "[]")
+    ranks = [_rank(0, _in_all_reduce(), 1.0, fr([ok, even, later], True)),
+             _rank(1, _in_all_reduce(), 1.0, fr([ok, dtype, later], True))]
+    verdict = judge(_sample(ranks, 0.0), _sample(ranks, 5.0), _cmd).verdicts[0]
+    assert verdict.kind == "collective_mismatch" and verdict.status == "degraded" and "#12" in verdict.summary
+    assert "input dtypes differ" in verdict.evidence[0].text and verdict.culprits == [0, 1], verdict
+
+    uneven = [(12, "gloo:all_to_all", "[[3]]", '["Float"]'), (12, "gloo:all_to_all", "[[5]]", '["Float"]')]
+    ranks = [_rank(0, _in_all_reduce(), 1.0, fr([ok, uneven[0]], True)),
+             _rank(1, _in_all_reduce(), 1.0, fr([ok, uneven[1]], True))]
+    assert all(v.kind != "collective_mismatch" for v in judge(_sample(ranks, 0.0), _sample(ranks, 5.0), _cmd).verdicts)
