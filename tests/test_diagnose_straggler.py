@@ -45,3 +45,14 @@ def test_a_rank_slow_in_its_own_data_loading_is_the_straggler_with_and_without_t
     assert "rank 0 did not" not in traced.out, traced.out
     job["control"].write_text("")
     _expect(master, HEALTHY, "healthy: steps advance on ranks 0-1")
+
+
+@needs_torchrun
+def test_a_rank_reading_slowly_in_a_generator_is_the_straggler_where_the_others_wait_in_an_all_reduce():
+    """Another shape: no DDP, the gradients all_reduced from Python (the others wait in a collective), the
+    batches from a generator, the slow rank slow from the start (tests/targets/dist_sleepy_reader.py)."""
+    with torchrun_job("dist_sleepy_reader.py", 2, timeout=180, SLOW_RANK="1") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        result = _expect(master, DEGRADED, "straggler: rank 1 holds up rank 0", "mostly read_records (",
+                         "waited in a collective (rank 0 ")
+        assert "where: " in result.out and "read_records" in result.out.split("evidence:")[0], result.out

@@ -6,7 +6,8 @@ modules are slow. A rank slow in its own data loading, its optimizer or any code
 where the ranks' main threads are, sampled: the ranks that wait are inside a torch.distributed collective
 most of the time, the straggler is mostly elsewhere, and where it is names the cause.
 
-* :func:`gather`, at each look of a rank that is stepping (its optimizer stepped in the last 2 s):
+* :func:`gather`, at each look of a rank that is stepping (its optimizer stepped in the last 2 s; without an
+  optimizer counted, a traced span or a recorded collective in the last 2 s):
   ``SAMPLES`` more stacks of the main thread, ``GAP_S`` apart (one ``/v1/backtrace`` each: the agent reads
   the stacks, a few ms of the GIL), kept as ``training["main_samples"]``;
 * :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass,
@@ -52,9 +53,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     from probe.diagnose.progress import counter
     from probe.errors import ProbeError
 
-    main = counter(ev)
-    age = main.get("last_age") if main is not None else None
-    if not isinstance(age, (int, float)) or age > STEPPING_S:
+    if not _moving(ev, counter(ev)):
         return
     samples: List[List[List[Any]]] = []
     for _ in range(SAMPLES):
@@ -74,6 +73,16 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
             out["phases"] = rows[0] if rows else None
         except ProbeError as exc:
             out["phases_why"] = exc.message
+
+
+def _moving(ev: Any, main: Optional[Dict[str, Any]]) -> bool:
+    """Whether the rank made progress in the last ``STEPPING_S``: an optimizer step, else (no optimizer
+    counted) a traced span or a collective issued."""
+    if main is not None:
+        age = main.get("last_age")
+        return isinstance(age, (int, float)) and age <= STEPPING_S
+    ages = [(ev.trace or {}).get("last_age")] + [row.get("last_age") for row in ev.fr or ()]
+    return any(isinstance(a, (int, float)) and a <= STEPPING_S for a in ages)
 
 
 def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
