@@ -122,7 +122,9 @@ def test_rules_sizes_or_dtypes_that_differ_under_one_op_are_a_mismatch_where_the
     assert verdict.kind == "collective_mismatch" and verdict.status == "degraded" and "#12" in verdict.summary
     assert "input dtypes differ" in verdict.evidence[0].text and verdict.culprits == [0, 1], verdict
 
-    uneven = [(12, "gloo:all_to_all", "[[3]]", '["Float"]'), (12, "gloo:all_to_all", "[[5]]", '["Float"]')]
-    ranks = [_rank(0, _in_all_reduce(), 1.0, fr([ok, uneven[0]], True)),
-             _rank(1, _in_all_reduce(), 1.0, fr([ok, uneven[1]], True))]
-    assert all(v.kind != "collective_mismatch" for v in judge(_sample(ranks, 0.0), _sample(ranks, 5.0), _cmd).verdicts)
+    for uneven in ([(12, "gloo:all_to_all", "[[3]]", '["Float"]'), (12, "gloo:all_to_all", "[[5]]", '["Float"]')],
+                   [(12, "gloo:scatter", "[[2], [2]]", '["Float", "Float"]'), (12, "gloo:scatter", "[]", "[]")]):
+        ranks = [_rank(0, _in_all_reduce(), 1.0, fr([ok, uneven[0]], True)),
+                 _rank(1, _in_all_reduce(), 1.0, fr([ok, uneven[1]], True))]
+        verdicts = judge(_sample(ranks, 0.0), _sample(ranks, 5.0), _cmd).verdicts
+        assert all(v.kind != "collective_mismatch" for v in verdicts), uneven

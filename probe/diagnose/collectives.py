@@ -25,9 +25,10 @@ RECENT = 8
 """Collectives of each group kept per rank and look for the comparison (the newest)."""
 
 SAME_SIZES = ("all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced", "broadcast", "reduce",
-              "all_gather", "allgather", "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
+              "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
               "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
-"""Ops whose input shapes are the same on every rank (an all_to_all's or a scatter's need not be)."""
+"""Ops whose input shapes are the same on every rank (an all_to_all's, a scatter's or a list all_gather's, which
+may be uneven, need not be)."""
 
 Entry = Tuple[str, str, str]  # (op, input sizes as JSON, input dtypes as JSON)
 Who = Callable[[Sequence[int]], str]
@@ -66,9 +67,9 @@ def _differ(a: Entry, b: Entry) -> Optional[str]:
     """What differs between two ranks' entries of one number: 'op', 'sizes', 'dtypes', or None."""
     if a[0] != b[0]:
         return "op"
-    if a[2] and b[2] and _plain(a[2]) and _plain(b[2]) and _plain(a[2]) != _plain(b[2]):
+    if _shown(a[2]) and _shown(b[2]) and _plain(a[2]) != _plain(b[2]):  # none on one side (a scatter's non-root)
         return "dtypes"
-    if _short_op(a[0]) in SAME_SIZES and a[1] and b[1] and _plain(a[1]) != _plain(b[1]):
+    if _short_op(a[0]) in SAME_SIZES and _shown(a[1]) and _shown(b[1]) and _plain(a[1]) != _plain(b[1]):
         return "sizes"
     return None
 
