@@ -28,15 +28,22 @@ THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_
 """Each thread's CPU seconds: a thread blocked for good gains none, one that runs gains some."""
 
 FR_SQL = """\
+WITH e AS (SELECT *, max(collective_seq_id) OVER (PARTITION BY pg) AS top_seq FROM torch.flight_recorder
+  WHERE NOT coalesce(is_p2p, false) AND collective_seq_id IS NOT NULL)
 SELECT pg, any_value(pg_desc) AS pg_desc, max(collective_seq_id) AS last_seq,
   arg_max(op, collective_seq_id) AS last_op,
   arg_max(coalesce(retired, false) OR state = 'completed', collective_seq_id) AS last_done,
   epoch(now()) - epoch(arg_max(time_created, collective_seq_id)) AS last_age,
   (epoch(max(time_created)) - epoch(min(time_created))) / greatest(count(*) - 1, 1) AS period,
-  arg_max(call_site, collective_seq_id) AS call_site, count(*) AS entries
-FROM torch.flight_recorder WHERE NOT coalesce(is_p2p, false) AND collective_seq_id IS NOT NULL GROUP BY pg"""
+  arg_max(call_site, collective_seq_id) AS call_site, count(*) AS entries,
+  arg_max(input_sizes, collective_seq_id) AS last_sizes, arg_max(input_dtypes, collective_seq_id) AS last_dtypes,
+  string_agg(CASE WHEN collective_seq_id > top_seq - 8 THEN concat_ws(chr(9), collective_seq_id, coalesce(op, ''),
+    coalesce(input_sizes, ''), coalesce(input_dtypes, '')) END, chr(10) ORDER BY collective_seq_id) AS recent
+FROM e GROUP BY pg"""
 """One row per process group of the Flight Recorder: its last collective (number, op, whether done, how
-long ago it was issued) and the mean interval between its recorded collectives."""
+long ago it was issued, its input sizes and dtypes), the mean interval between its recorded collectives,
+and its last 8 collectives as ``seq<TAB>op<TAB>sizes<TAB>dtypes`` lines (``probe.diagnose.collectives``
+compares them across ranks)."""
 
 TRACE_SQL = """\
 SELECT max(step) AS step, epoch(now()) - epoch(max(time)) AS last_age, count(*) AS entries,
@@ -278,6 +285,9 @@ def forget(host: str, pid: Optional[int], rank: int) -> None:
 
     memory.forget((host, pid, rank))
     training.forget((host, pid))
+    from probe.diagnose import numerics
+
+    numerics.forget((host, pid))
 
 
 def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,

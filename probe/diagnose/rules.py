@@ -286,7 +286,10 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     # 3. Collective hang: Flight Recorder first, else stacks; only where every rank answers (otherwise the
     # ranks that cannot answer are the reason, and their verdicts name the waiting ones).
     if not silent and len(answering) >= 2:
-        hang = _fr_hang(first, last, answering, who, command) or _stack_hang(
+        from probe.diagnose.collectives import mismatch
+
+        hang = mismatch(first, last, answering, who, command) or _fr_hang(first, last, answering, who, command) or \
+            _stack_hang(
             last, answering, in_collective, window, who, command)
         if hang is not None:
             verdicts.append(hang)
@@ -323,7 +326,10 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         if straggler is not None:
             verdicts.append(straggler)
         else:  # without the trace: ranks whose own steps are slower, where no collective keeps them in step
-            verdicts += steps.slow_steps(last, answering, who, command)
+            from probe.diagnose import straggler as sampled
+
+            verdicts += steps.slow_steps(last, answering, who, command) or sampled.judge(first, last, answering, who,
+                                                                                         command)
 
     # Data loader stall, NaN/Inf, memory growth (and the OOM killer on a dead rank's verdict).
     from probe.diagnose import memory, training
@@ -524,7 +530,8 @@ def _stack_hang(last: Sample, answering: List[int], in_collective: Dict[int, Any
                 Evidence("%s: %s, outside %s" % (who(outside), where_text(where), op), command(outside, "backtrace"),
                          outside),
                 Evidence("the Flight Recorder is off: the collective's number is not known "
-                         "(TORCH_FR_BUFFER_SIZE=2000 at the job's start records it)", None, [])]
+                         "(TORCH_FR_BUFFER_SIZE=2000 at the job's start records it)", None, [])][
+                    :3 if any(last.ranks[r].fr_why for r in answering) else 2]
     return Verdict("collective_hang", "stuck", summary, outside, waiting, where, evidence, _hang_next(outside, command))
 
 

@@ -122,6 +122,12 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                 except ProbeError as exc:
                     _PARAMS_DONE[key] = {"params_why": exc.message}
             out.update(_PARAMS_DONE[key])
+        from probe.diagnose import numerics
+
+        numerics.gather(client, ev, query, out)  # without the opt-in check: the parameters, once a diagnosis
+        from probe.diagnose import straggler
+
+        straggler.gather(client, ev, query, out)  # where the main thread spends a step: more samples of its stack
     ev.training = out
 
 
@@ -146,6 +152,10 @@ def judge(first: Any, last: Any, answering: List[int], progress: Dict[int, Dict[
     numerical = _numerical(last, answering, who, command)
     if numerical is not None:
         out.append(numerical)
+    else:
+        from probe.diagnose import numerics
+
+        out += numerics.judge(last, answering, who, command)
     return out
 
 
@@ -282,4 +292,7 @@ def unavailable(last: Any, answering: List[int], who: Callable[[Sequence[int]], 
         why = (getattr(last.ranks[r], "training", None) or {}).get("anomalies_why")
         if why:
             reasons.setdefault(why, []).append(r)
-    return ["NaN/Inf check: %s on %s" % (why, who(rs)) for why, rs in sorted(reasons.items())]
+    from probe.diagnose import numerics
+
+    return ["NaN/Inf check: %s on %s" % (why, who(rs)) for why, rs in sorted(reasons.items())] + numerics.unavailable(
+        last, answering, who)

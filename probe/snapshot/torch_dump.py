@@ -220,13 +220,15 @@ def _rows(entries: List[Dict[str, Any]]) -> Tuple[List[Tuple[Any, ...]], int]:
 
 def fr_summary(rows_by_rank: Dict[int, List[Dict[str, Any]]], dumped_at: Dict[int, float]) -> Dict[int, List[Dict[str, Any]]]:
     """Per rank, one row per process group, as ``diagnose`` reads the live recorder (evidence.FR_SQL):
-    the group's last collective (number, op, done or not, seconds from its issue to the dump) and the
-    mean interval between its collectives.
+    the group's last collective (number, op, done or not, seconds from its issue to the dump, its input
+    sizes and dtypes), the mean interval between its collectives and its last few (``recent``).
 
     Done: the backend's events say completed (nccl). gloo gives the recorder no events and retires an
     entry whether its work finished or failed (a timeout): there a retired entry is done only where
     every dumped rank of its group issued that collective too, since a collective that a member never
     issued cannot have finished."""
+    from probe.diagnose.collectives import recent_text
+
     groups: Dict[int, Dict[str, List[Dict[str, Any]]]] = {}
     for rank, rows in rows_by_rank.items():
         for row in rows:
@@ -255,7 +257,8 @@ def fr_summary(rows_by_rank: Dict[int, List[Dict[str, Any]]], dumped_at: Dict[in
             out.setdefault(rank, []).append({
                 "pg": pg, "pg_desc": last.get("pg_desc"), "last_seq": seq, "last_op": last.get("op"),
                 "last_done": done, "last_age": age, "period": period, "call_site": last.get("call_site"),
-                "entries": len(rows)})
+                "entries": len(rows), "last_sizes": last.get("input_sizes"), "last_dtypes": last.get("input_dtypes"),
+                "recent": recent_text(rows)})
     return out
 
 

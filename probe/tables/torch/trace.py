@@ -45,9 +45,11 @@ COLUMNS = (
     Column("time_offset", "DOUBLE", "Seconds from the step's beginning (the previous optimizer step's end) to the "
                                     "span's beginning."),
     Column("allocated", "DOUBLE", "MB at the span's end: CUDA caching allocator's allocated bytes; on a CPU-only "
-                                  "process, the process's resident set size (RSS): spans that end within 1-100 ms of a "
-                                  "reading share it (2000 x what a reading takes); once an optimizer has stepped, "
-                                  "a step's spans share the reading taken as the step began."),
+                                  "process, the process's resident set size (RSS). Once an optimizer has stepped, a "
+                                  "step's spans share the reading taken as the step began: a fresh one every step "
+                                  "where a reading costs under 0.1 % of the step, else one kept for 1000 x what a "
+                                  "reading takes (30-60 us on a busy VM: 30-60 ms), never more than 250 ms old; "
+                                  "before that, spans within 1-250 ms of a reading (5000 x its cost) share it."),
     Column("max_allocated", "DOUBLE", "MB: CUDA peak allocated bytes; on CPU, the highest RSS this trace has seen."),
     Column("cached", "DOUBLE", "MB reserved by the CUDA caching allocator; NULL on a CPU-only process."),
     Column("max_cached", "DOUBLE", "MB: CUDA peak reserved bytes; NULL on a CPU-only process."),

@@ -1,0 +1,253 @@
+"""A mismatched collective: ranks that issued different collectives under the same number of one process
+group (rank 1 ``broadcast`` where the others ``all_reduce``), or the same op with different sizes or dtypes.
+
+Such ranks all wait, each in its own collective, and none is behind another: the Flight Recorder's
+numbers are equal and the stacks show every rank inside torch.distributed, so neither "a rank did not
+issue #N" nor "a rank did not enter it" is true. What is:
+
+* from the Flight Recorder (live, a probe snapshot, or torch's own dumps): per group, each rank's last
+  ``RECENT`` collectives (number, op, input sizes and dtypes; ``FR_SQL``'s ``recent``), compared number by
+  number across ranks; the first number whose op differs, or whose sizes (for the ops whose every rank
+  gives the same shapes) or dtypes differ, is the mismatch;
+* with the recorder off, from the stacks: every rank's main thread stayed in a torch.distributed
+  collective over the whole look, and not all in the same one.
+
+The ranks whose op is the odd one out are named as the culprits, the others as waiting; where the sides
+are as many (two ranks), both are named, since nothing recorded says which side's code is wrong.
+"""
+
+import json
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["RECENT", "recent_text", "parse_recent", "mismatch"]
+
+RECENT = 8
+"""Collectives of each group kept per rank and look for the comparison (the newest)."""
+
+SAME_SIZES = ("all_reduce", "allreduce", "all_reduce_coalesced", "allreduce_coalesced", "broadcast", "reduce",
+              "_allgather_base", "all_gather_into_tensor", "allgather_into_tensor_coalesced",
+              "reduce_scatter_tensor", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced")
+"""Ops whose input shapes are the same on every rank (an all_to_all's, a scatter's or a list all_gather's, which
+may be uneven, need not be)."""
+
+Entry = Tuple[str, str, str]  # (op, input sizes as JSON, input dtypes as JSON)
+Who = Callable[[Sequence[int]], str]
+
+
+def recent_text(rows: Sequence[Dict[str, Any]]) -> str:
+    """The ``recent`` field from rows of ``torch.flight_recorder`` (a dump's): one line a collective,
+    ``seq<TAB>op<TAB>sizes<TAB>dtypes``, the newest ``RECENT``, as ``FR_SQL`` writes it live."""
+    kept = sorted((r for r in rows if r.get("collective_seq_id") is not None), key=lambda r: int(r["collective_seq_id"]))
+    return "\n".join("\t".join((str(int(r["collective_seq_id"])), str(r.get("op") or ""), str(r.get("input_sizes") or ""),
+                                str(r.get("input_dtypes") or ""))) for r in kept[-RECENT:])
+
+
+def parse_recent(row: Dict[str, Any]) -> Dict[int, Entry]:
+    """seq -> (op, sizes, dtypes) from one group's row of the evidence; what cannot be read is left out
+    (the text came from the target). The last collective's own fields fill in where ``recent`` is absent."""
+    out: Dict[int, Entry] = {}
+    text = row.get("recent")
+    for line in str(text).splitlines()[-4 * RECENT:] if isinstance(text, str) else ():
+        parts = line.split("\t")
+        if len(parts) != 4 or not parts[0].isdigit() or len(parts[0]) > 18:
+            continue
+        out[int(parts[0])] = (parts[1][:200], parts[2][:400], parts[3][:400])
+    last = row.get("last_seq")
+    if isinstance(last, int) and last not in out and row.get("last_op"):
+        out[last] = (str(row["last_op"])[:200], str(row.get("last_sizes") or "")[:400],
+                     str(row.get("last_dtypes") or "")[:400])
+    return out
+
+
+def _short_op(op: str) -> str:
+    return op.split(":", 1)[-1]
+
+
+def _differ(a: Entry, b: Entry) -> Optional[str]:
+    """What differs between two ranks' entries of one number: 'op', 'sizes', 'dtypes', or None."""
+    if a[0] != b[0]:
+        return "op"
+    if _shown(a[2]) and _shown(b[2]) and _plain(a[2]) != _plain(b[2]):  # none on one side (a scatter's non-root)
+        return "dtypes"
+    if _short_op(a[0]) in SAME_SIZES and _shown(a[1]) and _shown(b[1]) and _plain(a[1]) != _plain(b[1]):
+        return "sizes"
+    return None
+
+
+def _plain(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+    return json.dumps(value)
+
+
+def _described(entry: Entry) -> str:
+    op, sizes, dtypes = entry
+    shapes = _shown(sizes)
+    kinds = _shown(dtypes)
+    return "%s%s" % (op, " (sizes %s, dtypes %s)" % (shapes, kinds) if shapes or kinds else "")
+
+
+def _shown(text: str) -> str:
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        return text[:80]
+    if value in ([], None, ""):
+        return ""
+    return json.dumps(value, separators=(",", ":"))[:80]
+
+
+def mismatch(first: Any, last: Any, answering: List[int], who: Who, command: Any) -> Optional[Any]:
+    """The mismatch verdict, from the Flight Recorder where it has the ranks' entries, else from the stacks."""
+    if len(answering) < 2:
+        return None
+    return _from_recorder(last, answering, who, command) or _from_stacks(first, last, answering, who, command)
+
+
+def _sides(entries: Dict[int, Entry], what: str) -> List[Tuple[Entry, List[int]]]:
+    """The ranks grouped by what they issued, the largest group first (ties: the lowest rank first)."""
+    groups: Dict[Any, Tuple[Entry, List[int]]] = {}
+    for rank, entry in sorted(entries.items()):
+        key = entry[0] if what == "op" else (entry[0], _plain(entry[1]) if what == "sizes" else "",
+                                             _plain(entry[2]) if what == "dtypes" else "")
+        groups.setdefault(key, (entry, []))[1].append(rank)
+    return sorted(groups.values(), key=lambda g: (-len(g[1]), g[1][0]))
+
+
+def _from_recorder(last: Any, answering: List[int], who: Who, command: Any) -> Optional[Any]:
+    from probe.diagnose.rules import _fr_by_pg
+
+    by_pg: Dict[str, Dict[int, Dict[int, Entry]]] = {}
+    rows: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    for r in answering:
+        for pg, row in _fr_by_pg(last.ranks[r]).items():
+            parsed = parse_recent(row)
+            if parsed:
+                by_pg.setdefault(pg, {})[r] = parsed
+                rows.setdefault(pg, {})[r] = row
+    for pg, ranks in sorted(by_pg.items()):
+        if len(ranks) < 2:
+            continue
+        seqs = sorted(set().union(*(set(e) for e in ranks.values())))
+        for seq in seqs:
+            entries = {r: e[seq] for r, e in ranks.items() if seq in e}
+            if len(entries) < 2:
+                continue
+            base = next(iter(entries.values()))
+            what = next((d for d in (_differ(base, e) for e in entries.values()) if d), None)
+            if what is None:
+                continue
+            return _verdict(last, pg, seq, what, entries, rows[pg], who, command)
+    return None
+
+
+def _verdict(last: Any, pg: str, seq: int, what: str, entries: Dict[int, Entry], rows: Dict[int, Dict[str, Any]],
+             who: Who, command: Any) -> Any:
+    from probe.diagnose.rules import Evidence, Verdict
+
+    sides = _sides(entries, what)
+    if len(sides[0][1]) > len(sides[1][1]):
+        culprits = sorted(r for _, rs in sides[1:] for r in rs)
+        victims = sorted(sides[0][1])
+    else:  # as many on each side: nothing recorded says which side's code is wrong
+        culprits, victims = sorted(entries), []
+    desc = rows[min(rows)].get("pg_desc")
+    group = "process group %s%s" % (pg, " (%s)" % desc if desc else "")
+    word = {"op": "ops", "sizes": "input sizes", "dtypes": "input dtypes"}[what]
+    said = "; ".join("%s %s" % (who(rs), _described(e) if what != "op" else e[0]) for e, rs in sides)
+    pending = [r for r, row in rows.items() if row.get("last_seq") == seq and not row.get("last_done")]
+    stuck = bool(pending) and len(pending) == len(entries)
+    summary = "collective mismatch in %s at #%d: %s%s" % (
+        group, seq, said, "; each waits in its own" if stuck else "")
+    if not victims:
+        summary += " (which side is wrong is not recorded: each runs a different code path here)"
+    where = None
+    evidence = [Evidence("Flight Recorder, group %s, collective #%d: the %s differ: %s" % (
+        pg, seq, word, "; ".join("%s %s" % (who(rs), _described(e)) for e, rs in sides)),
+        command(None, "query \"SELECT pg, collective_seq_id, op, input_sizes, input_dtypes, state, retired FROM "
+                      "torch.flight_recorder WHERE collective_seq_id = %d\"" % seq), sorted(entries),
+        [dict(rank=r, pg=pg, collective_seq_id=seq, op=e[0], input_sizes=e[1], input_dtypes=e[2])
+         for r, e in sorted(entries.items())])]
+    for entry, rs in sides:
+        line = _line(last, rs[0], rows.get(rs[0]))
+        if where is None and rs[0] in culprits and line[0] is not None:
+            where = line[0]
+        evidence.append(Evidence("%s issued %s #%d at %s" % (who(rs), _short_op(entry[0]), seq, line[1]),
+                                 command(rs, "backtrace"), rs))
+    nexts = ["make every rank issue the same collectives in the same order, with the same shapes and dtypes: "
+             "look for a rank-dependent branch around these lines", _stacks_next(culprits, who, command)]
+    return Verdict("collective_mismatch", "stuck" if stuck else "degraded", summary, culprits, victims, where,
+                   evidence, nexts)
+
+
+def _stacks_next(culprits: List[int], who: Who, command: Any) -> str:
+    return "how %s got there, with the C frames: %s" % (who(culprits), command(culprits, "backtrace --native"))
+
+
+def _line(last: Any, rank: int, row: Optional[Dict[str, Any]]) -> Tuple[Optional[Dict[str, Any]], str]:
+    """Where a rank issued its collective: the program's own frame on its main thread's stack where that is
+    inside a collective, else the recorder's call site; the text says which, or that neither is known."""
+    from probe.diagnose.rules import _main, collective_of, where_of, where_text
+
+    ev = last.ranks[rank]
+    thread, key = _main(ev)
+    if key and collective_of(key) is not None:
+        where = where_of(key, thread)
+        return where, where_text(where)
+    frames = [f.strip() for f in str((row or {}).get("call_site") or "").split(";") if f.strip()]
+    own = [f for f in frames if "site-packages/" not in f and "/lib/python3" not in f]
+    if own:
+        return None, "%s (the recorder's call site)" % own[0]
+    return None, "a line not known here: its stack was not read in a collective and the recorder kept none"
+
+
+def _from_stacks(first: Any, last: Any, answering: List[int], who: Who, command: Any) -> Optional[Any]:
+    """Every rank's main thread in a torch.distributed collective in both looks (the same stack), not all
+    in the same op, the recorder not saying otherwise: each waits in its own collective."""
+    from probe.diagnose.rules import HANG_FLOOR_S, Evidence, Verdict, _fr_by_pg, _main, collective_of, \
+        where_of, where_text
+
+    window = max(0.0, last.at - first.at)
+    if window < HANG_FLOOR_S or all(_fr_by_pg(last.ranks[r]) for r in answering):
+        return None  # where the recorder has every rank, its numbers say what the stacks cannot
+    ops: Dict[int, Tuple[str, str, Any]] = {}
+    for r in answering:
+        a = first.ranks.get(r)
+        name, key = _main(last.ranks[r])
+        op = collective_of(key)
+        if op is None or a is None or _main(a) != (name, key):
+            return None
+        ops[r] = (op, name, key)
+    groups: Dict[str, List[int]] = {}
+    for r, (op, _, _) in sorted(ops.items()):
+        groups.setdefault(op, []).append(r)
+    if len(groups) < 2:
+        return None
+    sides = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[1][0]))
+    if len(sides[0][1]) > len(sides[1][1]):
+        culprits, victims = sorted(r for _, rs in sides[1:] for r in rs), sorted(sides[0][1])
+    else:
+        culprits, victims = sorted(ops), []
+    said = "; ".join("%s in %s" % (who(rs), op) for op, rs in sides)
+    summary = "collective mismatch: %s, each the same stack over %.1f s: ranks waiting in different collectives" % (
+        said, window)
+    if not victims:
+        summary += " (which side is wrong is not known: each runs a different code path here)"
+    evidence = []
+    where = None
+    for op, rs in sides:
+        _, thread, key = ops[rs[0]]
+        at = where_of(key, thread)
+        if where is None and rs[0] in culprits:
+            where = at
+        evidence.append(Evidence("%s: in %s at %s, no CPU gained and no step" % (who(rs), op, where_text(at)),
+                                 command(rs, "backtrace"), rs))
+    whys = sorted({str(last.ranks[r].fr_why) for r in answering if last.ranks[r].fr_why})
+    evidence.append(Evidence("the Flight Recorder: %s; whether they are the same collective's number is not known "
+                             "(TORCH_FR_BUFFER_SIZE=2000 at the job's start records numbers, ops, sizes and dtypes)"
+                             % ("; ".join(whys) if whys else "it holds none of these"), None, []))
+    nexts = ["make every rank issue the same collectives in the same order: look for a rank-dependent branch "
+             "around these lines", _stacks_next(culprits, who, command)]
+    return Verdict("collective_mismatch", "stuck", summary, culprits, victims, where, evidence, nexts)

@@ -1,0 +1,231 @@
+"""A straggler slow outside its forward pass: where the extra time of a rank that holds the others up goes.
+
+In a job with a collective every step, every rank's step takes as long as the slowest rank's: whole step
+times are equal, and the forward self time (the trace's straggler rule) shows only a straggler whose
+modules are slow. A rank slow in its own data loading, its optimizer or any code of its own is found by
+where the ranks' main threads are, sampled: the ranks that wait are inside a torch.distributed collective
+most of the time, the straggler is mostly elsewhere, and where it is names the cause.
+
+* :func:`gather`, at each look of a rank that is stepping (its optimizer stepped in the last 2 s; without an
+  optimizer counted, a traced span or a recorded collective in the last 2 s):
+  ``SAMPLES`` more stacks of the main thread, ``GAP_S`` apart (one ``/v1/backtrace`` each: the agent reads
+  the stacks, a few ms of the GIL), kept as ``training["main_samples"]``;
+* :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass,
+  the optimizer, a forward pass, or the program's own code (data loading, preprocessing). A rank mostly
+  (half its samples and more) in a phase where the others are 0.4 less often, while the others are mostly
+  where a rank waits for another (a collective; a backward pass: DDP's gradient all_reduce waits there,
+  in C) and it 0.4 less often, is the straggler; its most sampled own function is named, with the trace's
+  phase times per step where the trace runs. Exactly one rank must fit: else nothing is said.
+"""
+
+import time
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["SAMPLES", "GAP_S", "gather", "judge"]
+
+SAMPLES = 5
+GAP_S = 0.08
+STEPPING_S = 2.0
+MIN_SAMPLES = 6
+
+Frame = Tuple[str, str, int, str]
+PHASES = (("backward", ("torch/autograd/", "torch/_tensor.py")), ("optimizer", ("torch/optim/",)),
+          ("forward", ("torch/nn/modules/module.py",)))
+
+PHASES_SQL = """\
+WITH s AS (SELECT step, stage, depth, time_offset, total_duration, host_duration FROM python.torch_trace
+  WHERE step >= (SELECT max(step) - 5 FROM python.torch_trace) AND step < (SELECT max(step) FROM python.torch_trace))
+SELECT count(DISTINCT step) AS steps,
+  sum(CASE WHEN stage = 'forward' AND depth = 0 THEN total_duration END) / greatest(count(DISTINCT step), 1) AS forward,
+  sum(CASE WHEN stage = 'backward' AND depth = 0 THEN total_duration END) / greatest(count(DISTINCT step), 1) AS backward,
+  sum(CASE WHEN stage = 'optimizer' THEN total_duration END) / greatest(count(DISTINCT step), 1) AS optimizer,
+  (SELECT avg(first) FROM (SELECT min(time_offset) AS first FROM s WHERE stage = 'forward' GROUP BY step)) AS before_forward
+FROM s"""
+"""Per step over the last 5 whole steps: forward, backward, optimizer (host or device time) and the time
+from the step's beginning to its first forward (data loading, zero_grad, the program's own code)."""
+
+
+def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], out: Dict[str, Any]) -> None:
+    """More samples of the main thread's stack into ``out["main_samples"]``, where the rank is stepping;
+    the trace's phases where it runs. Never raises."""
+    from probe.diagnose.evidence import _agent_frames
+    from probe.diagnose.progress import counter
+    from probe.errors import ProbeError
+
+    if not _moving(ev, counter(ev)):
+        return
+    samples: List[List[List[Any]]] = []
+    for _ in range(SAMPLES):
+        time.sleep(GAP_S)
+        try:
+            frames = _agent_frames(client)
+        except ProbeError:
+            break
+        except Exception:  # a surprise in the reading: fewer samples, said by their count
+            break
+        mains = sorted((f for f in frames if f.is_main and f.frame_type == "python"), key=lambda f: f.depth)
+        samples.append([[f.func, f.file, f.lineno, (f.code or "").strip()] for f in mains[:60]])
+    out["main_samples"] = samples
+    if ev.trace:
+        try:
+            rows = query(client, PHASES_SQL)
+            out["phases"] = rows[0] if rows else None
+        except ProbeError as exc:
+            out["phases_why"] = exc.message
+
+
+def _moving(ev: Any, main: Optional[Dict[str, Any]]) -> bool:
+    """Whether the rank made progress in the last ``STEPPING_S``: an optimizer step, else (no optimizer
+    counted) a traced span or a collective issued."""
+    if main is not None:
+        age = main.get("last_age")
+        return isinstance(age, (int, float)) and age <= STEPPING_S
+    ages = [(ev.trace or {}).get("last_age")] + [row.get("last_age") for row in ev.fr or ()]
+    return any(isinstance(a, (int, float)) and a <= STEPPING_S for a in ages)
+
+
+def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
+    from probe.diagnose.rules import _main
+
+    out: List[Tuple[Frame, ...]] = []
+    for ev in (first.ranks.get(rank), last.ranks.get(rank)):
+        if ev is None or ev.state != "answering":
+            continue
+        key = _main(ev)[1]
+        if key:
+            out.append(tuple(key))
+        for stack in (getattr(ev, "training", None) or {}).get("main_samples") or ():
+            try:
+                out.append(tuple((str(f[0]), str(f[1]), int(f[2]), str(f[3])) for f in stack))
+            except (TypeError, ValueError, IndexError):
+                continue
+    return out
+
+
+def _phase(key: Sequence[Frame]) -> str:
+    from probe.diagnose.rules import collective_of
+
+    if collective_of(key) is not None:
+        return "collective"
+    for phase, marks in PHASES:
+        if any(any(m in f[1] for m in marks) for f in key):
+            return phase
+    return "own code"
+
+
+def _own(key: Sequence[Frame]) -> Optional[Frame]:
+    from probe.diagnose.rules import _is_library
+
+    return next((f for f in key if not _is_library(f[1])), None)
+
+
+def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
+    """The straggler by the main threads' samples: one rank mostly in a phase of its own (its code, its
+    forward, its optimizer) where the others seldom are, while they are mostly where ranks wait for another
+    (a collective; a backward pass, where DDP's gradient all_reduce waits) and it seldom is."""
+    from probe.diagnose.rules import Evidence, Verdict, where_of
+
+    if len(answering) < 2:
+        return []
+    phases: Dict[int, Counter] = {}
+    keys: Dict[int, List[Tuple[Frame, ...]]] = {}
+    for r in answering:
+        samples = _samples(first, last, r)
+        if len(samples) < MIN_SAMPLES or not (last.ranks[r].training or {}).get("main_samples"):
+            return []  # not sampled (not stepping, or too few): no judgement
+        keys[r] = samples
+        phases[r] = Counter(_phase(k) for k in samples)
+    found = _culprit(phases, keys)
+    if found is None:
+        return []
+    r, phase, wait = found
+    others = sorted(set(phases) - {r})
+    in_phase = [k for k in keys[r] if _phase(k) == phase]
+    funcs = Counter(f for f in (_own(k) for k in in_phase) if f is not None)
+    top = funcs.most_common(1)[0][0] if funcs else None
+    key = next((k for k in in_phase if _own(k) == top), in_phase[0])
+    where = where_of(key, "MainThread")
+    if where is not None and top is not None and where.get("called_from") is None and \
+            (where["func"], where["line"]) != (top[0], top[2]):
+        where["called_from"] = {"func": top[0], "file": top[1], "line": top[2]}
+    fn = "%s (%s:%d)" % (top[0], top[1].rsplit("/", 1)[-1], top[2]) if top else "code its stacks do not name"
+    n = len(keys[r])
+    wait_word = "a collective" if wait == "collective" else "their backward pass (where DDP's gradient all_reduce waits)"
+    step_s = _step_s(last, answering)
+    summary = ("straggler: %s holds up %s: its main thread was in %s in %d of %d samples, mostly %s, while %s "
+               "waited in %s (%s)%s" % (
+                   who([r]), who(others), _PHASE_WORDS[phase], phases[r][phase], n, fn, who(others), wait_word,
+                   ", ".join("%s %d of %d" % (who([o]), phases[o][wait], len(keys[o])) for o in others[:4]),
+                   "; a step takes %.3f s on every rank (the step counter)" % step_s if step_s else ""))
+    rows = [dict(rank=k, samples=len(keys[k]), **{p: phases[k][p] for p in _PHASE_WORDS}) for k in sorted(phases)]
+    evidence = [Evidence("main thread samples (the looks' stacks and %d more a look, %.0f ms apart), by phase: %s" % (
+        SAMPLES, GAP_S * 1000, "; ".join("%s: %s" % (who([k]), ", ".join("%s %d" % (p, c) for p, c in
+                                                                       phases[k].most_common())) for k in sorted(phases))),
+        command(None, "backtrace"), sorted(phases), rows)]
+    evidence.append(Evidence("%s, in %d of its %d samples: %s" % (
+        who([r]), funcs[top] if top else len(in_phase), n, " <- ".join(
+            "%s (%s:%d)" % (f[0], f[1].rsplit("/", 1)[-1], f[2]) for f in key[:5])), command([r], "backtrace"), [r]))
+    trace = _phase_evidence(last, sorted(phases), who, command)
+    if trace is not None:
+        evidence.append(trace)
+    nexts = ["what %s does there: %s" % (who([r]), command([r], "backtrace")),
+             "the others' long %s time is its effect, not a cause" % ("collective" if wait == "collective" else "backward")]
+    if phase == "own code":
+        nexts.insert(1, "a data loader with workers (num_workers) or prefetching takes the loading off the step")
+    return [Verdict("straggler", "degraded", summary, [r], others, where, evidence, nexts)]
+
+
+_PHASE_WORDS = {"own code": "its own code outside forward, backward and the optimizer (data loading, preprocessing)",
+                "forward": "its forward pass", "backward": "its backward pass", "optimizer": "its optimizer step",
+                "collective": "a collective"}
+AT_LEAST = 0.5  # the straggler in its phase, the others where they wait: in at least this share of the samples
+APART = 0.4  # ... and this much more than the others there (median), or than the straggler where they wait
+
+
+def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional[Tuple[int, str, str]]:
+    """(rank, its phase, where the others wait), where exactly one rank fits."""
+    import statistics
+
+    def share(rank: int, phase: str) -> float:
+        return phases[rank][phase] / len(keys[rank])
+
+    found = []
+    for r in phases:
+        others = [o for o in phases if o != r]
+        for phase in ("own code", "forward", "optimizer", "backward"):
+            if share(r, phase) < AT_LEAST or share(r, phase) - statistics.median(share(o, phase) for o in others) < APART:
+                continue
+            for wait in ("collective", "backward"):
+                waited = statistics.median(share(o, wait) for o in others)
+                if wait != phase and waited >= AT_LEAST and waited - share(r, wait) >= APART:
+                    found.append((r, phase, wait))
+                    break
+    ranks = {f[0] for f in found}
+    return found[0] if len(ranks) == 1 else None
+
+
+def _step_s(last: Any, answering: List[int]) -> Optional[float]:
+    from probe.diagnose.progress import _step_s as step_of
+
+    times = [t for r in answering for t in [step_of(last.ranks[r])] if t]
+    return max(times) if times else None
+
+
+def _phase_evidence(last: Any, ranks: List[int], who: Callable[[Sequence[int]], str], command: Any) -> Optional[Any]:
+    from probe.diagnose.rules import Evidence
+
+    rows = {r: (last.ranks[r].training or {}).get("phases") for r in ranks}
+    rows = {r: p for r, p in rows.items() if p and p.get("steps")}
+    if not rows:
+        return None
+
+    def num(value: Any) -> float:
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    text = "; ".join("%s: before forward (data) %.3f s, forward %.3f s, backward %.3f s, optimizer %.3f s" % (
+        who([r]), num(p.get("before_forward")), num(p.get("forward")), num(p.get("backward")), num(p.get("optimizer")))
+        for r, p in sorted(rows.items()))
+    return Evidence("trace, a step over the last 5: %s" % text,
+                    command(None, "query \"SELECT stage, sum(total_duration) FROM python.torch_trace WHERE depth = 0 "
+                                  "GROUP BY 1\""), sorted(rows), [dict(p, rank=r) for r, p in sorted(rows.items())])
