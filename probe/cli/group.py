@@ -1,6 +1,7 @@
 """The click group of the ``probe`` command: its global options, its help and completion (every command
 with its summary), and each command imported from the list in ``probe.cli.app`` on first use."""
 
+import difflib
 import importlib
 from typing import Any, List, Optional, Tuple
 
@@ -28,6 +29,15 @@ class _Commands(click.Group):
         if name not in _NO_TARGET:
             _usage_shows_target(command)
         return command
+
+    def resolve_command(self, ctx: click.Context, args: List[str]) -> Any:
+        """A command misspelt (``backtrac``) is named with the command meant, not only refused."""
+        name = args[0] if args else ""
+        if name and name not in COMMANDS and not name.startswith("-"):
+            meant = command_meant(name)
+            if meant:
+                ctx.fail("No such command %r. Did you mean %r?" % (name, meant))
+        return super().resolve_command(ctx, args)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command's first sentence whole (click cuts it at the terminal's width), wrapped."""
@@ -125,8 +135,18 @@ def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], toke
         raise click.UsageError(_missing_command(ctx, targets), ctx)
 
 
+def command_meant(word: str) -> Optional[str]:
+    """The command ``word`` is a slip of (``backtrac``, ``diagnsoe``, ``Query``), or None."""
+    close = difflib.get_close_matches(word.lower(), list(COMMANDS), n=1, cutoff=0.7)
+    return close[0] if close else None
+
+
 def _missing_command(ctx: click.Context, targets: Tuple[str, ...]) -> str:
-    """The message for a command line with no command: how to write one, and every command with its summary."""
+    """The message for a command line with no command: how to write one, and every command with its summary.
+    A lone word that is a slip of a command's name (``probe backtrac``) is answered with that command."""
+    if len(targets) == 1 and not targets[0][:1].isdigit() and ":" not in targets[0] and command_meant(targets[0]):
+        return "%r is not a command or a target. Did you mean `probe TARGET %s`?" % (targets[0],
+                                                                                  command_meant(targets[0]))
     group = ctx.command
     assert isinstance(group, _Commands)
     formatter = ctx.make_formatter()
