@@ -10,7 +10,9 @@ and cleanup.
 
 Nodes that record the same stall on a shared file system each make their own directory. When read, the
 directories of one job whose recordings began within :data:`GROUP_WINDOW_S` of the first of them are one
-snapshot, named by that first directory.
+snapshot, named by that first directory, where they can be one recording (``probe.snapshot.runs``: each by
+the watch of another node, of the same run where both name theirs); any other directory is a snapshot of
+its own: a snapshot taken by hand, another run of the job on the same port, a later record of this node.
 
 Cleanup (after a node writes): of the snapshots of the same job that this host wrote, only the newest
 ``PROBE_SNAPSHOT_KEEP`` (default 20) are kept, and any of this host's older than
@@ -57,12 +59,13 @@ class SnapshotInfo(NamedTuple):
     bytes: int
     complete: bool
     hosts: List[str]
+    held: Tuple[int, ...] = ()  # the ranks it holds a file of (recorded or not)
 
     def as_json(self) -> Dict[str, Any]:
         return {"id": self.id, "path": self.path, "dirs": self.dirs, "job": self.job, "when": self.when,
                 "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.when)), "reason": self.reason,
                 "ranks": self.ranks, "failed": {str(k): v for k, v in sorted(self.failed.items())},
-                "bytes": self.bytes, "complete": self.complete, "hosts": self.hosts}
+                "bytes": self.bytes, "complete": self.complete, "hosts": self.hosts, "held": list(self.held)}
 
 
 def snapshot_root(explicit: Optional[str] = None) -> str:
@@ -204,11 +207,16 @@ def _dirs(root: str) -> List[_Dir]:
 
 
 def _groups(dirs: List[_Dir]) -> List[List[_Dir]]:
-    """Directories of one job whose recordings began within GROUP_WINDOW_S of the group's first."""
+    """Directories of one job whose recordings began within GROUP_WINDOW_S of the group's first, and that
+    can be one recording (``runs.one_recording``: other nodes of the same run)."""
+    from probe.snapshot.runs import one_recording
+
     groups: List[List[_Dir]] = []
     for d in sorted(dirs, key=lambda d: (d.job, d.when, d.name)):
-        if groups and groups[-1][0].job == d.job and d.when - groups[-1][0].when <= GROUP_WINDOW_S:
-            groups[-1].append(d)
+        joined = next((g for g in groups if g[0].job == d.job and d.when - g[0].when <= GROUP_WINDOW_S
+                       and all(one_recording(o.metas, d.metas) for o in g)), None)
+        if joined is not None:
+            joined.append(d)
         else:
             groups.append([d])
     return groups
@@ -247,7 +255,7 @@ def _info(group: List[_Dir]) -> SnapshotInfo:
                 break
     recorded = [r for r in ranks if r not in failed]
     return SnapshotInfo(first.name, first.path, [d.path for d in group], first.job, first.when, reason, recorded,
-                        failed, sum(d.bytes for d in group), complete, sorted(set(hosts)))
+                        failed, sum(d.bytes for d in group), complete, sorted(set(hosts)), tuple(ranks))
 
 
 def list_snapshots(root: str) -> List[SnapshotInfo]:
@@ -272,8 +280,8 @@ def resolve(path_text: str) -> List[str]:
     if here is not None and (here.rank_files or here.metas):
         parent = os.path.dirname(path.rstrip("/"))
         for group in _groups(_dirs(parent)):
-            if any(d.path == here.path for d in group):
-                return _files(group)
+            if any(d.path == here.path for d in group):  # the named directory's own files first
+                return _files(sorted(group, key=lambda d: d.path != here.path))
         return _files([here])
     found = list_snapshots(path)
     if not found:
