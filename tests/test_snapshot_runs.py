@@ -163,3 +163,29 @@ def test_a_pid_with_no_process_is_not_recorded(tmp_path):
     shown = run_cli(str(gone.pid), "snapshot", "--dir", snaps, env=target_env(probe=False))
     assert shown.code == 3 and "no process with pid %d" % gone.pid in shown.err, shown
     assert not os.path.exists(snaps) or not os.listdir(snaps), os.listdir(snaps)
+
+
+def test_a_zombies_exit_status_names_its_signal_and_an_unseen_death_says_the_signal_is_not_known():
+    """Where no launcher logged the exit (a node helper beside mpirun, srun, accelerate), the watch reads a
+    dead rank's exit status while it is a zombie: a real child, SIGKILLed and not reaped yet."""
+    from probe import _paths
+    from probe.host import exits
+
+    silent = "ended without a word: a signal that runs no handler (SIGKILL, the OOM killer, SIGTERM) or os._exit"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        ticks = _paths.process_start_ticks(str(child.pid))
+        assert "most likely SIGKILL" in exits.death_words(child.pid, silent)  # nothing seen yet: not known
+        os.kill(child.pid, signal.SIGKILL)
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # dead, still a zombie: not reaped
+        exits.note_zombie(child.pid, ticks + 1)  # another process's start time: not this one's status
+        assert exits.seen(child.pid) is None
+        exits.note_zombie(child.pid, ticks)
+        assert exits.seen(child.pid) == (-9, "its exit status"), exits.seen(child.pid)
+        words = exits.death_words(child.pid, silent)
+        assert words.startswith("killed by SIGKILL (its exit status: signal 9)"), words
+        assert exits.death_words(child.pid, "SIGTERM (terminated)") == "SIGTERM (terminated); killed by SIGKILL " \
+            "(its exit status: signal 9)"
+    finally:
+        child.kill()
+        child.wait(scaled(10))

@@ -25,7 +25,7 @@ def consequence_of_another(cause: str) -> bool:
     """Whether a death of this cause is how ranks die of another rank's death: the launcher's SIGTERM to the
     rest, or an uncaught exception (a collective whose peer is gone raises one). Other signals, a death
     without a word, and os._exit are a rank's own."""
-    return cause == "SIGTERM (terminated)" or cause.startswith(("uncaught exception", "ended by the launcher"))
+    return cause.startswith(("SIGTERM (terminated)", "uncaught exception", "ended by the launcher"))
 
 
 def reason(deaths: Sequence[Death]) -> str:

@@ -65,13 +65,14 @@ def observe_launcher() -> None:
         pass
 
 
-def note_zombie(pid: int) -> None:
-    """Read a dead rank's exit status while it is a zombie (its parent has not reaped it yet)."""
+def note_zombie(pid: int, start_ticks: int) -> None:
+    """Read a dead rank's exit status while it is a zombie (its parent has not reaped it yet); only that
+    very process's (``start_ticks``, field 22), not a later one's with its pid."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as handle:
             stat = handle.read()
         fields = stat[stat.rindex(b")") + 2:].split()
-        if fields[0] != b"Z":
+        if fields[0] != b"Z" or int(fields[19]) != start_ticks:
             return
         status = int(fields[49])
     except (OSError, ValueError, IndexError):

@@ -295,13 +295,14 @@ class Watch:
             self.solo = self.helper.members.solo()
             members = [self.solo] if self.solo is not None else []
         for member in members:
-            if self._dead(member):
-                exits.note_zombie(member.pid)  # its exit status, while its parent has not reaped it
+            seen = self.ranks.get(member.pid)
+            if seen is not None and seen.ticks and self._dead(member):
+                exits.note_zombie(member.pid, seen.ticks)  # its exit status, while its parent has not reaped it
         return members
 
     def _died_uncovered(self, members: List[Any]) -> List[deaths.Death]:
-        """The ranks seen alive at an earlier look has died since, where no record holds it yet and its crash
-        record says it did not end cleanly (the watchdog's SIGABRT, a crash, an uncaught exception, SIGTERM
+        """The deaths of ranks seen alive at an earlier look, where no record holds them yet and their crash
+        records say they did not end cleanly (the watchdog's SIGABRT, a crash, an uncaught exception, SIGTERM
         from a launcher or a scheduler's time limit, a signal without a handler); none else (a clean exit
         leaves no crash record, a Ctrl-C is a person's choice). A rank that a record of this stall holds
         (its death is copied into that record) is no news."""
