@@ -39,6 +39,7 @@ def diagnose_dead_job(cli: Any, error: Any, as_json: bool, explicit_dir: Optiona
     """Where the one target is HOST:PORT and a record of a job that died there is found: its verdict said
     (``render``: diagnose's), the exit status set, and True; False where there is none (the caller reports
     ``error``)."""
+    from probe.cli.commands.snapshots import age_text
     from probe.client.targets import parse_target
     from probe.snapshot.recent import find_dead_job
     from probe.snapshot.target import Snapshot
@@ -46,7 +47,8 @@ def diagnose_dead_job(cli: Any, error: Any, as_json: bool, explicit_dir: Optiona
     port = cli.master_port()
     if port is None:
         return False
-    host = parse_target(cli.targets[0] if cli.targets else os.environ["PROBE_TARGET"]).address.host
+    written_as = (cli.targets[0] if cli.targets else os.environ["PROBE_TARGET"]).strip()
+    host = parse_target(written_as).address.host
     found = find_dead_job(host, port, snapshot_roots(explicit_dir))
     if found is None:
         return False
@@ -61,13 +63,13 @@ def diagnose_dead_job(cli: Any, error: Any, as_json: bool, explicit_dir: Optiona
     report = snapshot.judge(command)
     ago = max(0.0, time.time() - found.written)
     words = ("the job that served at %s has died: nothing answers there now (%s). What follows is probe's record "
-             "of it, not a live look: %s, written %s (%.0f s ago) by its node's watch"
-             % (":".join([host, str(port)]), error.message, shown,
-                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.written)), ago))
+             "of it, not a live look: %s, written %s (%s) by its node's watch"
+             % (written_as, error.message, shown,
+                time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(found.written)), age_text(ago)))
     if as_json:
-        emit(json.dumps(dict(report.as_json(), target=cli.targets[0] if cli.targets else "$PROBE_TARGET", single=False,
+        emit(json.dumps(dict(report.as_json(), target=written_as, single=False,
                              changes=None, record=snapshot.about(), dead_job={
-                                 "address": "%s:%d" % (host, port), "snapshot": found.info.path,
+                                 "address": written_as, "snapshot": found.info.path,
                                  "written": found.written, "reason": found.info.reason, "said": words})))
     else:
         say("DEAD JOB: " + visible(words))
