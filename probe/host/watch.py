@@ -60,6 +60,7 @@ FR_TIMEOUT_S = 5.0
 CRASH_TEXT_BYTES = 256 * 1024
 FOLLOW_DEATHS_S = 1800.0  # how long after a record a rank's death is still copied into it
 REWORD_S = 60.0  # how long after a record made at deaths its words are amended by what the launcher says
+EXIT_WAIT_S = 15.0  # how long torchrun's launcher, exiting, waits for a record being written to be whole
 
 def _number(name: str) -> Optional[float]:
     raw = os.environ.get(name, "").strip()
@@ -155,6 +156,7 @@ class Watch:
         self.held: Dict[int, int] = {}  # pid -> start ticks: ranks a record holds, whose death is not news
         self.solo: Optional[Any] = None  # the lone process watched as rank 0 of one, where no rank is known
         self.rewording: Optional[Tuple[str, List[deaths.Death], str, float]] = None  # the last death record
+        self.recording = False  # a record is being written (the launcher's exit waits for it)
         self.stalled_since: Optional[float] = None  # the progress time of the stall already recorded
         self.baseline: Optional[Tuple[float, Dict[int, Any], float, bool]] = None
         """(progress time, each rank's Flight Recorder mark then, stalled seconds to compare at, asked again)"""
@@ -183,11 +185,13 @@ class Watch:
                 self._once("look", "probe: the stall watch failed a look: %s: %s" % (type(exc).__name__, exc))
 
     def _at_exit(self) -> None:
-        """At the launcher's exit (its ranks stopped): a death no record holds is recorded (what the crash
-        records kept), then the deaths not copied yet, for at most 3 s more."""
+        """At the launcher's exit (its ranks stopped): a record the watch is writing is let finish (for up to
+        EXIT_WAIT_S: the launcher's exit would kill it half written), a death no record holds is recorded
+        (what the crash records kept), then the deaths not copied yet, for at most 3 s more."""
         try:
-            deadline = time.monotonic() + 3.0
-            if self._lock.acquire(timeout=1.0):  # a rank that died unrecorded (its death ends the launcher)
+            wait = EXIT_WAIT_S if self.recording else 1.0
+            deadline = time.monotonic() + wait + 3.0
+            if self._lock.acquire(timeout=wait):  # a rank that died unrecorded (its death ends the launcher)
                 try:
                     members = self._members()
                     died = self._died_uncovered(members)
@@ -384,6 +388,14 @@ class Watch:
                died: Optional[List[deaths.Death]] = None) -> Optional[str]:
         """Record every rank of ``members`` into a new snapshot directory; its path (None where it failed).
         ``died``: the deaths it is made at (its reason is worded again once the ranks are captured)."""
+        self.recording = True
+        try:
+            return self._record(members, reason, hang_after, died)
+        finally:
+            self.recording = False
+
+    def _record(self, members: List[Any], reason: str, hang_after: Optional[float],
+                died: Optional[List[deaths.Death]]) -> Optional[str]:
         from probe.client.client import Client
         from probe.client.targets import parse_target
         from probe.snapshot import capture, record, store
