@@ -269,7 +269,7 @@ def list_snapshots(root: str) -> List[SnapshotInfo]:
 
 def resolve(path_text: str) -> List[str]:
     """The rank files a ``snapshot:`` target names, in rank order: a rank file; a snapshot directory (with
-    the same job's directories beside it whose recordings began within GROUP_WINDOW_S: the other nodes'); or
+    the other nodes' directories of that recording beside it: ``_groups``); or
     a directory of snapshots (its newest). A UsageError says what is there instead."""
     path = os.path.abspath(os.path.expanduser(path_text))
     if os.path.isfile(path):
