@@ -25,14 +25,15 @@ def test_a_rank_killed_without_a_word_is_named_first_and_the_rank_its_launcher_e
         stop_launcher(launcher)
     assert code != 0
     found = _until(lambda: [s for s in _recorded(snaps) if s.complete], 10, "the death recorded")
-    assert found[0].reason.startswith("rank 1 died: ended without a word"), (found, _stderr(tmp_path, "kill"))
+    # torchrun saw the exit code (-9): the record names the signal
+    assert found[0].reason.startswith("rank 1 died: killed by SIGKILL"), (found, _stderr(tmp_path, "kill"))
     shown = run_cli("snapshot:%s" % found[0].path, "diagnose", "--json",
                     env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
     assert shown.code == 12, shown
     report = json.loads(shown.out)
     first = report["verdicts"][0]
     assert first["kind"] == "dead" and first["culprits"] == [1], report["verdicts"]
-    assert "ended without a word" in first["summary"], first
+    assert "killed by SIGKILL (torchrun saw exitcode -9)" in first["summary"], first
     ended = [v for v in report["verdicts"] if v["kind"] == "dead" and v["culprits"] == [0]]
     for verdict in ended:  # rank 0, where it was recorded dead (the launcher's SIGTERM or gloo's lost peer): said so
         assert "most likely of the death of rank 1" in verdict["summary"], verdict

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 import signal
 import stat
 import subprocess
@@ -212,20 +213,32 @@ def test_store_groups_one_jobs_nodes_bounds_a_record_and_cleans_up_by_the_rule(t
     root = str(tmp_path / "snaps")
     now = time.time()
 
-    def save(job, started, ranks, reason="stall"):
+    def save(job, started, ranks, reason="stall", **meta):
         records = [capture.failed_record(job, r, "h", 100 + r, reason, "test") for r in ranks]
         for rec in records:  # stacks, so that each rank counts as recorded
             rec["tables"]["python.backtrace"] = {"columns": [["func", "VARCHAR"]], "rows": [["f"]], "truncated": False}
-        return store.save_snapshot(root, job, reason, records, started)[0]
+        return store.save_snapshot(root, job, reason, records, started, **meta)[0]
 
-    # Two nodes of one job recording the same stall 30 s apart: one snapshot; another job's stays apart.
-    first = save("j1", now - 100, [0, 1])
-    second = save("j1", now - 70, [2, 3])
+    # Two nodes' watches of one job recording the same stall 30 s apart: one snapshot; another job's stays apart.
+    first = save("j1", now - 100, [0, 1], by="watch", node=0, run="torchelastic one")
+    second = save("j1", now - 70, [2, 3], by="watch", node=1, run="torchelastic one")
     save("j2", now - 90, [0])
     listed = store.list_snapshots(root)
     assert [(s.job, s.ranks, s.complete) for s in listed] == [("j1", [0, 1, 2, 3], True), ("j2", [0], True)]
     assert [os.path.basename(f) for f in store.resolve(first)] == ["rank-%05d.json" % r for r in range(4)]
-    assert store.resolve(second) == store.resolve(first)
+    assert sorted(store.resolve(second)) == sorted(store.resolve(first))
+
+    # One recording is one node's directory a run: a later record of the same node, another run of the job on
+    # the same port (its own run id), and a snapshot taken by hand are each a snapshot of their own, and
+    # reading a directory reads its own ranks' files, though another holds the same ranks.
+    again = save("j1", now - 95, [0, 1], by="watch", node=0, run="torchelastic one")
+    other_run = save("j1", now - 90, [2, 3], by="watch", node=1, run="torchelastic other")
+    by_hand = save("j1", now - 80, [0, 1])
+    for path in (again, other_run, by_hand):
+        assert [os.path.dirname(f) for f in store.resolve(path)] == [path] * 2, path
+    assert [s.path for s in store.list_snapshots(root) if s.job == "j1"] == [first, again, other_run, by_hand]
+    for path in (again, other_run, by_hand):
+        shutil.rmtree(path)
 
     # A record over PROBE_SNAPSHOT_MAX_RANK_BYTES is cut, the biggest table first, and says so.
     monkeypatch.setenv("PROBE_SNAPSHOT_MAX_RANK_BYTES", str(100 * 1024))

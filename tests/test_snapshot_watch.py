@@ -246,7 +246,7 @@ def test_a_healthy_and_a_slow_job_are_not_recorded_and_the_slow_one_waits_five_s
 
 def test_a_node_helper_of_its_own_records_its_ranks_and_copies_their_deaths(tmp_path):
     """Ranks of no launcher probe knows (srun's variables) start `python -m probe.host`: its watch records."""
-    from test_node_helper import ranks_of
+    from test_node_helper import _alive, _helper_pid, ranks_of
 
     snaps, control = str(tmp_path / "snaps"), str(tmp_path / "control")
     with ranks_of(tmp_path, 2, "snap_train.py", PROBE_HANG_AFTER="3", PROBE_HANG_MIN="600",
@@ -259,6 +259,8 @@ def test_a_node_helper_of_its_own_records_its_ranks_and_copies_their_deaths(tmp_
             handle.write("skip 0\n")  # every process is its own "rank 0" of torch (no process group): all stop
         found = _until(lambda: [s for s in store.list_snapshots(snaps) if s.complete], 60, "the stall recorded")
         assert len(found) == 1 and found[0].ranks == [0, 1], found
+        helper = _helper_pid(run, int(job["port"]))  # type: ignore[arg-type]
+        assert helper is not None
         for proc in procs.values():
             proc.kill()  # SIGTERM: each dies with its stacks in its crash record
         files = [os.path.join(found[0].path, "rank-%05d.json" % r) for r in (0, 1)]
@@ -266,5 +268,12 @@ def test_a_node_helper_of_its_own_records_its_ranks_and_copies_their_deaths(tmp_
         for f in files:
             crash = record.read_rank(f)["crash"]
             assert "sigterm stacks" in crash and "load_next_batch" in crash, crash
+        # The deaths belong to the stall's record: once the helper has left (PROBE_HELPER_LINGER_S after its
+        # last rank died; its watch has looked at the dead ranks by then), no second record was made of them,
+        # and the stall's record is the one read by default.
+        _until(lambda: not _alive(helper), 30, "the node helper to leave")
+        assert os.listdir(snaps) == [os.path.basename(found[0].path)], os.listdir(snaps)
+        shown = run_cli("snapshot:%s" % snaps, "diagnose", env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
+        assert "stall: no step" in shown.out.splitlines()[0], shown.out
         with open(os.path.join(run, "node-%d.log" % job["port"])) as log:
             assert "stall recorded in %s" % found[0].path in log.read()

@@ -559,6 +559,9 @@ def job_token(base_port: int) -> Tuple[str, Optional[str]]:
 
 def start_in_launcher(probe_port: str) -> None:
     """From the start-up hook in torchrun's launcher: the helper in daemon threads; never raises."""
+    from probe.host import exits
+
+    exits.observe_launcher()  # its ranks' exit codes, from its own log records, for the records of deaths
     def run() -> None:
         try:
             from probe.agent.options import binds_every_interface, probe_port_binding

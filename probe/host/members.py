@@ -224,6 +224,18 @@ class Members:
         self._known[missing.pop()] = {"pid": pid, "local_rank": info["local_rank"], "world_size": world,
                                       "node": self.node, "restarts": 0, "port": info["port"], "source": "inferred"}
 
+    def solo(self) -> Optional[Member]:
+        """Where no rank of the job is known on this node and exactly one process of it offered itself (a
+        program run alone under ``PROBE_PORT``: no launcher numbered it, it made no process group), that
+        process as rank 0 of one, for the stall watch; None otherwise (several processes that may become
+        ranks are a job starting: mp.spawn's parent and children)."""
+        with self._lock:
+            if self._known or len(self._candidates) != 1:
+                return None
+            pid, info = next(iter(self._candidates.items()))
+            one = {"pid": pid, "local_rank": None, "world_size": 1, "node": None, "restarts": 0, "port": info["port"]}
+        return self._member(0, one, node_host())
+
     def world_size(self) -> Optional[int]:
         """The world size this node's ranks were started with; None before any is seen, or when they
         disagree (an elastic restart with another size)."""

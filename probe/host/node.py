@@ -55,7 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     helper.serve(args.host)
     from probe.host import watch
 
-    watch.start(helper)  # PROBE_SNAPSHOT=0: none
+    watching = watch.start(helper) is not None  # PROBE_SNAPSHOT=0: none
     _say("probe: node helper %d for PROBE_PORT=%d: unix %s, TCP %s" % (
         os.getpid(), args.port, _paths.node_socket_path(args.port), helper.tcp_address or "none"))
     started = last_alive = time.monotonic()
@@ -66,9 +66,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         helper.report_once()
         now = time.monotonic()
         helper.members.scan()  # ranks that could not register (a C call took the GIL first) are found too
-        if helper.members.alive():
+        solo = helper.members.solo() if watching else None  # a program alone: the watch watches it
+        if helper.members.alive() or (solo is not None and solo.state != "dead"):
             last_alive = now
-        elif helper.members.node_key() is None:
+        elif helper.members.node_key() is None and solo is None:
             if now - started > max(UNREGISTERED_S, linger):
                 _say("probe: node helper %d: no rank registered in %.0f s; exiting" % (os.getpid(), now - started))
                 return 0

@@ -22,10 +22,18 @@ again. One record per stall: the next needs progress in between. ``PROBE_SNAPSHO
 The record: ``probe.snapshot.capture.capture_members`` for every rank of the node (a rank whose agent
 cannot answer is read from outside), each written into a new directory of ``store.snapshot_root()``
 (``PROBE_SNAPSHOT_DIR``), the node's meta last, then ``store.clean``. A rank of that stall that dies
-afterwards (the watchdog's SIGABRT, the launcher's SIGTERM) has its crash record's text copied into its
-record file (``crash``), rewritten atomically, when the watch sees it dead (in torchrun's launcher, also
-at the launcher's exit). Said in ``node-PORT.log``. Nothing here may take the helper down: every look is
-caught at its boundary.
+afterwards (the watchdog's SIGABRT, the launcher's SIGTERM, the process group's timeout) has its crash
+record's text copied into its record file (``crash``), rewritten atomically, when the watch sees it dead
+(in torchrun's launcher, also at the launcher's exit): a death after a recorded stall belongs to that
+stall's record and makes no record of its own, until the ranks make progress again. Where no record holds
+a rank that died, its death is recorded (``rank N died: ...``), named as exactly as this node saw it
+(``probe.host.exits``: the signal, where the launcher or the zombie told it). Each meta says which run
+of the job it is of (``probe.snapshot.runs``) and where the job served (``probe_port``, ``ports``), so that
+a record is read as its own run's and found at the job's address once the job is gone.
+
+A process of its own under ``PROBE_PORT`` that never becomes a rank (no launcher numbered it, it made no
+process group) is watched alone, as rank 0 of one, while no rank is known on the node. Said in
+``node-PORT.log``. Nothing here may take the helper down: every look is caught at its boundary.
 """
 
 import collections
@@ -38,6 +46,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from probe import _paths
 from probe._stderr import say as _say
+from probe.host import deaths, exits
 
 __all__ = ["Watch", "start", "hang_after_rule", "POLL_S", "HANG_MIN_S", "HANG_CAP_S", "STEP_FACTOR"]
 
@@ -50,6 +59,8 @@ CAPTURE_DEADLINE_S = 60.0
 FR_TIMEOUT_S = 5.0
 CRASH_TEXT_BYTES = 256 * 1024
 FOLLOW_DEATHS_S = 1800.0  # how long after a record a rank's death is still copied into it
+REWORD_S = 60.0  # how long after a record made at deaths its words are amended by what the launcher says
+EXIT_WAIT_S = 15.0  # how long torchrun's launcher, exiting, waits for a record being written to be whole
 
 def _number(name: str) -> Optional[float]:
     raw = os.environ.get(name, "").strip()
@@ -142,6 +153,10 @@ class Watch:
         self.poll = _number("PROBE_WATCH_POLL_S") or POLL_S
         self.ranks: Dict[int, _Rank] = {}  # pid -> rank
         self.recorded: Optional[_Recorded] = None  # the last record, while its ranks may still die
+        self.held: Dict[int, int] = {}  # pid -> start ticks: ranks a record holds, whose death is not news
+        self.solo: Optional[Any] = None  # the lone process watched as rank 0 of one, where no rank is known
+        self.rewording: Optional[Tuple[str, List[deaths.Death], str, float]] = None  # the last death record
+        self.recording = False  # a record is being written (the launcher's exit waits for it)
         self.stalled_since: Optional[float] = None  # the progress time of the stall already recorded
         self.baseline: Optional[Tuple[float, Dict[int, Any], float, bool]] = None
         """(progress time, each rank's Flight Recorder mark then, stalled seconds to compare at, asked again)"""
@@ -170,22 +185,25 @@ class Watch:
                 self._once("look", "probe: the stall watch failed a look: %s: %s" % (type(exc).__name__, exc))
 
     def _at_exit(self) -> None:
-        """At the launcher's exit (its ranks stopped): a death no record holds is recorded (what the crash
-        records kept), then the deaths not copied yet, for at most 3 s more."""
+        """At the launcher's exit (its ranks stopped): a record the watch is writing is let finish (for up to
+        EXIT_WAIT_S: the launcher's exit would kill it half written), a death no record holds is recorded
+        (what the crash records kept), then the deaths not copied yet, for at most 3 s more."""
         try:
-            deadline = time.monotonic() + 3.0
-            if self._lock.acquire(timeout=1.0):  # a rank that died unrecorded (its death ends the launcher)
+            wait = EXIT_WAIT_S if self.recording else 1.0
+            deadline = time.monotonic() + wait + 3.0
+            if self._lock.acquire(timeout=wait):  # a rank that died unrecorded (its death ends the launcher)
                 try:
-                    members = self.helper.members.scan()
+                    members = self._members()
                     died = self._died_uncovered(members)
-                    if died is not None:
+                    if died:
                         self._record_death(members, died)
+                    self._reword()
                 finally:
                     self._lock.release()
             while self.recorded is not None and time.monotonic() < deadline:
                 if self._lock.acquire(timeout=0.5):
                     try:
-                        members = self.helper.members.scan()
+                        members = self._members()
                         self._copy_deaths(members)
                         for member in members:
                             if self._dead(member):
@@ -205,11 +223,12 @@ class Watch:
 
     def _look(self) -> Optional[str]:
         now = time.monotonic()
-        members = self.helper.members.scan()
+        members = self._members()
+        self._reword()
         if self.recorded is not None:
             self._copy_deaths(members)
         died = self._died_uncovered(members)
-        if died is not None:
+        if died:
             return self._record_death(members, died)
         live: List[_Rank] = []
         for member in members:
@@ -225,6 +244,8 @@ class Watch:
         known = {m.pid for m in members}
         for pid in [p for p in self.ranks if p not in known]:
             del self.ranks[pid]
+        for pid in [p for p in self.held if p not in known]:
+            del self.held[pid]
         if not live:
             self.baseline = None
             return None
@@ -237,6 +258,7 @@ class Watch:
                 return None  # this stall is recorded already
             self.stalled_since = None
             self.recorded = None  # progress since: the ranks of that record are no longer dying of it
+            self.held.clear()
         hang_after = self.hang_after(live) if stepped else max(self.fixed or 0.0, self.minimum)
         stalled = now - progress
         if self.baseline is not None and self.baseline[0] != progress:
@@ -269,15 +291,30 @@ class Watch:
             why = "no step for %.0f s" % stalled
         return self.record(members, "stall: %s (hang_after %.0f s)" % (why, hang_after), hang_after)
 
-    def _died_uncovered(self, members: List[Any]) -> Optional[str]:
-        """Why a rank seen alive at an earlier look has died since, where no record holds it yet and its crash
-        record says it did not end cleanly (the watchdog's SIGABRT, a crash, an uncaught exception, SIGTERM
-        from a launcher or a scheduler's time limit); None otherwise (a clean exit leaves no crash record, a
-        Ctrl-C is a person's choice)."""
+    def _members(self) -> List[Any]:
+        """The node's ranks; where none is known, a lone process of the job watched as rank 0 of one."""
+        members = self.helper.members.scan()
+        self.solo = None
+        if not members:
+            self.solo = self.helper.members.solo()
+            members = [self.solo] if self.solo is not None else []
+        for member in members:
+            seen = self.ranks.get(member.pid)
+            if seen is not None and seen.ticks and self._dead(member):
+                exits.note_zombie(member.pid, seen.ticks)  # its exit status, while its parent has not reaped it
+        return members
+
+    def _died_uncovered(self, members: List[Any]) -> List[deaths.Death]:
+        """The deaths of ranks seen alive at an earlier look, where no record holds them yet and their crash
+        records say they did not end cleanly (the watchdog's SIGABRT, a crash, an uncaught exception, SIGTERM
+        from a launcher or a scheduler's time limit, a signal without a handler); none else (a clean exit
+        leaves no crash record, a Ctrl-C is a person's choice). A rank that a record of this stall holds
+        (its death is copied into that record) is no news."""
         from probe.reader import crash
 
         covered = set(self.recorded.ranks) if self.recorded is not None else set()
-        deaths = []
+        covered |= set(self.held)
+        found_deaths: List[deaths.Death] = []
         for member in members:
             if not self._dead(member) or member.pid not in self.ranks or member.pid in covered:
                 continue
@@ -287,28 +324,35 @@ class Watch:
                 continue
             if found.cause.startswith("uncaught exception: KeyboardInterrupt"):
                 continue
-            deaths.append((found.died_at or float("inf"), member.rank, found.cause))
-        if not deaths:
-            return None
-        # The first to die: the others often die of its death (an exception of a closed connection, or the
-        # launcher's SIGTERM to the rest), so these come after any other death, though a death without a word
-        # (SIGKILL, the OOM killer) has no time of its own.
-        deaths.sort(key=lambda d: (consequence_of_another(d[2]), d[0], d[1]))
-        (_, rank, cause), rest = deaths[0], deaths[1:]
-        also = "; then %s" % ", ".join("rank %d: %s" % (r, c.split(":")[0]) for _, r, c in rest[:3]) if rest else ""
-        return "rank %d died: %s%s%s" % (rank, cause, also, ", ..." if len(rest) > 3 else "")
+            found_deaths.append((found.died_at or float("inf"), member.rank, member.pid, found.cause))
+        return found_deaths
 
-    def _record_death(self, members: List[Any], why: str) -> Optional[str]:
+    def _record_death(self, members: List[Any], died: List[deaths.Death]) -> Optional[str]:
         """Record the node at a rank's death, no stall recorded before it: what the ranks still alive show
         (they may be ending too), and the dead one's crash record; the stall rule then waits for progress."""
         live = [r for m in members if not self._dead(m) for r in [self.ranks.get(m.pid)] if r is not None]
         self.stalled_since = max([r.moved if r.steps else r.first_seen for r in live] + [self.fr_moved, 0.0])
         self.baseline = None
-        directory = self.record(members, why, None)
+        directory = self.record(members, deaths.reason(died), None, died)
         for member in members:  # a dead rank recorded here needs no second record
             if self._dead(member):
                 _forget(self.ranks.pop(member.pid, None))
         return directory
+
+    def _reword(self) -> None:
+        """The last record made at deaths, its words made more exact where the launcher has said more since
+        (for REWORD_S after it)."""
+        if self.rewording is None:
+            return
+        directory, died, words, at = self.rewording
+        if time.monotonic() - at > REWORD_S:
+            self.rewording = None
+            return
+        try:
+            self.rewording = (directory, died, deaths.reword(directory, died, words), at)
+        except Exception as exc:  # noqa: BLE001
+            self.rewording = None
+            self._log("probe: cannot amend the record in %s: %s" % (directory, getattr(exc, "message", exc)))
 
     def hang_after(self, live: List[_Rank]) -> float:
         return hang_after_rule(self.fixed, self.minimum, max((r.longest_step() for r in live), default=0.0))
@@ -340,8 +384,18 @@ class Watch:
 
     # -- recording --------------------------------------------------------------------------------
 
-    def record(self, members: List[Any], reason: str, hang_after: Optional[float]) -> Optional[str]:
-        """Record every rank of ``members`` into a new snapshot directory; its path (None where it failed)."""
+    def record(self, members: List[Any], reason: str, hang_after: Optional[float],
+               died: Optional[List[deaths.Death]] = None) -> Optional[str]:
+        """Record every rank of ``members`` into a new snapshot directory; its path (None where it failed).
+        ``died``: the deaths it is made at (its reason is worded again once the ranks are captured)."""
+        self.recording = True
+        try:
+            return self._record(members, reason, hang_after, died)
+        finally:
+            self.recording = False
+
+    def _record(self, members: List[Any], reason: str, hang_after: Optional[float],
+                died: Optional[List[deaths.Death]]) -> Optional[str]:
         from probe.client.client import Client
         from probe.client.targets import parse_target
         from probe.snapshot import capture, record, store
@@ -360,6 +414,9 @@ class Watch:
         pairs = [(Client(parse_target(str(m.pid)), None, CAPTURE_DEADLINE_S / 2), m) for m in members]
         secrets = [self.helper._token.decode("utf-8")] if getattr(self.helper, "_token", None) else []
         records = capture.capture_members(pairs, reason, job, CAPTURE_DEADLINE_S, secrets=secrets)
+        if died:
+            reason = deaths.reason(died)
+        deaths.patched(records, members, [self._dead(m) for m in members], reason)
         files: Dict[int, str] = {}
         failed: Dict[str, str] = {}
         for member, rec in zip(members, records):
@@ -373,16 +430,18 @@ class Watch:
         ended = time.time()
         from probe import __version__
 
-        record.write_meta(directory, {
+        record.write_meta(directory, dict(self._where(members), **{
             "job": job, "host": socket.gethostname(), "reason": reason, "started": started, "ended": ended,
             "ranks": sorted(m.rank for m in members if str(m.rank) not in failed), "failed": failed,
-            "hang_after_s": hang_after, "by": "watch", "helper_pid": os.getpid(), "probe_version": __version__})
+            "hang_after_s": hang_after, "by": "watch", "helper_pid": os.getpid(), "probe_version": __version__}))
         store.clean(root, job)
         self.records += 1
         self.recorded = _Recorded(directory, files, {p: r for p, r in self.ranks.items() if p in files}, time.monotonic())
         for member in members:  # a rank dead before the watch first saw it: no start ticks known
             if member.pid in files and member.pid not in self.recorded.ranks:
                 self.recorded.ranks[member.pid] = _Rank(member.rank, member.pid, time.monotonic())
+        self.held.update((p, r.ticks) for p, r in self.recorded.ranks.items())
+        self.rewording = (directory, died, reason, time.monotonic()) if died else None
         self._log("probe: %s recorded in %s: %d rank(s) in %.1f s%s"
                   % (what, directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
         return directory
@@ -411,6 +470,7 @@ class Watch:
                     continue
                 rec["crash"] = text
                 rec["died"] = True
+                rec["died_how"] = _died_how(recorded.ranks.get(member.pid), member.pid)
                 record.write_rank(recorded.directory, rec)
                 self._log("probe: rank %d (process %d) died after the stall was recorded; its crash record is "
                           "copied into %s" % (member.rank, member.pid, path))
@@ -439,12 +499,27 @@ class Watch:
         with os.fdopen(fd, "rb") as handle:
             return handle.read(CRASH_TEXT_BYTES).decode("utf-8", "replace")
 
+    def _where(self, members: List[Any]) -> Dict[str, Any]:
+        """What the meta says of where the job served and which run it is (``probe.snapshot.runs``)."""
+        from probe.host.members import node_host, process_environ
+        from probe.snapshot import runs
+
+        environs = [process_environ(m.pid, (b"SLURM_JOB_ID", b"SLURM_STEP_ID", b"TORCHELASTIC_RUN_ID"))
+                    for m in members]
+        return {"node_host": node_host(), "node": self.helper.members.node_key(), "probe_port": self.helper.base_port,
+                "helper_port": self.helper.port, "ports": sorted({m.port for m in members if m.port}),
+                "run": runs.run_of(environs),
+                "launch": runs.launch_of(os.getpid() if self.helper.kind == "launcher" else None,
+                                         [m.pid for m in members])}
+
     def _job(self, members: List[Any]) -> str:
         """The job's name in the snapshot's id: the Slurm job id or torchelastic's run id a rank was started
-        with, else ``port<PROBE_PORT>``."""
+        with, else ``port<PROBE_PORT>`` (``pid<PID>`` for a process watched alone)."""
         from probe.host.members import process_environ
         from probe.snapshot import store
 
+        if self.solo is not None and [m.pid for m in members] == [self.solo.pid]:
+            return store.job_id(pid=members[0].pid)
         for member in members:
             env = process_environ(member.pid, (b"SLURM_JOB_ID", b"TORCHELASTIC_RUN_ID"))
             if env:
@@ -477,11 +552,14 @@ class Watch:
             self._log(line)
 
 
-def consequence_of_another(cause: str) -> bool:
-    """Whether a death of this cause is how ranks die of another rank's death: the launcher's SIGTERM to the
-    rest, or an uncaught exception (a collective whose peer is gone raises one). Other signals, a death
-    without a word, and os._exit are a rank's own."""
-    return cause == "SIGTERM (terminated)" or cause.startswith("uncaught exception")
+def _died_how(seen: Optional[_Rank], pid: int) -> Optional[str]:
+    """How a rank of a record died, in the words of its crash record made exact where this node saw it."""
+    from probe.reader import crash
+
+    found = crash.dead_record(pid)
+    if found is None or (seen is not None and seen.ticks and found.start_ticks != seen.ticks):
+        return None
+    return exits.death_words(pid, found.cause)
 
 
 def _forget(seen: Optional[_Rank]) -> None:

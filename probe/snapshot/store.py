@@ -10,7 +10,9 @@ and cleanup.
 
 Nodes that record the same stall on a shared file system each make their own directory. When read, the
 directories of one job whose recordings began within :data:`GROUP_WINDOW_S` of the first of them are one
-snapshot, named by that first directory.
+snapshot, named by that first directory, where they can be one recording (``probe.snapshot.runs``: each by
+the watch of another node, of the same run where both name theirs); any other directory is a snapshot of
+its own: a snapshot taken by hand, another run of the job on the same port, a later record of this node.
 
 Directories another user made (or that hold another user's files) in a shared root are no record of
 yours: they are listed apart, with their owner, never grouped with yours, read only when named by path
@@ -66,13 +68,14 @@ class SnapshotInfo(NamedTuple):
     hosts: List[str]
     owner: Optional[str] = None
     problems: Tuple[str, ...] = ()
+    held: Tuple[int, ...] = ()  # the ranks it holds a file of (recorded or not)
 
     def as_json(self) -> Dict[str, Any]:
         return {"id": self.id, "path": self.path, "dirs": self.dirs, "job": self.job, "when": self.when,
                 "when_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.when)), "reason": self.reason,
                 "ranks": self.ranks, "failed": {str(k): v for k, v in sorted(self.failed.items())},
                 "bytes": self.bytes, "complete": self.complete, "hosts": self.hosts, "owner": self.owner,
-                "problems": list(self.problems)}
+                "problems": list(self.problems), "held": list(self.held)}
 
 
 def snapshot_root(explicit: Optional[str] = None) -> str:
@@ -249,13 +252,17 @@ def _dirs(root: str) -> List[_Dir]:
 
 
 def _groups(dirs: List[_Dir]) -> List[List[_Dir]]:
-    """Directories of one job and one owner whose recordings began within GROUP_WINDOW_S of the group's
-    first."""
+    """Directories of one job and one owner whose recordings began within GROUP_WINDOW_S of the group's first,
+    and that can be one recording (``runs.one_recording``: other nodes of the same run)."""
+    from probe.snapshot.runs import one_recording
+
     groups: List[List[_Dir]] = []
     for d in sorted(dirs, key=lambda d: (d.owner is not None, d.owner or 0, d.job, d.when, d.name)):
-        if (groups and groups[-1][0].job == d.job and groups[-1][0].owner == d.owner
-                and d.when - groups[-1][0].when <= GROUP_WINDOW_S):
-            groups[-1].append(d)
+        joined = next((g for g in groups if g[0].job == d.job and g[0].owner == d.owner
+                       and d.when - g[0].when <= GROUP_WINDOW_S
+                       and all(one_recording(o.metas, d.metas) for o in g)), None)
+        if joined is not None:
+            joined.append(d)
         else:
             groups.append([d])
     return groups
@@ -297,7 +304,7 @@ def _info(group: List[_Dir]) -> SnapshotInfo:
     recorded = [r for r in ranks if r not in failed]
     return SnapshotInfo(first.name, first.path, [d.path for d in group], first.job, first.when, reason, recorded,
                         failed, sum(d.bytes for d in group), complete, sorted(set(hosts)),
-                        None if first.owner is None else _user(first.owner), tuple(problems))
+                        None if first.owner is None else _user(first.owner), tuple(problems), tuple(ranks))
 
 
 def list_snapshots(root: str) -> List[SnapshotInfo]:
@@ -311,7 +318,7 @@ def list_snapshots(root: str) -> List[SnapshotInfo]:
 
 def resolve(path_text: str) -> List[str]:
     """The rank files a ``snapshot:`` target names, in rank order: a rank file; a snapshot directory (with
-    the same job's directories beside it whose recordings began within GROUP_WINDOW_S: the other nodes'); or
+    the other nodes' directories of that recording beside it: ``_groups``); or
     a directory of snapshots (its newest). A UsageError says what is there instead."""
     path = os.path.abspath(os.path.expanduser(path_text))
     if os.path.isfile(path):
@@ -322,8 +329,8 @@ def resolve(path_text: str) -> List[str]:
     if here is not None and (here.rank_files or here.metas):
         parent = os.path.dirname(path.rstrip("/"))
         for group in _groups(_dirs(parent)):
-            if any(d.path == here.path for d in group):
-                return _files(group)
+            if any(d.path == here.path for d in group):  # the named directory's own files first
+                return _files(sorted(group, key=lambda d: d.path != here.path))
         return _files([here])
     listed = list_snapshots(path)
     found = [s for s in listed if s.owner is None]

@@ -18,10 +18,13 @@ from probe.errors import UsageError
 @click.option("--watch", type=Seconds(0.5), metavar="SECONDS", default=None,
               help="Diagnose again every SECONDS, each time saying what changed (steps made or not, the verdict); "
                    "Ctrl-C ends it.")
+@click.option("--snapshot-dir", "snapshot_dir", type=click.Path(file_okay=False), metavar="DIR", default=None,
+              help="Where nothing answers at HOST:PORT, look for the record of the job that died there in DIR "
+                   "(default: $PROBE_SNAPSHOT_DIR and the runtime directory's snapshots/).")
 @output_format(*TEXT, json_help="the verdicts with their evidence rows and every rank's evidence (one object a line "
                                 "with --watch)")
 @pass_cli
-def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> None:
+def diagnose(cli: CliContext, watch: Optional[float], snapshot_dir: Optional[str], fmt: Optional[str]) -> None:
     """Say what is wrong with a process or a job, which rank, and where, with the evidence.
 
     \b
@@ -35,14 +38,22 @@ def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> Non
     step, a data loader stall (which worker), a stall, a lock wait, a NaN (where it came in), memory that
     grows, a straggler, or healthy (steps a second). Then the evidence, each with the probe command that
     shows it in full, then what to do.
+    Where nothing answers at HOST:PORT any more and the node's watch recorded the death of the job that
+    served there (within the last hour), that record is read instead, and said to be one (exit 12).
     \b
     Exit status: 0 healthy, 10 degraded (a straggler, a NaN, memory growth, a rank that gave no evidence),
     11 stuck (a hang, a rank that cannot run), 12 a rank is dead; probe's own codes (2, 3, 4...) where no
     diagnosis could be made.
     """
     from probe.diagnose.engine import diagnose as run, sampler_for
+    from probe.errors import ConnectError
 
-    target, single, command = _target(cli)
+    try:
+        target, single, command = _target(cli)
+    except ConnectError as exc:
+        if not _dead_job(cli, exc, watch, fmt, snapshot_dir):
+            raise
+        return
     recorded = getattr(target, "recorded", None)  # snapshot:PATH: the looks it recorded are the samples
     if recorded is not None and watch is not None:
         raise UsageError("--watch looks again and again, and a snapshot does not change", hint="leave out --watch")
@@ -77,7 +88,19 @@ def diagnose(cli: CliContext, watch: Optional[float], fmt: Optional[str]) -> Non
     except KeyboardInterrupt:
         cli.exit_code = 130
         return
+    except ConnectError as exc:
+        if previous is not None or recorded is not None or not _dead_job(cli, exc, watch, fmt, snapshot_dir):
+            raise
+        return
     cli.exit_code = code
+
+
+def _dead_job(cli: CliContext, exc: Any, watch: Optional[float], fmt: Optional[str], snapshot_dir: Optional[str]) -> bool:
+    """Nothing answers at HOST:PORT: where the job that served there died and its node recorded it, that
+    record's verdict (probe.cli.dead_job)."""
+    from probe.cli.dead_job import diagnose_dead_job
+
+    return watch is None and diagnose_dead_job(cli, exc, fmt == "json", snapshot_dir, render)
 
 
 def _shown_target(cli: CliContext) -> str:

@@ -45,6 +45,8 @@ def snapshot(cli: CliContext, directory: Optional[str], reason: str, fmt: Option
     from probe.snapshot.store import save_snapshot, snapshot_root
 
     pairs, job, secrets = _ranks(cli)
+    if len(pairs) == 1 and job.startswith("pid"):
+        _refuse_no_process(pairs[0][0])
     root = snapshot_root(directory)
     deadline = cli.deadline or DEFAULT_DEADLINE_S
     started = time.time()
@@ -62,6 +64,19 @@ def snapshot(cli: CliContext, directory: Optional[str], reason: str, fmt: Option
         cli.exit_code = 3
     elif failed:
         cli.exit_code = PARTIAL
+
+
+def _refuse_no_process(client: Any) -> None:
+    """A pid with no process and no crash record left: nothing to record, and no empty record written."""
+    pid = client.target.pid
+    if pid is None or not client.target.is_local or os.path.exists("/proc/%d" % pid):
+        return
+    from probe.errors import ConnectError
+    from probe.reader import crash
+
+    if crash.dead_record(pid) is None:
+        raise ConnectError("no process with pid %d (it exited, was killed, or never was): nothing to record" % pid,
+                           hint="check the pid with `probe list` or ps; `probe snapshots` lists what was recorded")
 
 
 def render(path: str, meta: Any, total: int) -> List[str]:

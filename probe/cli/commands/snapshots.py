@@ -62,15 +62,27 @@ def age_text(seconds: float) -> str:
     return "%.0f s ago" % seconds
 
 
+def ranks_text(info: Any, compact_ranks: Any) -> str:
+    """The ranks a snapshot holds a record of, then those of them whose stacks could not be read (a rank
+    killed without a word, one read from outside in vain), then those its nodes named but wrote no file of."""
+    held = sorted(getattr(info, "held", ()) or info.ranks)
+    text = compact_ranks(held) if held else "none"
+    without = sorted(r for r in info.failed if r in held)
+    missing = sorted(r for r in info.failed if r not in held)
+    if without:
+        text += " (no stacks: %s)" % compact_ranks(without)
+    if missing:
+        text += " (no record: %s)" % compact_ranks(missing)
+    return text
+
+
 def render(found: List[Any], root: str, now: float) -> List[str]:
     """A table: newest last, as they were recorded."""
     from probe.client.cluster import compact_ranks
 
     rows = [("ID", "JOB", "WHEN (UTC)", "AGE", "RANKS", "SIZE", "STATE", "WHY")]
     for info in found:
-        ranks = compact_ranks(info.ranks) if info.ranks else "none"
-        if info.failed:
-            ranks += " (not %s)" % compact_ranks(sorted(info.failed))
+        ranks = ranks_text(info, compact_ranks)
         rows.append((info.id, info.job, time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(info.when)),
                      age_text(now - info.when), ranks, size_text(info.bytes),
                      "complete" if info.complete else "incomplete", info.reason or "?"))
