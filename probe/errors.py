@@ -10,7 +10,8 @@ from typing import Dict, Optional, Type
 
 __all__ = [
     "ProbeError", "BadRequest", "SQLError", "SQLUnavailable", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",
-    "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "UsageError", "InjectError",
+    "Timeout", "TooLarge", "Busy", "InternalError", "NotFound", "ConnectError", "ConnectionRefused", "UsageError",
+    "InjectError",
     "AgentBlocked", "ProcessDead", "ReaderError", "TorchNotLoaded", "error_from_code",
 ]
 
@@ -102,6 +103,10 @@ class ConnectError(ProbeError):
     """No agent answers at the target (client side only)."""
 
     code, status, exit_code = "connect_error", 503, 3
+
+
+class ConnectionRefused(ConnectError):
+    """Nothing listens at the target's address (client side only): the CLI says how a job comes to serve there."""
 
 
 class UsageError(ProbeError):

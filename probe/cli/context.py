@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 from probe.cli.output import say
 from probe.cli.render import visible
 from probe.client import Client, connect
-from probe.errors import ProbeError, UsageError
+from probe.errors import ConnectionRefused, ProbeError, UsageError
 
 __all__ = ["CliContext", "each_target"]  # and pass_cli, made on first use (below)
 
@@ -142,6 +142,10 @@ class CliContext:
     def record(self, exc: ProbeError, label: Optional[str] = None) -> None:
         """Report one target's error and remember the exit code; the other targets still run."""
         prefix = "probe: %s: " % label if label else "probe: "
+        if isinstance(exc, ConnectionRefused) and not exc.hint and not label and len(self.targets) == 1:
+            from probe.client.refused import where_to_ask
+
+            exc.hint = where_to_ask(self.targets[0], self.token, self.token_file)
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
         say(prefix + "error: " + message, err=True)
         self.failures += 1

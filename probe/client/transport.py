@@ -27,7 +27,7 @@ import time
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
 
 from probe.client.wording import option
-from probe.errors import ConnectError, Timeout, TooLarge, UsageError
+from probe.errors import ConnectError, ConnectionRefused, Timeout, TooLarge, UsageError
 
 __all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response",
            "release", "use_tls", "tls_context", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
@@ -275,7 +275,7 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     except FileNotFoundError:
         raise ConnectError("no agent at %s (no such socket)" % (address,)) from None
     except ConnectionRefusedError:
-        raise ConnectError("no agent at %s (connection refused)" % (address,)) from None
+        raise ConnectionRefused("no agent at %s (connection refused)" % (address,)) from None
     except socket.timeout:
         waited = timeout if queue_wait is None else min(queue_wait, timeout)
         raise Timeout("connecting to %s timed out after %.1f s" % (address, waited)) from None
