@@ -77,13 +77,14 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
 def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
                  query_id: Optional[str], state: Dict[str, Any]) -> Any:
     from probe.engine.sandbox import _check_size
-    from probe.errors import NotFound, Timeout, TooLarge
+    from probe.errors import NotFound, SQLError, Timeout, TooLarge
     from probe.tables.arrow import to_arrow
 
     _check_size(sql)
     ask = max(max_rows or 0, TABLE_ROWS)
     tables: Dict[str, Any] = {}
     cut: List[str] = []
+    absent: List[Any] = []  # the agent's own word on a table it has no rows for ("no torch trace has run")
     names, columns = _named(sql)
     for name in sorted(names):
         if "." not in name:
@@ -92,8 +93,9 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
             raise KeyboardInterrupt
         try:
             rows = client.table_rows(name, max_rows=ask, columns=columns)
-        except NotFound:
-            continue  # DuckDB's own "does not exist" error names it
+        except NotFound as exc:
+            absent.append(exc)
+            continue  # DuckDB's own "does not exist" error names it, unless the agent said why
         except TooLarge as exc:
             raise TooLarge("%s: %s, whose rows the client fetches to run this query on its side"
                            % (exc.message, name),
@@ -114,6 +116,10 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
     try:
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
                               timeout=limit, query_id=named)
+    except SQLError:
+        if absent:  # a table the agent has no rows for (or does not know): its reason, not DuckDB's
+            raise absent[0] from None
+        raise
     except Timeout:
         raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
                       "over the rows the agent sent)" % limit,

@@ -21,7 +21,7 @@ from probe.client.results import Frame
 from probe.errors import AgentBlocked, ConnectError, ProbeError, ProcessDead, Timeout, TorchNotLoaded
 
 __all__ = ["RankEvidence", "Sample", "collect", "forget", "sample_job", "sample_one", "FR_SQL", "TRACE_SQL",
-           "THREADS_SQL"]
+           "THREADS_SQL", "PATHS_SQL", "LOCKS_SQL"]
 
 THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_user IS NULL THEN NULL "
                "ELSE cpu_user + coalesce(cpu_system, 0) END AS cpu FROM python.threads")
@@ -51,6 +51,21 @@ FROM python.torch_trace"""
 """The trace's last step, how long ago its last span began, the forward self time per step over the last
 5 complete steps (a rank's own compute), its slowest forward module there, and the wall time per step."""
 
+PATHS_SQL = "SELECT kind, path FROM python.paths"
+"""The interpreter's layout: which frames are a library's."""
+
+LOCKS_SQL = ("SELECT thread_id, thread_name, depth, func, file, lineno, role, expr, with_line, lock_id, lock_type, locked, "
+             "owner FROM python.locks")
+"""The locks each thread waits for and holds, by identity; asked only where some thread's innermost line is a
+``with`` or an ``acquire(``."""
+
+
+def _may_wait_for_a_lock(ev: "RankEvidence") -> bool:
+    from probe.diagnose import lockwaits
+
+    return any(lockwaits.lock_line(key[0][3]) for key in ev.stacks().values() if key)
+
+
 STATES = ("answering", "gil_held", "stopped", "dead", "no_answer", "unreachable", "no_agent")
 
 
@@ -64,6 +79,7 @@ class RankEvidence:
     source: str = "agent"  # where the stacks came from: agent, or the reader's words (outside, crash record)
     frames: Optional[List[Frame]] = None
     holder: Optional[str] = None  # the thread that keeps the GIL, and where
+    holder_id: Optional[int] = None  # that thread's id in ``frames``
     threads: Optional[List[Dict[str, Any]]] = None
     threads_why: Optional[str] = None
     fr: Optional[List[Dict[str, Any]]] = None
@@ -74,27 +90,46 @@ class RankEvidence:
     memory: Optional[Dict[str, Any]] = None  # RSS readings, where memory is, OOM kills (probe.diagnose.memory)
     steps: Optional[List[Dict[str, Any]]] = None  # the step counter's rows (probe.diagnose.progress)
     steps_why: Optional[str] = None
+    paths: Optional[List[List[str]]] = None  # [kind, directory] of its interpreter's layout (python.paths)
+    locks: Optional[List[Dict[str, Any]]] = None  # python.locks rows, where a thread's line may wait for a lock
     seconds: float = 0.0
     at: float = field(default_factory=time.monotonic)
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
         """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
+        return {name: key for name, _, key in self._named()}
+
+    def names_by_id(self) -> Dict[int, str]:
+        """Thread id -> the name :meth:`stacks` gives that thread."""
+        return {ident: name for name, ident, _ in self._named()}
+
+    def _named(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
         by_thread: Dict[int, List[Frame]] = {}
         for frame in self.frames or ():
             if frame.frame_type == "python":
                 by_thread.setdefault(frame.thread_id, []).append(frame)
-        out: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {}
+        out: List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]] = []
+        taken = set()
         for stack in sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "",
                                                                  fs[0].thread_id)):
             name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
             unique, n = name, 1
-            while unique in out:
+            while unique in taken:
                 n += 1
                 unique = "%s#%d" % (name, n)
-            out[unique] = tuple((f.func, f.file, f.lineno, (f.code or "").strip())
-                                for f in sorted(stack, key=lambda f: f.depth))
+            taken.add(unique)
+            out.append((unique, stack[0].thread_id, tuple((f.func, f.file, f.lineno, (f.code or "").strip())
+                                                          for f in sorted(stack, key=lambda f: f.depth))))
         return out
+
+    def library(self) -> Any:
+        """Which of its frames are a library's (:class:`probe.diagnose.library.Library`), by the layout it
+        reported or that was read from outside; this host's own where neither is known."""
+        from probe.diagnose import library
+
+        rows = [(str(r[0]), str(r[1])) for r in self.paths or () if isinstance(r, (list, tuple)) and len(r) == 2]
+        return library.from_rows(rows) if rows else library.local_layout()
 
     def main_cpu(self) -> Optional[float]:
         for thread in self.threads or ():
@@ -117,7 +152,7 @@ class RankEvidence:
                            for name, key in self.stacks().items()} if self.frames is not None else None,
                 "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
                 "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why,
-                "steps": self.steps, "steps_why": self.steps_why,
+                "steps": self.steps, "steps_why": self.steps_why, "paths": self.paths,
                 "training": self.training, "memory": self.memory}
 
 
@@ -130,6 +165,7 @@ class Sample:
     single: bool = False
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
+    recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
 
 
 def _agent_frames(client: Any) -> List[Frame]:
@@ -195,6 +231,11 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     if stacks is not None:
         ev.frames = client_module._frames_of(stacks)
         ev.source = str(getattr(stacks, "source", "read from outside"))
+        from probe.diagnose import library
+
+        facts = getattr(stacks, "facts", None) or {}
+        roots = library.from_process(local_pid if ev.state != "dead" else None, facts.get("executable"))
+        ev.paths = [["stdlib", root] for root in roots] or None
         if ev.state == "gil_held":
             holder = diagnosis.holder if diagnosis is not None and diagnosis.holder is not None else None
             if holder is None:
@@ -204,6 +245,8 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
                     holder = None
             if holder is not None:
                 ev.holder = "thread %s in %s" % (holder.label().strip(), holder.where())
+                ident = holder.thread_id if holder.thread_id is not None else holder.native_id
+                ev.holder_id = ident if isinstance(ident, int) else None
     else:
         ev.source = "none"
 
@@ -233,6 +276,15 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     if ev.state == "unreachable" and listed_state == "dead":
         ev.state = "dead"
     if ev.state == "answering":
+        try:
+            ev.paths = [[str(r["kind"]), str(r["path"])] for r in _query(client, PATHS_SQL)]
+        except ProbeError:  # an older agent: the layout is guessed (probe.diagnose.library)
+            ev.paths = None
+        if _may_wait_for_a_lock(ev):
+            try:
+                ev.locks = _query(client, LOCKS_SQL)
+            except ProbeError:  # an older agent: holders are found by the expressions' text
+                ev.locks = None
         try:
             ev.threads = _query(client, THREADS_SQL)
         except ProbeError as exc:
