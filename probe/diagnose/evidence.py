@@ -21,7 +21,7 @@ from probe.client.results import Frame
 from probe.errors import AgentBlocked, ConnectError, ProbeError, ProcessDead, Timeout, TorchNotLoaded
 
 __all__ = ["RankEvidence", "Sample", "collect", "forget", "sample_job", "sample_one", "FR_SQL", "TRACE_SQL",
-           "THREADS_SQL", "PATHS_SQL", "LOCKS_SQL"]
+           "THREADS_SQL"]
 
 THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_user IS NULL THEN NULL "
                "ELSE cpu_user + coalesce(cpu_system, 0) END AS cpu FROM python.threads")
@@ -51,13 +51,7 @@ FROM python.torch_trace"""
 """The trace's last step, how long ago its last span began, the forward self time per step over the last
 5 complete steps (a rank's own compute), its slowest forward module there, and the wall time per step."""
 
-PATHS_SQL = "SELECT kind, path FROM python.paths"
-"""The interpreter's layout: which frames are a library's."""
-
-LOCKS_SQL = ("SELECT thread_id, thread_name, depth, func, file, lineno, role, expr, with_line, lock_id, lock_type, locked, "
-             "owner FROM python.locks")
-"""The locks each thread waits for and holds, by identity; asked only where some thread's innermost line is a
-``with`` or an ``acquire(``."""
+MAX_TABLE_ROWS = 2000  # rows of python.paths and python.locks read (their rows, without SQL: no engine involved)
 
 
 def _may_wait_for_a_lock(ev: "RankEvidence") -> bool:
@@ -259,6 +253,17 @@ def _query(client: Any, sql: str) -> List[Dict[str, Any]]:
     return [dict(zip(names, row)) for row in rows.rows]
 
 
+def _table(client: Any, name: str) -> List[Dict[str, Any]]:
+    """A table's rows as the agent makes them (``/v1/rows``: no SQL engine on either side): the
+    interpreter's layout (``python.paths``, which frames are a library's), the locks by identity
+    (``python.locks``, asked only where some thread's innermost line is a ``with`` or an ``acquire(``)."""
+    rows = client.table_rows(name, max_rows=MAX_TABLE_ROWS)
+    if client.note:
+        raise ProbeError("the agent stopped answering: %s" % client.note.splitlines()[0])
+    names = [c[0] for c in rows.columns]
+    return [dict(zip(names, row)) for row in rows.rows]
+
+
 def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed_state: Optional[str] = None) -> RankEvidence:
     """One rank's evidence; never raises (what failed is kept, with why)."""
     start = time.monotonic()
@@ -277,12 +282,12 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
         ev.state = "dead"
     if ev.state == "answering":
         try:
-            ev.paths = [[str(r["kind"]), str(r["path"])] for r in _query(client, PATHS_SQL)]
+            ev.paths = [[str(r["kind"]), str(r["path"])] for r in _table(client, "python.paths")]
         except ProbeError:  # an older agent: the layout is guessed (probe.diagnose.library)
             ev.paths = None
         if _may_wait_for_a_lock(ev):
             try:
-                ev.locks = _query(client, LOCKS_SQL)
+                ev.locks = _table(client, "python.locks")
             except ProbeError:  # an older agent: holders are found by the expressions' text
                 ev.locks = None
         try:

@@ -139,7 +139,8 @@ def lock_verdict(ev: "RankEvidence", waits: List[Tuple[str, Any]], window: float
                     row["holder"], row["holder_func"], _short(str(row["holder_file"])), row["holder_line"])
         else:
             said = "holder unknown: %s" % row.get("why")
-        evidence.append(Evidence("thread %s at `%s`: %s; %s" % (n, k[0][3], where_text(where_of(k, n, library)), said),
+        evidence.append(Evidence("thread %s at `%s`: %s; %s" % (n, code_only(k[0][3]), where_text(where_of(k, n, library)),
+                                                                said),
                                  command([ev.rank], "backtrace"), [ev.rank], [dict(row)]))
     holders = sorted({str(row["holder"]) for row in held.values() if row.get("holder") is not None} - set(cycle or ()))
     if cycle:

@@ -255,8 +255,8 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
             group.sort(key=lambda r: cannot.died_of_another(ranks[r]))
             first_deaths = [r for r in group if not cannot.died_of_another(ranks[r])]
         for r in group:
-            verdict = cannot.cannot_answer(ranks[r], who([r]), in_collective, ranks, who, command, single,
-                                           last.recorded)
+            verdict = cannot.cannot_answer(ranks[r], who([r]), cannot.waiting(in_collective, first, last, progress),
+                                           ranks, who, command, single, last.recorded)
             if state == "dead" and first_deaths and cannot.died_of_another(ranks[r]):
                 verdict.summary += ("; most likely of the death of %s (its launcher's SIGTERM to the others, or a "
                                     "collective's lost peer)" % who(first_deaths))

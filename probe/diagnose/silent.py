@@ -10,10 +10,10 @@ for a record read back later (the process may be long gone).
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 if TYPE_CHECKING:
-    from probe.diagnose.evidence import RankEvidence
+    from probe.diagnose.evidence import RankEvidence, Sample
     from probe.diagnose.rules import Commands, Verdict
 
-__all__ = ["cannot_answer", "died_of_another"]
+__all__ = ["cannot_answer", "died_of_another", "waiting"]
 
 Key = Tuple[Tuple[str, str, int, str], ...]
 
@@ -23,6 +23,27 @@ def died_of_another(ev: "RankEvidence") -> bool:
     uncaught exception (a collective whose peer is gone raises one)."""
     why = ev.why or ""
     return ev.state == "dead" and ("SIGTERM (terminated)" in why or ": uncaught exception: " in why)
+
+
+def waiting(in_collective: Dict[int, Any], first: "Sample", last: "Sample",
+            progress: Dict[int, Dict[str, Any]]) -> Dict[int, Any]:
+    """The ranks that wait for a rank that cannot answer: those inside a collective over the look
+    (rank -> (op, thread, stack)), and the other answering ranks of a job whose main thread neither ran nor
+    moved and that made no step (rank -> (None, thread, stack)): waiting inside DDP's backward, a barrier
+    of their own, a queue fed by the silent rank."""
+    from probe.diagnose.rules import _main
+
+    out = dict(in_collective)
+    if last.single:
+        return out
+    for r, ev in last.ranks.items():
+        if r in out or ev.state != "answering" or r not in first.ranks or first.ranks[r] is ev:
+            continue
+        if progress.get(r, {}).get("ran") is False and not progress[r].get("stepped"):
+            thread, key = _main(ev)
+            if key:
+                out[r] = (None, thread, key)
+    return out
 
 
 def _culprit_thread(ev: "RankEvidence") -> Tuple[str, Key]:
@@ -45,11 +66,15 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
     thread, key = _culprit_thread(ev)
     where = where_of(key, thread, ev.library()) if ev.frames else None
     waiting = sorted(in_collective)
+    inside = [r for r in waiting if in_collective[r][0] is not None]
+    still = [r for r in waiting if in_collective[r][0] is None]
     victims_text = ""
-    if waiting:
-        ops = sorted({in_collective[r][0] for r in waiting})
-        victims_text = "; %s wait%s for it in %s" % (who(waiting), "s" if len(waiting) == 1 else "",
-                                                     "/".join(ops))
+    if inside:
+        ops = sorted({in_collective[r][0] for r in inside})
+        victims_text = "; %s wait%s for it in %s" % (who(inside), "s" if len(inside) == 1 else "", "/".join(ops))
+    if still:
+        victims_text += "; %s make%s no progress (no step, no CPU, the same stack), most likely waiting for it" % (
+            who(still), "s" if len(still) == 1 else "")
     stacks_cmd = command([ev.rank], "backtrace")
     evidence: List[Evidence] = []
     nexts: List[str] = []
@@ -76,8 +101,8 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
             nexts.append("eval and the torch tables need the GIL: they work again once that call returns")
     elif ev.state == "stopped":
         status, kind = "stuck", "stopped"
-        summary = "%s %s stopped (SIGSTOP, or a debugger): nothing in it ran%s" % (
-            name, "was" if recorded else "is", victims_text)
+        summary = "%s %s stopped (SIGSTOP, or a debugger): nothing in it %s%s" % (
+            name, "was" if recorded else "is", "ran" if recorded else "runs", victims_text)
         evidence.append(Evidence("%s; stacks read from outside: %s" % (ev.why.split(" -- ")[0], where_text(where)),
                                  stacks_cmd, [ev.rank]))
         if not recorded:
@@ -91,10 +116,10 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
         else:
             evidence.append(Evidence(ev.why or "no answer, and its stacks could not be read", None, [ev.rank]))
         nexts.append("look again, with more time: %s" % command([ev.rank], "--deadline 30 backtrace"))
-    if waiting:
-        first = waiting[0]
-        op, vthread, vkey = in_collective[first]
-        library = ranks[first].library() if first in ranks else None
-        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread, library))),
-                                 command(waiting, "backtrace"), waiting))
+    for group in (inside, still):
+        if group:
+            op, vthread, vkey = in_collective[group[0]]
+            library = ranks[group[0]].library() if group[0] in ranks else None
+            evidence.append(Evidence("%s: %s" % (who(group), where_text(where_of(vkey, vthread, library))),
+                                     command(group, "backtrace"), group))
     return Verdict(kind, status, summary, [ev.rank], waiting, where, evidence, nexts)
