@@ -253,6 +253,25 @@ def _query(client: Any, sql: str) -> List[Dict[str, Any]]:
     return [dict(zip(names, row)) for row in rows.rows]
 
 
+_LAYOUTS: Dict[Tuple[str, int], List[List[str]]] = {}
+MAX_LAYOUTS = 4096
+
+
+def _layout(client: Any, host: str, pid: Optional[int]) -> Optional[List[List[str]]]:
+    """The interpreter's layout (``python.paths``), read once per process: it does not change while it runs."""
+    if pid is not None and (host, pid) in _LAYOUTS:
+        return _LAYOUTS[(host, pid)]
+    try:
+        paths = [[str(r["kind"]), str(r["path"])] for r in _table(client, "python.paths")]
+    except ProbeError:  # an older agent: the layout is guessed (probe.diagnose.library)
+        return None
+    if pid is not None:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[(host, pid)] = paths
+    return paths
+
+
 def _table(client: Any, name: str) -> List[Dict[str, Any]]:
     """A table's rows as the agent makes them (``/v1/rows``: no SQL engine on either side): the
     interpreter's layout (``python.paths``, which frames are a library's), the locks by identity
@@ -281,10 +300,7 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     if ev.state == "unreachable" and listed_state == "dead":
         ev.state = "dead"
     if ev.state == "answering":
-        try:
-            ev.paths = [[str(r["kind"]), str(r["path"])] for r in _table(client, "python.paths")]
-        except ProbeError:  # an older agent: the layout is guessed (probe.diagnose.library)
-            ev.paths = None
+        ev.paths = _layout(client, host, pid)
         if _may_wait_for_a_lock(ev):
             try:
                 ev.locks = _table(client, "python.locks")
@@ -335,6 +351,8 @@ def forget(host: str, pid: Optional[int], rank: int) -> None:
 
     memory.forget((host, pid, rank))
     training.forget((host, pid))
+    if pid is not None:
+        _LAYOUTS.pop((host, pid), None)
 
 
 def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,
