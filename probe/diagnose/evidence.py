@@ -117,12 +117,22 @@ class RankEvidence:
                                                           for f in sorted(stack, key=lambda f: f.depth))))
         return out
 
+    def lock_rows(self) -> List[Dict[str, Any]]:
+        """The rows of ``python.locks`` whose fields have the types the table gives (a record is hostile)."""
+        out = []
+        for row in (self.locks if isinstance(self.locks, list) else ())[:4096]:
+            if isinstance(row, dict) and all(row.get(k) is None or type(row.get(k)) is int
+                                             for k in ("thread_id", "depth", "lineno", "with_line", "lock_id", "owner")):
+                out.append(row)
+        return out
+
     def library(self) -> Any:
         """Which of its frames are a library's (:class:`probe.diagnose.library.Library`), by the layout it
         reported or that was read from outside; this host's own where neither is known."""
         from probe.diagnose import library
 
-        rows = [(str(r[0]), str(r[1])) for r in self.paths or () if isinstance(r, (list, tuple)) and len(r) == 2]
+        rows = [(str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
+                if isinstance(r, (list, tuple)) and len(r) == 2][:64]
         return library.from_rows(rows) if rows else library.local_layout()
 
     def main_cpu(self) -> Optional[float]:

@@ -90,7 +90,7 @@ def holders(ev: "RankEvidence", waits: Sequence[Tuple[str, Key]]) -> List[Dict[s
     stacks = ev.stacks()
     library = ev.library()
     for name, key in waits:
-        row = _by_identity(ev.locks or [], names, stacks, library, name, key)
+        row = _by_identity(ev.lock_rows(), names, stacks, library, name, key)
         if row is None:
             row = _by_text(stacks, library, name, key)
         out.append(row)

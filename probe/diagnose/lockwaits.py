@@ -65,7 +65,7 @@ def _not_a_lock(ev: "RankEvidence", thread: str, key: Key) -> bool:
     """Whether the agent found the object at the waiting line and it is no lock (``with open_gate:`` of a
     context manager written in C that blocks for other reasons is not called a lock wait)."""
     names = ev.names_by_id()
-    rows = [r for r in ev.locks or () if r.get("role") == "waits" and names.get(r.get("thread_id")) == thread
+    rows = [r for r in ev.lock_rows() if r.get("role") == "waits" and names.get(r.get("thread_id")) == thread
             and r.get("depth") == 0 and r.get("lineno") == key[0][2]]
     return bool(rows) and all(r.get("lock_type") is not None and r.get("locked") is None for r in rows)
 

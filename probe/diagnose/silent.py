@@ -50,7 +50,7 @@ def _culprit_thread(ev: "RankEvidence") -> Tuple[str, Key]:
     """The thread a verdict on ``ev`` points at: the GIL's holder where it is known, else the main thread."""
     from probe.diagnose.rules import _main
 
-    if ev.state == "gil_held" and ev.holder_id is not None:
+    if ev.state == "gil_held" and type(ev.holder_id) is int:
         name = ev.names_by_id().get(ev.holder_id)
         stacks = ev.stacks()
         if name is not None and stacks.get(name):

@@ -235,6 +235,14 @@ def _resolve(node: ast.expr, scopes: Tuple[Any, Any, Any]) -> Any:
     return obj
 
 
+def _has(kind: type, name: str) -> bool:
+    """Whether a type defines ``name``, by its classes' own dicts (``hasattr`` could run a metaclass's code)."""
+    for klass in type.__dict__["__mro__"].__get__(kind):
+        if name in type.__dict__["__dict__"].__get__(klass):
+            return True
+    return False
+
+
 def _static_attr(obj: Any, name: str) -> Any:
     """``obj.name`` from the instance's ``__dict__`` or slots, or a plain value in its class's ``__dict__``;
     ``_MISSING`` where that would run code (a property, ``__getattr__``, a descriptor of the program's)."""
@@ -250,7 +258,7 @@ def _static_attr(obj: Any, name: str) -> Any:
             kind = type(found)
             if kind is types.MemberDescriptorType:  # a slot: read by C code
                 return found.__get__(obj, type(obj))
-            if hasattr(kind, "__set__") or hasattr(kind, "__delete__"):
+            if _has(kind, "__set__") or _has(kind, "__delete__"):
                 return _MISSING  # a property or another data descriptor: its code would run
         holder: Any = _MISSING
         for klass in mro:
@@ -262,7 +270,7 @@ def _static_attr(obj: Any, name: str) -> Any:
             instance = holder.__get__(obj, type(obj))
             if type(instance) is dict and name in instance:
                 return instance[name]
-        if found is not _MISSING and not hasattr(type(found), "__get__"):
+        if found is not _MISSING and not _has(type(found), "__get__"):
             return found
     except Exception:  # an object whose type does not behave: unresolved
         return _MISSING

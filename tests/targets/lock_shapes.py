@@ -8,6 +8,9 @@
   second one's ``with self.state.guard:``.
 - ``owner``: thread ``owner`` takes RLock ``b`` with ``acquire()`` and keeps it; the main thread waits at
   ``with b:``.
+- ``property``: ``Watched.guard`` is a property (it counts its calls in ``Watched.calls``); thread ``keeper``
+  sits inside ``with self.guard:``, the main thread waits at the same line of another call: reading the
+  lock must not call the property (``Watched.calls`` stays 2, the program's own two reads).
 - ``stop``: the main thread waits in ``Event.wait`` (the standard library) called from ``wait_for_peer``
   (it is meant to be stopped with SIGSTOP and diagnosed from outside).
 
@@ -64,6 +67,24 @@ class Service:
     def update(self) -> None:
         with self.state.guard:
             pass
+
+
+class Watched:
+    calls = 0
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+
+    @property
+    def guard(self) -> threading.Lock:
+        Watched.calls += 1
+        return self._guard
+
+    def keep(self, inside: threading.Event) -> None:
+        with self.guard:
+            if not inside.is_set():
+                inside.set()
+                never.wait()
 
 
 def own_rlock(taken: threading.Event) -> None:
@@ -134,6 +155,12 @@ def main(mode: str) -> None:
         ready()
         with b:  # the owner never lets go
             pass
+    elif mode == "property":
+        watched, inside = Watched(), threading.Event()
+        threading.Thread(target=watched.keep, args=(inside,), name="keeper", daemon=True).start()
+        inside.wait()
+        ready()
+        watched.keep(inside)
     else:
         wait_for_peer()
 
