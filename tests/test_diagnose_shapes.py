@@ -11,7 +11,6 @@ import shutil
 import signal
 import time
 
-from probe.diagnose.library import Library
 from probe.diagnose.rules import EXIT_CODES
 from procs import TARGETS, run_cli, scaled, target_env
 from test_cluster import needs_torchrun, torchrun_job
@@ -151,6 +150,8 @@ def test_not_known_says_what_and_how_in_words_not_an_engines_error(target_factor
 
 
 def test_rules_library_code_is_the_targets_layout_not_a_folder_named_probe():
+    from probe.diagnose.library import Library
+
     library = Library(["/opt/py/lib/python3.11", "/opt/py/lib/python3.11/site-packages", "/srv/tools/probe"],
                       known=True)
     assert not library.holds("/tmp/x/probe/job/train.py") and not library.holds("/home/u/probe/probe/train.py")
