@@ -11,7 +11,8 @@ order of weight:
    ranks whose main thread stayed inside a torch.distributed collective over the whole window, with no
    CPU gained and no step made, against the ranks outside it;
 4. a stall: the trace's last step long ago on every rank, none made in the window;
-5. a lock wait: a thread that stayed at ``with ...lock`` / ``.acquire(`` over the window, gaining no CPU;
+5. a lock wait: a thread that stayed at ``with X:`` / ``X.acquire(`` over the window, gaining no CPU, its
+   holder by the lock's identity (:mod:`probe.diagnose.lockwaits`);
 6. a straggler: a rank whose own compute per step (forward self time in the trace) is well above the
    others' median; not the ranks that wait for it in collectives;
 7. otherwise healthy: steps advancing (trace, Flight Recorder, the step counter), or, without any, the main
