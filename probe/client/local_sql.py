@@ -94,7 +94,7 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
         try:
             rows = client.table_rows(name, max_rows=ask, columns=columns)
         except NotFound as exc:
-            absent.append(exc)
+            absent.append((name, exc))
             continue  # DuckDB's own "does not exist" error names it, unless the agent said why
         except TooLarge as exc:
             raise TooLarge("%s: %s, whose rows the client fetches to run this query on its side"
@@ -117,8 +117,9 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
                               timeout=limit, query_id=named)
     except SQLError:
-        if absent:  # a table the agent has no rows for (or does not know): its reason, not DuckDB's
-            raise absent[0] from None
+        said = _said_absent(client, absent)
+        if said is not None:  # a table the agent has and no rows for ("no torch trace has run"): its reason
+            raise said from None
         raise
     except Timeout:
         raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
@@ -179,6 +180,18 @@ def _close_kept() -> None:
         engines, _kept[:] = list(_kept), []
     for engine in engines:
         engine.close()
+
+
+def _said_absent(client: "Client", absent: List[Tuple[str, Any]]) -> Any:
+    """The agent's own error for a table it lists but could give no rows of; None where every name the query
+    missed is no table of the agent's (a file name, a typo: DuckDB's error says it best)."""
+    if not absent:
+        return None
+    try:
+        listed = {t.name for t in client.tables()}
+    except Exception:  # the agent stopped answering: DuckDB's error stands
+        return None
+    return next((exc for name, exc in absent if name in listed), None)
 
 
 def _named(sql: str) -> Tuple[Set[str], Optional[List[str]]]:
