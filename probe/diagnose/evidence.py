@@ -13,6 +13,7 @@ Only reads: no eval, no collective, no device synchronisation (the tables promis
 not be had is kept with why (``*_why``), never filled in.
 """
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -239,7 +240,9 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
 
         facts = getattr(stacks, "facts", None) or {}
         roots = library.from_process(local_pid if ev.state != "dead" else None, facts.get("executable"))
-        ev.paths = [["stdlib", root] for root in roots] or None
+        if roots:  # with this probe's own package: the target's agent is most often this very install
+            ev.paths = [["stdlib", root] for root in roots] + [["probe", os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__)))]]
         if ev.state == "gil_held":
             holder = diagnosis.holder if diagnosis is not None and diagnosis.holder is not None else None
             if holder is None:
