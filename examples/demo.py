@@ -12,8 +12,10 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+EXIT_STUCK = 11  # what `probe PID diagnose` exits with on a hung process
 
 STEPS = [
+    ("what is wrong, which thread, where (exit 11: stuck)", ["diagnose"]),
     ("where is every thread right now", ["backtrace"]),
     ("the innermost frames, in SQL", ["query", "SELECT thread_name, func, lineno, code FROM python.backtrace "
                                                "WHERE depth = 0 ORDER BY thread_name"]),
@@ -22,7 +24,8 @@ STEPS = [
                                               "GROUP BY ALL ORDER BY frames DESC"]),
     ("the process", ["query", "SELECT pid, round(rss / 1e6, 1) AS rss_mb, num_threads, python_version "
                               "FROM process.info"]),
-    ("read the training state", ["eval", "print(f'step={step} loss={loss:.3f} queued={batches.qsize()}')"]),
+    ("read the training state", ["eval", "print(f'step={step} loss={loss:.3f} queued={batches.qsize()} "
+                                         "weights={weights.locked()} metrics={metrics.locked()}')"]),
     ("the tables there are", ["tables"]),
 ]
 
@@ -59,12 +62,13 @@ def main() -> int:
     try:
         pid = wait_ready(target)
         wait_agent(pid)
-        print("started examples/stuck.py as pid %d with PROBE=1 (it hangs in all_reduce)\n" % pid)
+        print("started examples/stuck.py as pid %d with PROBE=1 (at step 5 its trainer and its checkpoint writer "
+              "deadlock on two locks)\n" % pid)
         for title, args in STEPS:
             shown = " ".join(a if " " not in a else '"%s"' % a for a in args)
             print("# %s\n$ probe %d %s" % (title, pid, shown), flush=True)
             done = subprocess.run([sys.executable, "-m", "probe", str(pid), *args], text=True, timeout=60)
-            failed += done.returncode != 0
+            failed += done.returncode != (EXIT_STUCK if args == ["diagnose"] else 0)
             print(flush=True)
     finally:
         target.terminate()

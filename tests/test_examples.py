@@ -298,3 +298,15 @@ def test_hung_job_checkpoint_holds_the_weights(example):
                             "['models']['model']; " % path + digest.format(sd="sd")],
                            capture_output=True, text=True, timeout=60, cwd=REPO)
     assert saved.returncode == 0 and saved.stdout == live.out, (saved, live)
+
+
+def test_the_demo_shows_its_hung_training_diagnosed_stuck_with_the_deadlock_it_has(tmp_path):
+    """examples/demo.py runs examples/stuck.py and the CLI against it: diagnose says what the example
+    planted (the trainer and the checkpoint writer deadlock on two locks), and every command succeeds."""
+    done = subprocess.run([sys.executable, os.path.join(EXAMPLES, "demo.py")], capture_output=True, text=True,
+                          timeout=scaled(180), env=target_env(probe=False), cwd=str(tmp_path))
+    assert done.returncode == 0 and "all commands succeeded" in done.stdout, (done.stdout[-3000:], done.stderr)
+    verdict = done.stdout.split("$ probe ", 1)[1].split("\n", 2)[1]
+    assert verdict.startswith("STUCK: process ") and "a deadlock: thread MainThread waits for metrics, held by " \
+        "thread checkpoint-writer; thread checkpoint-writer waits for weights, held by thread MainThread" in verdict, \
+        verdict

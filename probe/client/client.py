@@ -362,12 +362,14 @@ class Client:
             stacks = self._read_core(native)
             self.note = "read from %s" % stacks.source
             return stacks
-        if not self.target.is_local or self.target.pid is None:
+        from probe.client.same_host import same_host_pid
+
+        pid = self.target.pid if self.target.is_local else same_host_pid(self.target, self.remote_pid)
+        if pid is None:
             raise UsageError("native frames are read from outside the process, which needs it on this host",
                              hint="run probe on %s's host" % self.target.label)
         from probe.reader import live
 
-        pid = self.target.pid
         if _process_state(pid) != "alive":
             dead = _dead_with_record(pid)
             if dead is not None:
@@ -658,13 +660,19 @@ def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
                            "not let go; an agent needs the GIL to start, so injecting one cannot work until that call "
                            "returns" % (message, holder.label().strip(), holder.where()),
                            hint="%s; `probe %d backtrace --native` shows the C frames" % (outside, pid))
+    elif requested is not None and advice.forked_from(pid) is not None:
+        parent = advice.forked_from(pid)
+        exc = ConnectError("%s: it was forked from process %s, which runs an agent, and an agent does not follow a "
+                           "fork (%s in its environment is its parent's)" % (message, parent, requested),
+                           hint="%s starts one in it (a DataLoader worker is also listed by its parent: `probe %s "
+                                "query \"SELECT * FROM python.workers\"`)" % (inject, parent))
     elif requested is not None:
         installed, exe = advice.autostart_installed(pid)
         if installed is False:
             exc = ConnectError("%s: %s is set in its environment, but probe is not installed for its interpreter "
                                "%s, so nothing started an agent" % (message, requested, exe),
-                               hint="%s starts one now; for %s to work, install probe for that interpreter "
-                                    "(`%s -m pip install probe`)" % (inject, requested, exe))
+                               hint="%s starts one now; for %s to work, install probe for that interpreter: %s"
+                                    % (inject, requested, advice.install_hint(exe)))
         else:
             exc = ConnectError("%s, although %s is set in its environment (started with python -S or -I, or the "
                                "agent failed: its stderr says why in a line that starts with 'probe:')"

@@ -80,7 +80,7 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
 def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
                  query_id: Optional[str], state: Dict[str, Any]) -> Any:
     from probe.engine.sandbox import _check_size
-    from probe.errors import NotFound, Timeout, TooLarge
+    from probe.errors import NotFound, SQLError, Timeout, TooLarge
     from probe.tables.arrow import to_arrow
 
     _check_size(sql)
@@ -89,6 +89,7 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
     ask = max(max_rows or 0, TABLE_ROWS)
     tables: Dict[str, Any] = {}
     cut: List[str] = []
+    absent: List[Any] = []  # the agent's own word on a table it has no rows for ("no torch trace has run")
     names, columns = _named(sql)
     for name in sorted(names):
         if "." not in name:
@@ -97,8 +98,9 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
             raise KeyboardInterrupt
         try:
             rows = client.table_rows(name, max_rows=ask, columns=columns)
-        except NotFound:
-            continue  # DuckDB's own "does not exist" error names it
+        except NotFound as exc:
+            absent.append((name, exc))
+            continue  # DuckDB's own "does not exist" error names it, unless the agent said why
         except TooLarge as exc:
             raise TooLarge("%s: %s, whose rows the client fetches to run this query on its side"
                            % (exc.message, name),
@@ -118,6 +120,11 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
     try:
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
                               timeout=limit, query_id=named, tables=tables)
+    except SQLError:
+        said = _said_absent(client, absent)
+        if said is not None:  # a table the agent has and no rows for ("no torch trace has run"): its reason
+            raise said from None
+        raise
     except Timeout:
         raise Timeout("query interrupted after %g s, its time limit, or by an interrupt (it ran in the probe client, "
                       "over the rows the agent sent)" % limit,
@@ -190,6 +197,18 @@ def _close_kept() -> None:
         engines, _kept[:] = list(_kept), []
     for engine in engines:
         engine.close()
+
+
+def _said_absent(client: "Client", absent: List[Tuple[str, Any]]) -> Any:
+    """The agent's own error for a table it lists but could give no rows of; None where every name the query
+    missed is no table of the agent's (a file name, a typo: DuckDB's error says it best)."""
+    if not absent:
+        return None
+    try:
+        listed = {t.name for t in client.tables()}
+    except Exception:  # the agent stopped answering: DuckDB's error stands
+        return None
+    return next((exc for name, exc in absent if name in listed), None)
 
 
 def _named(sql: str) -> Tuple[Set[str], Optional[List[str]]]:

@@ -13,6 +13,7 @@ Only reads: no eval, no collective, no device synchronisation (the tables promis
 not be had is kept with why (``*_why``), never filled in.
 """
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -58,6 +59,15 @@ FROM python.torch_trace"""
 """The trace's last step, how long ago its last span began, the forward self time per step over the last
 5 complete steps (a rank's own compute), its slowest forward module there, and the wall time per step."""
 
+MAX_TABLE_ROWS = 2000  # rows of python.paths and python.locks read (their rows, without SQL: no engine involved)
+
+
+def _may_wait_for_a_lock(ev: "RankEvidence") -> bool:
+    from probe.diagnose import lockwaits
+
+    return any(lockwaits.lock_line(key[0][3]) for key in ev.stacks().values() if key)
+
+
 STATES = ("answering", "gil_held", "stopped", "dead", "no_answer", "unreachable", "no_agent")
 
 
@@ -71,6 +81,7 @@ class RankEvidence:
     source: str = "agent"  # where the stacks came from: agent, or the reader's words (outside, crash record)
     frames: Optional[List[Frame]] = None
     holder: Optional[str] = None  # the thread that keeps the GIL, and where
+    holder_id: Optional[int] = None  # that thread's id in ``frames``
     threads: Optional[List[Dict[str, Any]]] = None
     threads_why: Optional[str] = None
     fr: Optional[List[Dict[str, Any]]] = None
@@ -81,27 +92,56 @@ class RankEvidence:
     memory: Optional[Dict[str, Any]] = None  # RSS readings, where memory is, OOM kills (probe.diagnose.memory)
     steps: Optional[List[Dict[str, Any]]] = None  # the step counter's rows (probe.diagnose.progress)
     steps_why: Optional[str] = None
+    paths: Optional[List[List[str]]] = None  # [kind, directory] of its interpreter's layout (python.paths)
+    locks: Optional[List[Dict[str, Any]]] = None  # python.locks rows, where a thread's line may wait for a lock
     seconds: float = 0.0
     at: float = field(default_factory=time.monotonic)
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
         """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
+        return {name: key for name, _, key in self._named()}
+
+    def names_by_id(self) -> Dict[int, str]:
+        """Thread id -> the name :meth:`stacks` gives that thread."""
+        return {ident: name for name, ident, _ in self._named()}
+
+    def _named(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
         by_thread: Dict[int, List[Frame]] = {}
         for frame in self.frames or ():
             if frame.frame_type == "python":
                 by_thread.setdefault(frame.thread_id, []).append(frame)
-        out: Dict[str, Tuple[Tuple[str, str, int, str], ...]] = {}
+        out: List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]] = []
+        taken = set()
         for stack in sorted(by_thread.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "",
                                                                  fs[0].thread_id)):
             name = "MainThread" if stack[0].is_main else (stack[0].thread_name or "?")
             unique, n = name, 1
-            while unique in out:
+            while unique in taken:
                 n += 1
                 unique = "%s#%d" % (name, n)
-            out[unique] = tuple((f.func, f.file, f.lineno, (f.code or "").strip())
-                                for f in sorted(stack, key=lambda f: f.depth))
+            taken.add(unique)
+            out.append((unique, stack[0].thread_id, tuple((f.func, f.file, f.lineno, (f.code or "").strip())
+                                                          for f in sorted(stack, key=lambda f: f.depth))))
         return out
+
+    def lock_rows(self) -> List[Dict[str, Any]]:
+        """The rows of ``python.locks`` whose fields have the types the table gives (a record is hostile)."""
+        out = []
+        for row in (self.locks if isinstance(self.locks, list) else ())[:4096]:
+            if isinstance(row, dict) and all(row.get(k) is None or type(row.get(k)) is int
+                                             for k in ("thread_id", "depth", "lineno", "with_line", "lock_id", "owner")):
+                out.append(row)
+        return out
+
+    def library(self) -> Any:
+        """Which of its frames are a library's (:class:`probe.diagnose.library.Library`), by the layout it
+        reported or that was read from outside; this host's own where neither is known."""
+        from probe.diagnose import library
+
+        rows = [(str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
+                if isinstance(r, (list, tuple)) and len(r) == 2][:64]
+        return library.from_rows(rows) if rows else library.local_layout()
 
     def main_cpu(self) -> Optional[float]:
         for thread in self.threads or ():
@@ -124,7 +164,7 @@ class RankEvidence:
                            for name, key in self.stacks().items()} if self.frames is not None else None,
                 "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
                 "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why,
-                "steps": self.steps, "steps_why": self.steps_why,
+                "steps": self.steps, "steps_why": self.steps_why, "paths": self.paths,
                 "training": self.training, "memory": self.memory}
 
 
@@ -137,6 +177,7 @@ class Sample:
     single: bool = False
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
+    recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
 
 
 def _agent_frames(client: Any) -> List[Frame]:
@@ -202,6 +243,13 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     if stacks is not None:
         ev.frames = client_module._frames_of(stacks)
         ev.source = str(getattr(stacks, "source", "read from outside"))
+        from probe.diagnose import library
+
+        facts = getattr(stacks, "facts", None) or {}
+        roots = library.from_process(local_pid if ev.state != "dead" else None, facts.get("executable"))
+        if roots:  # with this probe's own package: the target's agent is most often this very install
+            ev.paths = [["stdlib", root] for root in roots] + [["probe", os.path.dirname(os.path.dirname(
+                os.path.abspath(__file__)))]]
         if ev.state == "gil_held":
             holder = diagnosis.holder if diagnosis is not None and diagnosis.holder is not None else None
             if holder is None:
@@ -211,6 +259,8 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
                     holder = None
             if holder is not None:
                 ev.holder = "thread %s in %s" % (holder.label().strip(), holder.where())
+                ident = holder.thread_id if holder.thread_id is not None else holder.native_id
+                ev.holder_id = ident if isinstance(ident, int) else None
     else:
         ev.source = "none"
 
@@ -218,6 +268,36 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
 def _query(client: Any, sql: str) -> List[Dict[str, Any]]:
     rows = client.query_rows(sql, timeout=5.0)
     if client.note:  # answered from stacks read from outside: the agent stopped answering meanwhile
+        raise ProbeError("the agent stopped answering: %s" % client.note.splitlines()[0])
+    names = [c[0] for c in rows.columns]
+    return [dict(zip(names, row)) for row in rows.rows]
+
+
+_LAYOUTS: Dict[Tuple[str, int], List[List[str]]] = {}
+MAX_LAYOUTS = 4096
+
+
+def _layout(client: Any, host: str, pid: Optional[int]) -> Optional[List[List[str]]]:
+    """The interpreter's layout (``python.paths``), read once per process: it does not change while it runs."""
+    if pid is not None and (host, pid) in _LAYOUTS:
+        return _LAYOUTS[(host, pid)]
+    try:
+        paths = [[str(r["kind"]), str(r["path"])] for r in _table(client, "python.paths")]
+    except ProbeError:  # an older agent: the layout is guessed (probe.diagnose.library)
+        return None
+    if pid is not None:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[(host, pid)] = paths
+    return paths
+
+
+def _table(client: Any, name: str) -> List[Dict[str, Any]]:
+    """A table's rows as the agent makes them (``/v1/rows``: no SQL engine on either side): the
+    interpreter's layout (``python.paths``, which frames are a library's), the locks by identity
+    (``python.locks``, asked only where some thread's innermost line is a ``with`` or an ``acquire(``)."""
+    rows = client.table_rows(name, max_rows=MAX_TABLE_ROWS)
+    if client.note:
         raise ProbeError("the agent stopped answering: %s" % client.note.splitlines()[0])
     names = [c[0] for c in rows.columns]
     return [dict(zip(names, row)) for row in rows.rows]
@@ -240,6 +320,12 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     if ev.state == "unreachable" and listed_state == "dead":
         ev.state = "dead"
     if ev.state == "answering":
+        ev.paths = _layout(client, host, pid)
+        if _may_wait_for_a_lock(ev):
+            try:
+                ev.locks = _table(client, "python.locks")
+            except ProbeError:  # an older agent: holders are found by the expressions' text
+                ev.locks = None
         try:
             ev.threads = _query(client, THREADS_SQL)
         except ProbeError as exc:
@@ -288,6 +374,8 @@ def forget(host: str, pid: Optional[int], rank: int) -> None:
     from probe.diagnose import numerics
 
     numerics.forget((host, pid))
+    if pid is not None:
+        _LAYOUTS.pop((host, pid), None)
 
 
 def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = None,

@@ -1,17 +1,22 @@
-"""Who holds the lock a thread waits for, inferred from the stacks ``probe diagnose`` already has.
+"""Who holds the lock a thread waits for.
 
-A ``threading.Lock`` records no owner, and an ``RLock``'s owner could only be read by running code in the
-program, which diagnose does not do. What the stacks do tell: the lock's expression in the waiting line
-(``with audit_lock:``, ``self._lock.acquire()``), and, for every other frame of the process, the ``with``
+First by the lock's identity, from ``python.locks`` (the agent read each ``with`` and ``acquire(``
+expression of the program's frames from that frame's own namespace, running none of its code): the
+thread whose frame is inside a ``with`` of the same object holds it, and an RLock names its owner even
+where it was taken with ``acquire()``. Where the agent did not say (an older agent, an expression that is
+a call), by the stacks alone: the lock's expression in the waiting line (``with audit_lock:``,
+``self._lock.acquire()``, comments left out), and, for every other frame of the process, the ``with``
 blocks its line is inside, read from the frame's source file here (parsed once, and only where the file's
-line is the frame's code line as the agent read it, so a file that differs from the program's is not
-used). A thread whose frame is inside ``with <the same expression>:`` holds it, by its stack. Locks taken
-with ``acquire()`` and released later are not followed: their holder is said to be unknown.
+line is the frame's code line as the agent read it). A ``threading.Lock`` taken with ``acquire()`` records
+no owner: its holder is said to be unknown.
 """
 
 import ast
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+
+if TYPE_CHECKING:
+    from probe.diagnose.evidence import RankEvidence
 
 __all__ = ["waited_lock", "with_blocks", "holders"]
 
@@ -25,7 +30,9 @@ _PARSED: Dict[str, Optional[Tuple[List[str], ast.AST]]] = {}
 
 def waited_lock(code: str) -> Optional[str]:
     """The lock expression of a waiting line: ``with X:`` -> ``X`` (the first item), ``X.acquire(...)`` -> ``X``."""
-    text = (code or "").strip()
+    from probe.diagnose.lockwaits import code_only
+
+    text = code_only(code)
     try:
         if text.startswith(("with ", "async with ")) and text.endswith(":"):
             node = ast.parse(text + "\n    pass").body[0]
@@ -74,39 +81,80 @@ def with_blocks(path: str, line: int, code: str) -> Optional[List[Tuple[str, int
     return sorted(out, key=lambda item: item[1])
 
 
-def holders(stacks: Dict[str, Key], waits: Sequence[Tuple[str, Key]]) -> List[Dict[str, object]]:
-    """For each waiting thread: the lock it waits for and the thread that holds it by its stack, or why
-    that is not known. ``stacks``: every thread's stack of the process (name -> frames innermost first)."""
+def holders(ev: "RankEvidence", waits: Sequence[Tuple[str, Key]]) -> List[Dict[str, object]]:
+    """For each waiting thread: the lock it waits for and the thread that holds it, or why that is not
+    known. By the lock's identity where the agent resolved it (``python.locks``: an RLock's owner, or a
+    frame inside a ``with`` of the same object), else by the expression's text in the stacks' source."""
     out: List[Dict[str, object]] = []
+    names = ev.names_by_id()
+    stacks = ev.stacks()
+    library = ev.library()
     for name, key in waits:
-        lock = waited_lock(key[0][3]) if key else None
-        row: Dict[str, object] = {"thread": name, "lock": lock, "holder": None}
-        if lock is None:
-            row["why"] = "the lock's expression is not read from `%s`" % (key[0][3] if key else "")
-            out.append(row)
-            continue
-        from probe.diagnose.rules import _is_library
-
-        unread = 0
-        for other, frames in stacks.items():
-            # the waiting thread's own outer frames count too: a threading.Lock taken twice by one thread
-            for depth, (func, path, lineno, code) in enumerate(frames):
-                if other == name and depth == 0 or _is_library(path):
-                    continue  # the program's own frames only: a library's source is not parsed
-                blocks = with_blocks(path, lineno, code)
-                if blocks is None:
-                    unread += 1
-                    continue
-                block = next((b for b in blocks if b[0] == lock), None)
-                if block is not None:
-                    row.update(holder=other, holder_func=func, holder_file=path, holder_with_line=block[1],
-                               holder_line=lineno, holder_code=code)
-                    break
-            if row["holder"] is not None:
-                break
-        if row["holder"] is None:
-            row["why"] = ("no thread's stack is inside a `with %s:` block (taken with acquire(), or by a frame "
-                          "whose source is not readable here: %d frame%s); a threading.Lock records no owner"
-                          % (lock, unread, "" if unread == 1 else "s"))
+        row = _by_identity(ev.lock_rows(), names, stacks, library, name, key)
+        if row is None:
+            row = _by_text(stacks, library, name, key)
         out.append(row)
     return out
+
+
+def _by_identity(rows: List[Dict[str, Any]], names: Dict[int, str], stacks: Dict[str, Key], library: Any,
+                 name: str, key: Key) -> Optional[Dict[str, object]]:
+    if not key:
+        return None
+    waiting = [r for r in rows if r.get("role") == "waits" and names.get(r.get("thread_id")) == name
+               and r.get("depth") == 0 and r.get("lineno") == key[0][2] and r.get("lock_id") is not None]
+    if not waiting:
+        return None
+    # ``with a, b:``: the one taken by another (an RLock this thread owns does not block it)
+    chosen = next((r for r in waiting if r.get("locked") and names.get(r.get("owner")) != name), waiting[0])
+    lock_id = chosen["lock_id"]
+    row: Dict[str, object] = {"thread": name, "lock": chosen.get("expr"), "lock_type": chosen.get("lock_type"),
+                              "holder": None, "how": "by the lock's identity"}
+    inside = sorted((r for r in rows if r.get("role") == "holds" and r.get("lock_id") == lock_id
+                     and names.get(r.get("thread_id")) is not None), key=lambda r: (r.get("depth") or 0))
+    owner = names.get(chosen.get("owner")) if chosen.get("owner") is not None else None
+    if owner is not None:
+        inside = [r for r in inside if names.get(r.get("thread_id")) == owner] or []
+        row["how"] = "the RLock's owner"
+    if inside:
+        top = inside[0]
+        row.update(holder=names[top["thread_id"]], holder_func=top.get("func"), holder_file=top.get("file"),
+                   holder_with_line=top.get("with_line"), holder_line=top.get("lineno"), holder_expr=top.get("expr"))
+    elif owner is not None:  # taken with acquire(): where its owner's own code is now
+        frames = stacks.get(owner) or ()
+        top_frame = next((f for f in frames if not library.holds(f[1])), frames[0] if frames else ("?", "?", 0, ""))
+        row.update(holder=owner, holder_func=top_frame[0], holder_file=top_frame[1], holder_line=top_frame[2],
+                   holder_with_line=None)
+    else:
+        row["why"] = ("no thread's frame is inside a `with` of this %s (taken with acquire()), and a threading.Lock "
+                      "records no owner" % (chosen.get("lock_type") or "lock"))
+    return row
+
+
+def _by_text(stacks: Dict[str, Key], library: Any, name: str, key: Key) -> Dict[str, object]:
+    from probe.diagnose.lockwaits import code_only
+
+    lock = waited_lock(code_only(key[0][3])) if key else None
+    row: Dict[str, object] = {"thread": name, "lock": lock, "holder": None, "how": "by its stack"}
+    if lock is None:
+        row["why"] = "the lock's expression is not read from `%s`" % (key[0][3] if key else "")
+        return row
+    unread = 0
+    for other, frames in stacks.items():
+        # the waiting thread's own outer frames count too: a threading.Lock taken twice by one thread
+        for depth, (func, path, lineno, code) in enumerate(frames):
+            if other == name and depth == 0 or library.holds(path):
+                continue  # the program's own frames only: a library's source is not parsed
+            blocks = with_blocks(path, lineno, code)
+            if blocks is None:
+                unread += 1
+                continue
+            block = next((b for b in blocks if b[0] == lock), None)
+            if block is not None:
+                row.update(holder=other, holder_func=func, holder_file=path, holder_with_line=block[1],
+                           holder_line=lineno, holder_code=code)
+                return row
+    row["why"] = ("no thread's stack is inside a `with %s:` block (taken with acquire(), or by a frame whose source "
+                  "is not readable here: %d frame%s); a threading.Lock records no owner"
+                  % (lock, unread, "" if unread == 1 else "s"))
+    return row

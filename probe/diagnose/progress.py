@@ -144,7 +144,7 @@ def _where(ev: RankEvidence) -> Any:
     from probe.diagnose.rules import _main, where_of
 
     thread, key = _main(ev)
-    return where_of(key, thread) if key else None
+    return where_of(key, thread, ev.library()) if key else None
 
 
 def stopped(first: Sample, last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]],

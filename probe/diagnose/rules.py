@@ -11,21 +11,24 @@ order of weight:
    ranks whose main thread stayed inside a torch.distributed collective over the whole window, with no
    CPU gained and no step made, against the ranks outside it;
 4. a stall: the trace's last step long ago on every rank, none made in the window;
-5. a lock wait: a thread that stayed at ``with ...lock`` / ``.acquire(`` over the window, gaining no CPU;
+5. a lock wait: a thread that stayed at ``with X:`` / ``X.acquire(`` over the window, gaining no CPU, its
+   holder by the lock's identity (:mod:`probe.diagnose.lockwaits`);
 6. a straggler: a rank whose own compute per step (forward self time in the trace) is well above the
    others' median; not the ranks that wait for it in collectives;
 7. otherwise healthy: steps advancing (trace, Flight Recorder, the step counter), or, without any, the main
    threads running and "no optimizer step counted ...: progress unknown".
 """
 
-import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.diagnose.evidence import RankEvidence, Sample
+from probe.diagnose import silent as cannot
+from probe.diagnose.lockwaits import lock_verdict, lock_wait_of, lock_waits
 
-__all__ = ["STATUSES", "EXIT_CODES", "Evidence", "Verdict", "Report", "judge", "Commands", "needs_longer_look"]
+__all__ = ["STATUSES", "EXIT_CODES", "Evidence", "Verdict", "Report", "judge", "Commands", "needs_longer_look",
+           "lock_wait_of", "lock_waits"]
 
 STATUSES = ("healthy", "degraded", "stuck", "dead")
 EXIT_CODES = {"healthy": 0, "degraded": 10, "stuck": 11, "dead": 12}
@@ -108,24 +111,24 @@ def _short(path: str) -> str:
     return path
 
 
-def _is_library(path: str) -> bool:
-    return ("site-packages" in path or "dist-packages" in path or "/lib/python3" in path or path.startswith("<")
-            or "/probe/" in path)
-
-
 def _frame_text(frame: Tuple[str, str, int, str]) -> str:
     return "%s (%s:%d)" % (frame[0], _short(frame[1]), frame[2])
 
 
-def where_of(key: Sequence[Tuple[str, str, int, str]], thread: str) -> Optional[Dict[str, Any]]:
+def where_of(key: Sequence[Tuple[str, str, int, str]], thread: str, library: Any = None) -> Optional[Dict[str, Any]]:
     """The innermost frame of a stack, and the innermost of the program's own frames when that one is a
-    library's: ``{"func", "file", "line", "thread", "called_from"}``."""
+    library's: ``{"func", "file", "line", "thread", "called_from"}``. ``library``: the process's layout
+    (``RankEvidence.library()``; this host's where not given)."""
     if not key:
         return None
+    if library is None:
+        from probe.diagnose.library import local_layout
+
+        library = local_layout()
     top = key[0]
     out: Dict[str, Any] = {"func": top[0], "file": top[1], "line": top[2], "thread": thread}
-    if _is_library(top[1]):
-        own = next((f for f in key if not _is_library(f[1])), None)
+    if library.holds(top[1]):
+        own = next((f for f in key if not library.holds(f[1])), None)
         if own is not None:
             out["called_from"] = {"func": own[0], "file": own[1], "line": own[2]}
     return out
@@ -150,15 +153,6 @@ def collective_of(key: Sequence[Tuple[str, str, int, str]]) -> Optional[str]:
         if path.endswith(_C10D[:2]) and not func.startswith("_") and func != "wrapper":
             return func
     return None
-
-
-_LOCK_LINE = re.compile(r"^\s*(with\s+.*(lock|mutex).*:|.*\.acquire\()", re.IGNORECASE)
-
-
-def lock_wait_of(key: Sequence[Tuple[str, str, int, str]]) -> bool:
-    """The innermost frame is the program's own, at a lock's acquire: ``with self._lock:``, ``lock.acquire()``
-    (a wait inside threading or queue, an Event's or a Condition's, is a wait for work, not for a lock)."""
-    return bool(key) and not _is_library(key[0][1]) and bool(_LOCK_LINE.match(key[0][3] or ""))
 
 
 def _main(ev: RankEvidence) -> Tuple[str, Tuple[Tuple[str, str, int, str], ...]]:
@@ -227,21 +221,6 @@ def needs_longer_look(first: Sample, last: Sample) -> bool:
     return memory.rising(first, last)
 
 
-def lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
-    """Threads at a lock's acquire in both samples, with the same stack, gaining no CPU."""
-    if a.state != "answering" or b.state != "answering":
-        return []
-    sa, sb = a.stacks(), b.stacks()
-    ca, cb = a.cpu_by_name(), b.cpu_by_name()
-    out = []
-    for name, key in sb.items():
-        if lock_wait_of(key) and sa.get(name) == key:
-            gained = (cb[name] - ca[name]) if name in ca and name in cb else None
-            if gained is None or gained < CPU_RAN_S:
-                out.append((name, key))
-    return out
-
-
 # -- the rules ---------------------------------------------------------------------------------------
 
 
@@ -274,11 +253,12 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     for state in ("dead", "gil_held", "stopped", "no_answer", "unreachable"):
         group = [r for r in silent if ranks[r].state == state]
         if state == "dead":  # ranks die of one rank's death (the launcher's SIGTERM, a lost peer): that one first
-            group.sort(key=lambda r: _died_of_another(ranks[r]))
-            first_deaths = [r for r in group if not _died_of_another(ranks[r])]
+            group.sort(key=lambda r: cannot.died_of_another(ranks[r]))
+            first_deaths = [r for r in group if not cannot.died_of_another(ranks[r])]
         for r in group:
-            verdict = _cannot_answer(ranks[r], who([r]), in_collective, who, command, single)
-            if state == "dead" and first_deaths and _died_of_another(ranks[r]):
+            verdict = cannot.cannot_answer(ranks[r], who([r]), cannot.waiting(in_collective, first, last, progress),
+                                           ranks, who, command, single, last.recorded)
+            if state == "dead" and first_deaths and cannot.died_of_another(ranks[r]):
                 verdict.summary += ("; most likely of the death of %s (its launcher's SIGTERM to the others, or a "
                                     "collective's lost peer)" % who(first_deaths))
             verdicts.append(verdict)
@@ -318,7 +298,7 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
             continue
         waits = lock_waits(a, ranks[r])
         if waits and r not in in_collective:
-            verdicts.append(_lock_verdict(ranks[r], waits, window, who, command))
+            verdicts.append(lock_verdict(ranks[r], waits, window, who, command, live=not last.recorded))
 
     # 6. Straggler (only when nothing is stuck: a stuck job's steps say nothing of its speed).
     if not any(v.status in ("stuck", "dead") for v in verdicts):
@@ -336,8 +316,11 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
 
     verdicts += training.judge(first, last, answering, progress, window, who, command)
     verdicts += memory.judge(first, last, answering, verdicts, who, command)
-    unavailable = _unavailable(last, answering, who)
-    unavailable += training.unavailable(last, answering, who) + memory.unavailable(last, answering, who)
+    from probe.diagnose.unknown import unavailable as _unavailable, with_how
+
+    unavailable = _unavailable(last, answering, who, command)
+    unavailable += with_how(training.unavailable(last, answering, who), command, last.recorded)
+    unavailable += memory.unavailable(last, answering, who)
     if not verdicts:
         verdicts.append(steps.healthy(last, answering, progress, window, who, command)
                         or _healthy(last, answering, progress, window, who, command))
@@ -362,69 +345,6 @@ def _cause_first(verdicts: List[Verdict], who: Callable[[Sequence[int]], str]) -
         for cause in causes:
             verdicts.remove(cause)
             verdicts.insert(verdicts.index(hang), cause)
-
-
-def _died_of_another(ev: RankEvidence) -> bool:
-    """A dead rank whose death is how ranks die of another's: SIGTERM (a launcher ends the others so), an
-    uncaught exception (a collective whose peer is gone raises one)."""
-    why = ev.why or ""
-    return ev.state == "dead" and ("SIGTERM (terminated)" in why or ": uncaught exception: " in why)
-
-
-def _cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], who: Callable[[Sequence[int]], str],
-                   command: Commands, single: bool) -> Verdict:
-    thread, key = _main(ev)
-    where = where_of(key, thread) if ev.frames else None
-    waiting = sorted(in_collective)
-    victims_text = ""
-    if waiting:
-        ops = sorted({in_collective[r][0] for r in waiting})
-        victims_text = "; %s wait%s for it in %s" % (who(waiting), "s" if len(waiting) == 1 else "",
-                                                     "/".join(ops))
-    stacks_cmd = command([ev.rank], "backtrace")
-    evidence: List[Evidence] = []
-    nexts: List[str] = []
-    if ev.state == "dead":
-        status, kind = "dead", "dead"
-        summary = "%s is dead: %s%s" % (name, ev.why.split(" -- ")[0], victims_text)
-        if ev.frames:
-            evidence.append(Evidence("its last stacks (%s): %s" % (ev.source, where_text(where)), stacks_cmd, [ev.rank]))
-        else:
-            evidence.append(Evidence("it left no stacks (a signal that runs no handler: SIGKILL, the OOM killer)",
-                                     None, [ev.rank]))
-        nexts.append("find out why it ended: its exit status, `dmesg | grep -i oom` on its node (the OOM killer), "
-                     "`probe list` there")
-        if not single:
-            nexts.append("the others wait for it until their collective's timeout: restart the job from its last "
-                         "checkpoint")
-    elif ev.state == "gil_held":
-        status, kind = "stuck", "gil_held"
-        summary = "%s cannot answer: %s, a call into C that keeps the GIL%s" % (
-            name, ev.holder or "a thread holds its GIL", victims_text)
-        evidence.append(Evidence("stacks read from outside: %s" % where_text(where), stacks_cmd, [ev.rank]))
-        nexts.append("see the C frames: %s" % command([ev.rank], "backtrace --native"))
-        nexts.append("eval and the torch tables need the GIL: they work again once that call returns")
-    elif ev.state == "stopped":
-        status, kind = "stuck", "stopped"
-        summary = "%s is stopped (SIGSTOP, or a debugger): nothing in it runs%s" % (name, victims_text)
-        evidence.append(Evidence("%s; stacks read from outside: %s" % (ev.why.split(" -- ")[0], where_text(where)),
-                                 stacks_cmd, [ev.rank]))
-        nexts.append("resume it with `kill -CONT %s` on its node (or detach the debugger)"
-                     % (ev.pid if ev.pid is not None else "PID"))
-    else:
-        status, kind = "degraded", "no_answer"
-        summary = "%s gave no evidence: %s" % (name, ev.why.split(" -- ")[0] or ev.state)
-        if ev.frames:
-            evidence.append(Evidence("stacks read from outside: %s" % where_text(where), stacks_cmd, [ev.rank]))
-        else:
-            evidence.append(Evidence(ev.why or "no answer, and its stacks could not be read", None, [ev.rank]))
-        nexts.append("look again, with more time: %s" % command([ev.rank], "--deadline 30 backtrace"))
-    if waiting:
-        first = waiting[0]
-        op, vthread, vkey = in_collective[first]
-        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread))),
-                                 command(waiting, "backtrace"), waiting))
-    return Verdict(kind, status, summary, [ev.rank], waiting, where, evidence, nexts)
 
 
 def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
@@ -458,7 +378,7 @@ def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[S
         op = str(row.get("last_op") or "a collective")
         desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
         thread, key = _main(last.ranks[behind[0]])
-        where = where_of(key, thread)
+        where = where_of(key, thread, last.ranks[behind[0]].library())
         behind_at = sorted({int(rows[r]["last_seq"]) for r in behind})
         summary = ("collective hang in process group %s%s: %s did not issue %s #%d; %s wait%s in it" % (
             pg, desc, who(behind), op, top, who(waiting), "s" if len(waiting) == 1 else ""))
@@ -473,7 +393,8 @@ def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[S
                            last_done=rows[r].get("last_done"), last_age=rows[r].get("last_age")) for r in sorted(rows)]),
             Evidence("%s: %s" % (who(behind), where_text(where)), command(behind, "backtrace"), behind)]
         vthread, vkey = _main(last.ranks[waiting[0]])
-        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread))),
+        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread,
+                                                                                last.ranks[waiting[0]].library()))),
                                  command(waiting, "backtrace"), waiting))
         return Verdict("collective_hang", "stuck", summary, behind, waiting, where, evidence, _hang_next(behind, command))
     return None
@@ -481,7 +402,7 @@ def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[S
 
 def _waits_alone(ev: RankEvidence, found: Tuple[str, str, Any], window: float, command: Commands) -> Verdict:
     op, thread, key = found
-    where = where_of(key, thread)
+    where = where_of(key, thread, ev.library())
     fr = [row for row in _fr_by_pg(ev).values() if not row.get("last_done")]
     age = max((float(row.get("last_age") or 0) for row in fr), default=window)
     summary = "process %s waits in %s (no progress for %.1f s): the rank it waits for is elsewhere" % (
@@ -520,12 +441,12 @@ def _stack_hang(last: Sample, answering: List[int], in_collective: Dict[int, Any
     if not outside:
         return None  # every rank in the same collective: no rank is missing from it by the stacks
     thread, key = _main(last.ranks[outside[0]])
-    where = where_of(key, thread)
+    where = where_of(key, thread, last.ranks[outside[0]].library())
     summary = "collective hang: %s did not enter %s; %s wait%s in it (no progress for %.1f s)" % (
         who(outside), op, who(waiting), "s" if len(waiting) == 1 else "", window)
     vthread, vkey = _main(last.ranks[waiting[0]])
     evidence = [Evidence("%s: %s, the same stack over %.1f s with no CPU gained and no step"
-                         % (who(waiting), where_text(where_of(vkey, vthread)), window),
+                         % (who(waiting), where_text(where_of(vkey, vthread, last.ranks[waiting[0]].library())), window),
                          command(waiting, "backtrace"), waiting),
                 Evidence("%s: %s, outside %s" % (who(outside), where_text(where), op), command(outside, "backtrace"),
                          outside),
@@ -549,7 +470,7 @@ def _stall(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any
     if stale != traced:
         return None
     thread, key = _main(last.ranks[traced[0]])
-    where = where_of(key, thread)
+    where = where_of(key, thread, last.ranks[traced[0]].library())
     ages = [float(last.ranks[r].trace["last_age"]) for r in traced]  # type: ignore[index]
     summary = "no step on %s for %.0f s (a step took %.2f s before)" % (
         who(traced), min(ages), float(last.ranks[traced[0]].trace.get("step_s") or 0))  # type: ignore[union-attr]
@@ -559,72 +480,6 @@ def _stall(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any
         Evidence("%s: %s" % (who([traced[0]]), where_text(where)), command(None, "backtrace"), traced)]
     return Verdict("stalled", "stuck", summary, traced, [], where, evidence,
                    ["see where every rank is: %s" % command(None, "backtrace")])
-
-
-def _lock_verdict(ev: RankEvidence, waits: List[Tuple[str, Any]], window: float,
-                  who: Callable[[Sequence[int]], str], command: Commands) -> Verdict:
-    from probe.diagnose import locks
-
-    names = [n for n, _ in waits]
-    main = "MainThread" in names
-    name, key = waits[0]
-    where = where_of(key, name)
-    several = len(waits) > 1
-    held = {str(row["thread"]): row for row in locks.holders(ev.stacks(), waits)}
-    cycle = _lock_cycle(held)
-    if cycle:
-        detail = "; a deadlock: %s (holders by their stacks)" % "; ".join(
-            "thread %s waits for %s, held by thread %s" % (n, held[n]["lock"], held[n]["holder"]) for n in cycle)
-    else:
-        known = [row for row in held.values() if row.get("holder") is not None]
-        detail = "".join("; %s waits for %s, held by thread %s in %s (%s:%s) (by its stack)" % (
-            row["thread"], row["lock"], row["holder"], row["holder_func"], _short(str(row["holder_file"])),
-            row["holder_line"]) for row in known)
-        if several:
-            detail += "; a deadlock if each holds what another waits for"
-        if len(known) < len(held):
-            detail += "; the holder of %s unknown (a threading.Lock records no owner)" % ", ".join(
-                str(row["lock"] or "the lock") for row in held.values() if row.get("holder") is None)
-    summary = "%s: %s wait%s for a lock (no CPU, the same stack over %.1f s)%s" % (
-        who([ev.rank]), ", ".join(names), "" if several else "s", window, detail)
-    evidence = []
-    for n, k in waits:
-        row = held[n]
-        if row.get("holder") is not None:
-            said = "held by thread %s, inside `with %s:` (%s:%s), now at %s (%s:%s)" % (
-                row["holder"], row["lock"], _short(str(row["holder_file"])), row["holder_with_line"], row["holder_func"],
-                _short(str(row["holder_file"])), row["holder_line"])
-        else:
-            said = "holder unknown: %s" % row.get("why")
-        evidence.append(Evidence("thread %s at `%s`: %s; %s" % (n, k[0][3], where_text(where_of(k, n)), said),
-                                 command([ev.rank], "backtrace"), [ev.rank], [dict(row)]))
-    holders = sorted({str(row["holder"]) for row in held.values() if row.get("holder") is not None} - set(cycle or ()))
-    if cycle:
-        nexts = ["take the locks in one order in every thread (%s: each thread holds one and waits for the next)"
-                 % " -> ".join(str(held[n]["lock"]) for n in cycle)]
-    elif holders:
-        nexts = ["what %s does while holding it: %s" % (", ".join("thread %s" % h for h in holders), command(
-            [ev.rank], "backtrace"))]
-    else:
-        nexts = ["which thread holds it: look for the thread inside that lock's `with` block: %s"
-                 % command([ev.rank], "backtrace")]
-    nexts.append("its locals (the lock objects): %s" % command([ev.rank], "eval --frame %s:0 \"sorted(locals())\"" % name))
-    return Verdict("lock_wait", "stuck" if main or several else "degraded", summary, [ev.rank], [], where, evidence,
-                   nexts)
-
-
-def _lock_cycle(held: Dict[str, Dict[str, Any]]) -> Optional[List[str]]:
-    """Waiting threads each holding the lock the next one waits for, back to the first; or None."""
-    for start in sorted(held):
-        seen = [start]
-        while True:
-            nxt = held[seen[-1]].get("holder")
-            if nxt == start and len(seen) > 1:
-                return seen
-            if nxt is None or nxt not in held or nxt in seen:
-                break
-            seen.append(str(nxt))
-    return None
 
 
 def _straggler(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
@@ -713,16 +568,3 @@ def _uncounted(last: Sample, answering: List[int]) -> str:
     """Why the step counter counted no optimizer step, in the words of its evidence."""
     whys = sorted({str(last.ranks[r].steps_why) for r in answering if last.ranks[r].steps_why})
     return "no optimizer step counted%s" % (" (%s)" % "; ".join(whys) if whys else "")
-
-
-def _unavailable(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:
-    out = []
-    for what, attr in (("Flight Recorder", "fr_why"), ("trace", "trace_why"), ("threads' CPU", "threads_why")):
-        reasons: Dict[str, List[int]] = {}
-        for r in answering:
-            why = getattr(last.ranks[r], attr)
-            if why:
-                reasons.setdefault(why, []).append(r)
-        for why, rs in sorted(reasons.items()):
-            out.append("%s: %s on %s" % (what, why, who(rs)))
-    return out

@@ -180,7 +180,7 @@ def _loader_stall(a: Any, b: Any, progress: Dict[str, Any], window: float, who: 
     workers = training.get("workers") or []
     waited = [w for w in workers if w.get("waited_by")]
     dead = [w for w in workers if w.get("alive") is False]
-    main_where = where_of(key, "MainThread")
+    main_where = where_of(key, "MainThread", b.library())
     evidence = [Evidence("%s: %s, waiting for a batch over %.1f s with no CPU gained" % (
         name, where_text(main_where), window), command([b.rank], "backtrace"), [b.rank])]
     workers_cmd = command([b.rank], "query \"SELECT pid, worker_id, alive, state, tasks, next_task, waited_by "
@@ -197,7 +197,7 @@ def _loader_stall(a: Any, b: Any, progress: Dict[str, Any], window: float, who: 
         else:
             stack = stacks.get(str(pid))
             if stack:
-                wwhere = where_of(stack, "MainThread of %s" % label)
+                wwhere = where_of(stack, "MainThread of %s" % label, b.library())  # a fork: its parent's layout
                 own = (wwhere or {}).get("called_from") or wwhere
                 what = "is in %s" % where_text(wwhere)
                 where = dict(wwhere or {}, process=pid)

@@ -167,6 +167,39 @@ def autostart_installed(pid: int) -> Tuple[Optional[bool], str]:
     return any(os.path.exists(os.path.join(d, "probe_autostart.pth")) for d in dirs), exe
 
 
+def forked_from(pid: int) -> Optional[int]:
+    """The parent ``pid`` was forked from without an exec (the same executable and command line: a DataLoader
+    worker, a multiprocessing fork) where that parent runs an agent; else None. An agent does not follow a
+    fork, and the child never started an interpreter of its own, so ``PROBE=1`` in its environment (its
+    parent's) says nothing of how probe is installed."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        parent = int(stat[stat.rindex(b")") + 2:].split()[1])
+        same_exe = os.readlink("/proc/%d/exe" % pid) == os.readlink("/proc/%d/exe" % parent)
+    except (OSError, ValueError, IndexError):
+        return None
+    if parent <= 1 or not same_exe or _cmdline(pid) != _cmdline(parent):
+        return None
+    try:
+        from probe.injector.target import read_target
+
+        theirs = expected_socket_path(parent, read_target(parent).uid)
+    except OSError:
+        return None
+    return parent if os.path.exists(theirs) else None
+
+
+def install_hint(exe: str) -> str:
+    """How to install this probe for interpreter ``exe``: from the source tree it runs from where it has one.
+    Never ``pip install probe``: the package of that name on the public index is another project."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(root)
+    if os.path.isfile(os.path.join(root, "pyproject.toml")):
+        return "`%s -m pip install %s`" % (exe, shlex.quote(root))
+    return "install the probe package this one came from (its wheel or source tree) with `%s -m pip install ...`" % exe
+
+
 def agent_elsewhere(pid: int, ours: str) -> Optional[str]:
     """The socket of the agent in ``pid`` where the target's own environment puts it (another
     ``PROBE_RUNTIME_DIR`` or ``XDG_RUNTIME_DIR``) when it exists and is not ``ours``; else None."""

@@ -82,7 +82,8 @@ class Snapshot:
                 window = max(window, last.at - first.at)
                 looks = 2
         single = len(chosen) == 1 and str(self.records[chosen[0]].get("job") or "").startswith("pid")  # one process
-        return Sample(firsts, len(chosen), single, 0.0), Sample(lasts, len(chosen), single, window), looks
+        return (Sample(firsts, len(chosen), single, 0.0, recorded=True),
+                Sample(lasts, len(chosen), single, window, recorded=True), looks)
 
     def judge(self, command: Any, ranks: Optional[Sequence[int]] = None) -> Any:
         """``diagnose``'s report on the recorded looks, judged by the same rules as a live job."""

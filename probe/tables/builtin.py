@@ -1,7 +1,7 @@
 """The tables probe ships, registered through the public ``register_table`` like any user's table."""
 
-from probe.tables import (process_env, process_info, python_backtrace, python_locals, python_modules, python_threads,
-                          python_workers)
+from probe.tables import (process_env, process_info, python_backtrace, python_locals, python_locks, python_modules,
+                          python_paths, python_threads, python_workers)
 from probe.agent import audit as probe_audit
 from probe.tables.registry import register_table
 from probe.tables.torch import distributed as torch_distributed
@@ -22,8 +22,8 @@ TORCH_MODULES = (torch_parameters, torch_optimizers, torch_tensors, torch_memory
                  torch_flight_recorder, torch_trainer, torch_steps)
 #: python.torch_trace and torch.anomalies: rows only while (or after) a trace runs (`probe T trace start`).
 TRACE_MODULES = (torch_trace, torch_anomalies)
-BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, python_workers, process_info,
-                   process_env) + TORCH_MODULES + TRACE_MODULES + (probe_audit,)
+BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, python_workers, python_paths,
+                   python_locks, process_info, process_env) + TORCH_MODULES + TRACE_MODULES + (probe_audit,)
 
 
 def register_all() -> None:
