@@ -9,6 +9,9 @@ imported on first use so that ``import probe`` inside a target costs next to not
 from typing import Any
 
 __version__ = "0.1.0"
+# The distribution's name on the package index: `probe` there is another project (and so are torchprobe and
+# pyprobe). The command and the import stay `probe`.
+DISTRIBUTION = "rankprobe"
 
 __all__ = ["__version__", "start", "stop", "register_table", "Column", "connect", "attach", "ProbeError", "watch",
            "connect_all"]

@@ -12,7 +12,7 @@ import pytest
 from procs import REPO, running, scaled, target_env
 from test_node_helper import ranks_of
 
-mcp = pytest.importorskip("mcp", reason="the MCP Python SDK is not installed (pip install 'probe[mcp]', Python 3.10+)")
+mcp = pytest.importorskip("mcp", reason="the MCP Python SDK is not installed (pip install 'rankprobe[mcp]', Python 3.10+)")
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
 from mcp.client.stdio import stdio_client  # noqa: E402
 

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any, List, Optional, Tuple
 
+import probe
 from probe.errors import Forbidden
 from probe.injector.target import expected_socket_path, target_environ
 from probe.reader import proc
@@ -192,12 +193,13 @@ def forked_from(pid: int) -> Optional[int]:
 
 def install_hint(exe: str) -> str:
     """How to install this probe for interpreter ``exe``: from the source tree it runs from where it has one.
-    Never ``pip install probe``: the package of that name on the public index is another project."""
+    Never the index's package named probe: that is another project (ours is ``probe.DISTRIBUTION``)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     root = os.path.dirname(root)
     if os.path.isfile(os.path.join(root, "pyproject.toml")):
         return "`%s -m pip install %s`" % (exe, shlex.quote(root))
-    return "install the probe package this one came from (its wheel or source tree) with `%s -m pip install ...`" % exe
+    return ("`%s -m pip install %s` (the distribution's name: `probe` on the package index is another project)"
+            % (exe, probe.DISTRIBUTION))
 
 
 def agent_elsewhere(pid: int, ours: str) -> Optional[str]:

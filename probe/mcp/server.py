@@ -14,7 +14,7 @@ guess, so that no name can close the block and speak as the server. A tool's ans
 ``max_chars`` characters; where more came, it says how much was cut and how to ask for less. Every call
 is bounded by the command's own ``--timeout``.
 
-The SDK is imported here only: ``pip install 'probe[mcp]'`` where it is missing (Python 3.10+). Its v2
+The SDK is imported here only: ``pip install 'rankprobe[mcp]'`` where it is missing (Python 3.10+). Its v2
 calls the server ``MCPServer``, its v1 ``FastMCP``; both are taken.
 """
 
@@ -24,6 +24,7 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
+import probe
 from probe.errors import ProbeError, UsageError
 
 __all__ = ["serve", "MAX_CHARS", "load_sdk"]
@@ -45,7 +46,7 @@ def load_sdk() -> Any:
             from mcp.server.fastmcp.exceptions import ToolError  # type: ignore[no-redef]
     except ImportError as exc:
         raise UsageError("probe mcp needs the MCP Python SDK (%s)" % exc,
-                         hint="pip install 'probe[mcp]' (Python 3.10 or later)") from None
+                         hint="pip install '%s[mcp]' (Python 3.10 or later; from a source tree: pip install -e '.[mcp]')" % probe.DISTRIBUTION) from None
     return Server, ToolError
 
 

@@ -21,7 +21,7 @@ def mcp(cli: CliContext, target: Optional[str], allow_eval: bool, max_chars: int
     Tools: list_targets, ranks, backtrace (one or all ranks, grouped), query, tables, schema, diagnose;
     eval only with --allow-eval. TARGET (or -t, $PROBE_TARGET) is the tools' default target; the global
     options (--token-file, --cacert, --timeout...) hold for every call. Needs the MCP SDK:
-    pip install 'probe[mcp]'.
+    pip install 'rankprobe[mcp]' (from a source tree: pip install -e '.[mcp]').
     """
     import os
 
