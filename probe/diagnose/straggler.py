@@ -114,10 +114,10 @@ def _phase(key: Sequence[Frame]) -> str:
     return "own code"
 
 
-def _own(key: Sequence[Frame]) -> Optional[Frame]:
-    from probe.diagnose.rules import _is_library
-
-    return next((f for f in key if not _is_library(f[1])), None)
+def _own(key: Sequence[Frame], library: Any) -> Optional[Frame]:
+    """The innermost frame of the program's own code: not a library's by the rank's own layout
+    (``RankEvidence.library``: never by a folder's name)."""
+    return next((f for f in key if not library.holds(f[1])), None)
 
 
 def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
@@ -142,9 +142,10 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
     r, phase, wait = found
     others = sorted(set(phases) - {r})
     in_phase = [k for k in keys[r] if _phase(k) == phase]
-    funcs = Counter(f for f in (_own(k) for k in in_phase) if f is not None)
+    library = last.ranks[r].library()
+    funcs = Counter(f for f in (_own(k, library) for k in in_phase) if f is not None)
     top = funcs.most_common(1)[0][0] if funcs else None
-    key = next((k for k in in_phase if _own(k) == top), in_phase[0])
+    key = next((k for k in in_phase if _own(k, library) == top), in_phase[0])
     where = where_of(key, "MainThread")
     if where is not None and top is not None and where.get("called_from") is None and \
             (where["func"], where["line"]) != (top[0], top[2]):
