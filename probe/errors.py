@@ -72,7 +72,7 @@ class EvalDisabled(Forbidden):
 
 
 class NotFound(ProbeError):
-    code, status, exit_code = "not_found", 404, 1
+    code, status, exit_code = "not_found", 404, 2
 
 
 class Timeout(ProbeError):
@@ -96,7 +96,7 @@ class InternalError(ProbeError):
 class TorchNotLoaded(ProbeError):
     """A torch.* table or the checkpoint was asked of a process that has not imported torch (probe never does)."""
 
-    code, status, exit_code = "torch_not_loaded", 409, 1
+    code, status, exit_code = "torch_not_loaded", 409, 2
 
 
 class ConnectError(ProbeError):

@@ -97,7 +97,7 @@ def test_lr_errors_say_what_to_do(lambda_loop, tmp_path):
     done = run_cli(str(proc.pid), "lr", "0.05", "--group", "3")
     assert done.code == 2 and "group 3 is out of range: optimizer has 1 param group (0 to 0)" in done.err, done
     done = run_cli(str(proc.pid), "lr", "0.05", "--optimizer", "nope")
-    assert done.code == 1 and "no optimizer named 'nope' (found: optimizer)" in done.err, done
+    assert done.code == 2 and "no optimizer named 'nope' (found: optimizer)" in done.err, done
     done = run_cli(str(proc.pid), "lr", "--", "-1")
     assert done.code == 2 and "finite number of 0 or more" in done.err, done
 

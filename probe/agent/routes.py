@@ -20,8 +20,9 @@ from probe.agent.http import Request, Response
 from probe.agent.identity import identity
 from probe.agent.limits import Ceilings, within
 from probe.agent.switch import fast_switching
-from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, TooLarge, Unauthorized
+from probe.errors import BadRequest, EvalDisabled, InternalError, NotFound, ProbeError, SQLError, TooLarge, Unauthorized
 from probe.tables import get_table, list_tables, produce_rows
+from probe.tables.suggest import meant_table, named_after_from
 
 if TYPE_CHECKING:
     from probe.agent.agent import Agent
@@ -111,8 +112,15 @@ def schema(agent: "Agent", request: Request) -> Response:
     name = request.path[len("/v1/tables/"):]
     spec = get_table(name)
     if spec is None:
-        raise NotFound("no table named %r" % name, hint="list the tables with `probe TARGET tables`")
+        raise _no_table(name)
     return Response.json(spec.describe())
+
+
+def _no_table(name: str) -> NotFound:
+    """No such table, with the one meant where the name is a slip of one (``python.threds``, ``threads``)."""
+    meant = meant_table(name, (spec.name for spec in list_tables()))
+    return NotFound("no table named %r%s" % (name, ": did you mean %s?" % meant if meant else ""),
+                    hint="list the tables with `probe TARGET tables`")
 
 
 def rows(agent: "Agent", request: Request) -> Response:
@@ -268,6 +276,13 @@ def _run_query(engine: Any, sql: str, max_rows: int, timeout: float, hold: Hold,
 
     try:
         return engine.query(sql, max_rows=max_rows, timeout=timeout, reserve=hold.reserve, query_id=query_id)
+    except SQLError:
+        listed = [spec.name for spec in list_tables()]
+        slip = next(((n, m) for n in named_after_from(sql) for m in [meant_table(n, listed)] if m), None)
+        if slip is not None:
+            raise SQLError("no table named %r: did you mean %s?" % slip,
+                           hint="`probe TARGET tables` lists every table") from None
+        raise
     except Timeout:
         hint = ("raise it with --query-timeout (this agent allows up to %g s), or narrow the query" % ceiling
                 if timeout < ceiling else "narrow the query: %g s is this agent's ceiling (PROBE_QUERY_TIMEOUT_CEILING "

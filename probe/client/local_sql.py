@@ -121,7 +121,7 @@ def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: O
         result = engine.query(sql, max_rows=min(MAX_ROWS if max_rows is None else max_rows, MAX_ROWS_CEILING),
                               timeout=limit, query_id=named, tables=tables)
     except SQLError:
-        said = _said_absent(client, absent)
+        said = _said_absent(client, absent, names)
         if said is not None:  # a table the agent has and no rows for ("no torch trace has run"): its reason
             raise said from None
         raise
@@ -199,16 +199,26 @@ def _close_kept() -> None:
         engine.close()
 
 
-def _said_absent(client: "Client", absent: List[Tuple[str, Any]]) -> Any:
-    """The agent's own error for a table it lists but could give no rows of; None where every name the query
-    missed is no table of the agent's (a file name, a typo: DuckDB's error says it best)."""
-    if not absent:
-        return None
+def _said_absent(client: "Client", absent: List[Tuple[str, Any]], names: Set[str]) -> Any:
+    """The agent's own error for a table it lists but could give no rows of; for a name that is a slip of
+    one it lists (``python.threds``, ``threads``), that table named; None where neither (a file name in COPY:
+    DuckDB's error says it best)."""
+    from probe.errors import SQLError
+    from probe.tables.suggest import meant_table
+
     try:
         listed = {t.name for t in client.tables()}
     except Exception:  # the agent stopped answering: DuckDB's error stands
         return None
-    return next((exc for name, exc in absent if name in listed), None)
+    said = next((exc for name, exc in absent if name in listed), None)
+    if said is not None:
+        return said
+    for name in sorted(n for n in names if n not in listed):
+        meant = meant_table(name, listed)
+        if meant is not None:
+            return SQLError("no table named %r: did you mean %s?" % (name, meant),
+                            hint="`probe %s tables` lists every table" % client.target.label)
+    return None
 
 
 def _named(sql: str) -> Tuple[Set[str], Optional[List[str]]]:

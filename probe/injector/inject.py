@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from probe.agent.options import AgentOptions
-from probe.errors import Forbidden, InjectError, ProbeError, UsageError
+from probe.errors import Forbidden, InjectError, ProbeError, ProcessDead, UsageError
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.diagnose import Problem, diagnose, ptrace_problems
 from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout, finish_detached
@@ -234,11 +234,13 @@ def _token_file(opts: AgentOptions, socket: str) -> Optional[str]:
 
 def _error(problems: List[Problem]) -> ProbeError:
     """The first problem, with the others in its hint; another user's process is refused (exit 4, as
-    every command refuses it), the rest are failed injections (exit 6)."""
+    every command refuses it), a missing one is no process (exit 3, as for every command), the rest are
+    failed injections (exit 6)."""
     first = problems[0]
     hint = first.hint
     if len(problems) > 1:
         hint += "; also: " + "; ".join("%s (%s)" % (p.message, p.hint) for p in problems[1:])
-    error: ProbeError = (Forbidden if first.code == "other_user" else InjectError)(first.message, hint=hint)
+    kind = {"other_user": Forbidden, "no_such_process": ProcessDead}.get(first.code, InjectError)
+    error: ProbeError = kind(first.message, hint=hint)
     error.problems = problems  # type: ignore[attr-defined]
     return error

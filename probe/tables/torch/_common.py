@@ -23,7 +23,8 @@ def torch_or_raise() -> Any:
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "Tensor"):
         raise TorchNotLoaded("torch is not loaded in the target (it has not imported torch, and probe never "
-                             "imports it)", hint="torch.* tables answer once the program has run `import torch`")
+                             "imports it)", hint="torch's tables, the trace, lr and checkpoint work once the program "
+                                                 "has run `import torch`")
     return torch
 
 
