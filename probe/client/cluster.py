@@ -582,13 +582,16 @@ def connect_all(targets: Union[str, Sequence[str]], token: Optional[str] = None,
     if isinstance(targets, str):
         parsed = parse_target(targets)
         port = getattr(parsed.address, "port", None)
+        here = None  # the job's token file on this host, where the token came from it (a helper names none over TCP)
         if secret is None and port is not None:
             secret = _job_token(port)
+            here = _paths.job_token_path(port) if secret is not None else None
         found = _discover_whole(targets, secret, min(timeout, deadline))
         if not found.members:
             raise ProbeError("the host helper at %s knows no rank yet (the job is starting?)" % targets,
                              hint="retry in a moment")
-        return Cluster(found.members, secret, timeout, deadline, max_in_flight, found.token_file, found.left_out)
+        return Cluster(found.members, secret, timeout, deadline, max_in_flight, found.token_file or here,
+                       found.left_out)
     members = [Member(i, t, t) for i, t in enumerate(targets)]
     if not members:
         raise UsageError("no targets given")
