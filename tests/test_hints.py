@@ -277,7 +277,7 @@ def test_a_table_that_needs_the_agent_says_how_to_get_one(target_factory):
 
 def test_an_agents_hint_names_the_real_target(idle_target):
     result = run_cli(str(idle_target.pid), "schema", "python.nosuch")
-    assert result.code == 1 and "TARGET" not in result.err, result.err
+    assert result.code == 2 and "TARGET" not in result.err, result.err  # a table not there: a bad request
     hint = _hints(result.err)[0]
     assert hint == "probe %d tables" % idle_target.pid
     followed = _follow(hint)

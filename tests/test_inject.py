@@ -15,7 +15,7 @@ from typing import Dict, List, Optional
 import pytest
 
 import probe
-from probe.errors import InjectError
+from probe.errors import InjectError, ProcessDead
 from probe.injector import diagnose, inject
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.diagnose import _version_problems
@@ -152,7 +152,7 @@ def test_exposure_dir_holds_only_this_package():
 # ---------------------------------------------------------------- diagnoses
 
 def test_diagnose_no_such_process():
-    with pytest.raises(InjectError) as info:
+    with pytest.raises(ProcessDead) as info:  # as every command says it (exit 3), not an injection failure
         inject(2 ** 22 + 12345, timeout=2)
     assert "no process" in info.value.message and info.value.hint
 
