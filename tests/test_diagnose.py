@@ -69,6 +69,12 @@ def test_rules_fr_hang_blames_the_rank_that_did_not_issue_the_collective_not_tho
     assert verdict.where["func"] == "wait" and verdict.where["called_from"]["func"] == "load_next_batch"
     assert verdict.evidence[0].rows and verdict.evidence[0].command.startswith("probe T query")
 
+    # Each next step can be followed as printed: a path it names exists, or is a placeholder to choose.
+    for step in verdict.next:
+        for word in step.replace("`", " ").split():
+            if word.startswith("/") and "{rank}" in word:
+                assert os.path.isdir(os.path.dirname(word)), step
+
     # The same picture where the waiting ranks arrived only a moment ago, at the group's pace: no hang.
     young = _sample([_rank(0, _in_all_reduce(), 1.0, fr(7, False, 0.2)), _rank(1, _loading(), 1.0, fr(6, True, 0.3)),
                      _rank(2, _in_all_reduce(), 1.0, fr(7, False, 0.2))], 1.0)

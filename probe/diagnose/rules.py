@@ -423,7 +423,8 @@ def _hang_next(culprits: List[int], command: Commands) -> List[str]:
     return ["see what %s does, with its C frames: %s" % (ranks_word(culprits), command(culprits[:1], "backtrace --native")),
             "why it did not reach the collective: a data loader, a rank-dependent branch, an exception caught and "
             "ignored; its locals: %s" % command(culprits[:1], "eval --frame MainThread:0 \"sorted(locals())\""),
-            "save the state before restarting: %s" % command(None, "checkpoint /ckpt/emergency-{rank}.pt")]
+            "save the state before restarting, into a directory every rank can write (DIR: choose one; it must "
+            "exist): %s" % command(None, "checkpoint DIR/emergency-{rank}.pt")]
 
 
 def _stack_hang(last: Sample, answering: List[int], in_collective: Dict[int, Any], window: float,
