@@ -379,7 +379,8 @@ def _write_run() -> None:
     if RUN is None or RUN.failed or os.environ.get("BENCH_RECORD", "1") == "0":
         return
     path = RUN.write(os.environ.get("BENCH_RESULTS") or RESULTS)
-    print("record: %s (python bench/report.py makes bench/RESULTS.md of the records)" % os.path.relpath(path, REPO))
+    shown = os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+    print("record: %s (python bench/report.py makes bench/RESULTS.md of the records)" % shown)
     sys.stdout.flush()
 
 
