@@ -136,10 +136,18 @@ def render(records: List[Tuple[str, Record]]) -> str:
         "| bench | figure | peer | ratio | median [IQR] (min-max) | goal | date | commit | load | record |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    last_run = {r.get("bench"): r.get("date") or "" for _, r in records}
+    older = False
     for (bench, figure, peer), (name, record, fig) in sorted(latest.items()):
+        date = _date(record)
+        if (record.get("date") or "") < last_run[bench]:
+            date, older = date + " (older)", True
         lines.append("| %s |" % " | ".join(_cell(c) for c in (
-            bench, figure, peer or "-", _ratio(fig), _value(fig), _goal(fig), _date(record), _commit(record),
-            _load(record), _link(name))))
+            bench, figure, peer or "-", _ratio(fig), _value(fig), _goal(fig), date, _commit(record), _load(record),
+            _link(name))))
+    if older:
+        lines += ["", "(older): a later run of this bench did not state this figure in a form the record could hold (its",
+                  "text is in that record's notes: see the next table), so the row is the newest record that did."]
     lines += [
         "",
         "## Every bench's newest run",
