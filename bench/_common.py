@@ -5,6 +5,8 @@ their spread (min-max and IQR): the machine is small (2 cores), shared and noisy
 absolute time means little. Every child process is killed and reaped, and every wait is bounded.
 """
 
+import atexit
+import json
 import os
 import select
 import statistics
@@ -12,11 +14,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, TextIO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 TARGETS = os.path.join(HERE, "targets")
+RESULTS = os.path.join(HERE, "results")
 BIN = os.path.dirname(sys.executable)
 
 if REPO not in sys.path:
@@ -201,6 +204,8 @@ def summary_table(results: Dict[str, List[float]], scale: float = 1000.0, unit: 
     rows = []
     for name, values in results.items():
         s = Summary.of(values)
+        if RUN is not None:
+            RUN.rows.append({"what": name, "unit": unit, **spread(s, scale)})
         rows.append([name, str(s.n), "%.1f" % (s.median * scale), "%.1f-%.1f" % (s.q1 * scale, s.q3 * scale),
                      "%.1f-%.1f" % (s.low * scale, s.high * scale)])
     return table(rows, ["what", "n", "median %s" % unit, "IQR %s" % unit, "min-max %s" % unit])
@@ -226,7 +231,8 @@ def compile_probe() -> str:
 
 
 def header(title: str, lines: Sequence[str]) -> None:
-    """Print what the benchmark compares, and on what machine."""
+    """Print what the benchmark compares, and on what machine; the run's record starts here (see :class:`Run`)."""
+    start_run(title)
     print("=" * 78)
     print(title)
     print("=" * 78)
@@ -250,3 +256,158 @@ def git_state() -> str:
     except (OSError, subprocess.TimeoutExpired):
         return "unknown commit"
     return "commit %s%s" % (head or "?", " + uncommitted changes in probe/" if dirty else "")
+
+
+# -- records: each run as a JSON file under bench/results/ (bench/report.py makes RESULTS.md of them) ----------
+
+
+def spread(s: Summary, scale: float = 1.0) -> Dict[str, Any]:
+    """A summary's median and spread as a record holds them, in the unit printed."""
+    return {"n": s.n, "median": round(s.median * scale, 6), "iqr": [round(s.q1 * scale, 6), round(s.q3 * scale, 6)],
+            "range": [round(s.low * scale, 6), round(s.high * scale, 6)]}
+
+
+def machine() -> Dict[str, Any]:
+    """What the figures ran on: CPU count and model (from /proc/cpuinfo), Python."""
+    model = None
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "model": model, "python": sys.version.split()[0], "platform": sys.platform}
+
+
+def commit() -> Dict[str, Any]:
+    """The repository's full commit (None outside git), and whether probe/ had uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              check=False).stdout.strip()
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "probe"], capture_output=True,
+                               text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    return {"commit": head or None, "dirty": bool(dirty) if head else None}
+
+
+class _Tee:
+    """stdout that also keeps what was printed: the record holds the run's printed tables as they were."""
+
+    def __init__(self, stream: TextIO, kept: List[str]) -> None:
+        self._stream = stream
+        self._kept = kept
+
+    def write(self, text: str) -> int:
+        self._kept.append(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+class Run:
+    """One run of a bench: its figures (peer, ratio, medians and spread), the tables and lines it printed.
+
+    :func:`header` starts it; at exit it is written to ``bench/results/DATE_TIME_BENCH.json`` (or under
+    ``$BENCH_RESULTS``), unless an exception ended the run or ``BENCH_RECORD=0`` (smoke runs: ``run_all.py
+    --quick``).
+    """
+
+    def __init__(self, title: str) -> None:
+        self.bench = os.path.splitext(os.path.basename(sys.argv[0]))[0] or "bench"
+        self.titles = [title]
+        self.argv = sys.argv[1:]
+        self.started = time.time()
+        self.load_start = [round(x, 2) for x in os.getloadavg()]
+        self.figures: List[Dict[str, Any]] = []
+        self.rows: List[Dict[str, Any]] = []
+        self.printed: List[str] = []
+        self.failed = False
+
+    def record(self) -> Dict[str, Any]:
+        output = "".join(self.printed).splitlines()
+        return {
+            "schema": 1, "bench": self.bench, "title": self.titles[0], "argv": self.argv,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.started)),
+            "seconds": round(time.time() - self.started, 1), "machine": machine(),
+            "load": {"start": self.load_start, "end": [round(x, 2) for x in os.getloadavg()]}, **commit(),
+            "figures": self.figures, "summary": [line for line in output if line.startswith("SUMMARY")],
+            "rows": self.rows, "output": output, "notes": "; ".join(self.titles[1:]),
+        }
+
+    def write(self, directory: str = RESULTS) -> str:
+        os.makedirs(directory, exist_ok=True)
+        stamp = time.strftime("%Y-%m-%d_%H%M%S", time.gmtime(self.started))
+        path = os.path.join(directory, "%s_%s.json" % (stamp, self.bench))
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(self.record(), handle, indent=1, ensure_ascii=False)
+            handle.write("\n")
+        return path
+
+
+RUN: Optional[Run] = None
+"""The run of this process, once :func:`header` started it."""
+
+
+def start_run(title: str) -> Run:
+    """Start this process's run (a second header adds its title to the same run)."""
+    global RUN
+    if RUN is not None:
+        RUN.titles.append(title)
+        return RUN
+    RUN = Run(title)
+    sys.stdout = _Tee(sys.stdout, RUN.printed)  # type: ignore[assignment]
+    previous = sys.excepthook
+
+    def failed(*exc: Any) -> None:
+        if RUN is not None:
+            RUN.failed = True
+        previous(*exc)
+
+    sys.excepthook = failed
+    atexit.register(_write_run)
+    return RUN
+
+
+def _write_run() -> None:
+    if RUN is None or RUN.failed or os.environ.get("BENCH_RECORD", "1") == "0":
+        return
+    path = RUN.write(os.environ.get("BENCH_RESULTS") or RESULTS)
+    shown = os.path.relpath(path, REPO) if path.startswith(REPO + os.sep) else path
+    print("record: %s (python bench/report.py makes bench/RESULTS.md of the records)" % shown)
+    sys.stdout.flush()
+
+
+def figure(name: str, values: Optional[Sequence[float]] = None, *, peer: Optional[str] = None,
+           peer_values: Optional[Sequence[float]] = None, unit: str = "ms", scale: float = 1000.0,
+           value: Optional[float] = None, ratio: Optional[float] = None, goal: Optional[str] = None,
+           met: Optional[bool] = None) -> Dict[str, Any]:
+    """Add a figure to this run's record: the measured series (median, IQR, min-max in ``unit``) and its peer's,
+    measured in the same rounds, with the ratio of the medians and the spread of the per-round ratios.
+
+    ``value`` stands for a figure that is one number, not a series; ``ratio`` for one computed elsewhere.
+    """
+    entry: Dict[str, Any] = {"figure": name, "peer": peer, "unit": unit}
+    if values is not None:
+        entry.update(spread(Summary.of(values), scale))
+    elif value is not None:
+        entry["median"] = round(value, 6)
+    if peer_values is not None:
+        peer_summary = Summary.of(peer_values)
+        entry["peer_median"] = round(peer_summary.median * scale, 6)
+        if values is not None and ratio is None:
+            ratio = Summary.of(values).median / peer_summary.median
+            if len(values) == len(peer_values) and all(peer_values):
+                entry["per_round_ratio"] = spread(Summary.of(a / b for a, b in zip(values, peer_values)))
+    entry["ratio"] = None if ratio is None else round(ratio, 4)
+    entry["goal"] = goal
+    entry["met"] = met
+    if RUN is not None:
+        RUN.figures.append(entry)
+    return entry

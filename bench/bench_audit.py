@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List
 
-from _common import REPO, clean_env, header, interleave, summary_table
+from _common import REPO, clean_env, figure, header, interleave, summary_table
 
 from probe.client import transport
 
@@ -86,6 +86,11 @@ def main() -> None:
         header("bench_audit: POST /v1/query (read, not recorded) and POST /v1/eval (recorded) before and after "
                "scopes and the audit trail", ["before: %s" % before, "runs: %d, interleaved" % args.runs])
         print(summary_table(results, scale=1e6, unit="us"))
+        for what in ("query", "eval"):
+            figure("POST /v1/%s, now" % what, results["%s, now" % what], peer="the same, before", scale=1e6, unit="us",
+                   peer_values=results["%s, before" % what])
+        figure("POST /v1/query, before again (the noise floor)", results["query, before again"], scale=1e6, unit="us",
+               peer="the same, before", peer_values=results["query, before"])
         trail = [n for n in os.listdir(runtimes["now"]) if n.startswith("audit-")]
         print("\ntrail of the working tree's target: %s" % ", ".join(
             "%s (%d bytes)" % (n, os.path.getsize(os.path.join(runtimes["now"], n))) for n in trail))

@@ -26,7 +26,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Tuple
 
-from _common import Summary, Target, header, table, time_command, tool
+from _common import Summary, Target, figure, header, table, time_command, tool
 
 
 def gap(target: Target) -> float:
@@ -93,6 +93,13 @@ def main() -> None:
     probe_took = Summary.of(v[0] for v in results["probe checkpoint"]).median
     eval_took = Summary.of(v[0] for v in results["torch.save via probe eval"]).median
     print("ratio of medians, probe checkpoint / torch.save via eval: time %.2fx" % (probe_took / eval_took))
+    peer = "torch.save via probe eval"
+    for name, values in results.items():
+        if name != peer:
+            figure("%s, command time" % name, [v[0] for v in values], peer=peer, unit="s", scale=1.0,
+                   peer_values=[v[0] for v in results[peer]])
+            figure("%s, the training loop's longest pause" % name, [v[1] for v in values], peer=peer, scale=1.0,
+                   peer_values=[v[1] for v in results[peer]])
     sys.stdout.flush()
 
 

@@ -44,7 +44,8 @@ import tempfile
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from _common import REPO, Summary, Target, clean_env, header, interleave, summary_table, time_command, tool, verdict
+from _common import (REPO, Summary, Target, clean_env, figure, header, interleave, summary_table, time_command, tool,
+                     verdict)
 
 SQL = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"
 GOAL_RATIO = {65: 1.0, 257: 0.5}
@@ -238,10 +239,12 @@ def measure_threads(threads: int, depth: int, runs: int, clean: Optional[CleanSi
         return interleave(runners, runs)
 
 
-def ratio_line(results: Dict[str, List[float]], a: str, b: str, goal: Optional[float]) -> Tuple[float, bool]:
+def ratio_line(results: Dict[str, List[float]], a: str, b: str, goal: Optional[float], threads: int) -> Tuple[float, bool]:
     ratio = Summary.of(results[a]).median / Summary.of(results[b]).median
     paired = sorted(x / y for x, y in zip(results[a], results[b]))
     ok = goal is None or ratio <= goal
+    figure("%s at %d threads" % (a, threads), results[a], peer=b, peer_values=results[b],
+           goal=None if goal is None else "<= %gx" % goal, met=None if goal is None else ok)
     print("  %s / %s: %.2fx (medians); per round %.2fx, IQR %.2f-%.2fx, min-max %.2f-%.2fx%s"
           % (a, b, ratio, Summary.of(paired).median, Summary.of(paired).q1, Summary.of(paired).q3, paired[0],
              paired[-1], "" if goal is None else "; goal <= %gx: %s" % (goal, verdict(ok))))
@@ -252,12 +255,12 @@ def report_threads(threads: int, results: Dict[str, List[float]]) -> Dict[str, A
     print("--- %d threads (main included, busy), ~30 frames each ---" % threads)
     print(summary_table(results))
     out: Dict[str, Any] = {}
-    out["ratio"], _ = ratio_line(results, "probe PID backtrace", "py-spy dump --pid PID", GOAL_RATIO.get(threads))
+    out["ratio"], _ = ratio_line(results, "probe PID backtrace", "py-spy dump --pid PID", GOAL_RATIO.get(threads), threads)
     if CLICK in results:
-        ratio_line(results, "probe PID backtrace", CLICK, None)
+        ratio_line(results, "probe PID backtrace", CLICK, None, threads)
     if "clean site: probe PID backtrace" in results:
         out["clean_ratio"], _ = ratio_line(results, "clean site: probe PID backtrace", "py-spy dump --pid PID",
-                                           GOAL_RATIO.get(threads))
+                                           GOAL_RATIO.get(threads), threads)
     for prefix in ("", "clean site: "):
         for name in (prefix + QUERY_IDLE, prefix + QUERY_BUSY):
             if name not in results:
@@ -267,6 +270,8 @@ def report_threads(threads: int, results: Dict[str, List[float]]) -> Dict[str, A
             over = Summary.of(a - b for a, b in zip(results[name], results[prefix + "python -c pass"]))
             if name.endswith(QUERY_IDLE):
                 out[prefix + "query_ms"] = query
+            figure(name, results[name], peer=prefix + "python -c pass", peer_values=results[prefix + "python -c pass"],
+                   goal="<= %g ms" % GOAL_QUERY_MS, met=query <= GOAL_QUERY_MS)
             print("  %s: %.1f ms (median); over %spython -c pass (%.1f ms) in the same round: median %.1f ms, IQR "
                   "%.1f-%.1f ms; goal <= %g ms: %s" % (name, query, prefix, start, over.median * 1000, over.q1 * 1000,
                                                       over.q3 * 1000, GOAL_QUERY_MS, verdict(query <= GOAL_QUERY_MS)))

@@ -37,7 +37,7 @@ import tempfile
 import time
 from typing import Any, Dict, List
 
-from _common import REPO, Summary, clean_env, header, table, verdict
+from _common import REPO, Summary, clean_env, figure, header, table, verdict
 
 sys.path.insert(0, REPO)
 
@@ -404,6 +404,8 @@ def measure(job: Job, whats: List[str], vias: List[str], runs: int) -> List[List
         ratio = ""
         if peer:
             ratio = "%.2fx" % (wall.median / Summary.of(v[0] for v in peer).median)
+            figure("%s, %d ranks (%d a node), through the helpers" % (what, job.world, job.per_node),
+                   [v[0] for v in values], peer="directly", peer_values=[v[0] for v in peer], unit="s", scale=1.0)
         rows.append([what, str(job.world), str(job.per_node), via, str(wall.n), "%.3f" % wall.median,
                      "%.3f-%.3f" % (wall.q1, wall.q3), "%.3f-%.3f" % (wall.low, wall.high), "%.3f" % cpu.median,
                      "%.3f-%.3f" % (cpu.low, cpu.high), ratio])

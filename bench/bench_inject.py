@@ -33,6 +33,7 @@ REPO = os.path.dirname(HERE)
 TARGETS = os.path.join(REPO, "tests", "targets")
 sys.path.insert(0, REPO)
 
+from _common import figure, start_run  # noqa: E402
 from probe.injector import inject  # noqa: E402
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir  # noqa: E402
 from probe.injector.methods import attach_and_look, plan, run_plan  # noqa: E402
@@ -234,6 +235,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.baseline:
         BASELINE.append(os.path.abspath(args.baseline))
+    start_run("bench_inject: injection time and pause, probe against debugpy and gdb, fresh targets, interleaved")
     print("load average before: %.2f %.2f %.2f" % os.getloadavg(), flush=True)
 
     kinds = [("small", "inject_sleeping.py")] + ([] if args.no_torch else [("torch", "inject_torch.py")])
@@ -263,6 +265,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name, _ in methods:
             times = results[kind][name]
             print("  %-27s %s  x%.2f" % (name, summary(times), statistics.median(times) / cli))
+            figure("%s, %s target" % (name, kind), times, peer="probe PID inject (CLI)", unit="s", scale=1.0,
+                   peer_values=results[kind]["probe PID inject (CLI)"])
 
     print("\nCPU time (user+sys) of each way, its children included (the CLI, gdb, objcopy): median, IQR [min-max]")
     for kind, _ in kinds:
@@ -270,6 +274,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         cli = statistics.median(CPU[kind]["probe PID inject (CLI)"])
         for name, _ in methods:
             print("  %-27s %s  x%.2f" % (name, summary(CPU[kind][name]), statistics.median(CPU[kind][name]) / cli))
+            figure("%s, %s target, CPU time" % (name, kind), CPU[kind][name], peer="probe PID inject (CLI)", unit="s",
+                   scale=1.0, peer_values=CPU[kind]["probe PID inject (CLI)"])
 
     noise = noise_gap()
     ways = [("probe.injector.inject()", probe_library), ("inject(), debug info read", probe_library_full_symbols)]
@@ -279,6 +285,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     print("\nlongest pause of a busy main loop during an injection (same loop, nobody injecting: %.1f ms):" % noise)
     for name, _ in ways:
         print("  %-27s %s" % (name, summary(gaps[name], unit="ms", digits=1)))
+        figure("longest busy-loop pause during an injection, %s" % name, gaps[name], unit="ms", scale=1.0)
 
     robust = robustness(args.robust)
     print("robustness: %d injections into busy pure-Python loops, %d targets died" % (robust["injections"],

@@ -30,7 +30,7 @@ import time
 from collections import Counter
 from typing import Any, Dict, List, Optional, Tuple
 
-from _common import REPO, Summary, Target, header, ms, summary_table, table
+from _common import REPO, Summary, Target, figure, header, ms, summary_table, table
 
 BUSY = os.path.join(REPO, "tests", "targets", "busy.py")
 KINDS = ("health", "query", "backtrace")
@@ -182,6 +182,12 @@ def report(clients: int, rates: Dict[str, List[float]], gaps: Dict[str, List[flo
     quiet, loaded = statistics.median(rates["quiet"]), statistics.median(rates["load"])
     print("main loop under load: %.2fx its quiet rate (medians), i.e. %.0f %% slower" %
           (loaded / quiet, (1.0 - loaded / quiet) * 100.0))
+    figure("the target's main loop, iterations/s in load windows", rates["load"], peer="in quiet windows",
+           peer_values=rates["quiet"], unit="M/s", scale=1e-6)
+    figure("the target's main loop, longest pause in load windows", gaps["load"], peer="in quiet windows",
+           peer_values=gaps["quiet"])
+    figure("requests not answered (neither 200 nor 503 busy)", value=float(dropped), unit="requests", goal="0",
+           met=dropped == 0)
     print("each load window, requests/s : main loop M/s: %s" % ", ".join(
         "%.0f : %.1f" % (w["rps"], w["rate"] * 1e-6) for w in sorted(per_window, key=lambda w: w["rps"])))
 

@@ -17,7 +17,7 @@ import time
 from typing import Dict, List
 
 import _common
-from _common import Summary, Target, header, table, verdict
+from _common import Summary, Target, figure, header, table, verdict
 
 SQL = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"
 TARGET_MB = 10.0
@@ -84,6 +84,15 @@ def report(results: Dict[str, List[float]]) -> None:
         rows.append([name, str(s.n), "%.1f" % s.median, "%.1f-%.1f" % (s.low, s.high),
                      "-" if name == MODES["off"] else "%.1f" % d.median,
                      "-" if name == MODES["off"] else "%.1f-%.1f" % (d.low, d.high)])
+    for name in results:
+        if name != MODES["off"]:
+            growth_mb = [v - b for v, b in zip(results[name], base)]
+            goal = (TARGET_MB if name.endswith("before 1st query") else None if name.startswith(MODES["in-agent"])
+                    else QUERY_MB)
+            figure("agent RSS, %s (minus the target without it)" % name, growth_mb, unit="MB", scale=1.0,
+                   peer=MODES["off"], peer_values=base, ratio=Summary.of(results[name]).median / Summary.of(base).median,
+                   goal=None if goal is None else "<= %.0f MB" % goal,
+                   met=None if goal is None else Summary.of(growth_mb).median <= goal)
     print(table(rows, ["what", "n", "RSS median MB", "RSS min-max", "minus no-PROBE, median MB", "min-max"]))
     before = growth("PROBE=1, before 1st query").median
     after = {label: growth("PROBE=1, %s" % label).median for label, _ in STEPS}

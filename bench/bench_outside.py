@@ -29,7 +29,7 @@ import subprocess
 import time
 from typing import Dict, List
 
-from _common import Summary, Target, clean_env, header, summary_table, time_command, tool, verdict
+from _common import Summary, Target, clean_env, figure, header, summary_table, time_command, tool, verdict
 
 FIRST_S, LATER_S = 0.4, 0.15
 EVAL = "probe PID eval 1, first look (exit 5)"
@@ -104,6 +104,8 @@ def main() -> None:
     pyspy = Summary.of(results[PYSPY]).median
     for name, goal in ((FIRST, FIRST_S), (LATER, LATER_S), (STALE, LATER_S)):
         s = Summary.of(results[name])
+        figure(name, results[name], peer=PYSPY, peer_values=results[PYSPY], goal="<= %.2f s" % goal,
+               met=s.median <= goal)
         print("%s: median %.0f ms (IQR %.0f-%.0f), %.1fx py-spy; <= %.2f s: %s"
               % (name, s.median * 1000, s.q1 * 1000, s.q3 * 1000, s.median / pyspy, goal, verdict(s.median <= goal)))
 

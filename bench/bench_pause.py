@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
-from _common import Summary, Target, header, table, time_command, tool, verdict
+from _common import Summary, Target, figure, header, table, time_command, tool, verdict
 
 TARGET_MS = 5.0
 CONTROL = "control: python -c 'import probe.cli.app'"
@@ -96,6 +96,13 @@ def report(threads: int, results: Dict[str, List[float]], native: bool = False) 
     pyspy = Summary.of(results["py-spy dump --pid PID"]).median
     print("ratios of medians: probe/noise %.2fx, py-spy/noise %.2fx, probe/py-spy %.2fx"
           % (probe / noise, pyspy / noise, probe / pyspy))
+    what = "longest main-loop pause during probe PID backtrace%s at %d threads" % (" --native" if native else "", threads)
+    figure(what, results["probe PID backtrace"], peer="py-spy dump --pid PID", scale=1.0,
+           peer_values=results["py-spy dump --pid PID"], goal=None if native else "<= %.0f ms" % TARGET_MS,
+           met=None if native else probe <= TARGET_MS)
+    if DIRECT in results and results[DIRECT]:
+        figure("longest main-loop pause, the request alone at %d threads" % threads, results[DIRECT],
+               peer="no tool (noise)", peer_values=results["no tool (noise)"], scale=1.0)
     if native:
         print("(--native: both tools stop the process to unwind C stacks; no DESIGN target)")
         print()

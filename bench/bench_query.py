@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from _common import Summary, Target, header, interleave, summary_table, time_command, tool, verdict
+from _common import Summary, Target, figure, header, interleave, summary_table, time_command, tool, verdict
 
 SQL = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"
 COMMAND_TARGET_MS = 100.0
@@ -94,6 +94,11 @@ def report(mode: str, results: Dict[str, List[float]]) -> None:
     inside = Summary.of(results[AGENT]).median * 1000
     trip = Summary.of(results[CLIENT]).median * 1000
     cli = Summary.of(results[CLI_ROW]).median * 1000
+    figure("probe PID query, main %s" % label.split()[0], results[COMMAND], peer=CLI_ROW, peer_values=results[CLI_ROW],
+           goal="<= %.0f ms" % COMMAND_TARGET_MS, met=command <= COMMAND_TARGET_MS)
+    figure("query served in the agent (elapsed_ms), main %s" % label.split()[0], results[AGENT], peer=CLIENT,
+           peer_values=results[CLIENT], goal="<= %.0f ms" % INSIDE_TARGET_MS if mode == "block" else None,
+           met=inside <= INSIDE_TARGET_MS if mode == "block" else None)
     print("command minus CLI import start-up (medians): %.1f ms; round trip minus agent time: %.2f ms"
           % (command - cli, trip - inside))
     print("DESIGN whole command <= %.0f ms: %s (median %.1f ms, %.2fx the target)"

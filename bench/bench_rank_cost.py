@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-from _common import REPO, TARGETS, Summary, clean_env, header, table, tool
+from _common import REPO, TARGETS, Summary, clean_env, figure, header, table, tool
 
 from probe.client.cluster import connect_all  # noqa: E402
 
@@ -202,6 +202,9 @@ def main() -> None:
         rows.append(row)
     print(table(rows, ["windows", "n", "longest step ms", "min-max", "median step ms", "min-max", "steps/s",
                        "min-max", "rank failures"]))
+    for key, what in (("max_step", "longest step"), ("median_step", "median step")):
+        figure("%s in windows probed every second" % what, [w[key] for w in results["probed"]],
+               peer="in unprobed windows", peer_values=[w[key] for w in results["unprobed"]])
     print()
     c = Summary.of(calls)
     print("one probe (discovery + query + discovery + backtrace, both ranks): median %.0f ms, min-max %.0f-%.0f ms, "

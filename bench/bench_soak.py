@@ -24,6 +24,7 @@ REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 
 import probe  # noqa: E402
+from _common import start_run  # noqa: E402
 
 QUERY = "SELECT func, file, lineno, depth FROM python.backtrace ORDER BY depth LIMIT 10"
 
@@ -34,6 +35,7 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=15.0)
     parser.add_argument("--python", default=sys.executable)
     args = parser.parse_args()
+    start_run("soak: 6 clients for %.0f s against tests/targets/churn.py" % args.seconds)
     env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
     env.pop("PROBE", None)
     target = subprocess.Popen([args.python, os.path.join(REPO, "tests", "targets", "churn.py"), "--start"],

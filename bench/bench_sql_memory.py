@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Dict, List
 
+from _common import start_run
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTILE = "SELECT repeat('x', 100000000) AS s FROM range(30)"
 
@@ -229,6 +231,7 @@ def main() -> None:
                         help="only time the page's and diagnose's trace queries on a training job, RUNS rounds")
     parser.add_argument("--in-agent", action="store_true", help="PROBE_SQL_IN_AGENT=1 in the memory runs")
     args = parser.parse_args()
+    start_run("where SQL runs: agent memory and query latency, client-run vs agent-run")
     if args.latency:
         latency(args.root, args.latency)
         return

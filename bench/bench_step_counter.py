@@ -24,7 +24,7 @@ from typing import Any, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from _common import Summary, header, table  # noqa: E402
+from _common import Summary, figure, header, spread, table  # noqa: E402
 
 
 def _loop(torch: Any) -> Any:
@@ -105,6 +105,9 @@ def main() -> None:
     print()
     print("with / without (per round, neighbouring blocks): median %.4f, IQR %.4f-%.4f, min-max %.4f-%.4f"
           % (r.median, r.q1, r.q3, r.low, r.high))
+    step = figure("median step (CPU), with the step counter", on, peer="without probe", peer_values=off, unit="us",
+                  scale=1e6, ratio=r.median)
+    step["per_round_ratio"] = spread(r)
     print("the hook alone: %.0f ns a call (min of 5 x %d calls; median %.0f ns, max %.0f)"
           % (min(calls) * 1e9, args.calls, statistics.median(calls) * 1e9, max(calls) * 1e9))
     if has_file:

@@ -2,8 +2,9 @@
 
     python bench/run_all.py [--quick]
 
-``--quick`` passes a small ``--runs`` to each (a smoke run, not figures to report). Each benchmark runs
-as its own process, bounded in time; the output goes to stdout as it comes.
+``--quick`` passes a small ``--runs`` to each (a smoke run, not figures to report: no record is written).
+Each benchmark runs as its own process, bounded in time; the output goes to stdout as it comes, and each
+writes its run's record under bench/results/ (see bench/report.py).
 """
 
 import argparse
@@ -27,8 +28,9 @@ def main() -> int:
         if args.quick:
             argv += ["--runs", str(QUICK_RUNS[script])]
         sys.stdout.flush()
+        env = dict(os.environ, BENCH_RECORD="0") if args.quick else None  # a smoke run is no figure to keep
         try:
-            if subprocess.run(argv, timeout=args.timeout, check=False).returncode != 0:
+            if subprocess.run(argv, timeout=args.timeout, check=False, env=env).returncode != 0:
                 failed.append(script)
         except subprocess.TimeoutExpired:
             print("%s: timed out after %.0f s" % (script, args.timeout))

@@ -15,6 +15,7 @@ import unicodedata
 import pytest
 
 from procs import REPO, run_cli, spawn, target_env
+from test_bench_results import docs_texts, report_module
 from terminal import has_socket, run_in_pty
 
 SECRETS = {"MY_API_KEY": "k-123", "DB_PASSWORD": "hunter2", "HF_TOKEN": "hf_abc", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
@@ -308,12 +309,11 @@ def test_the_readme_lists_the_threads_columns_and_the_limits_the_code_has(target
 
 
 def test_the_readme_quotes_the_inject_figures_of_the_bench_file():
-    """The README's inject figures are those of the newest run in bench/RESULTS_inject.md that measured the
-    peers too (its last block of the torch target's wall times with them, as bench_inject.py prints them)."""
-    with open(os.path.join(REPO, "README.md")) as handle:
-        readme = " ".join(handle.read().split())
-    with open(os.path.join(REPO, "bench", "RESULTS_inject.md")) as handle:
-        lines = handle.read().splitlines()
+    """The inject figures README (or a page of the docs site) quotes are those of the newest bench_inject.py record
+    in bench/results/ that measured the peers too (its last block of the torch target's wall times with them, as
+    bench_inject.py prints them)."""
+    lines = [line for _, record in report_module().load() if record["bench"] == "bench_inject"
+             for line in record["output"]]
     blocks, wall = [], True
     for start, line in enumerate(lines):
         if line.startswith(("injection time", "CPU time")):  # the wall times, or the CPU times, of the ways
@@ -338,4 +338,4 @@ def test_the_readme_quotes_the_inject_figures_of_the_bench_file():
     for quoted in ("`probe PID inject` in %.2f s on a process that imported torch" % cli,
                    "(%.2f s before gdb stopped reading debug information, same rounds; debugpy or plain gdb: "
                    "%.1f-%.1f s)" % (before, peers[0], peers[-1])):
-        assert quoted in readme, quoted
+        assert any(quoted in text for text in docs_texts()), quoted

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from procs import REPO, run_cli, scaled, spawn, target_env
+from test_bench_results import docs_texts, report_module
 from test_node_helper import ranks_of
 
 from probe.cli.app import COMMANDS
@@ -160,15 +161,17 @@ def test_text_shown_as_it_is_without_the_pattern_is_exactly_what_the_pattern_lea
 
 
 def test_the_readme_quotes_the_figures_of_the_cli_bench():
-    """README's figures of the command's speed are those of the last bench/bench_cli_speed.py run that
-    bench/RESULTS.md holds."""
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
-        readme = " ".join(handle.read().split())
-    with open(os.path.join(REPO, "bench", "RESULTS.md"), encoding="utf-8") as handle:
-        runs = re.findall(r"^SUMMARY: backtrace ([\d.]+)x py-spy at 65 threads; backtrace ([\d.]+)x py-spy at 257 "
-                          r"threads; query ([\d.]+) ms \(main idle\)$", handle.read(), re.M)
-    assert runs, "no SUMMARY line of bench/bench_cli_speed.py in bench/RESULTS.md"
-    at65, at257, query = runs[-1]
+    """The figures of the command's speed that README (or a page of the docs site) quotes are those of the newest
+    bench/bench_cli_speed.py record in bench/results/."""
+    report = report_module()
+    found = report.newest(report.load(), "bench_cli_speed")
+    assert found, "no record of bench/bench_cli_speed.py in bench/results/"
+    name, record = found
+    runs = [re.match(r"^SUMMARY: backtrace ([\d.]+)x py-spy at 65 threads; backtrace ([\d.]+)x py-spy at 257 "
+                     r"threads; query ([\d.]+) ms \(main idle\)$", line) for line in record["summary"]]
+    runs = [m for m in runs if m]
+    assert runs, "no SUMMARY line in %s" % name
+    at65, at257, query = runs[-1].groups()
     quoted = ("`probe PID backtrace` at %s× py-spy's time with 65 threads and %s× with 257 (a busy main thread), "
               "`probe PID query` on python.backtrace in %s ms" % (at65, at257, query))
-    assert quoted in readme, quoted
+    assert any(quoted in text for text in docs_texts()), quoted
