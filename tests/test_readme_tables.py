@@ -1,4 +1,5 @@
-"""The README's tables of exit codes and wire error codes say what the code does (no process needed)."""
+"""The reference page's tables of exit codes and wire error codes (docs/reference.md) say what the code does (no
+process needed)."""
 
 import os
 import re
@@ -6,7 +7,7 @@ import re
 import probe.errors as errors
 from procs import REPO
 
-README = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+README = open(os.path.join(REPO, "docs", "reference.md"), encoding="utf-8").read()
 
 
 def _error_classes():
