@@ -41,6 +41,30 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
         assert ("index.html" if name == "index" else name + "/index.html") in built, name
 
 
+def test_the_readme_is_a_front_page_that_names_what_the_test_command_installs():
+    """README.md stays a front page (the manual is docs/), and names every package tests/run.sh installs with
+    apt, so that whoever runs it on their machine knows beforehand."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    assert len(readme.splitlines()) <= 300, len(readme.splitlines())
+    assert "pip install -e . && python examples/demo.py" in readme and "bash tests/run.sh" in readme
+    with open(os.path.join(REPO, "tests", "run.sh"), encoding="utf-8") as handle:
+        installed = {p for line in re.findall(r"apt-get install -y -qq ([^>)|\\\n]+)", handle.read()) for p in line.split()}
+    assert {"gdb", "chromium", "chromium-driver", "firefox-esr"} <= installed, installed
+    assert not [p for p in installed if p not in readme], sorted(p for p in installed if p not in readme)
+
+
+def test_the_site_home_is_the_readme():
+    """docs/index.md is README.md with its links made the site's own (docs/x.md -> x.md): edit both alike."""
+    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
+        readme = handle.read()
+    with open(os.path.join(REPO, "docs", "index.md"), encoding="utf-8") as handle:
+        home = handle.read()
+    readme = readme.replace("The manual is in [`docs/`](docs/index.md), a page per task; build it",
+                            "This site is the manual, a page per task; build it")
+    assert home == readme.replace("](docs/", "]("), "docs/index.md and README.md differ beyond their links"
+
+
 def _shell_blocks(path: str) -> Iterator[Tuple[int, List[str]]]:
     """(line number, lines) of each fenced block whose info string names a shell, or none."""
     lines = open(path, encoding="utf-8").read().split("\n")
