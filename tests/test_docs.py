@@ -150,7 +150,8 @@ def _parse(argv: List[str]) -> str:
     command: click.Command = cli
     path = []
     while isinstance(command, click.Group):
-        rest = list(getattr(ctx, "_protected_args", [])) + list(ctx.args)
+        protected = getattr(ctx, "_protected_args", None)  # click 8.2 and later; 8.1 calls it protected_args
+        rest = list(ctx.protected_args if protected is None else protected) + list(ctx.args)
         assert rest, "no command in %r" % argv
         name, sub, rest = command.resolve_command(ctx, rest)
         assert sub is not None and name is not None
