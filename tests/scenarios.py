@@ -6,7 +6,7 @@ Each scenario starts a real job (2 ranks under torchrun on the CPU with gloo, or
 the state it is about (a mismatched collective, a rank slow in its own data loading, NaN weights, a
 deadlock, a SIGKILLed rank, ...), runs ``probe ... diagnose`` as a user would, and compares what probe
 said (its first line and exit status) with what was expected. It prints a table (scenario, expected,
-said) and the score; the README quotes the table of the last run. Every scenario's code is a target
+said) and the score; docs/hung.md quotes the table of the last run. Every scenario's code is a target
 under ``tests/targets`` (or ``examples``) written for probe's tests, not taken from a bug report. The
 unit tests assert the same verdicts in more detail; this file is for the score, run by hand (~5 min).
 Run it from a checkout whose path has a folder named ``probe`` to check that no verdict depends on it.

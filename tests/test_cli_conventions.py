@@ -1,6 +1,7 @@
 """One output convention for every command; time options that refuse what no clock holds; a command line
 without a command; the words of grouped output across ranks (issue 17, items 17, 20, 23)."""
 
+import glob
 import json
 import os
 import re
@@ -84,9 +85,11 @@ def test_contradicting_formats_and_eval_f_json_are_refused_with_the_way_out(idle
 
 
 def test_the_readme_states_the_convention():
-    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-    assert "takes `--json`, short for `-F json`" in readme
-    assert not re.search(r"probe \$PID query .* -f json", readme)  # the examples use the one convention
+    pages = [os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "*.md"))
+    docs = {path: open(path, encoding="utf-8").read() for path in pages}
+    assert "takes `--json`, short for `-F json`" in docs[os.path.join(REPO, "docs", "reference.md")]
+    for path, text in docs.items():  # the examples use the one convention
+        assert not re.search(r"probe \$PID query .* -f json", text), path
 
 
 # -- item 23: numbers no clock holds; a target with no command; native frames in the schema ------------------

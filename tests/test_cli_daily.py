@@ -293,19 +293,22 @@ def test_list_shows_an_agent_that_cannot_answer(target_factory):
     assert "backtrace" in mine[0]["reach"]
 
 
-def test_the_readme_lists_the_threads_columns_and_the_limits_the_code_has(target):
-    with open(os.path.join(REPO, "README.md")) as handle:
-        readme = handle.read()
-    row = next(line for line in readme.splitlines() if line.startswith("| `python.threads` |"))
+def test_the_docs_list_the_threads_columns_and_the_limits_the_code_has(target):
+    """docs/tables.md has python.threads' columns, and docs/agent.md the ceilings' variables and defaults."""
+    with open(os.path.join(REPO, "docs", "tables.md"), encoding="utf-8") as handle:
+        tables = handle.read()
+    with open(os.path.join(REPO, "docs", "agent.md"), encoding="utf-8") as handle:
+        agent = handle.read()
+    row = next(line for line in tables.splitlines() if line.startswith("| `python.threads` |"))
     schema = json.loads(run_cli(str(target.pid), "schema", "python.threads", "--json").out)
     assert [c["name"] for c in schema["columns"]] == [w.strip("`,") for w in row.split(": ", 1)[1].rstrip(" |").split()]
     from probe.agent.limits import Ceilings
 
     for variable in ("PROBE_QUERY_TIMEOUT_CEILING", "PROBE_EVAL_TIMEOUT_CEILING", "PROBE_MAX_ROWS_CEILING",
                      "PROBE_EVAL_OUTPUT"):
-        assert "`%s`" % variable in readme
+        assert "`%s`" % variable in agent
     ceilings = Ceilings()
-    assert "(%d s, %d s, %d)" % (ceilings.query_timeout, ceilings.eval_timeout, ceilings.max_rows) in readme
+    assert "(%d s, %d s, %d)" % (ceilings.query_timeout, ceilings.eval_timeout, ceilings.max_rows) in agent
 
 
 def test_the_readme_quotes_the_inject_figures_of_the_bench_file():

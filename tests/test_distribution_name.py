@@ -1,6 +1,7 @@
 """The distribution's name is probe's own: `probe` on the package index is another project (so are torchprobe and
 pyprobe), and a user who follows a hint must not get someone else's code. The command and the import stay `probe`."""
 
+import glob
 import os
 import re
 import sys
@@ -32,6 +33,8 @@ def test_the_distribution_has_a_name_of_its_own_and_every_hint_names_it():
                 with open(path, encoding="utf-8") as handle:
                     wrong += ["%s: %s" % (path, m.group(0)) for m in PIP.finditer(handle.read())
                               if m.group(1).lower() in TAKEN]
-    with open(os.path.join(REPO, "README.md"), encoding="utf-8") as handle:
-        wrong += ["README.md: %s" % m.group(0) for m in PIP.finditer(handle.read()) if m.group(1).lower() in TAKEN]
+    for path in [os.path.join(REPO, "README.md")] + glob.glob(os.path.join(REPO, "docs", "*.md")):
+        with open(path, encoding="utf-8") as handle:
+            wrong += ["%s: %s" % (os.path.relpath(path, REPO), m.group(0)) for m in PIP.finditer(handle.read())
+                      if m.group(1).lower() in TAKEN]
     assert not wrong, "hints that install another project's package:\n" + "\n".join(wrong)

@@ -1,4 +1,4 @@
-"""README's table of exit codes holds: each row run for real against one process without torch (and a pid with
+"""The table of exit codes (docs/reference.md) holds: each row run for real against one process without torch (and a pid with
 none), the way a user meets it."""
 
 from procs import run_cli, target_env
