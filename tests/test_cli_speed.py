@@ -111,6 +111,9 @@ def test_help_still_lists_every_command_with_its_summary(tmp_path):
     ["query", "SELECT '\x1b[31mred\u202e' AS s"], ["query", "SELECT '\x1b[31mred' AS s", "--json"],
     ["query", "SELEC 1"], ["query"], ["query", "SELECT 1", "SELECT 2"],
     ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],
+    ["query", "SELECT 1 AS a", "--merge", "SELECT * FROM result"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv"],
+    ["query", "SELECT 1 AS a", "-o", "/"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv", "-F", "json"],
+    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "0", "PID", "backtrace"],
     ["999999", "backtrace"], ["999999", "query", "SELECT 1"], ["unix:/nonexistent", "health"], ["PID", "nosuch"],
 ])
 def test_read_without_click_or_through_it_the_same_bytes(idle, args):
