@@ -12,7 +12,8 @@ import pytest
 from procs import REPO, run_cli, spawn
 from terminal import Terminal
 
-from probe.cli.app import COMMANDS, cli
+from probe.cli.app import COMMANDS
+from probe.cli.group import cli
 from probe.cli.render_cluster import RankStacks, render_grouped_backtrace
 from probe.client.results import Frame
 

@@ -16,6 +16,7 @@ from test_bench_results import docs_texts, report_module
 from test_node_helper import ranks_of
 
 from probe.cli.app import COMMANDS
+from probe.cli.fast import FAST
 
 ALWAYS_HEAVY = {"click", "duckdb", "pyarrow", "probe.cli.group", "probe.cli.options", "probe.diagnose", "probe.snapshot",
                 "probe.engine", "probe.tables"}
@@ -111,6 +112,9 @@ def test_help_still_lists_every_command_with_its_summary(tmp_path):
     ["query", "SELECT '\x1b[31mred\u202e' AS s"], ["query", "SELECT '\x1b[31mred' AS s", "--json"],
     ["query", "SELEC 1"], ["query"], ["query", "SELECT 1", "SELECT 2"],
     ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],
+    ["query", "SELECT 1 AS a", "--merge", "SELECT * FROM result"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv"],
+    ["query", "SELECT 1 AS a", "-o", "/"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv", "-F", "json"],
+    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "0", "PID", "backtrace"],
     ["999999", "backtrace"], ["999999", "query", "SELECT 1"], ["unix:/nonexistent", "health"], ["PID", "nosuch"],
 ])
 def test_read_without_click_or_through_it_the_same_bytes(idle, args):
@@ -133,18 +137,76 @@ def test_the_fast_way_is_taken_only_where_it_reads_everything(idle, tmp_path):
 
 
 def test_the_fast_way_knows_every_global_option_of_the_click_group():
-    """A global option added to the group (probe/cli/group.py) is either read by probe.cli.fast, which then
-    makes the CliContext the group makes, or left to click: a command line that gives it, or an environment
-    that sets its variable, goes through click. Else the fast way would silently run without it."""
+    """A global option of the group (probe/cli/group.py) is either read by probe.cli.fast, which then makes
+    the CliContext the group makes, or left to click: a command line that gives it, or an environment that
+    sets its variable, goes through click. Else the fast way would silently run without it. Both come from
+    probe.cli.spec.GLOBAL_PARAMS; this holds the group to it."""
+    from probe.cli import fast
+    from probe.cli.spec import GLOBAL_PARAMS
+
+    declared = {decl: p for p in GLOBAL_PARAMS for decl in p.decls}
+    from probe.cli.group import cli
+
+    for param in cli.params:
+        for opt in param.opts + param.secondary_opts:
+            if opt in ("--version", "-h", "--help"):
+                continue  # click's own, which fast.parse leaves to it (no declaration has them)
+            assert opt in declared, "declare %s in probe/cli/spec.py GLOBAL_PARAMS, not in group.py" % opt
+            assert declared[opt].dest == param.name
+            if declared[opt].fast:
+                assert fast._GLOBAL[opt] is declared[opt]
+        variables = [param.envvar] if isinstance(param.envvar, str) else param.envvar or []
+        for variable in variables:
+            assert param.name in {p.dest for p in GLOBAL_PARAMS if p.envvar == variable}, variable
+    cacert = [p for p in GLOBAL_PARAMS if p.envvar and not p.fast][0]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(cacert.envvar, "/nonexistent.pem")  # a variable of an option left to click: click's
+        assert fast.parse(["--target", "1", "health"]) is None
+        patch.delenv(cacert.envvar)
+        assert fast.parse(["--target", "1", "health"]) is not None
+
+
+def _sample(command, param):
+    """A value that click takes for ``param`` (tried in turn), as a command line's word."""
+    import click
+
+    for value in ("1", "512MB", "json", "table", "out.csv", "SELECT 1"):
+        try:
+            param.type_cast_value(click.Context(command), value)
+            if param.callback is not None:
+                param.callback(click.Context(command), param, value)
+            return value
+        except click.BadParameter:
+            continue
+    raise AssertionError("no sample value for %s" % param.opts)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_every_option_of_a_fast_command_is_read_the_same_without_click(name):
+    """Each option and argument that click gives a command run in loops (backtrace, query, ...) is read by
+    probe.cli.fast too, into the same keyword with the same value: its command line is not left to click
+    for want of it, and where it is not given, both pass the same default."""
     from probe.cli import fast
     from probe.cli.group import cli
 
-    read = set(fast._GLOBAL) | {"--version", "-h", "--help"}
-    left = {"--all-ranks", "--ranks", "--hosts", "--deadline", "--max-in-flight", "--via", "--cacert", "--cert", "--key"}
-    given = {o for p in cli.params for o in p.opts + p.secondary_opts}
-    assert given <= read | left, "read or leave to click in probe/cli/fast.py: %s" % sorted(given - read - left)
-    variables = {v for p in cli.params for v in ([p.envvar] if isinstance(p.envvar, str) else p.envvar or [])}
-    assert variables <= {"PROBE_TOKEN", "PROBE_TOKEN_FILE", "PROBE_VIA"} | set(fast._LEFT_TO_CLICK_ENV), variables
+    command = cli.get_command(None, name)
+    arguments = [_sample(command, p) for p in command.params if p.param_type_name == "argument"]
+
+    def both(words):
+        ctx = command.make_context(name, list(words) + arguments)
+        parsed = fast.parse(["--target", "1", name] + list(words) + arguments)
+        assert parsed is not None, "fast.parse left %s %s to click" % (name, words)
+        return ctx.params, parsed[3]
+
+    options = [p for p in command.params if p.param_type_name == "option"]
+    assert options
+    for param in options:
+        for opt in param.opts + param.secondary_opts:
+            words = [opt] if param.is_flag else [opt, _sample(command, param)]
+            by_click, by_fast = both(words)
+            assert by_fast == by_click, words
+    by_click, by_fast = both([])
+    assert by_fast == by_click
 
 
 def test_text_shown_as_it_is_without_the_pattern_is_exactly_what_the_pattern_leaves():

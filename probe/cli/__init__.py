@@ -51,7 +51,7 @@ def _run(args: List[str]) -> int:
     code = fast.run(args)
     if code is not None:
         return code
-    from probe.cli.app import cli
+    from probe.cli.group import cli
     from probe.cli.context import CliContext
 
     with cli.make_context("probe", args) as ctx:

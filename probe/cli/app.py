@@ -8,13 +8,15 @@ repeated to run against several targets at once.
 This module imports no click: the list and the reading of a command line serve ``probe.cli.fast``, which
 runs the commands people run in loops (backtrace, query, health, list, ranks) without click where their
 command line is a plain one. ``cli``, the click group (global options, help, completion), is in
-``probe.cli.group`` and imported from here on first use.
+``probe.cli.group``, which is built on this list (and this module knows nothing of it).
 """
 
 import re
-from typing import Any, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
-__all__ = ["COMMANDS", "normalise_argv"]  # and cli, the click group, on first use (below)
+from probe.cli.spec import FLAG, GLOBAL_PARAMS
+
+__all__ = ["COMMANDS", "normalise_argv"]
 
 #: name -> (module under probe.cli.commands, attribute): the whole command set, in help order.
 COMMANDS: Dict[str, Tuple[str, str]] = {
@@ -39,8 +41,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "page": ("page", "page"),
     "mcp": ("mcp", "mcp"),
 }
-_GLOBAL_WITH_VALUE = {"-t", "--target", "--token", "--token-file", "--timeout", "--wait", "--executable", "--ranks",
-                      "--hosts", "--deadline", "--max-in-flight", "--cacert", "--cert", "--key"}
+_GLOBAL_WITH_VALUE = {decl for p in GLOBAL_PARAMS if p.kind is not FLAG for decl in p.decls}
 _NO_TARGET = {"list", "snapshots"}
 """Commands that take no target; every other one is ``probe TARGET COMMAND ...``."""
 _NO_ARGS = {"backtrace", "repl", "debug", "tables", "health", "inject", "diagnose", "snapshot"}
@@ -105,11 +106,3 @@ def _targets_after(command: str, rest: List[str], has_target: bool) -> Tuple[Lis
             moved = ["--target", kept.pop(words[0])]
     return moved, kept
 
-
-def __getattr__(name: str) -> Any:
-    """``cli``, the click group, imported on first use (``probe.cli.fast`` needs no click)."""
-    if name != "cli":
-        raise AttributeError("module %r has no attribute %r" % (__name__, name))
-    from probe.cli.group import cli
-
-    return cli

@@ -10,7 +10,8 @@ import click
 import probe
 from probe.cli.app import _NO_TARGET, COMMANDS
 from probe.cli.context import CliContext
-from probe.cli.options import Seconds
+from probe.cli.options import with_params
+from probe.cli.spec import GLOBAL_PARAMS
 
 __all__ = ["cli"]
 
@@ -64,41 +65,7 @@ def _usage_shows_target(command: click.Command) -> None:
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"]}, invoke_without_command=True,
              no_args_is_help=True)
-@click.option("-t", "--target", "targets", multiple=True, metavar="TARGET",
-              help="A pid, HOST:PORT, unix:PATH or core:PATH (repeatable). Default: $PROBE_TARGET.")
-@click.option("--token", envvar="PROBE_TOKEN", help="Token for TCP targets (or $PROBE_TOKEN).")
-@click.option("--token-file", envvar="PROBE_TOKEN_FILE", type=click.Path(dir_okay=False),
-              help="File holding the token for TCP targets (or $PROBE_TOKEN_FILE).")
-@click.option("--timeout", type=Seconds(0.01), default=None,
-              help="Seconds to wait for each target's answer, a long query's or snippet's too; inject's time "
-                   "limit. Default: 30, or a query's or snippet's own time limit and 5 s more.")
-@click.option("--wait", type=Seconds(0.0), default=None,
-              help="Wait this long for a local agent before reading the process from outside. "
-                   "Default: decide in about a second whether it can answer (GIL held, stopped).")
-@click.option("--executable", type=click.Path(dir_okay=False), metavar="PATH",
-              help="For a core:PATH target: the Python executable that made the core (default: as the core says).")
-@click.option("--all-ranks", is_flag=True,
-              help="Every rank of the job whose master is TARGET (HOST:PROBE_PORT, under any launcher; or "
-                   "slurm:JOBID[:PORT]), at once; answers grouped.")
-@click.option("--ranks", metavar="LIST", help="Only these ranks, e.g. 0-3,8 (implies --all-ranks).")
-@click.option("--hosts", type=click.Path(dir_okay=False), metavar="FILE",
-              help="Every target listed in FILE (one per line), at once, numbered by the ranks they say they are "
-                   "(else by line: 0, 1, ...).")
-@click.option("--deadline", type=Seconds(0.01),
-              help="Across ranks: answer with what arrived after this long (default 10, at most --timeout); "
-                   "several -t: none unless given.")
-@click.option("--max-in-flight", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Across ranks: requests in flight at once; one unanswered after 0.25 s stops counting "
-                   "(up to 512 open).")
-@click.option("--via", type=click.Choice(["auto", "helpers", "direct"]), default="auto", show_default=True,
-              envvar="PROBE_VIA", help="Across ranks: ask each node's helper once, which asks its ranks (helpers), or "
-                                       "every rank from here (direct); auto: through the helpers past 1024 ranks.")
-@click.option("--cacert", envvar="PROBE_CACERT", type=click.Path(dir_okay=False), metavar="PEM",
-              help="Speak TLS to TCP targets and helpers, trusting the certificates this CA signed (or $PROBE_CACERT).")
-@click.option("--cert", envvar="PROBE_CERT", type=click.Path(dir_okay=False), metavar="PEM",
-              help="Client certificate for agents that ask for one (mutual TLS; or $PROBE_CERT).")
-@click.option("--key", envvar="PROBE_KEY", type=click.Path(dir_okay=False), metavar="PEM",
-              help="The client certificate's key, where not in its file (or $PROBE_KEY).")
+@with_params(GLOBAL_PARAMS)
 @click.version_option(probe.__version__, prog_name="probe")
 @click.pass_context
 def cli(ctx: click.Context, targets: Tuple[str, ...], token: Optional[str], token_file: Optional[str],

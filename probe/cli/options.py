@@ -1,4 +1,5 @@
-"""Options that several commands share, defined once: how output is printed, and a number of seconds.
+"""Options that several commands share, defined once: how output is printed, and a number of seconds; and
+the click options of a command made from its declaration (``probe.cli.spec``).
 
 One output convention for every command that prints a result: ``--json`` is short for ``-F json``, and
 ``-F/--format FORMAT`` names the format (``text`` or ``json``; ``query`` and ``ranks``: ``table``, ``json``
@@ -8,19 +9,18 @@ FILE`` reads the snippet from a file, as it always did.
 
 import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import click
 
 from probe.cli.output import chosen_format
+from probe.cli.spec import (ARGUMENT, FLAG, MAX_SECONDS, PATH, STRING, TABLE_FORMATS, TEXT_FORMATS, UNSET, Param,
+                            output_params)
 
-__all__ = ["Seconds", "MAX_SECONDS", "output_format", "TEXT", "TABLE"]
+__all__ = ["Seconds", "MAX_SECONDS", "output_format", "with_params", "TEXT", "TABLE"]
 
-MAX_SECONDS = 1e6
-"""The longest time limit or wait an option takes (11.6 days); longer ones only overflow the clocks below."""
-
-TEXT = ("text", "json")
-TABLE = ("table", "json", "csv")
+TEXT = TEXT_FORMATS
+TABLE = TABLE_FORMATS
 
 
 class Seconds(click.ParamType):
@@ -45,24 +45,71 @@ class Seconds(click.ParamType):
         return "SECONDS"
 
 
+def with_params(params: Sequence[Param]) -> Callable[[Callable[..., Any]], Any]:
+    """Give a command the click options and arguments ``params`` declare, in their order (help lists them
+    so). Where they hold the output options (``output_params``) the command receives ``fmt`` instead."""
+    def decorate(command: Callable[..., Any]) -> Any:
+        run = _given_fmt(command) if any(p.dest == "fmt_given" for p in params) else command
+        for param in reversed(params):  # click lists a command's parameters in the reverse of their decoration
+            run = _click_param(param)(run)
+        return run
+    return decorate
+
+
+def _given_fmt(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``command`` called with ``fmt``, the one format that ``-F``, ``-f`` and ``--json`` asked for."""
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        kwargs["fmt"] = chosen_format(kwargs.pop("fmt_given"), kwargs.pop("fmt_older", None), kwargs.pop("as_json"))
+        return command(*args, **kwargs)
+    return run
+
+
 def output_format(*formats: str, json_help: str = "", older_f: bool = False) -> Callable[[Callable[..., Any]], Any]:
     """Give a command ``--json`` and ``-F/--format`` (``formats``, the first the default); the command
     receives ``fmt``: the format asked for, or None when none was. ``older_f``: ``-f FORMAT`` works too
     (hidden: the spelling ``query`` and ``ranks`` had before)."""
-    def decorate(command: Callable[..., Any]) -> Any:
-        @functools.wraps(command)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            kwargs["fmt"] = chosen_format(kwargs.pop("fmt_given"), kwargs.pop("fmt_older", None), kwargs.pop("as_json"))
-            return command(*args, **kwargs)
+    return with_params(output_params(*formats, json_help=json_help, older_f=older_f))
 
-        exact = " and ".join(f for f in formats if f in ("json", "csv"))
-        run = click.option("-F", "--format", "fmt_given", type=click.Choice(formats), default=None,
-                           help="How to print the result: %s (default %s). %s keep%s what the target sent "
-                                "exactly, for scripts; %s shows its control characters as escapes (ESC as \\x1b)."
-                                % (", ".join(formats), formats[0], exact, "" if " and " in exact else "s",
-                                   formats[0]))(run)
-        if older_f:
-            run = click.option("-f", "fmt_older", type=click.Choice(formats), default=None, hidden=True)(run)
-        return click.option("--json", "as_json", is_flag=True,
-                            help="The same as -F json%s." % ("; " + json_help if json_help else ""))(run)
-    return decorate
+
+def _click_param(param: Param) -> Callable[[Callable[..., Any]], Any]:
+    """The click decorator that declares ``param``."""
+    if param.kind is ARGUMENT:
+        return click.argument(param.dest)
+    kwargs: dict = {}
+    for name in ("help", "metavar", "envvar"):
+        if getattr(param, name) is not None:
+            kwargs[name] = getattr(param, name)
+    for name in ("hidden", "multiple", "show_default"):
+        if getattr(param, name):
+            kwargs[name] = True
+    if param.default is not UNSET:
+        kwargs["default"] = param.default
+    kind = param.kind[0]
+    if param.kind is FLAG:
+        kwargs["is_flag"] = True
+    elif param.kind is PATH:
+        kwargs["type"] = click.Path(dir_okay=False)
+    elif kind == "choice":
+        kwargs["type"] = click.Choice(param.kind[1])
+    elif kind == "seconds":
+        kwargs["type"] = Seconds(param.kind[1], param.kind[2])
+    elif kind == "count":
+        kwargs["type"] = click.IntRange(min=param.kind[1])
+    elif kind == "converted":
+        kwargs["callback"] = _converting(param.kind[1], param.kind[2])
+    elif param.kind is not STRING:
+        raise ValueError("%r: no click type for %r" % (param, param.kind))
+    return click.option(*param.decls, param.dest, **kwargs)
+
+
+def _converting(convert: Callable[[str], Any], words: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
+    """A click callback that reads an option's value with ``convert``, in ``words`` where it cannot."""
+    def callback(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+        if value is None:
+            return None
+        try:
+            return convert(value)
+        except ValueError:
+            raise click.BadParameter(words % (value,)) from None
+    return callback

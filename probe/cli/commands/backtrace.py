@@ -7,19 +7,25 @@ from probe.cli.commands import made_on_first_use
 from probe.cli.context import CliContext, each_target
 from probe.cli.output import emit, say
 from probe.cli.render import render_backtrace
+from probe.cli.spec import TEXT_FORMATS, Param, output_params
+
+PARAMS = [
+    Param("--native", dest="native",
+          help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for tens of "
+               "milliseconds)."),
+    *output_params(*TEXT_FORMATS, json_help="the frames as JSON rows, those of python.backtrace"),
+]
+"""The command's options, which click and ``probe.cli.fast`` both read (``probe.cli.spec``)."""
 
 
 def _command() -> Any:
     import click
 
     from probe.cli.context import pass_cli
-    from probe.cli.options import TEXT, output_format
+    from probe.cli.options import with_params
 
     @click.command("backtrace")
-    @click.option("--native", is_flag=True,
-                  help="C/C++ frames too, between the Python ones (read from outside; the process is stopped for "
-                       "tens of milliseconds).")
-    @output_format(*TEXT, json_help="the frames as JSON rows, those of python.backtrace")
+    @with_params(PARAMS)
     @pass_cli
     def backtrace(cli: CliContext, native: bool, fmt: Optional[str]) -> None:
         """Print the Python stack of every thread, like py-spy dump.

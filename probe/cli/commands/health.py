@@ -7,16 +7,20 @@ from probe.cli.commands import made_on_first_use
 from probe.cli.context import CliContext, each_target
 from probe.cli.output import emit, say
 from probe.cli.render import render_unavailable, visible
+from probe.cli.spec import TEXT_FORMATS, output_params
+
+PARAMS = output_params(*TEXT_FORMATS, json_help="the agent's answer")
+"""The command's options, which click and ``probe.cli.fast`` both read (``probe.cli.spec``)."""
 
 
 def _command() -> Any:
     import click
 
     from probe.cli.context import pass_cli
-    from probe.cli.options import TEXT, output_format
+    from probe.cli.options import with_params
 
     @click.command("health")
-    @output_format(*TEXT, json_help="the agent's answer")
+    @with_params(PARAMS)
     @pass_cli
     def health(cli: CliContext, fmt: Optional[str]) -> None:
         """Ask the agent who it is: pid, host, rank, Python, probe version, capabilities.

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from probe.cli.commands import made_on_first_use
 from probe.cli.output import echo
 from probe.cli.render import render_rows, terminal_width, text_width
+from probe.cli.spec import Param, output_params
 from probe.client.discovery import local_agents, remove_stale_files
 from probe.client.results import Rows
 
@@ -241,18 +242,23 @@ def _give_way(names: List[str], rows: List[List[str]], width: int) -> bool:
     return changed
 
 
+PARAMS = [
+    *output_params("table", "json", json_help="the processes as JSON rows"),
+    Param("--agents-only", dest="agents_only", help="Only processes that run (or ran) an agent."),
+    Param("-x", "--vertical", dest="vertical", help="One column per line, each process in its block, values whole."),
+    Param("--wide", dest="wide", help="Cut no cell and do not fit the table to the terminal."),
+    Param("--all", dest="show_all", help="Also the processes stopped on purpose (SIGTERM, Ctrl-C) more than an hour ago."),
+]
+"""The command's options, which click and ``probe.cli.fast`` both read (``probe.cli.spec``)."""
+
+
 def _command() -> Any:
     import click
 
-    from probe.cli.options import output_format
+    from probe.cli.options import with_params
 
     @click.command("list")
-    @output_format("table", "json", json_help="the processes as JSON rows")
-    @click.option("--agents-only", is_flag=True, help="Only processes that run (or ran) an agent.")
-    @click.option("-x", "--vertical", is_flag=True, help="One column per line, each process in its block, values whole.")
-    @click.option("--wide", is_flag=True, help="Cut no cell and do not fit the table to the terminal.")
-    @click.option("--all", "show_all", is_flag=True,
-                  help="Also the processes stopped on purpose (SIGTERM, Ctrl-C) more than an hour ago.")
+    @with_params(PARAMS)
     def list_(fmt: Optional[str], agents_only: bool, vertical: bool, wide: bool, show_all: bool) -> None:
         """Local Python processes: those running an agent, those that could be attached, and those that
         died with an agent (how, and when: their crash records are kept 7 days, the newest 20; one stopped

@@ -7,6 +7,7 @@ from probe.cli.commands import made_on_first_use
 from probe.cli.context import CliContext, each_target
 from probe.cli.output import check_writable, file_format, print_rows, say, write_arrow, write_rows, wrote
 from probe.cli.render import render_rows, terminal_width
+from probe.cli.spec import ARGUMENT, PATH, STRING, TABLE_FORMATS, Param, converted, count, output_params, seconds
 from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import ProbeError, UsageError
@@ -16,26 +17,10 @@ def _command() -> Any:
     import click
 
     from probe.cli.context import pass_cli
-    from probe.cli.options import TABLE, Seconds, output_format
+    from probe.cli.options import with_params
 
     @click.command("query")
-    @click.argument("sql")
-    @output_format(*TABLE, json_help="NaN and infinities are null in JSON", older_f=True)
-    @click.option("-x", "--vertical", is_flag=True,
-                  help="One column per line, each record in its block, values whole (psql's \\x).")
-    @click.option("--wide", is_flag=True,
-                  help="Cut no cell and do not fit the table to the terminal (pipe it to `less -S`).")
-    @click.option("-o", "--output", type=click.Path(dir_okay=False),
-                  help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension).")
-    @click.option("--max-rows", type=click.IntRange(min=0), help="Return at most this many rows.")
-    @click.option("--query-timeout", type=Seconds(0.001), help="Seconds the query may run in the agent.")
-    @click.option("--max-memory", metavar="SIZE", callback=lambda ctx, param, value: _click_size(value),
-                  help="Memory the query may take where it runs here, over the rows the agent sent (DuckDB in a "
-                       "worker process, its address space bounded by the kernel): 512MB, 2GiB... Default 1GiB.")
-    @click.option("--native", is_flag=True,
-                  help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native').")
-    @click.option("--merge", metavar="SQL",
-                  help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`.")
+    @with_params(PARAMS)
     @pass_cli
     def query(cli: CliContext, sql: str, fmt: Optional[str], vertical: bool, wide: bool, output: Optional[str],
               max_rows: Optional[int], query_timeout: Optional[float], max_memory: Optional[int], native: bool,
@@ -70,15 +55,26 @@ def memory_size(text: str) -> int:
     return size
 
 
-def _click_size(value: Optional[str]) -> Optional[int]:
-    import click
-
-    if value is None:
-        return None
-    try:
-        return memory_size(value)
-    except ValueError:
-        raise click.BadParameter("%r is not a size from 64MiB to 1TiB (512MB, 2GiB, ...)" % value) from None
+PARAMS = [
+    Param(dest="sql", kind=ARGUMENT),
+    *output_params(*TABLE_FORMATS, json_help="NaN and infinities are null in JSON", older_f=True),
+    Param("-x", "--vertical", dest="vertical",
+          help="One column per line, each record in its block, values whole (psql's \\x)."),
+    Param("--wide", dest="wide", help="Cut no cell and do not fit the table to the terminal (pipe it to `less -S`)."),
+    Param("-o", "--output", dest="output", kind=PATH,
+          help="Write the result to a file instead: .csv, .json, .parquet or .arrow (by its extension)."),
+    Param("--max-rows", dest="max_rows", kind=count(0), help="Return at most this many rows."),
+    Param("--query-timeout", dest="query_timeout", kind=seconds(0.001), help="Seconds the query may run in the agent."),
+    Param("--max-memory", dest="max_memory", kind=converted(memory_size, "%r is not a size from 64MiB to 1TiB (512MB, "
+                                                                         "2GiB, ...)"), metavar="SIZE",
+          help="Memory the query may take where it runs here, over the rows the agent sent (DuckDB in a worker "
+               "process, its address space bounded by the kernel): 512MB, 2GiB... Default 1GiB."),
+    Param("--native", dest="native",
+          help="Run here over python.backtrace read from outside, C frames included (frame_type = 'native')."),
+    Param("--merge", dest="merge", kind=STRING, metavar="SQL",
+          help="Across ranks: run SQL here (DuckDB) over the union of every rank's rows, the table `result`."),
+]
+"""The command's options, which click and ``probe.cli.fast`` both read (``probe.cli.spec``)."""
 
 
 __getattr__ = made_on_first_use("query", _command)

@@ -6,16 +6,20 @@ from probe.cli.commands import made_on_first_use
 from probe.cli.context import CliContext
 from probe.cli.output import print_rows, say
 from probe.cli.render import render_rows
+from probe.cli.spec import TABLE_FORMATS, output_params
+
+PARAMS = output_params(*TABLE_FORMATS, json_help="the member list as JSON rows", older_f=True)
+"""The command's options, which click and ``probe.cli.fast`` both read (``probe.cli.spec``)."""
 
 
 def _command() -> Any:
     import click
 
     from probe.cli.context import pass_cli
-    from probe.cli.options import TABLE, output_format
+    from probe.cli.options import with_params
 
     @click.command("ranks")
-    @output_format(*TABLE, json_help="the member list as JSON rows", older_f=True)
+    @with_params(PARAMS)
     @pass_cli
     def ranks(cli: CliContext, fmt: Optional[str]) -> None:
         """List the job's ranks: rank, host, port, pid, state (running, silent, stopped, starting, dead).
