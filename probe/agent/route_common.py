@@ -15,7 +15,8 @@ from probe.agent.limits import Ceilings
 from probe.agent.options import AgentOptions
 from probe.errors import BadRequest
 
-__all__ = ["ServingAgent", "Route", "result_budget", "request_ceilings", "optional_count", "optional_seconds", "optional_id"]
+__all__ = ["ServingAgent", "Route", "result_budget", "request_ceilings", "optional_count", "optional_seconds",
+           "optional_id"]
 
 
 class ServingAgent(Protocol):

@@ -9,7 +9,7 @@ from typing import Any, Dict, Optional
 from probe.agent.budget import work_slot
 from probe.agent.http import Request, Response
 from probe.agent.limits import within
-from probe.agent.route_common import ServingAgent, request_ceilings, optional_seconds
+from probe.agent.route_common import ServingAgent, optional_seconds, request_ceilings
 from probe.agent.switch import fast_switching
 from probe.errors import BadRequest, EvalDisabled
 

@@ -14,8 +14,8 @@ from probe.agent.budget import Hold, work_slot
 from probe.agent.http import Request, Response
 from probe.agent.identity import identity
 from probe.agent.limits import within
-from probe.agent.route_common import (ServingAgent, result_budget, request_ceilings, optional_count, optional_id,
-                                      optional_seconds)
+from probe.agent.route_common import (ServingAgent, optional_count, optional_id, optional_seconds, request_ceilings,
+                                      result_budget)
 from probe.agent.switch import fast_switching
 from probe.errors import BadRequest, NotFound, SQLError, TooLarge
 from probe.tables import get_table, list_tables, produce_rows
