@@ -17,8 +17,9 @@ import time
 from typing import Any, List, Optional
 
 from probe import _paths
+from probe._fds import keep_stdio_open
 from probe.agent.http import Request
-from probe.agent.listener import Listener, keep_stdio_open
+from probe.agent.listener import Listener
 from probe.agent.options import AgentOptions, binds_every_interface, parse_hostport
 from probe.agent.token_file import token_from_file as _token_from_file  # the node helper's name for it too
 from probe.agent.token_file import write_new
