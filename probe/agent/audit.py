@@ -24,34 +24,32 @@ at a quarter of that (at least 4 KB) with one older file each. So one process's 
 post-mortem (``probe PID audit`` reads it); the trails of processes that no longer run are pruned to the
 newest ``KEEP_DEAD`` when a new trail is begun.
 
-Nothing here raises into the target: a trail that cannot be written says so once on stderr.
-Stdlib only.
+Nothing here raises into the target: a trail that cannot be written says so once on stderr. The files are
+read (the table ``probe.audit``, ``probe PID audit``) by ``probe.tables.probe_audit``: the agent writes,
+the table reads, and the import runs from here to there only. Stdlib only.
 """
 
 import atexit
 import hashlib
 import json
 import os
-import re
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from probe import _paths
 from probe._stderr import say as _say
 from probe.agent.audit_refusals import Refusals
+from probe.tables import probe_audit
+from probe.tables.probe_audit import _NAME, ACTIONS, KINDS, READS, REFUSED, actions, records, trail_files
 
-__all__ = ["AuditLog", "trail", "records", "actions", "trail_files", "MAX_SNIPPET", "NAME", "COLUMNS", "DESCRIPTION",
-           "EXAMPLE", "rows"]
+__all__ = ["AuditLog", "trail", "records", "actions", "trail_files", "MAX_SNIPPET"]
 
 MAX_SNIPPET = 4096  # bytes of a snippet kept in a record (its sha256 and length are of the whole)
 MAX_DETAIL = 1024  # characters of a detail value
 MAX_BYTES = 1 << 20
 KEEP = 2
 KEEP_DEAD = 32  # trails of processes that no longer run, kept in the runtime directory
-ACTIONS, READS, REFUSED = "", "reads", "refused"
-KINDS = (ACTIONS, READS, REFUSED)
-_NAME = re.compile(r"^audit-(\d+)-(\d+)(?:\.(reads|refused))?\.jsonl(\.\d+)?$")
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -307,132 +305,5 @@ def trail() -> AuditLog:
         with _trail_lock:
             if _trail is None:
                 _trail = AuditLog()
+                probe_audit.before_read(_trail.flush)  # the table reads the refusal counts not written yet
     return _trail
-
-
-# -- reading ----------------------------------------------------------------------------------------
-
-def trail_files(pid: int, directory: Optional[str] = None) -> List[str]:
-    """The files of the newest trail of process ``pid`` in ``directory`` (the runtime directory): its
-    refusals and reads, then its actions, each kind oldest first (the current file of actions last);
-    [] when there is none."""
-    directory = directory or _paths.runtime_dir()
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return []
-    trails: Dict[int, List[Tuple[int, int, str]]] = {}
-    for name in names:
-        match = _NAME.match(name)
-        if match and int(match.group(1)) == pid:
-            order = KINDS.index(match.group(3) or ACTIONS)
-            trails.setdefault(int(match.group(2)), []).append((-order, -int((match.group(4) or ".0")[1:]), name))
-    if not trails:
-        return []
-    newest = trails[max(trails)]
-    return [os.path.join(directory, name) for _, _, name in sorted(newest)]
-
-
-def records(paths: List[str]) -> Iterator[Dict[str, Any]]:
-    """The records of the files ``paths`` (in order); a line that is not a JSON object is skipped."""
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-        except OSError:
-            continue
-        try:
-            with os.fdopen(fd, "rb") as handle:
-                data = handle.read(64 << 20)
-        except OSError:
-            continue
-        for line in data.splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(record, dict):
-                yield record
-
-
-def actions(paths: List[str]) -> List[Dict[str, Any]]:
-    """One entry per action: its start record with the outcome of its end (``running`` where none came
-    yet, ``unknown`` when the process is gone), in the order they began."""
-    out: List[Dict[str, Any]] = []
-    by_seq: Dict[Tuple[Any, Any], Dict[str, Any]] = {}
-    for record in records(paths):
-        key = (record.get("pid"), record.get("seq"))
-        phase = record.get("phase")
-        if phase == "refused" and key in by_seq:  # a window's count again: keep the highest
-            entry = by_seq[key]
-            if _number(record.get("count")) > _number(entry.get("count")):
-                entry.update(count=record.get("count"), last=record.get("last"))
-        elif phase in ("start", "refused"):
-            entry = dict(record)
-            entry.pop("phase", None)
-            entry.setdefault("outcome", None)
-            if phase == "refused":
-                entry.setdefault("count", 1)  # a trail written before refusals were counted
-            by_seq[key] = entry
-            out.append(entry)
-        elif phase == "end" and key in by_seq:
-            entry = by_seq[key]
-            entry.update(outcome=record.get("outcome"), error=record.get("error"), elapsed_ms=record.get("elapsed_ms"),
-                         ended=record.get("time"))
-    out.sort(key=lambda e: _number(e.get("time")))  # the kinds' files interleaved, in the order they began
-    return out
-
-
-def _number(value: Any) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
-
-
-# -- the table probe.audit --------------------------------------------------------------------------
-
-NAME = "probe.audit"
-DESCRIPTION = ("This process's audit trail: every control and eval request (eval and REPL input, checkpoint, debug "
-               "start/stop, trace start/stop/export, lr change, interrupts) and every refused one, with who asked "
-               "and what came of it; reads too where the target set PROBE_AUDIT_READS=1. Also `probe T audit`.")
-
-
-def _columns() -> Tuple[Any, ...]:
-    from probe.tables.spec import Column
-
-    return (
-        Column("time", "TIMESTAMP", "When the request was taken (UTC), before it ran."),
-        Column("seq", "BIGINT", "The action's number in this process's trail."),
-        Column("pid", "BIGINT", "The process that served it."),
-        Column("scope", "VARCHAR", "The scope the request needed: read, control or eval."),
-        Column("granted_by", "VARCHAR", "What gave the asker a scope: full token, control token, read token, "
-                                        "unix socket owner."),
-        Column("peer", "VARCHAR", "Who asked: 'uid U pid P' on the unix socket, HOST:PORT on TCP."),
-        Column("command", "VARCHAR", "eval, repl, checkpoint, debug start, trace start, lr, ..."),
-        Column("detail", "VARCHAR", "The request's options as JSON (path, thread, port, trace options, ...)."),
-        Column("code", "VARCHAR", "The snippet or expressions, cut at 4 KB."),
-        Column("code_sha256", "VARCHAR", "sha256 of the whole snippet (hex)."),
-        Column("code_bytes", "BIGINT", "Length of the whole snippet in bytes."),
-        Column("outcome", "VARCHAR", "ok, error, interrupted, refused; NULL while it runs."),
-        Column("error", "VARCHAR", "What went wrong (the error's first words)."),
-        Column("elapsed_ms", "DOUBLE", "How long it ran."),
-        Column("count", "BIGINT", "Refusals: how many this row stands for (one asker, what gave it its scope, the "
-                                  "command, one minute; peer is the first of them); NULL for an action."),
-    )
-
-
-COLUMNS = _columns()
-EXAMPLE = "SELECT time, peer, command, outcome, code FROM probe.audit ORDER BY time DESC LIMIT 20"
-
-
-def rows() -> Iterator[Tuple[Any, ...]]:
-    import datetime
-
-    if _trail is not None:
-        _trail.flush()
-    for entry in actions(trail_files(os.getpid())):
-        when = entry.get("time")
-        stamp = (datetime.datetime.fromtimestamp(when, datetime.timezone.utc).replace(tzinfo=None)
-                 if isinstance(when, (int, float)) else None)
-        detail = entry.get("detail")
-        yield (stamp, entry.get("seq"), entry.get("pid"), entry.get("scope"), entry.get("by"), entry.get("peer"),
-               entry.get("command"), json.dumps(detail) if detail else None, entry.get("code"),
-               entry.get("code_sha256"), entry.get("code_bytes"), entry.get("outcome"), entry.get("error"),
-               entry.get("elapsed_ms"), entry.get("count"))

@@ -4,7 +4,7 @@ or control request runs and after, and the refusals, scope and token alike. Neve
 import time
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from probe.agent import scopes
+import probe.agent.scopes as scopes
 from probe.agent.http import Request
 from probe.errors import ProbeError
 

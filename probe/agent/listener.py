@@ -27,19 +27,21 @@ import os
 import queue
 import select
 import socket
-import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:
     import ssl
 
-from probe.agent import switch
-from probe.agent.http import Handler, Response, read_request, send
-from probe.errors import BadRequest, Busy, Forbidden, ProbeError, UsageError
-from probe._threads import daemon_thread
+import probe.agent.switch as switch
+from probe._fds import fd_identity, keep_stdio_open
 from probe._stderr import say as _say
+from probe._threads import daemon_thread
+from probe.agent.conns import _close, _has_input, _linger, _peer_creds, _peer_gone, _peer_name
+from probe.agent.http import Handler, Response, read_request, send
+from probe.agent.sockets import _listen_tcp, _listen_unix, server_tls_from_env
+from probe.errors import BadRequest, Busy, Forbidden, ProbeError
 
 __all__ = ["Listener", "MAX_CONNECTIONS", "READ_TIMEOUT_S", "GRACE_S", "BUSY_WAIT_S", "HEARTBEAT_S", "name_os_thread",
            "fd_identity", "keep_stdio_open"]
@@ -53,9 +55,6 @@ LINGER_S = 2.0  # after answering a request not read whole, how long (and how mu
 LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
 _POLL_S = 0.1  # while every slot is taken: how often to look for a connection to evict
 _TCP_WAKE_S = 1.0  # how often a TCP accept thread (which has no heartbeat) looks that its socket is still ours
-
-Identity = Tuple[int, int]  # (st_dev, st_ino) of an open file: what a descriptor number refers to
-
 
 class Listener:
     """One listening socket, its accept thread, and worker threads (one per open connection, reused)."""
@@ -430,87 +429,6 @@ def name_os_thread(name: str) -> None:
         pass
 
 
-def _peer_gone(conn: socket.socket) -> bool:
-    """The client closed its end while its request waited: it gave up (the agent could not get the GIL,
-    say), so nothing it asked for should run now."""
-    timeout = conn.gettimeout()
-    try:
-        conn.setblocking(False)  # a socket with a timeout would wait for bytes, even with MSG_DONTWAIT
-        return _socket.socket.recv(conn, 1, socket.MSG_PEEK) == b""  # raw: TLS sockets take no flags
-    except (BlockingIOError, InterruptedError):
-        return False
-    except OSError:
-        return True
-    finally:
-        try:
-            conn.settimeout(timeout)
-        except OSError:
-            pass
-
-
-def _peer_creds(conn: socket.socket) -> "Optional[Tuple[int, int, int]]":
-    """SO_PEERCRED of a unix peer: (pid, uid, gid); None where it cannot be read. The connecting process
-    must run as our uid (the file mode already says so)."""
-    try:
-        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    except (OSError, AttributeError):
-        return None
-    return struct.unpack("3i", creds)
-
-
-def _peer_name(conn: socket.socket, creds: "Optional[Tuple[int, int, int]]") -> str:
-    """Who sent a request, for the audit trail: ``uid U pid P`` on the unix socket, ``HOST:PORT`` on TCP."""
-    if creds is not None:
-        return "uid %d pid %d" % (creds[1], creds[0])
-    try:
-        host, port = conn.getpeername()[:2]
-    except (OSError, ValueError, TypeError):
-        return "?"
-    name = "[%s]:%d" % (host, port) if ":" in host else "%s:%d" % (host, port)
-    subject = _client_subject(conn)
-    return "%s (%s)" % (name, subject) if subject else name
-
-
-def _client_subject(conn: socket.socket) -> str:
-    """Under mutual TLS, who the client's certificate says it is (``CN=alice``); "" elsewhere."""
-    getpeercert = getattr(conn, "getpeercert", None)
-    if getpeercert is None:
-        return ""
-    try:
-        cert = getpeercert() or {}
-        names = [value for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
-    except (OSError, ValueError, TypeError, AttributeError):
-        return ""
-    return "CN=%s" % names[0][:200] if names else ""
-
-
-def _has_input(conn: socket.socket) -> bool:
-    """Bytes (or an end) are waiting to be read on ``conn``; poll, not select: fds may exceed 1024."""
-    try:
-        poller = select.poll()
-        poller.register(conn, select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _linger(conn: socket.socket, seconds: float, limit: int) -> None:
-    """After answering a request that was not read whole: stop writing, read and discard what the
-    client still sends (bounded in time and bytes), so that its send completes and it reads our answer
-    instead of a reset (or EPIPE) from closing with its input unread. ``seconds=0``: only what is there."""
-    try:
-        conn.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + seconds
-        while limit > 0:
-            conn.settimeout(max(deadline - time.monotonic(), 0.0))
-            chunk = conn.recv(min(65536, limit))
-            if not chunk:
-                return
-            limit -= len(chunk)
-    except OSError:  # timed out, nothing more waiting, or the client went away
-        pass
-
-
 def _reject_busy(conn: socket.socket) -> None:
     try:
         send(conn, Response.error(Busy("every connection slot of the agent is taken by requests in progress",
@@ -520,100 +438,3 @@ def _reject_busy(conn: socket.socket) -> None:
         pass
     finally:
         _close(conn)
-
-
-def _close(conn: socket.socket, ident: Optional[Identity] = None) -> None:
-    """Close ``conn``; given its identity, only if its number still refers to it (else let the number go)."""
-    try:
-        if ident is not None and fd_identity(conn.fileno()) != ident:
-            conn.detach()
-        else:
-            conn.close()
-    except OSError:
-        pass
-
-
-def fd_identity(fd: int) -> Optional[Identity]:
-    """What descriptor ``fd`` refers to now, as (st_dev, st_ino); None when it is not open."""
-    try:
-        info = os.fstat(fd)
-    except (OSError, ValueError, OverflowError):
-        return None
-    return info.st_dev, info.st_ino
-
-
-def keep_stdio_open() -> None:
-    """Where the process started with descriptor 0, 1 or 2 closed, put /dev/null there before the agent
-    opens anything: else its socket or crash record would become the program's stdin, stdout or stderr
-    (what the program prints would fill the record; a print would go to a client). Each open takes the
-    lowest free number, so opening until the number is above 2 fills exactly the holes, without ever
-    replacing a descriptor that another thread opened meanwhile. Close-on-exec, as the holes were."""
-    for _ in range(3):
-        try:
-            fd = os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC)
-        except OSError:
-            return
-        if fd > 2:
-            os.close(fd)
-            return
-
-
-def _listen_unix(path: str) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        if os.path.lexists(path):
-            os.unlink(path)  # a stale socket of a dead process with our pid, or ours that the program closed
-        # No umask change: it is process-wide, and the target's threads may be creating files. The
-        # directory is the owner's alone (0700), so nobody can reach the socket before the chmod.
-        sock.bind(path)
-        os.chmod(path, 0o600)
-        sock.listen(128)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def _listen_tcp(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-def server_tls_from_env() -> "Optional[ssl.SSLContext]":
-    """The TLS context of this process's TCP listeners: ``PROBE_TLS_CERT`` and ``PROBE_TLS_KEY`` (PEM files;
-    the key may be in the certificate's file), and ``PROBE_TLS_CLIENT_CA`` for mutual TLS. None where
-    ``PROBE_TLS_CERT`` is unset (plain TCP). A file that cannot be used is a UsageError naming it: the
-    caller serves no TCP rather than plain TCP where TLS was asked for."""
-    cert = os.environ.get("PROBE_TLS_CERT")
-    key = os.environ.get("PROBE_TLS_KEY") or None
-    client_ca = os.environ.get("PROBE_TLS_CLIENT_CA") or None
-    if not cert:
-        if key or client_ca:
-            raise UsageError("PROBE_TLS_KEY or PROBE_TLS_CLIENT_CA is set without PROBE_TLS_CERT",
-                             hint="set PROBE_TLS_CERT to the listener's certificate (PEM)")
-        return None
-    import ssl  # only where TLS is asked for: the import costs a few ms
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.minimum_version = ssl.TLSVersion.TLSv1_2
-    try:
-        context.load_cert_chain(cert, key)
-    except (OSError, ValueError) as exc:
-        raise UsageError("cannot use PROBE_TLS_CERT=%s%s: %s" % (cert, " PROBE_TLS_KEY=%s" % key if key else "",
-                                                                 getattr(exc, "strerror", None) or exc)) from None
-    if client_ca:
-        try:
-            context.load_verify_locations(cafile=client_ca)
-        except (OSError, ValueError) as exc:
-            raise UsageError("cannot use PROBE_TLS_CLIENT_CA=%s: %s"
-                             % (client_ca, getattr(exc, "strerror", None) or exc)) from None
-        context.verify_mode = ssl.CERT_REQUIRED
-    return context

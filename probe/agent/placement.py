@@ -22,9 +22,10 @@ import sys
 import threading
 from typing import Any, Callable, Dict, List, Optional
 
-from probe.errors import BadRequest, Busy, Timeout
+from probe.errors import BadRequest, Busy
 from probe._threads import daemon_thread
-from probe.tables.torch.steps import count as _count
+from probe.tables.torch import steps as _steps
+from probe.tables.torch.steps import after_each_step, install_step_hook
 
 __all__ = ["Job", "PLACES", "submit", "interrupt", "interrupt_and_settle", "EvalInterrupted"]
 
@@ -39,10 +40,10 @@ _REMEMBERED = 256
 _ended_ids: Dict[str, None] = {}
 _cancelled_ids: Dict[str, None] = {}
 _main_queue: List["Job"] = []
+_after_step = _steps._after_step  # the post-step hook itself (bench/bench_step_counter.py times it here)
 _step_queue: List["Job"] = []
 _pending_queued = False  # one pending call of ours at most sits in the interpreter's small queue
 _callback: Any = None  # the C thunk the interpreter calls; kept forever (it may fire long after a request)
-_step_hook_installed = False
 
 
 class EvalInterrupted(BaseException):
@@ -316,10 +317,9 @@ def _redeliver_keyboard_interrupt(job: Job) -> None:
 
 # -- right after an optimizer step ----------------------------------------------------------------
 
-def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    """torch's global optimizer post-step hook: counts the step (``torch.steps``), and is otherwise nearly
-    free while no snippet waits."""
-    _count(optimizer)
+def _run_step_queue() -> None:
+    """The snippets waiting for a step, run by the step counter's post-step hook on the thread that just
+    ended a step (``probe.tables.torch.steps.after_each_step``); nearly free while none waits."""
     if not _step_queue:
         return
     try:
@@ -335,70 +335,7 @@ def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _to_step(job: Job) -> None:
+    after_each_step(_run_step_queue)
     install_step_hook()
     with _lock:
         _step_queue.append(job)
-
-
-def install_step_hook() -> None:
-    """Register ``_after_step`` once per process, never importing torch: for snippets ``--between-steps``
-    and for the step counter (``probe.tables.torch.steps``), which puts it in as soon as torch is loaded.
-
-    The hook stays: removing it from the training thread's hook dict while that thread may be
-    iterating it would raise there. Adding it is safe while no global post-step hook exists (torch
-    iterates that dict only inside one C-level ``next()`` then); where others exist it waits until no
-    thread is inside an optimizer step.
-    """
-    global _step_hook_installed
-    if _step_hook_installed:
-        return
-    module = sys.modules.get("torch.optim.optimizer")
-    register = getattr(module, "register_optimizer_step_post_hook", None)
-    if module is None:
-        raise BadRequest("torch's optimizers are not loaded in this process, so there is no optimizer step to "
-                         "wait for", hint="run the snippet without --between-steps")
-    if register is None:
-        raise BadRequest("this torch has no global optimizer hooks (torch 2.0 or later has them)",
-                         hint="run the snippet with --on main, or concurrently")
-    if getattr(module, "_global_optimizer_post_hooks", None):
-        _wait_until_no_step(module)
-    with _lock:
-        if not _step_hook_installed:
-            register(_after_step)
-            _step_hook_installed = True
-
-
-def _wait_until_no_step(module: Any, limit: float = 5.0) -> None:
-    import time
-
-    filename = getattr(module, "__file__", None)
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        if not _any_thread_in_step(filename):
-            return
-        time.sleep(0.002)
-    raise Timeout("a thread stayed inside an optimizer step for %.0f s; the hook was not installed" % limit,
-                  hint="run the snippet with --on main, or concurrently")
-
-
-def _any_thread_in_step(filename: Any) -> bool:
-    """Whether a thread runs torch's step wrapper: frames read as python.backtrace reads them."""
-    import gc
-
-    enabled = gc.isenabled()
-    if enabled:
-        gc.disable()
-    try:
-        current = sys._current_frames()
-        current.pop(threading.get_ident(), None)
-        found = False
-        frame: Any
-        for frame in current.values():
-            while frame is not None and not found:
-                found = frame.f_code.co_filename == filename and frame.f_code.co_name == "wrapper"
-                frame = frame.f_back
-        current.clear()
-        return found
-    finally:
-        if enabled:
-            gc.enable()

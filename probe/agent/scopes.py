@@ -16,7 +16,7 @@ eval: a new route is closed until someone gives it its scope here. Stdlib only: 
 import hmac
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
-from probe.agent import handshake
+import probe.agent.handshake as handshake
 from probe.errors import BadRequest, Forbidden, Unauthorized
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def helper_credentials(full: bytes, full_file: Optional[str], environ: Optional[
     import os
 
     from probe._stderr import say
-    from probe.agent.agent import _token_from_file
+    from probe.agent.token_file import token_from_file as _token_from_file
     from probe.errors import ProbeError
 
     env = os.environ if environ is None else environ

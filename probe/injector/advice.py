@@ -18,7 +18,7 @@ from typing import Any, List, Optional, Tuple
 
 import probe
 from probe.errors import Forbidden
-from probe.injector.target import expected_socket_path, target_environ
+from probe.injector.target import expected_socket_path, may_trace_anyone, target_environ
 from probe.reader import proc
 
 __all__ = ["another_users", "command_line", "old_python", "probe_requested", "autostart_installed",
@@ -53,13 +53,6 @@ def _uids(pid: int) -> Optional[List[int]]:
     return None
 
 
-def _may_trace_anyone() -> bool:
-    """CAP_SYS_PTRACE in our effective set (root has it): other users' processes are open to us."""
-    from probe.injector.diagnose import _has_cap_sys_ptrace
-
-    return _has_cap_sys_ptrace()
-
-
 def _user(uid: int) -> Optional[str]:
     try:
         import pwd
@@ -74,7 +67,7 @@ def another_users(pid: int, command: str = "COMMAND") -> Optional[Forbidden]:
     that work; None for our own process, one that is gone, or when we may trace anyone (root)."""
     uids = _uids(pid)
     me = os.getuid()
-    if uids is None or all(u == me for u in uids) or _may_trace_anyone():
+    if uids is None or all(u == me for u in uids) or may_trace_anyone():
         return None
     owner = next(u for u in uids if u != me)
     name = _user(owner)

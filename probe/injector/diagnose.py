@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from probe.errors import InjectError
-from probe.injector.target import TargetInfo, process_exists, process_state, read_target, tracer_pid
+from probe.injector.target import (CAP_SYS_PTRACE, TargetInfo, may_trace_anyone, process_exists, process_state,
+                                   read_target, tracer_pid)
 
 __all__ = ["Problem", "diagnose", "ptrace_problems", "MIN_VERSION", "CAP_SYS_PTRACE"]
 
 MIN_VERSION = (3, 9)
-CAP_SYS_PTRACE = 19
 _YAMA = "/proc/sys/kernel/yama/ptrace_scope"
 
 
@@ -89,7 +89,7 @@ def _version_problems(info: TargetInfo) -> List[Problem]:
 def ptrace_problems(info: TargetInfo) -> List[Problem]:
     """Whether this process may ptrace the target, and if not, exactly why."""
     problems: List[Problem] = []
-    privileged = _has_cap_sys_ptrace()
+    privileged = may_trace_anyone()
     tracer = tracer_pid(info.pid)
     if tracer > 0:
         problems.append(Problem("already_traced", "process %d is already traced by pid %d (%s)" %
@@ -116,17 +116,6 @@ def ptrace_problems(info: TargetInfo) -> List[Problem]:
                                 "run the container with `--cap-add=SYS_PTRACE` (docker) or "
                                 "`securityContext.capabilities.add: [SYS_PTRACE]` (Kubernetes)"))
     return problems
-
-
-def _has_cap_sys_ptrace() -> bool:
-    try:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
-    except (OSError, ValueError):
-        pass
-    return False
 
 
 def _yama_scope() -> Optional[int]:

@@ -1,4 +1,5 @@
-"""What /proc says about a target process: its interpreter, version, owner, tracer and socket.
+"""What /proc says about a target process: its interpreter, version, owner, tracer and socket; and
+whether we may trace another user's process at all (CAP_SYS_PTRACE).
 
 The injector decides everything it can from /proc before it starts gdb, because reading /proc is cheap
 and a wrong guess inside gdb is not. Runs in the client's process (Linux only).
@@ -13,7 +14,7 @@ from probe import _paths
 from probe.injector.elf import python_version_of
 
 __all__ = ["TargetInfo", "read_target", "tracer_pid", "process_state", "running_threads", "target_environ",
-           "expected_socket_path", "process_exists"]
+           "expected_socket_path", "process_exists", "may_trace_anyone", "CAP_SYS_PTRACE"]
 
 _LIBPYTHON = re.compile(r"/libpython(\d+)\.(\d+)[a-z]*\.so")
 _EXE_VERSION = re.compile(r"python(\d+)\.(\d+)")
@@ -180,3 +181,18 @@ def _read_version(pid: int) -> Optional[Tuple[int, int]]:
     Never by running it: the process may be another user's binary that only calls itself python.
     """
     return python_version_of("/proc/%d/exe" % pid)
+
+
+CAP_SYS_PTRACE = 19
+
+
+def may_trace_anyone() -> bool:
+    """CAP_SYS_PTRACE in our effective set (root has it): other users' processes are open to us."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_PTRACE & 1)
+    except (OSError, ValueError):
+        pass
+    return False

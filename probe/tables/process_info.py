@@ -7,7 +7,7 @@ import sys
 import threading
 from typing import Any, Iterator, List, Optional, Tuple
 
-from probe.tables import process_env
+import probe.tables.process_env as process_env
 from probe.tables.redact import mask_argv
 from probe.tables.spec import Column
 

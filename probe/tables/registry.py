@@ -181,7 +181,8 @@ def _load_builtins() -> None:
     with _builtins_lock:
         if _builtins_loaded:
             return
-        from probe.tables import builtin
+        from probe.tables.builtin import BUILTIN_MODULES
 
-        builtin.register_all()
+        for module in BUILTIN_MODULES:
+            register_table(module.NAME, module.COLUMNS, module.rows, module.DESCRIPTION, example=module.EXAMPLE)
         _builtins_loaded = True

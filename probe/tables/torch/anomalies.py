@@ -7,7 +7,7 @@ see ``trace_anomaly`` for how it screens tensors without a device sync. The stor
 
 import datetime
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from probe.errors import NotFound
 from probe.tables.spec import Column
@@ -57,6 +57,9 @@ class AnomalyStore:
         self._lock = threading.Lock()  # held only for list operations: never across torch calls
         self._rows: List[List[Any]] = []
         self.enabled_once = False
+        # what fills in the results the device has finished, before a read: the trace's, handed over by
+        # probe.tables.torch.trace when it starts one (the trace imports this store, never the other way)
+        self.refresh: Optional[Callable[[], None]] = None
 
     def add(self, step: int, seq: int, module: str, stage: str, nans: Optional[int], infs: Optional[int],
             numel: Optional[int], shape: Optional[List[int]], dtype: Optional[str], device: str, offset: float,
@@ -98,13 +101,13 @@ STORE = AnomalyStore()
 
 def rows() -> Dict[str, List[Any]]:
     torch = torch_or_raise()
-    from probe.tables.torch.trace import refresh_device_results
-
     if not STORE.enabled_once:
         raise NotFound("the NaN/Inf check has not run in this process",
                        hint="switch it on with `probe TARGET trace start --anomalies` "
                             "(or PROBE_TORCH_TRACE=1 PROBE_TORCH_TRACE_ANOMALIES=1 at start)")
-    refresh_device_results()
+    refresh = STORE.refresh
+    if refresh is not None:
+        refresh()
     rank, world = rank_and_world(torch)
     data = STORE.snapshot()
     out: Dict[str, List[Any]] = {c.name: [] for c in COLUMNS}

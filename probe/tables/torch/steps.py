@@ -1,8 +1,8 @@
 """``torch.steps``: optimizer steps counted as they happen, without the trace.
 
-Counted by the agent's one global optimizer post-step hook (``probe.agent.placement``'s, the same that
-runs work ``--between-steps``): per optimizer, the steps seen, when the last one ended, and the last
-``RING`` step durations (the time from one step's end to the next one's: the whole iteration, data,
+Counted by probe's one global optimizer post-step hook (this module's; the agent's placement adds its
+work ``--between-steps`` to it through ``after_each_step``): per optimizer, the steps seen, when the last
+one ended, and the last ``RING`` step durations (the time from one step's end to the next one's: the whole iteration, data,
 forward, backward, collectives and the step itself). What ``probe diagnose`` reads to tell progress and
 step time per rank on every torch job.
 
@@ -23,9 +23,9 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
-from probe.errors import ProbeError, TorchNotLoaded
+from probe.errors import BadRequest, ProbeError, Timeout, TorchNotLoaded
 from probe.tables.spec import Column
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "steps_seen", "watch", "arm", "RING", "MAX_OPTIMIZERS",
@@ -275,8 +275,6 @@ def arm() -> None:
                                  hint="torch.steps answers once the program has imported torch")
         _state["tries"] += 1
         _state["next"] = _clock() + _RETRY_S
-        from probe.agent.placement import install_step_hook
-
         try:
             install_step_hook()
         except ProbeError as exc:
@@ -339,3 +337,89 @@ def _row(counter: _Counter, now: float) -> Tuple[Any, ...]:
     alive = True if counter.ref is None else counter.ref() is not None
     return (counter.name or counter.label, counter.label, counter.cls, counter.steps, now - counter.last, last, median,
             recent[0] if recent else None, recent[-1] if recent else None, seen, now - counter.first, alive)
+
+
+# -- the one global optimizer post-step hook ----------------------------------------------------------
+
+_hook_lock = threading.Lock()
+_step_hook_installed = False
+_then: List[Callable[[], None]] = []  # what else runs right after a step: the agent's work --between-steps
+
+
+def after_each_step(then: Callable[[], None]) -> None:
+    """Have the post-step hook call ``then()`` after counting each step, on the thread that ended it (the
+    agent's placement runs its snippets ``--between-steps`` so); ``then`` must be cheap and never raise.
+    The counter knows nothing of what ``then`` does: the import runs from the agent to here only."""
+    _then[:] = [then]
+
+
+def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    """torch's global optimizer post-step hook: counts the step (``torch.steps``), then runs what waits for
+    one, if anything does (``after_each_step``); nearly free otherwise."""
+    count(optimizer)
+    for then in _then:
+        then()
+
+
+def install_step_hook() -> None:
+    """Register ``_after_step`` once per process, never importing torch: for the step counter, which puts
+    it in as soon as torch is loaded, and for snippets ``--between-steps`` (``probe.agent.placement``).
+
+    The hook stays: removing it from the training thread's hook dict while that thread may be
+    iterating it would raise there. Adding it is safe while no global post-step hook exists (torch
+    iterates that dict only inside one C-level ``next()`` then); where others exist it waits until no
+    thread is inside an optimizer step.
+    """
+    global _step_hook_installed
+    if _step_hook_installed:
+        return
+    module = sys.modules.get("torch.optim.optimizer")
+    register = getattr(module, "register_optimizer_step_post_hook", None)
+    if module is None:
+        raise BadRequest("torch's optimizers are not loaded in this process, so there is no optimizer step to "
+                         "wait for", hint="run the snippet without --between-steps")
+    if register is None:
+        raise BadRequest("this torch has no global optimizer hooks (torch 2.0 or later has them)",
+                         hint="run the snippet with --on main, or concurrently")
+    if getattr(module, "_global_optimizer_post_hooks", None):
+        _wait_until_no_step(module)
+    with _hook_lock:
+        if not _step_hook_installed:
+            register(_after_step)
+            _step_hook_installed = True
+
+
+def _wait_until_no_step(module: Any, limit: float = 5.0) -> None:
+    import time
+
+    filename = getattr(module, "__file__", None)
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if not _any_thread_in_step(filename):
+            return
+        time.sleep(0.002)
+    raise Timeout("a thread stayed inside an optimizer step for %.0f s; the hook was not installed" % limit,
+                  hint="run the snippet with --on main, or concurrently")
+
+
+def _any_thread_in_step(filename: Any) -> bool:
+    """Whether a thread runs torch's step wrapper: frames read as python.backtrace reads them."""
+    import gc
+
+    enabled = gc.isenabled()
+    if enabled:
+        gc.disable()
+    try:
+        current = sys._current_frames()
+        current.pop(threading.get_ident(), None)
+        found = False
+        frame: Any
+        for frame in current.values():
+            while frame is not None and not found:
+                found = frame.f_code.co_filename == filename and frame.f_code.co_name == "wrapper"
+                frame = frame.f_back
+        current.clear()
+        return found
+    finally:
+        if enabled:
+            gc.enable()

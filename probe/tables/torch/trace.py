@@ -83,6 +83,7 @@ def start(options: Optional[TraceOptions] = None) -> Dict[str, Any]:
             _tracer.stop()
         tracer = Tracer(torch, options, STORE)
         if options.anomalies:
+            STORE.refresh = refresh_device_results
             STORE.enabled_once = True
         tracer.start()
         _tracer = tracer

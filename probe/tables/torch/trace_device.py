@@ -31,7 +31,7 @@ import weakref
 from collections import deque
 from typing import Any, Callable, Deque, List, Optional, Tuple
 
-from probe.agent.listener import Identity, fd_identity
+from probe._fds import Identity, fd_identity
 
 __all__ = ["CpuMemory", "CudaMemory", "CudaTimer", "memory_reader"]
 
