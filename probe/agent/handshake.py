@@ -132,7 +132,7 @@ def verify(tokens: Sequence[Tuple[bytes, int, str]], names: Mapping[int, str], n
            fields: Mapping[str, str], local: str, method: str, path: str, body: bytes) -> Tuple[int, str]:
     """(scope, what gave it) of a request whose ``Probe-HMAC`` fields are right; ``Unauthorized`` otherwise."""
     cn, sn, mac, scope_name = (fields.get(k, "") for k in ("cn", "sn", "mac", "scope"))
-    hint = "probe does this itself; a client of its own follows README's wire protocol (GET /v1/hello first)"
+    hint = "probe does this itself; a client of its own follows the wire protocol (docs/reference.md) (GET /v1/hello first)"
     if not (_is_nonce(cn) and _is_nonce(sn) and len(mac) == 64):
         raise Unauthorized("the %s authorization is malformed (it needs scope, cn, sn and mac)" % SCHEME, hint=hint)
     if not nonces.take(sn, cn):  # taken back even when the MAC turns out wrong: no second guess on one nonce

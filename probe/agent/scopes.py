@@ -167,7 +167,7 @@ class Credentials:
                 raise Unauthorized("%s takes no bearer token on TCP: a client that sends its token sends it to "
                                    "whoever holds the port" % what,
                                    hint="use probe (it proves it holds the token without sending it), or follow "
-                                        "README's wire protocol: GET %s, then Authorization: %s"
+                                        "the wire protocol (docs/reference.md): GET %s, then Authorization: %s"
                                         % (handshake.HELLO_PATH, handshake.SCHEME))
             raise Unauthorized("%s requires a token on TCP" % what, hint=TOKEN_HINT)
         scope, by = handshake.verify(self.tokens, NAMES, self.nonces, fields, request.local, request.method,

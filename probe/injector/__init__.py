@@ -14,7 +14,7 @@ loaded, run one bootstrap statement in the target by the safest method the threa
 
 It never runs code on a thread stopped inside bytecode, never kills gdb while a call it made is in
 progress, and gives up within ``timeout`` with the reason and the next step (``InjectError.hint``).
-Runs in the client's process; see ``probe/injector/README_SECTION.md`` for the full design.
+Runs in the client's process; docs/agent.md says how a user starts the agent.
 """
 
 import importlib
