@@ -16,6 +16,7 @@ from probe.errors import Forbidden, InjectError, ProbeError, ProcessDead, UsageE
 from probe.injector.bootstrap_line import bootstrap_code, exposure_dir
 from probe.injector.diagnose import Problem, diagnose, ptrace_problems
 from probe.injector.gdb import GdbAbandoned, GdbError, GdbTimeout, finish_detached
+from probe.injector import queued
 from probe.injector.methods import (GIL_ENSURE, PENDING, Plan, attach_and_look, can_remote_exec,
                                     inject_with_remote_exec, plan, run_plan)
 from probe.injector.target import TargetInfo, expected_socket_path, read_target, running_threads
@@ -81,6 +82,7 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[f
     opts = options or AgentOptions()
     token_file = _token_file(opts, socket)
     if agent_answers(socket, pid):
+        queued.clear(pid, socket)
         return InjectResult(pid, socket, "none", time.monotonic() - started, True, token_file)
     remote = can_remote_exec(info)
     problems = diagnose(pid, need_gdb=not remote)
@@ -95,9 +97,10 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[f
         else:
             chosen = _inject_with_gdb(info, code, socket, deadline, _budget(timeout, given))
         if not _wait_for_agent(socket, pid, deadline):
-            raise _not_started(info, chosen, _budget(timeout, given))
+            raise _not_started(info, chosen, _budget(timeout, given), socket)
     finally:
         finish_detached()  # gdb detached before the wait; its exit overlapped it
+    queued.clear(pid, socket)
     return InjectResult(pid, socket, chosen.method, time.monotonic() - started, False, token_file)
 
 
@@ -151,6 +154,8 @@ def _inject_with_gdb(info: TargetInfo, code: str, socket: str, deadline: float, 
                 session.detach()
         return chosen
     except GdbAbandoned as exc:
+        queued.note(info.pid, socket, "%s: a thread holds the GIL in a long C call (gdb stays attached until it "
+                                      "returns)" % exc)
         raise InjectError("%s: the target waits for the GIL, which a thread holds in a long C call; gdb was "
                           "left attached to finish the call and will detach by itself" % exc,
                           hint="do not kill gdb (pid %d): that would crash the target; the agent starts when "
@@ -200,10 +205,13 @@ def _wait_for_agent(socket: str, pid: int, deadline: float) -> bool:
         pause = min(pause * 2, 0.05)
 
 
-def _not_started(info: TargetInfo, chosen: Plan, budget: str) -> InjectError:
+def _not_started(info: TargetInfo, chosen: Plan, budget: str, socket: str) -> InjectError:
     if not os.path.exists("/proc/%d" % info.pid):
         return InjectError("process %d exited during the injection" % info.pid,
                            hint="check its output; probe's bootstrap never raises into the target")
+    if chosen.method == PENDING and chosen.delay:
+        queued.note(info.pid, socket, chosen.delay if chosen.gil_kept else
+                    "%s; it runs when the main thread executes Python code again" % chosen.delay)
     if chosen.method == PENDING and chosen.delay and chosen.gil_kept:
         return InjectError("the agent did not start within %s: %s; an agent needs the GIL to start, so none "
                            "can until that call returns" % (budget, chosen.delay),
