@@ -72,14 +72,18 @@ class Client(Connection):
         raw = self._json("POST", "/v1/rows", body)
         return Rows(tuple((c["name"], c["type"]) for c in raw["columns"]), raw["rows"], bool(raw.get("truncated")))
 
-    def backtrace(self, native: bool = False) -> List[Frame]:
+    def backtrace(self, native: bool = False, fallback: bool = True) -> List[Frame]:
         """Every thread's stack, innermost frame first within each thread (the rows of python.backtrace).
 
         From the agent when it can answer; otherwise read from outside the process (GIL held, stopped),
         from its crash record (dead), or from a core file, and ``note`` says so. ``native`` adds the C
         frames, read from outside (a process on this host; it is stopped for tens of milliseconds).
+        Without ``fallback``, the agent's answer or its error (``diagnose``: the error names the rank's
+        state, and carries the stacks read from outside).
         """
         self.note = None
+        if not fallback:
+            return frames_of_answer(self._json("GET", "/v1/backtrace"))
         if self.target.core is not None or native:
             return frames_of(self._outside(native))
         try:
@@ -94,13 +98,7 @@ class Client(Connection):
                 raise
             self.note = note_for(exc, stacks)
             return frames_of(stacks)
-        frames = raw["frames"]
-        out = []
-        for thread_id, name, native_id, is_main, chain in raw["threads"]:
-            for depth, position in enumerate(chain):
-                func, file, lineno, code = frames[position]
-                out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
-        return out
+        return frames_of_answer(raw)
 
     def _outside(self, native: bool) -> Any:
         """The stacks read from outside: a core file, or a live process on this host."""
@@ -345,6 +343,17 @@ class Client(Connection):
         """The trace as Chrome trace-event JSON (``{"traceEvents": [...]}``; pid = rank, tid = thread)."""
         return self.trace("export")
 
+
+
+def frames_of_answer(raw: Dict[str, Any]) -> List[Frame]:
+    """The frames of an agent's ``/v1/backtrace`` answer: each thread's chain indexes a shared frame list."""
+    frames = raw["frames"]
+    out = []
+    for thread_id, name, native_id, is_main, chain in raw["threads"]:
+        for depth, position in enumerate(chain):
+            func, file, lineno, code = frames[position]
+            out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
+    return out
 
 
 def query_body(sql: str, max_rows: Optional[int], timeout: Optional[float],

@@ -58,8 +58,9 @@ class Source(Protocol):
         """The rows of one table, as produced (no SQL); ``columns``: only those asked for."""
         ...
 
-    def backtrace(self, native: bool = False) -> List["Frame"]:
-        """Every thread's stack, innermost frame first within each thread."""
+    def backtrace(self, native: bool = False, fallback: bool = True) -> List["Frame"]:
+        """Every thread's stack, innermost frame first within each thread; without ``fallback``, only
+        what the agent itself answers (else its error, which says why and what was read instead)."""
         ...
 
     def query_rows(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,

@@ -181,13 +181,9 @@ class Sample:
 
 
 def _agent_frames(client: Any) -> List[Frame]:
-    raw = client._json("GET", "/v1/backtrace")
-    frames, out = raw["frames"], []
-    for thread_id, name, native_id, is_main, chain in raw["threads"]:
-        for depth, position in enumerate(chain):
-            func, file, lineno, code = frames[position]
-            out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
-    return out
+    """The rank's stacks from its agent (a ``probe.client.sources.Source``); where it cannot answer, its
+    error, which says the rank's state (and carries what was read from outside)."""
+    return client.backtrace(fallback=False)  # type: ignore[no-any-return]
 
 
 def _exited(pid: Optional[int]) -> bool:

@@ -315,7 +315,7 @@ class RecordClient:
         raise NotFound("%s is not in the record of rank %d" % (name, self.rank),
                        hint="a record keeps only some tables: %s" % kept)
 
-    def backtrace(self, native: bool = False) -> List[Frame]:
+    def backtrace(self, native: bool = False, fallback: bool = True) -> List[Frame]:
         """The rank's stacks as recorded (from its agent, or read from outside then: ``note`` says so)."""
         if native:
             raise UsageError("a record holds no native frames", hint="leave out --native")
