@@ -26,8 +26,8 @@ _STALE_S = 0.45  # a heartbeat older than this is worth a look before connecting
 
 
 class Connection:
-    """A connection-less client: each call is one HTTP request to the agent."""
-
+    """A connection-less client: each call is one HTTP request to the agent (the operations are
+    :class:`probe.client.Client`'s)."""
 
     _quick = False  # set by backtrace() for its request alone: see _watched
     scope_cap: Optional[str] = None
