@@ -28,6 +28,8 @@ _LAZY = {
     "watch": ("probe.tables.torch.discovery", "watch"),
 }
 
+_SOURCE_KINDS = ("probe.snapshot.target",)  # snapshot:PATH, for probe.connect and probe.connect_all
+
 
 def __getattr__(name: str) -> Any:
     try:
@@ -36,6 +38,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError("module 'probe' has no attribute %r" % name) from None
     import importlib
 
+    if module_name.startswith("probe.client"):  # the source kinds defined above the client register themselves
+        for kind_module in _SOURCE_KINDS:  # with it as they are imported (probe.client.sources)
+            importlib.import_module(kind_module)
     value = getattr(importlib.import_module(module_name), attr)
     globals()[name] = value
     return value

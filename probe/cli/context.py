@@ -8,7 +8,15 @@ from probe.cli.render import visible
 from probe.client import Client, connect
 from probe.errors import ConnectionRefused, ProbeError, UsageError
 
-__all__ = ["CliContext", "each_target"]  # and pass_cli, made on first use (below)
+__all__ = ["CliContext", "each_target", "open_kinds"]  # and pass_cli, made on first use (below)
+
+
+def open_kinds(targets: List[str]) -> None:
+    """Register the source kinds defined above the client that ``targets`` name (the client opens them
+    through ``probe.client.sources``, never importing them); only then, so that the loop commands on a
+    pid or HOST:PORT import none of them."""
+    if any(t.strip().startswith("snapshot:") for t in targets):
+        import probe.snapshot.target  # noqa: F401  (registers snapshot:PATH)
 
 T = TypeVar("T")
 
@@ -69,14 +77,11 @@ class CliContext:
         if not targets:
             raise UsageError("no target given", hint="give the master's HOST:PROBE_PORT, -t several times, or --hosts FILE")
         deadline = self.deadline or min(DEFAULT_DEADLINE, self.timeout)
-        if len(targets) == 1 and not self.hosts and targets[0].strip().startswith("snapshot:"):
-            from probe.snapshot.target import connect_record_all  # the ranks as recorded
-
-            cluster = connect_record_all(targets[0], deadline, self.max_in_flight)
-        elif any(t.strip().startswith("snapshot:") for t in targets):
+        open_kinds(targets)
+        if any(t.strip().startswith("snapshot:") for t in targets) and (len(targets) > 1 or self.hosts):
             raise UsageError("a snapshot is read alone, not beside other targets",
                              hint="give one snapshot:PATH, without -t or --hosts")
-        else:
+        else:  # snapshot:PATH: the ranks as recorded, through the kind probe.snapshot.target registered
             cluster = connect_all(targets[0] if len(targets) == 1 and not self.hosts else targets, self.token,
                                   self.token_file, self.timeout, deadline, self.max_in_flight)
         for line in cluster.left_out:  # members the host helper listed in a form that cannot be used
@@ -135,6 +140,7 @@ class CliContext:
             from probe.client.discovery import remove_stale_files
 
             remove_stale_files(keep=pids)
+        open_kinds(targets)
         return [connect(t, token=self.token, token_file=self.token_file,
                         timeout=self.timeout if self.timeout_given else None, wait=self.wait,
                         executable=self.executable) for t in targets]

@@ -11,15 +11,14 @@ exact either way: ``json.dumps`` writes every control character as ``\\u001b``.
 import io
 import os
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 from probe.cli.render import render_csv, render_json, visible
-from probe.client import Client
 from probe.client.results import Rows
 from probe.errors import UsageError
 
 __all__ = ["say", "emit", "echo", "chosen_format", "print_rows", "FILE_FORMATS", "file_format", "check_writable", "write_rows",
-           "write_arrow", "wrote"]
+           "write_table", "wrote"]
 
 FILE_FORMATS = {".csv": "csv", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -134,26 +133,21 @@ def write_rows(path: str, rows: Rows, fmt: str) -> None:
         raise _open_error(path, exc) from None
 
 
-def write_arrow(path: str, parts: List[Tuple[Client, Any]], fmt: str, with_target: bool) -> int:
-    """Write Arrow tables from one or more targets (a ``target`` column first when several)."""
+def write_table(path: str, table: Any, fmt: str) -> int:
+    """Write one Arrow table (``probe.client.query_plan`` combined it) as a .parquet or .arrow file."""
     import pyarrow as pa
 
-    tables = []
-    for client, table in parts:
-        if with_target:
-            table = table.add_column(0, "target", pa.array([client.target.label] * table.num_rows, pa.string()))
-        tables.append(table.replace_schema_metadata(None))
-    truncated = any((t.schema.metadata or {}).get(b"probe.truncated") == b"true" for _, t in parts)
-    combined = pa.concat_tables(tables) if tables else pa.table({})
+    truncated = (table.schema.metadata or {}).get(b"probe.truncated") == b"true"
+    table = table.replace_schema_metadata(None)
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
 
-            pq.write_table(combined, path)
+            pq.write_table(table, path)
         else:
-            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, combined.schema) as writer:
-                writer.write_table(combined)
+            with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+                writer.write_table(table)
     except OSError as exc:
         raise _open_error(path, exc) from None
-    wrote(combined.num_rows, path, truncated)
-    return combined.num_rows
+    wrote(table.num_rows, path, truncated)
+    return table.num_rows

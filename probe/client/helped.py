@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any, Dict, NamedTuple, Optional
 
-from probe.client import transport
+import probe.client.transport as transport
 from probe.errors import AgentBlocked, ProbeError, ProcessDead
 
 __all__ = ["HostHelper", "ask", "await_answer", "error_for", "GRACE_S", "CONNECT_S"]

@@ -8,12 +8,11 @@ client fetches the tables a query names), over stacks read from outside, and ove
 import os
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from probe.client.results import Rows
 
-if TYPE_CHECKING:
-    from probe.client.client import Client
+Client = Any  # a probe.client.Client: it calls this module, so the name is not imported here
 
 __all__ = ["TABLE_ROWS", "run_locally", "run_here", "set_max_memory", "run_on_stacks", "run_on_members",
            "names_members", "rows_of"]
@@ -35,7 +34,7 @@ _parser: List[Any] = []
 _current = threading.local()  # the tables of the query this thread runs
 
 
-def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
+def run_locally(client: Client, sql: str, max_rows: Optional[int], timeout: Optional[float],
                 query_id: Optional[str] = None) -> Any:
     """``sql`` run here, in the same locked-down engine as an agent's, over the rows of the tables it
     names, fetched from the agent (``/v1/rows``): for agents that leave DuckDB out of their process, or
@@ -77,7 +76,7 @@ def run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Op
     return state["result"]
 
 
-def _run_locally(client: "Client", sql: str, max_rows: Optional[int], timeout: Optional[float],
+def _run_locally(client: Client, sql: str, max_rows: Optional[int], timeout: Optional[float],
                  query_id: Optional[str], state: Dict[str, Any]) -> Any:
     from probe.engine.sandbox import _check_size
     from probe.errors import NotFound, SQLError, Timeout, TooLarge
@@ -199,7 +198,7 @@ def _close_kept() -> None:
         engine.close()
 
 
-def _said_absent(client: "Client", absent: List[Tuple[str, Any]], names: Set[str]) -> Any:
+def _said_absent(client: Client, absent: List[Tuple[str, Any]], names: Set[str]) -> Any:
     """The agent's own error for a table it lists but could give no rows of; for a name that is a slip of
     one it lists (``python.threds``, ``threads``), that table named; None where neither (a file name in COPY:
     DuckDB's error says it best)."""

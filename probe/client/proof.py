@@ -28,11 +28,13 @@ class Unproven(Unauthorized):
 
 
 def authorization(address: Any, token: str, method: str, path: str, body: Optional[bytes], timeout: float,
-                  queue_wait: Optional[float] = None) -> Tuple[Any, str]:
+                  queue_wait: Optional[float] = None, wire: Any = None) -> Tuple[Any, str]:
     """(the socket address the request must go to, its ``Authorization`` value), after the listener at
     ``address`` proved it holds ``token``; :class:`Unproven` where it could not. ``queue_wait`` bounds the
-    hello's connect and answer (a rank that cannot run is then asked about instead, see ``helped``)."""
-    from probe.client import transport
+    hello's connect and answer (a rank that cannot run is then asked about instead, see ``helped``).
+    ``wire``: the module ``probe.client.transport``, which calls this and passes itself (imported here
+    it would make a circle)."""
+    transport = wire
 
     key = token.strip().encode("utf-8")
     cn = os.urandom(16).hex()

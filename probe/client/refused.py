@@ -7,8 +7,8 @@ helper (on PROBE_PORT - 1), which still answers for the job. Or no job with an a
 
 from typing import Optional
 
-from probe.client.client import _read_token
-from probe.client.cluster import _job_token, discover
+from probe.client.connection import read_token as _read_token
+from probe.client.listing import discover, job_token as _job_token
 from probe.client.targets import parse_target
 from probe.errors import ProbeError
 

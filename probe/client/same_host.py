@@ -3,7 +3,7 @@ frames) needs the process, and a TCP address alone does not say where it runs.""
 
 from typing import Optional
 
-from probe.client import transport
+import probe.client.transport as transport
 from probe.client.targets import Target
 
 __all__ = ["same_host_pid"]

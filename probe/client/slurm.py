@@ -21,7 +21,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 from probe.client.wording import option
 from probe.errors import ConnectError, Forbidden, NotFound, ProbeError, Unauthorized, UsageError
 
-__all__ = ["SlurmJob", "SlurmNode", "parse_slurm_target", "job", "connect_job", "is_slurm_target"]
+__all__ = ["SlurmJob", "SlurmNode", "parse_slurm_target", "job", "list_job", "JobListing", "is_slurm_target"]
 
 PREFIX = "slurm:"
 SCONTROL_TIMEOUT_S = 20.0
@@ -164,22 +164,33 @@ def running_job(job_id: str, timeout: float = SCONTROL_TIMEOUT_S) -> SlurmJob:
                      hint="what it left: its output files; a rank's crash record: probe list --all on its node")
 
 
-def connect_job(target: str, token: Optional[str] = None, token_file: Optional[str] = None,
-                timeout: float = 30.0, deadline: float = 10.0, max_in_flight: int = 32) -> Any:
-    """A :class:`probe.client.cluster.Cluster` of every rank of the Slurm job ``slurm:JOBID[:PORT]``:
+class JobListing(NamedTuple):
+    """Every rank of a Slurm job as its nodes' helpers list them, and what a cluster of them needs."""
+
+    members: List[Any]  # probe.client.members.Member, by rank
+    secret: Optional[str]
+    token_file: Optional[str]
+    left_out: List[str]
+    job: "SlurmJob"
+
+
+def list_job(target: str, token: Optional[str] = None, token_file: Optional[str] = None,
+             timeout: float = 30.0, deadline: float = 10.0, max_in_flight: int = 32) -> JobListing:
+    """Every rank of the Slurm job ``slurm:JOBID[:PORT]``, for :func:`probe.client.cluster.connect_all`:
     the union of what each of its nodes' helpers lists. ``left_out`` names each node whose helper did
-    not answer (its ranks are unknown); where none answered, the error names them all. ``cluster.slurm``
-    is the :class:`SlurmJob`."""
-    from probe.client import cluster as cl
-    from probe.client.client import _read_token
+    not answer (its ranks are unknown); where none answered, the error names them all. The cluster's
+    ``slurm`` is the :class:`SlurmJob`."""
+    from probe.client import listing
+    from probe.client.connection import read_token as _read_token
+    from probe.client.members import _with_port
 
     job_id, port = parse_slurm_target(target)
     found = running_job(job_id, min(SCONTROL_TIMEOUT_S, max(timeout, 1.0)))
-    secret = _read_token(token, token_file) or cl._job_token(port)  # on a node of the job: its token file
+    secret = _read_token(token, token_file) or listing.job_token(port)  # on a node of the job: its token file
 
     def ask(node: SlurmNode) -> Any:
         try:
-            return cl.discover(cl._with_port(node.address, port), secret, min(timeout, deadline))
+            return listing.discover(_with_port(node.address, port), secret, min(timeout, deadline))
         except ProbeError as exc:
             return exc
 
@@ -203,17 +214,15 @@ def connect_job(target: str, token: Optional[str] = None, token_file: Optional[s
                 members[member.rank] = member  # a node's own helper knows its ranks first-hand
     for node, exc in silent:
         left_out.append("Slurm job %s runs on node %s, whose node helper at %s did not answer: %s; its ranks "
-                        "are not listed" % (job_id, _node_label(node), cl._with_port(node.address, port - 1),
+                        "are not listed" % (job_id, _node_label(node), _with_port(node.address, port - 1),
                                             _one_line(exc)))
     if not members:
         if silent and len(silent) == len(found.nodes):
             raise _none_answered(job_id, port, silent)
         raise ProbeError("the node helpers of Slurm job %s know no rank yet (the job is starting?)" % job_id,
                          hint="retry in a moment")
-    result = cl.Cluster([members[r] for r in sorted(members)], secret, timeout, deadline, max_in_flight,
-                        token_files[0] if token_files else None, left_out)
-    result.slurm = found  # type: ignore[attr-defined]
-    return result
+    return JobListing([members[r] for r in sorted(members)], secret, token_files[0] if token_files else None,
+                      left_out, found)
 
 
 def _none_answered(job_id: str, port: int, silent: List[Tuple[SlurmNode, ProbeError]]) -> ProbeError:

@@ -22,6 +22,7 @@ Unix sockets never use TLS.
 
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any, Dict, NamedTuple, Optional, Tuple, Union
@@ -254,7 +255,7 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
     if token and isinstance(address, TcpAddress):
         from probe.client.proof import authorization
 
-        to, value = authorization(address, token, method, path, body, timeout, queue_wait)
+        to, value = authorization(address, token, method, path, body, timeout, queue_wait, sys.modules[__name__])
         headers = dict(headers or {}, Authorization=value)
     host = address.host if isinstance(address, TcpAddress) else "localhost"
     lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",

@@ -23,13 +23,15 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
-from probe.client import transport
+import probe.client.transport as transport
 from probe.client.fanout import fan_out
 from probe.client.results import Rows
 from probe.errors import ProbeError, Timeout, UsageError, error_from_code
 
-if TYPE_CHECKING:
-    from probe.client.cluster import Cluster, Member
+if TYPE_CHECKING:  # the cluster calls this module: only its name here, for the signatures
+    from probe.client.members import Member
+
+Cluster = Any  # probe.client.cluster.Cluster
 
 __all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow"]
 
@@ -61,7 +63,7 @@ class _Bad(Exception):
     """A helper's answer failed a check: what was wrong."""
 
 
-def through_helpers(cluster: "Cluster") -> bool:
+def through_helpers(cluster: Cluster) -> bool:
     """Whether this call goes through the node helpers (``cluster.via``); UsageError where ``helpers`` was
     asked for ranks that have no helper (an explicit list of targets)."""
     via = getattr(cluster, "via", "auto")
@@ -82,10 +84,10 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
     return out
 
 
-def _gather(cluster: "Cluster", op: Dict[str, Any]) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+def _gather(cluster: Cluster, op: Dict[str, Any]) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
     and the failures of the ranks of helpers that did not answer in time."""
-    from probe.client.cluster import RankFailure, _host_of
+    from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
     deadline = cluster.deadline
@@ -140,7 +142,7 @@ def _error_of(answer: transport.HttpResponse, helper: str) -> ProbeError:
 
 def _failures(raw: Any, asked: Dict[int, "Member"], helper: str) -> Dict[int, Any]:
     """rank -> RankFailure, from a helper's ``failed`` (checked)."""
-    from probe.client.cluster import RankFailure
+    from probe.client.members import RankFailure
 
     out: Dict[int, Any] = {}
     if not isinstance(raw, list):
@@ -205,16 +207,16 @@ def _key(raw: Any) -> Key:
 
 
 def _unusable(members: Sequence["Member"], helper: str, why: str) -> List[Any]:
-    from probe.client.cluster import RankFailure
+    from probe.client.members import RankFailure
 
     reason = "its node helper at %s sent an answer that cannot be used: %s" % (helper, why)
     return [RankFailure(m.rank, m.host, "connect_error", reason, 3) for m in members]
 
 
-def backtrace_groups(cluster: "Cluster") -> Grouped:
+def backtrace_groups(cluster: Cluster) -> Grouped:
     """Every rank's stacks, grouped, through the node helpers; ``cluster.failures`` names the ranks that
     gave no stacks, and why. Ranks of a helper that cannot gather are asked directly and grouped here."""
-    from probe.client.cluster import RankFailure
+    from probe.client.members import RankFailure
     from probe.client.results import thread_stacks
 
     answered_helpers, direct, failures = _gather(cluster, {"op": "backtrace"})
@@ -293,20 +295,15 @@ def _check_backtrace(raw: Dict[str, Any], asked: Dict[int, "Member"],
     return out, notes, _failures(raw.get("failed", []), asked, "")
 
 
-def _sub(cluster: "Cluster", members: Sequence["Member"]) -> "Cluster":
-    from probe.client.cluster import Cluster
-
-    sub = Cluster(members, cluster._token, cluster.timeout, cluster.deadline, cluster.max_in_flight,
-                  cluster.token_file)
-    sub.via = "direct"
-    return sub
+def _sub(cluster: Cluster, members: Sequence["Member"]) -> Cluster:
+    return cluster.plain(members)
 
 
-def query_rows(cluster: "Cluster", sql: str, max_rows: Optional[int], timeout: Optional[float],
+def query_rows(cluster: Cluster, sql: str, max_rows: Optional[int], timeout: Optional[float],
                query_id: Optional[str]) -> Rows:
     """Every rank's rows of ``sql`` through the node helpers, ``rank`` and ``host`` first, in rank order;
     ``cluster.failures`` names the others. Ranks read from outside get the SQL run here on their stacks."""
-    from probe.client.cluster import RankFailure
+    from probe.client.members import RankFailure
     from probe.client.local_sql import rows_of, run_on_stacks
     from probe.reader.wire import stacks_from_json
 

@@ -181,13 +181,9 @@ class Sample:
 
 
 def _agent_frames(client: Any) -> List[Frame]:
-    raw = client._json("GET", "/v1/backtrace")
-    frames, out = raw["frames"], []
-    for thread_id, name, native_id, is_main, chain in raw["threads"]:
-        for depth, position in enumerate(chain):
-            func, file, lineno, code = frames[position]
-            out.append(Frame(thread_id, name, native_id, bool(is_main), depth, func, file, lineno, code))
-    return out
+    """The rank's stacks from its agent (a ``probe.client.sources.Source``); where it cannot answer, its
+    error, which says the rank's state (and carries what was read from outside)."""
+    return client.backtrace(fallback=False)  # type: ignore[no-any-return]
 
 
 def _exited(pid: Optional[int]) -> bool:
@@ -219,12 +215,12 @@ def _died_without_a_word(ev: RankEvidence, pid: int) -> bool:
 
 def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     """What the error says of a rank that did not answer: its state, why, and the stacks that came with it."""
-    from probe.client import client as client_module
+    from probe.client import fallback
 
     ev.why = exc.message + (" -- %s" % exc.hint if exc.hint else "")
     ev.error = exc
     diagnosis = getattr(exc, "diagnosis", None)
-    stacks = client_module._outside_stacks(exc, agentless=True)
+    stacks = fallback.outside_stacks(exc, agentless=True)
     local_pid = client.target.pid if client.target.is_local else None
     if isinstance(exc, ProcessDead) or getattr(exc, "record", None) is not None or (
             diagnosis is not None and diagnosis.state == "dead"):
@@ -241,7 +237,7 @@ def _from_failure(ev: RankEvidence, client: Any, exc: ProbeError) -> None:
     else:
         ev.state = "unreachable"
     if stacks is not None:
-        ev.frames = client_module._frames_of(stacks)
+        ev.frames = fallback.frames_of(stacks)
         ev.source = str(getattr(stacks, "source", "read from outside"))
         from probe.diagnose import library
 

@@ -53,7 +53,7 @@ def _on_this_host(client: Any, host: str) -> bool:
     if name in ("localhost", socket.gethostname()) or name.startswith("process "):
         return True
     try:
-        from probe.client.discovery import _is_local
+        from probe.client.local_token import _is_local
 
         return _is_local(socket.gethostbyname(name))
     except (OSError, UnicodeError, ValueError):
@@ -62,7 +62,7 @@ def _on_this_host(client: Any, host: str) -> bool:
 
 def _outside_stack(pid: int) -> Tuple[Optional[List[Tuple[str, str, int, str]]], Optional[str]]:
     """The main thread's Python stack of an agentless process, innermost first; or why not."""
-    from probe.client.client import _frames_of
+    from probe.client.fallback import frames_of as _frames_of
     from probe.errors import ReaderError
     from probe.reader import live
 

@@ -302,7 +302,8 @@ def _backtrace(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tupl
 def _query(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[str, Any]:
     """("rows", the rank's part as JSON bytes) or ("outside", {rank, note, stacks}) for the client to run
     the SQL on the stacks read from outside."""
-    from probe.client.client import _note_for, _outside_stacks, _query_body
+    from probe.client.client import query_body as _query_body
+    from probe.client.fallback import note_for as _note_for, outside_stacks as _outside_stacks
     from probe.reader.wire import stacks_to_json
 
     client = _client(member, asked)
@@ -348,7 +349,7 @@ class _Budget:
 def _read_outside(helper: Any, member: Dict[str, Any], error: ProbeError) -> Any:
     """A rank that gave no answer, looked at from outside: (its stacks by thread, the note) where they
     could be read (its last stacks, from its crash record, for a dead one), else its failure."""
-    from probe.client.client import _frames_of
+    from probe.client.fallback import frames_of as _frames_of
     from probe.reader.wire import stacks_from_json
 
     seen = _outside(helper, member)

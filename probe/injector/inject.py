@@ -108,7 +108,7 @@ def agent_answers(socket: str, pid: Optional[int] = None, timeout: float = 1.0) 
     """True when an agent answers ``GET /v1/health`` on ``socket`` (and says it is ``pid``)."""
     if not os.path.exists(socket):
         return False
-    from probe.client import connect
+    from probe.client.client import connect
 
     try:
         health = connect("unix:" + socket, timeout=timeout).health()

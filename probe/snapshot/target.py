@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from probe.client.cluster import DEFAULT_DEADLINE, DEFAULT_IN_FLIGHT, Cluster, Member
 from probe.client.results import Frame, Rows, TableInfo, ColumnInfo
+from probe.client.sources import LIVE_ONLY, SourceKind, register_kind
 from probe.client.targets import Target
 from probe.client.transport import UnixAddress
 from probe.errors import NotFound, UsageError
@@ -256,6 +257,8 @@ class RecordClient:
         self.remote_pid = None
         self._token = None
 
+    refuses = LIVE_ONLY  # a record's ranks may be gone: what needs a live process is refused (see _refuse)
+
     def __repr__(self) -> str:
         return "<probe.RecordClient rank %d of %s>" % (self.rank, self.snapshot.path)
 
@@ -287,11 +290,18 @@ class RecordClient:
             ", cut: the record is bounded" if table.get("truncated") else "")
         return TableInfo(name, description.strip(), columns, spec.example if spec is not None else None)
 
-    def table_rows(self, name: str) -> Rows:
-        """The table's rows as recorded (timestamps as ISO text, as the agent sends them)."""
+    def table_rows(self, name: str, max_rows: Optional[int] = None, columns: Optional[List[str]] = None) -> Rows:
+        """The table's rows as recorded (timestamps as ISO text, as the agent sends them); at most
+        ``max_rows``, only ``columns`` where given (as :meth:`probe.client.Client.table_rows`)."""
         table = self._table(name)
-        columns = _columns(name, table["columns"])
-        return Rows(tuple(columns), [_coerced(columns, row) for row in table["rows"]], bool(table.get("truncated")))
+        kept = _columns(name, table["columns"])
+        rows = Rows(tuple(kept), [_coerced(kept, row) for row in table["rows"]], bool(table.get("truncated")))
+        if columns is not None:
+            wanted = [i for i, (n, _) in enumerate(kept) if n in columns] or [0]
+            rows = Rows(tuple(kept[i] for i in wanted), [[r[i] for i in wanted] for r in rows.rows], rows.truncated)
+        if max_rows is not None and len(rows.rows) > max_rows:
+            rows = Rows(rows.columns, rows.rows[:max_rows], True)
+        return rows
 
     def _table(self, name: str) -> Dict[str, Any]:
         table = (self.record.get("tables") or {}).get(name)
@@ -305,7 +315,7 @@ class RecordClient:
         raise NotFound("%s is not in the record of rank %d" % (name, self.rank),
                        hint="a record keeps only some tables: %s" % kept)
 
-    def backtrace(self, native: bool = False) -> List[Frame]:
+    def backtrace(self, native: bool = False, fallback: bool = True) -> List[Frame]:
         """The rank's stacks as recorded (from its agent, or read from outside then: ``note`` says so)."""
         if native:
             raise UsageError("a record holds no native frames", hint="leave out --native")
@@ -573,3 +583,7 @@ def connect_record_all(target_text: str, deadline: float = DEFAULT_DEADLINE,
                        max_in_flight: int = DEFAULT_IN_FLIGHT) -> RecordCluster:
     """Every rank of ``snapshot:PATH``, for commands across ranks."""
     return RecordCluster(open_snapshot(target_text), None, deadline, max_in_flight)
+
+
+# The client opens snapshot:PATH through this (probe.client.sources): it never imports this module.
+register_kind(PREFIX, SourceKind(connect_record, connect_record_all, "a snapshot record"))

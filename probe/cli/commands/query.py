@@ -1,12 +1,11 @@
 """``probe TARGET query SQL``: run SQL against the target's tables."""
 
-import os
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 from probe.cli.commands import made_on_first_use
-from probe.cli.context import CliContext, each_target
-from probe.cli.output import check_writable, file_format, print_rows, say, write_arrow, write_rows, wrote
-from probe.cli.render import render_rows, terminal_width
+from probe.cli.context import CliContext, each_target, report_failures, stop_where_unanswered, stopped_on_ranks
+from probe.cli.output import check_writable, file_format, print_rows, say, write_rows, write_table, wrote
+from probe.cli.render import render_rows, terminal_width, visible
 from probe.cli.spec import ARGUMENT, PATH, STRING, TABLE_FORMATS, Param, converted, count, output_params, seconds
 from probe.client import Client
 from probe.client.results import Rows
@@ -83,7 +82,8 @@ __getattr__ = made_on_first_use("query", _command)
 def run(cli: CliContext, sql: str, fmt: Optional[str] = None, vertical: bool = False, wide: bool = False,
         output: Optional[str] = None, max_rows: Optional[int] = None, query_timeout: Optional[float] = None,
         native: bool = False, merge: Optional[str] = None, max_memory: Optional[int] = None) -> None:
-    """The command (``probe.cli.fast`` calls it without click)."""
+    """The command (``probe.cli.fast`` calls it without click): the client plans the query once
+    (``probe.client.query_plan``), fetches and combines; this shows the one result."""
     if max_memory is not None:
         from probe.client.local_sql import set_max_memory
 
@@ -93,57 +93,78 @@ def run(cli: CliContext, sql: str, fmt: Optional[str] = None, vertical: bool = F
     if output:
         check_writable(output)
     fmt = "vertical" if vertical else fmt or "table"
-    from probe.client.local_sql import names_members
+    from probe.client import query_plan as planned
 
-    if names_members(sql):
-        from probe.cli.query_ranks import query_members
+    plan = planned.plan_query(sql, cli.is_cluster, merge, file_fmt in ("parquet", "arrow"), max_rows, query_timeout,
+                              native)
+    cluster, footer = None, None
+    if plan.over == planned.MEMBERS:  # the job's member list, queried here: no rank is asked
+        cli.all_ranks = True
+        result = planned.fetch_members(plan, cli.cluster())
+    elif plan.over == planned.RANKS:
+        cluster = cli.cluster()
+        result = planned.combine_ranks(plan, _fetch_ranks(cluster, plan))
+    else:
+        result = _fetch_targets(cli, plan)
+        if result is None:  # no target answered: the errors said why
+            return
+        if not plan.arrow and result.truncated:
+            import shlex
 
-        query_members(cli, sql, fmt, wide, output, file_fmt, max_rows, query_timeout, merge)
-        return
-    if cli.is_cluster:
-        from probe.cli.query_ranks import query_across_ranks
+            footer = truncation_note(result, max_rows, " ".join(shlex.quote(t) for t in cli.targets[:1]) or "TARGET")
+    _show(result, fmt, wide, output, file_fmt, footer)
+    if cluster is not None:
+        for line in cluster.asked_directly:  # node helpers that could not gather (--via)
+            say("probe: " + visible(line), err=True)
+        stop_where_unanswered(cluster, "query", plan.query_id)  # after the output: the answers first
+        report_failures(cli, cluster.failures, len(cluster.members))
 
-        query_across_ranks(cli, sql, fmt, wide, output, file_fmt, max_rows, query_timeout, merge)
-        return
-    if merge:
-        raise UsageError("--merge runs over the rows of several ranks", hint="add --all-ranks or --ranks LIST")
-    several = len(cli.targets) > 1
-    query_id = os.urandom(8).hex()  # as secrets.token_hex(8), without the hashlib that secrets imports
-    running: List[Client] = []  # the clients whose query was sent (several targets run at once), for Ctrl-C
 
-    def tracked(work: Callable[[Client], Any]) -> Callable[[Client], Any]:
-        def run(client: Client) -> Any:
-            running.append(client)
-            return work(client)
-        return run
+def _fetch_ranks(cluster: Any, plan: Any) -> Any:
+    """Every rank's answer; Ctrl-C stops the query on the ranks and says what became of it there."""
+    from probe.client.query_plan import fetch_ranks
 
     try:
-        if file_fmt in ("parquet", "arrow"):
-            tables = list(each_target(cli, tracked(lambda c: c.query(sql, max_rows=max_rows, timeout=query_timeout,
-                                                                     native=native, query_id=query_id))))
-            if tables:
-                write_arrow(output or "", tables, file_fmt, several)
-            return
-        parts: List[Rows] = []
-        for client, rows in each_target(cli, tracked(lambda c: c.query_rows(sql, max_rows=max_rows,
-                                                                            timeout=query_timeout, native=native,
-                                                                            query_id=query_id))):
-            parts.append(rows.with_column("target", client.target.label) if several else rows)
+        fetched = fetch_ranks(plan, cluster)
     except KeyboardInterrupt:
-        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % _stop_in_target(running, query_id)) from None
-    if not parts:
-        return
-    combined = Rows.concat(parts)
-    if output:
-        write_rows(output, combined, file_fmt or "csv")
-        wrote(len(combined.rows), output, combined.truncated)
-        return
-    footer = None
-    if combined.truncated:
-        import shlex
+        if cluster.progress is not None:
+            cluster.progress(-1, 0, [])
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % stopped_on_ranks(cluster, "query", plan.query_id)) from None
+    if cluster.progress is not None:
+        cluster.progress(-1, 0, [])
+    return fetched
 
-        footer = truncation_note(combined, max_rows, " ".join(shlex.quote(t) for t in cli.targets[:1]) or "TARGET")
-    print_rows(render_rows(combined, fmt, terminal_width(), wide, footer), fmt)
+
+def _fetch_targets(cli: CliContext, plan: Any) -> Any:
+    """Every target's answer (several at once), combined; None where none answered. Ctrl-C stops the query
+    in the targets it was sent to."""
+    from probe.client.query_plan import combine_targets, fetch_one
+
+    running: List[Client] = []  # the clients whose query was sent, for Ctrl-C
+
+    def tracked(client: Client) -> Any:
+        running.append(client)
+        return fetch_one(plan, client)
+
+    try:
+        answers = [(client.target.label, answer) for client, answer in each_target(cli, tracked)]
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt("interrupted (Ctrl-C); %s" % _stop_in_target(running, plan.query_id)) from None
+    return combine_targets(plan, answers, len(cli.targets) > 1) if answers else None
+
+
+def _show(result: Any, fmt: str, wide: bool, output: Optional[str], file_fmt: Optional[str],
+          footer: Optional[str]) -> None:
+    """The one place a query's result leaves: a file, or the terminal (or pipe) in ``fmt``."""
+    if file_fmt in ("parquet", "arrow"):
+        write_table(output or "", result, file_fmt)
+        return
+    if output:
+        write_rows(output, result, file_fmt or "csv")
+        wrote(len(result.rows), output, result.truncated)
+        return
+    if result.columns or fmt != "table":  # no rank answered: nothing to tabulate, the failures say why
+        print_rows(render_rows(result, fmt, terminal_width(), wide, footer), fmt)
     if footer and fmt in ("json", "csv"):
         say("probe: " + footer, err=True)
 
