@@ -16,7 +16,8 @@ first step it came in is only known with the opt-in check, and the verdict says 
 Beside the parameters, the framework's last logged loss where one keeps it (:data:`LOSS_SQL`: HF
 Trainer's ``state.log_history``, Lightning's ``callback_metrics``; ``torch.trainer``'s ``loss`` column,
 read by attribute, no framework imported, at most 16 log entries and 64 metric names looked at), once
-per rank every ``AGAIN_S`` whether or not the rank is stepping: a loss logged NaN or Inf is named in the
+per rank every ``AGAIN_S`` whether or not the rank is stepping, where the main thread's stack shows the
+framework's frames: a loss logged NaN or Inf is named in the
 verdict, and is a numerical verdict of its own where the parameters could not be read or are finite.
 """
 
@@ -49,6 +50,16 @@ _LOSS_DONE: Dict[Tuple[str, Optional[int]], Tuple[float, Dict[str, Any]]] = {}
 def forget(key: Tuple[str, Optional[int]]) -> None:
     _DONE.pop(key, None)
     _LOSS_DONE.pop(key, None)
+
+
+_FRAMEWORKS = ("/transformers/", "/lightning/", "/pytorch_lightning/")
+
+
+def _framework_running(ev: Any) -> bool:
+    """Whether the main thread runs a framework that logs a loss (a frame of its package on the stack): the
+    trainer table is read only then, its discovery kept out of every other job's look."""
+    stacks = ev.stacks() or {}
+    return any(any(mark in str(frame[1]) for mark in _FRAMEWORKS) for frame in stacks.get("MainThread") or ())
 
 
 def _gather_loss(client: Any, key: Tuple[str, Optional[int]], query: Callable[[Any, str], List[Dict[str, Any]]],
@@ -88,7 +99,8 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     if ev.fr_why == "torch is not loaded" or out.get("anomalies"):
         return  # no torch; or the opt-in check found one, and its rule reads the parameters itself
     key = (ev.host, ev.pid)
-    _gather_loss(client, key, query, out)
+    if _framework_running(ev):
+        _gather_loss(client, key, query, out)
     done = _DONE.get(key)
     if done is not None and time.monotonic() - done[0] < AGAIN_S:
         out.update(done[1])
