@@ -26,3 +26,14 @@ def test_a_nan_loss_logged_by_lightning_is_named_where_the_parameters_are_not_re
         verdict = next(v for v in report["verdicts"] if v["kind"] == "numerical")
         rows = verdict["evidence"][0]["rows"]
         assert rows and rows[0]["loss_from"].startswith("fitter.callback_metrics"), verdict
+
+
+def test_a_nan_loss_in_a_hugging_face_trainers_log_history_is_named(tmp_path):
+    """The same from HF Trainer's state.log_history (tests/targets/hf_trainer.py, a weight made NaN after step 3,
+    the loss logged every step with its NaN filter off, 3 s steps)."""
+    log = str(tmp_path / "log")
+    with running("hf_trainer.py", log, "--max-steps", "100000", "--sleep", "3", "--nan-at", "3", "--ready-at", "4",
+                 timeout=scaled(120)) as proc:
+        target = str(proc.pid)
+        _expect(target, DEGRADED, "numerical: the last logged loss is NaN on process %s" % target,
+                "trainer.state.log_history[-1]['loss'] at step ")
