@@ -211,9 +211,13 @@ def deepspeed_scheduler(value: Any) -> Optional[str]:
     ``deepspeed`` only where the target imported it)."""
     if "deepspeed" not in sys.modules:
         return None
-    for name in DEEPSPEED_SCHEDULERS:
-        if _class_named(type(value), name, "deepspeed"):
-            return name
+    try:
+        mro = type(value).__mro__
+    except Exception:
+        return None
+    for base in mro:  # one walk of the bases: this runs on every object the collector holds
+        if base.__name__ in DEEPSPEED_SCHEDULERS and str(base.__module__).split(".")[0] == "deepspeed":
+            return base.__name__
     return None
 
 
