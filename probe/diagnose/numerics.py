@@ -12,12 +12,20 @@ they are counted and said under "not known". A rank is read again only ``AGAIN_S
 The verdict names the ranks whose parameters or gradients are not finite, the parameters (value or
 gradient, NaN or Inf), and the step each rank had reached when read (the step counter's count): the
 first step it came in is only known with the opt-in check, and the verdict says so.
+
+Beside the parameters, the framework's last logged loss where one keeps it (:data:`LOSS_SQL`: HF
+Trainer's ``state.log_history``, Lightning's ``callback_metrics``; ``torch.trainer``'s ``loss`` column,
+read by attribute, no framework imported, at most 16 log entries and 64 metric names looked at), once
+per rank every ``AGAIN_S`` whether or not the rank is stepping, where the main thread's stack shows the
+framework's frames: a loss logged NaN or Inf is named in the
+verdict, and is a numerical verdict of its own where the parameters could not be read or are finite.
 """
 
+import math
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["PARAMS_SQL", "gather", "judge", "unavailable", "forget"]
+__all__ = ["PARAMS_SQL", "LOSS_SQL", "gather", "judge", "unavailable", "forget"]
 
 PARAMS_SQL = """\
 SELECT model, name, device, has_nan, has_inf, grad_has_nan, grad_has_inf, note, params, checked, bad FROM (
@@ -29,14 +37,42 @@ SELECT model, name, device, has_nan, has_inf, grad_has_nan, grad_has_inf, note, 
 """Up to 8 parameters (those not finite first, then one not read, for its note), with the counts: every
 parameter, those read, those not finite."""
 
+LOSS_SQL = "SELECT trainer, kind, loss, loss_from FROM torch.trainer WHERE loss IS NOT NULL"
+"""The framework's last logged loss, for each trainer that keeps one."""
+
 STEPPING_S = 2.0
 AGAIN_S = 30.0
 
 _DONE: Dict[Tuple[str, Optional[int]], Tuple[float, Dict[str, Any]]] = {}
+_LOSS_DONE: Dict[Tuple[str, Optional[int]], Tuple[float, Dict[str, Any]]] = {}
 
 
 def forget(key: Tuple[str, Optional[int]]) -> None:
     _DONE.pop(key, None)
+    _LOSS_DONE.pop(key, None)
+
+
+_FRAMEWORKS = ("/transformers/", "/lightning/", "/pytorch_lightning/")
+
+
+def _framework_running(ev: Any) -> bool:
+    """Whether the main thread runs a framework that logs a loss (a frame of its package on the stack): the
+    trainer table is read only then, its discovery kept out of every other job's look."""
+    stacks = ev.stacks() or {}
+    return any(any(mark in str(frame[1]) for mark in _FRAMEWORKS) for frame in stacks.get("MainThread") or ())
+
+
+def _gather_loss(client: Any, key: Tuple[str, Optional[int]], query: Callable[[Any, str], List[Dict[str, Any]]],
+                 out: Dict[str, Any]) -> None:
+    """``logged_loss`` (torch.trainer's rows with a loss) into ``out``, read at most once every ``AGAIN_S``."""
+    done = _LOSS_DONE.get(key)
+    if done is None or time.monotonic() - done[0] >= AGAIN_S:
+        try:
+            result: Dict[str, Any] = {"logged_loss": query(client, LOSS_SQL)}
+        except Exception as exc:  # a trainer table that cannot be read: said under "not known", not raised
+            result = {"logged_loss_why": getattr(exc, "message", None) or "%s: %s" % (type(exc).__name__, exc)}
+        done = _LOSS_DONE[key] = (time.monotonic(), result)
+    out.update(done[1])
 
 
 def _stepping(ev: Any) -> Optional[str]:
@@ -63,6 +99,8 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     if ev.fr_why == "torch is not loaded" or out.get("anomalies"):
         return  # no torch; or the opt-in check found one, and its rule reads the parameters itself
     key = (ev.host, ev.pid)
+    if _framework_running(ev):
+        _gather_loss(client, key, query, out)
     done = _DONE.get(key)
     if done is not None and time.monotonic() - done[0] < AGAIN_S:
         out.update(done[1])
@@ -104,14 +142,29 @@ def _what(row: Dict[str, Any]) -> str:
     return "%s.%s (%s)" % (row.get("model"), row.get("name"), ", ".join(parts))
 
 
+def _bad_losses(ev: Any) -> List[Dict[str, Any]]:
+    """The rank's logged losses that are NaN or Inf."""
+    rows = (getattr(ev, "training", None) or {}).get("logged_loss") or ()
+    return [r for r in rows if isinstance(r.get("loss"), float) and not math.isfinite(r["loss"])]
+
+
+def _loss_text(row: Dict[str, Any]) -> str:
+    return "%s (%s)" % ("nan" if math.isnan(row["loss"]) else repr(row["loss"]), row.get("loss_from"))
+
+
 def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
-    """The numerical verdict from the parameters read, where some rank's are not finite."""
+    """The numerical verdict from the parameters read, where some rank's are not finite, or from the
+    framework's last logged loss, where it is NaN or Inf."""
     from probe.diagnose.rules import Evidence, Verdict
 
     checks = {r: c for r in answering for c in [_check(last.ranks[r])] if c is not None}
     bad = {r: _bad(c) for r, c in checks.items() if _bad(c)}
+    losses = {r: rows for r in answering for rows in [_bad_losses(last.ranks[r])] if rows}
+    loss_evidence = [Evidence("the last logged loss on %s: %s" % (who([r]), ", ".join(_loss_text(x) for x in rows)),
+                              command([r], "query \"%s\"" % LOSS_SQL), [r], [dict(x, rank=r) for x in rows])
+                     for r, rows in sorted(losses.items())[:4]]
     if not bad:
-        return []
+        return _loss_verdict(losses, checks, loss_evidence, who, command) if losses else []
     ranks = sorted(bad)
     fine = sorted(set(checks) - set(bad))
     r0 = ranks[0]
@@ -129,6 +182,9 @@ def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], 
                   kind, "values and gradients" if grads and values else "gradients" if grads else "values",
                   who(ranks), total, "" if total == 1 else "s", who([r0]), _what(first[0]),
                   earliest if earliest is not None else "?", "; finite on %s" % who(fine) if fine else "")
+    if losses:
+        r = min(losses)
+        summary += "; the last logged loss on %s: %s" % (who([r]), _loss_text(losses[r][0]))
     sql = ("query \"SELECT model, name, has_nan, has_inf, grad_has_nan, grad_has_inf FROM torch.parameters WHERE "
            "has_nan OR has_inf OR grad_has_nan OR grad_has_inf\"")
     evidence = [Evidence("torch.parameters on %s, read once at its optimizer step %s: %d of %d parameters not finite "
@@ -136,6 +192,7 @@ def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], 
                                                       int(checks[r]["rows"][0].get("params") or 0),
                                                       ", ".join(_what(x) for x in bad[r][:4])),
                          command([r], sql), [r], [dict(x, rank=r) for x in bad[r][:8]]) for r in ranks[:4]]
+    evidence += loss_evidence
     if fine:
         evidence.append(Evidence("%s: every parameter and gradient read is finite" % who(fine), None, fine))
     if step_text:
@@ -146,6 +203,25 @@ def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], 
         "a checkpoint from before step %s to go back to" % (earliest if earliest is not None else "it came in"),
         "a lower learning rate, gradient clipping, or the batch of that step (a NaN in the data is the data's)"]
     return [Verdict("numerical", "degraded", summary, ranks, [], where, evidence, nexts)]
+
+
+def _loss_verdict(losses: Dict[int, List[Dict[str, Any]]], checks: Dict[int, Any], evidence: List[Any],
+                  who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
+    """The numerical verdict from the logged loss alone (the parameters finite, or not read)."""
+    from probe.diagnose.rules import Verdict
+
+    ranks = sorted(losses)
+    row = losses[ranks[0]][0]
+    kind = "NaN" if math.isnan(row["loss"]) else "Inf"
+    read = sorted(r for r in checks if r in losses)
+    params = ("every parameter and gradient read on %s is finite (a loss can be %s where the weights are not yet)"
+              % (who(read), kind) if read else "the parameters were not read (see not known)")
+    summary = "numerical: the last logged loss is %s on %s: %s; %s" % (kind, who(ranks), _loss_text(row), params)
+    nexts = ["where it first comes in, module and step: %s, then diagnose again" % command(
+        None, "trace start --anomalies"),
+        "the batch of that step (a NaN in the data is the data's), a lower learning rate, gradient clipping",
+        "a checkpoint from before that step to go back to"]
+    return [Verdict("numerical", "degraded", summary, ranks, [], {"thread": "MainThread"}, evidence, nexts)]
 
 
 def unavailable(last: Any, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:

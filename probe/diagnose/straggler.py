@@ -10,8 +10,10 @@ most of the time, the straggler is mostly elsewhere, and where it is names the c
   optimizer counted, a traced span or a recorded collective in the last 2 s):
   ``SAMPLES`` more stacks of the main thread, ``GAP_S`` apart (one ``/v1/backtrace`` each: the agent reads
   the stacks, a few ms of the GIL), kept as ``training["main_samples"]``;
-* :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass,
-  the optimizer, a forward pass, or the program's own code (data loading, preprocessing). A rank mostly
+* :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass
+  (its own code run inside it, a hook or an autograd Function's backward, apart: under DDP every rank's
+  step ends in its backward, the ranks that wait with the engine's frame innermost), the optimizer, a
+  forward pass, or the program's own code (data loading, preprocessing). A rank mostly
   (half its samples and more) in a phase where the others are 0.4 less often, while the others are mostly
   where a rank waits for another (a collective; a backward pass: DDP's gradient all_reduce waits there,
   in C) and it 0.4 less often, is the straggler; its most sampled own function is named, with the trace's
@@ -103,14 +105,22 @@ def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
     return out
 
 
-def _phase(key: Sequence[Frame]) -> str:
+def _phase(key: Sequence[Frame], library: Any = None) -> str:
+    """The phase of one sample (innermost frame first). In a backward pass, frames of the program's own
+    code inside the autograd engine's (a hook, an autograd Function's backward, a recomputed forward) make
+    it ``backward code``: the rank computes there in Python, where a rank waiting for DDP's gradient
+    all_reduce shows the engine's frame innermost (the wait is in C)."""
     from probe.diagnose.rules import collective_of
 
     if collective_of(key) is not None:
         return "collective"
     for phase, marks in PHASES:
-        if any(any(m in f[1] for m in marks) for f in key):
-            return phase
+        engine = next((i for i, f in enumerate(key) if any(m in f[1] for m in marks)), None)
+        if engine is None:
+            continue
+        if phase == "backward" and library is not None and any(not library.holds(f[1]) for f in key[:engine]):
+            return "backward code"
+        return phase
     return "own code"
 
 
@@ -135,14 +145,14 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
         if len(samples) < MIN_SAMPLES or not (last.ranks[r].training or {}).get("main_samples"):
             return []  # not sampled (not stepping, or too few): no judgement
         keys[r] = samples
-        phases[r] = Counter(_phase(k) for k in samples)
+        phases[r] = Counter(_phase(k, last.ranks[r].library()) for k in samples)
     found = _culprit(phases, keys)
     if found is None:
         return []
     r, phase, wait = found
     others = sorted(set(phases) - {r})
-    in_phase = [k for k in keys[r] if _phase(k) == phase]
     library = last.ranks[r].library()
+    in_phase = [k for k in keys[r] if _phase(k, library) == phase]
     funcs = Counter(f for f in (_own(k, library) for k in in_phase) if f is not None)
     top = funcs.most_common(1)[0][0] if funcs else None
     key = next((k for k in in_phase if _own(k, library) == top), in_phase[0])
@@ -152,7 +162,7 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
         where["called_from"] = {"func": top[0], "file": top[1], "line": top[2]}
     fn = "%s (%s:%d)" % (top[0], top[1].rsplit("/", 1)[-1], top[2]) if top else "code its stacks do not name"
     n = len(keys[r])
-    wait_word = "a collective" if wait == "collective" else "their backward pass (where DDP's gradient all_reduce waits)"
+    wait_word = "a collective" if wait == "collective" else "the backward pass (where DDP's gradient all_reduce waits)"
     step_s = _step_s(last, answering)
     summary = ("straggler: %s holds up %s: its main thread was in %s in %d of %d samples, mostly %s, while %s "
                "waited in %s (%s)%s" % (
@@ -174,10 +184,14 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
              "the others' long %s time is its effect, not a cause" % ("collective" if wait == "collective" else "backward")]
     if phase == "own code":
         nexts.insert(1, "a data loader with workers (num_workers) or prefetching takes the loading off the step")
+    if phase == "backward code":
+        nexts.insert(1, "%s runs in every backward pass of %s: make it cheaper, run it on fewer steps, or find why "
+                        "it is slower there than on %s" % (fn, who([r]), who(others)))
     return [Verdict("straggler", "degraded", summary, [r], others, where, evidence, nexts)]
 
 
 _PHASE_WORDS = {"own code": "its own code outside forward, backward and the optimizer (data loading, preprocessing)",
+                "backward code": "its own code run inside its backward pass (a hook, an autograd Function's backward)",
                 "forward": "its forward pass", "backward": "its backward pass", "optimizer": "its optimizer step",
                 "collective": "a collective"}
 AT_LEAST = 0.5  # the straggler in its phase, the others where they wait: in at least this share of the samples
@@ -194,7 +208,7 @@ def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional
     found = []
     for r in phases:
         others = [o for o in phases if o != r]
-        for phase in ("own code", "forward", "optimizer", "backward"):
+        for phase in ("own code", "forward", "optimizer", "backward", "backward code"):
             if share(r, phase) < AT_LEAST or share(r, phase) - statistics.median(share(o, phase) for o in others) < APART:
                 continue
             for wait in ("collective", "backward"):

@@ -1,14 +1,16 @@
 """A Hugging Face Trainer built inside ``main()``, as transformers' example scripts do, training a tiny
 GPT-2 (from a config: nothing downloaded) on a tiny synthetic dataset, on CPU.
 
-    hf_trainer.py LOG [--max-steps N] [--sleep S] [--resume DIR] [--ready-at K]
+    hf_trainer.py LOG [--max-steps N] [--sleep S] [--resume DIR] [--ready-at K] [--nan-at K]
 
 Appends ``global_step lr weight_sum`` to LOG after every optimizer step (from a callback, once the
 Trainer has stepped its scheduler and counted the step), prints ``READY <pid>`` after step K
 (default 2), sleeps S seconds a step (default 0.1) so that a checkpoint lands mid-run, and exits
 when the run ends. ``--resume DIR``: ``trainer.train(resume_from_checkpoint=DIR)``. Under torchrun
 the Trainer wraps the model in DDP (gloo), every rank prints ``READY <pid> <rank> <local_rank>`` and
-LOG gets the rank's number appended (``LOG.1``) on ranks other than 0.
+LOG gets the rank's number appended (``LOG.1``) on ranks other than 0. ``--nan-at K``: after step K a
+weight is NaN (so is every loss after), the loss is logged every step and NaN is logged as it is
+(``logging_nan_inf_filter`` off).
 """
 
 import os
@@ -41,10 +43,13 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Log(TrainerCallback):
-    def __init__(self, path: str, ready_at: int, sleep: float) -> None:
-        self.path, self.ready_at, self.sleep, self.ready = path, ready_at, sleep, False
+    def __init__(self, path: str, ready_at: int, sleep: float, nan_at: int = 0) -> None:
+        self.path, self.ready_at, self.sleep, self.ready, self.nan_at = path, ready_at, sleep, False, nan_at
 
     def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kwargs):  # type: ignore[no-untyped-def]
+        if self.nan_at and state.global_step == self.nan_at:
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] = float("nan")
         weights = sum(float(p.detach().double().sum()) for p in model.parameters())
         with open(self.path, "a") as log:
             log.write("%d %r %r\n" % (state.global_step, lr_scheduler.get_last_lr()[0], weights))
@@ -61,12 +66,14 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")):
         log += "." + os.environ["RANK"]
     model = GPT2LMHeadModel(tiny_config())
+    nan_at = int(_option("--nan-at", "0"))
     args = TrainingArguments(output_dir=os.path.join(os.path.dirname(log), "hf-out"), use_cpu=True, report_to=[],
                              max_steps=int(_option("--max-steps", "24")), per_device_train_batch_size=4,
                              learning_rate=1e-3, warmup_steps=3, lr_scheduler_type="linear", save_strategy="no",
-                             logging_steps=1000, disable_tqdm=True, seed=7, dataloader_num_workers=0)
+                             logging_steps=1 if nan_at else 1000, logging_nan_inf_filter=not nan_at,
+                             disable_tqdm=True, seed=7, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
-                      callbacks=[Log(log, int(_option("--ready-at", "2")), float(_option("--sleep", "0.1")))])
+                      callbacks=[Log(log, int(_option("--ready-at", "2")), float(_option("--sleep", "0.1")), nan_at)])
     trainer.train(resume_from_checkpoint=_option("--resume", "") or None)
 
 

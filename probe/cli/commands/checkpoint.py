@@ -63,6 +63,11 @@ def checkpoint(cli: CliContext, path: str, models: Tuple[str, ...], optimizers: 
     scheduler and step count are of one step); a job that makes no step within 2 s (hung) is saved
     alongside it, its state not changing. The output says which. Needs eval enabled in the agent (it
     writes files as the target's user).
+
+    Under DeepSpeed, the optimizer saved is ZeRO's own state_dict (this rank's partition, as DeepSpeed's
+    save_checkpoint keeps it), with DeepSpeed's scheduler and engine.global_steps; engine.save_checkpoint
+    itself is not called (it is collective: every rank must call it at the same step). ZeRO stage 3 and
+    the hf and lightning formats are refused (exit 2).
     """
     outputs = [f for f in fmt_given if f in ("text", "json")] + (["json"] if as_json else [])
     files = [f for f in fmt_given if f in FILE_FORMATS]

@@ -40,7 +40,9 @@ def lr(cli: CliContext, value: float, groups: Tuple[int, ...], optimizer: Option
     scheduler's base_lrs (and its last lr; OneCycleLR's max_lr and min_lr, CyclicLR's max_lrs). By
     default the factor is VALUE / lr: the lr is VALUE now and the schedule goes on from there in
     proportion (a decay keeps decaying from VALUE). With --base it is VALUE / base_lr: the base
-    becomes VALUE. Floors (eta_min, min_lrs) stay. Without a scheduler, lr and initial_lr are set.
+    becomes VALUE. Floors (eta_min, min_lrs) stay. DeepSpeed's schedulers (WarmupLR, WarmupDecayLR,
+    WarmupCosineLR, OneCycle, LRRangeTest) have everything they compute lr from scaled (max_lrs,
+    min_lrs, delta_lrs; org_lrs; min_lr). Without a scheduler, lr and initial_lr are set.
 
     The change is made on the training thread right after the next optimizer step (as eval
     --between-steps), and read back right after the step that follows: the output gives each group's

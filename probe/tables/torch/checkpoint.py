@@ -56,6 +56,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from probe.errors import BadRequest, Busy, NotFound
 from probe.tables.torch._common import is_dtensor, torch_or_raise
 from probe.tables.torch.discovery import found, resolve_expression, unwrap_module, unwrap_optimizer
+from probe.tables.torch.checkpoint_deepspeed import engine_parts
 from probe.tables.torch.checkpoint_hf import constant_schedule, hf_rng, hf_trainer_state
 from probe.tables.torch.checkpoint_timing import NEXT_STEP_WAIT_S, BetweenSteps, at_next_step, in_worker
 from probe.tables.torch.trainer import accelerate_step
@@ -116,6 +117,7 @@ class _Plan:
         self.optimizers: List[Tuple[str, Any]] = []
         self.schedulers: List[Tuple[str, Any]] = []
         self.trainer: Optional[Tuple[str, str, Any]] = None
+        self.engines: List[Tuple[str, Any]] = []  # DeepSpeed's: see probe.tables.torch.checkpoint_deepspeed
 
 
 def _plan(torch: Any, model_exprs: Optional[Sequence[str]], optimizer_exprs: Optional[Sequence[str]],
@@ -123,6 +125,7 @@ def _plan(torch: Any, model_exprs: Optional[Sequence[str]], optimizer_exprs: Opt
     everything = found(torch)
     plan = _Plan()
     plan.trainer = everything.trainers[0] if everything.trainers else None
+    plan.engines = everything.engines
     plan.models = _named(torch.nn.Module, model_exprs, everything.models, scope, "model", unwrap_module)
     if not plan.models:
         raise NotFound("no model found in the target (none watched, none in __main__ or one level into it, none in "
@@ -170,13 +173,17 @@ def _save(path: str, model_exprs: Optional[Sequence[str]], optimizer_exprs: Opti
     rng = rng if rng is not None else _rng_states(torch)
     progress = _progress(plan.trainer)
     step, step_source = _step(torch, plan.optimizers, progress)
+    deepspeed = engine_parts(torch, plan.engines, plan.optimizers, fmt) if plan.engines else None
+    if deepspeed and deepspeed["step"] is not None:
+        step, step_source = deepspeed["step"], "%s.global_steps" % plan.engines[0][0]
     if fmt == "hf":
         size, digest, files = _write_hf(torch, plan, target, rng, progress, step, cancel, overwrite, save_id)
     elif fmt == "lightning":
         size, digest = _write_lightning(torch, plan, target, cancel, overwrite)
         files = [os.path.basename(target)]
     else:
-        size, digest = _write_probe(torch, plan, target, rng, progress, step, step_source, cancel, overwrite)
+        size, digest = _write_probe(torch, plan, target, rng, progress, step, step_source, cancel, overwrite,
+                                    deepspeed)
         files = [os.path.basename(target)]
     return {"path": target, "format": fmt, "files": files, "bytes": size, "sha256": digest,
             "seconds": round(time.monotonic() - started, 3),
@@ -198,14 +205,18 @@ def _count_dtensors(plan: _Plan) -> int:
 
 def _write_probe(torch: Any, plan: _Plan, target: str, rng: Dict[str, Any], progress: Dict[str, Any],
                  step: Optional[int], step_source: Optional[str], cancel: threading.Event,
-                 overwrite: bool = False) -> Tuple[int, str]:
+                 overwrite: bool = False, deepspeed: Optional[Dict[str, Any]] = None) -> Tuple[int, str]:
     dtensors: Dict[str, Any] = {}
+    zero = (deepspeed or {}).get("optimizers") or {}
     state: Dict[str, Any] = {"format": FORMAT, "models": {}, "optimizers": {}, "schedulers": {}, "dtensors": dtensors}
     with torch.no_grad():
         for name, model in plan.models:
             state["models"][name] = _local(_module_state(model), "models/%s" % name, dtensors)
         for name, optimizer in plan.optimizers:
-            state["optimizers"][name] = _local(optimizer.state_dict(), "optimizers/%s" % name, dtensors)
+            state["optimizers"][name] = zero[name] if name in zero else \
+                _local(optimizer.state_dict(), "optimizers/%s" % name, dtensors)
+    if deepspeed:
+        state["deepspeed"] = deepspeed["deepspeed"]
     for name, scheduler in plan.schedulers:
         state["schedulers"][name] = _plain(scheduler.state_dict())
     state["trainer"] = None if plan.trainer is None else dict(progress, name=plan.trainer[0], kind=plan.trainer[1])

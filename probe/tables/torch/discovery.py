@@ -38,7 +38,7 @@ from probe.tables.torch._common import Deadline
 
 __all__ = ["watch", "user_frame_scopes", "unwatch", "find_models", "find_optimizers", "find_schedulers", "find_trainers", "found", "trainer_objects",
            "main_expression", "resolve_expression", "trainer_kind", "unwrap_module", "unwrap_optimizer",
-           "Found", "GC_BUDGET_S"]
+           "deepspeed_engine", "deepspeed_scheduler", "Found", "GC_BUDGET_S"]
 
 GC_BUDGET_S = 2.0
 _MAX_MEMBERS = 256  # attributes or items looked at in each object of __main__ or of a frame
@@ -55,6 +55,8 @@ _MODULE_WRAPPERS = {
     "_LightningModuleWrapperBase": "_forward_module", "LightningDistributedModule": "_forward_module",
 }
 _OPTIMIZER_WRAPPERS = ("optimizer", "_optimizer")  # AcceleratedOptimizer.optimizer, LightningOptimizer._optimizer
+# DeepSpeed's schedulers (deepspeed.runtime.lr_schedules): not torch's classes, told apart by name and package.
+DEEPSPEED_SCHEDULERS = ("WarmupDecayLR", "WarmupLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
 def watch(*objects: Any, **named: Any) -> None:
@@ -87,6 +89,7 @@ class Found:
         self.optimizers: List[Tuple[str, Any]] = []
         self.schedulers: List[Tuple[str, Any]] = []
         self.trainers: List[Tuple[str, str, Any]] = []
+        self.engines: List[Tuple[str, Any]] = []  # DeepSpeed engines, which hold the three above
 
 
 def find_models(torch: Any) -> List[Tuple[str, Any]]:
@@ -134,6 +137,8 @@ def found(torch: Any) -> Found:
             out.schedulers = gc_found.schedulers
         if not out.trainers:
             out.trainers = gc_found.trainers
+        if not out.engines:
+            out.engines = gc_found.engines
     out.models = _roots(_unique(out.models))
     out.optimizers = _unique(out.optimizers)
     out.schedulers = _unique(out.schedulers)
@@ -180,7 +185,7 @@ class _Kinds:
             return "optimizer"
         if self.scheduler is not None and issubclass(cls, self.scheduler):
             return "scheduler"
-        if _class_named(cls, "AcceleratedScheduler", "accelerate"):
+        if _class_named(cls, "AcceleratedScheduler", "accelerate") or deepspeed_scheduler(value) is not None:
             return "scheduler"
         if trainer_kind(value) is not None:
             return "trainer"
@@ -199,6 +204,26 @@ def _class_named(cls: type, name: str, *packages: str) -> bool:
         if base.__name__ == name and (not packages or str(base.__module__).split(".")[0] in packages):
             return True
     return False
+
+
+def deepspeed_scheduler(value: Any) -> Optional[str]:
+    """The name of the DeepSpeed scheduler class ``value`` is (or derives from), else None (by name, from
+    ``deepspeed`` only where the target imported it)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    try:
+        mro = type(value).__mro__
+    except Exception:
+        return None
+    for base in mro:  # one walk of the bases: this runs on every object the collector holds
+        if base.__name__ in DEEPSPEED_SCHEDULERS and str(base.__module__).split(".")[0] == "deepspeed":
+            return base.__name__
+    return None
+
+
+def deepspeed_engine(value: Any) -> bool:
+    """Whether ``value`` is a ``DeepSpeedEngine`` (by name: nothing imported)."""
+    return "deepspeed" in sys.modules and _class_named(type(value), "DeepSpeedEngine", "deepspeed")
 
 
 def trainer_kind(value: Any) -> Optional[str]:
@@ -293,6 +318,8 @@ def _classify(candidates: Iterable[Tuple[str, Any]], kinds: _Kinds, out: Found, 
             module = unwrap_module(value)
             if _has_state(module):
                 out.models.append((name, module))
+            if deepspeed_engine(value):
+                _add_engine_parts(name, value, kinds, out)
             lightning_trainer = _lightning_trainer_of(module)
             if lightning_trainer is not None:
                 reached.append((name + ".trainer", lightning_trainer))
@@ -307,6 +334,21 @@ def _classify(candidates: Iterable[Tuple[str, Any]], kinds: _Kinds, out: Found, 
         if id(trainer) not in seen_trainers:
             seen_trainers[id(trainer)] = None
             _add_trainer(name, "lightning", trainer, kinds, out)
+
+
+def _add_engine_parts(name: str, engine: Any, kinds: _Kinds, out: Found) -> None:
+    """A DeepSpeed engine's optimizer (ZeRO's wrapper or the basic one: the torch optimizer it steps) and
+    its scheduler, named as the engine holds them (``engine.optimizer``, ``engine.lr_scheduler``)."""
+    if not any(e is engine for _, e in out.engines):
+        out.engines.append((name, engine))
+    optimizer = _attribute(engine, "optimizer")
+    if optimizer is not None and (kinds.of(optimizer) == "optimizer" or _attribute(optimizer, "optimizer") is not None):
+        inner = unwrap_optimizer(optimizer)
+        if kinds.of(inner) == "optimizer":
+            out.optimizers.append((name + ".optimizer", inner))
+    scheduler = _attribute(engine, "lr_scheduler")
+    if scheduler is not None and kinds.of(scheduler) == "scheduler":
+        out.schedulers.append((name + ".lr_scheduler", _unwrap_scheduler(scheduler)))
 
 
 def _lightning_trainer_of(module: Any) -> Any:

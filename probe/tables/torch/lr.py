@@ -5,7 +5,8 @@ A scheduler such as ``LambdaLR`` (Hugging Face's Trainer makes one) computes eac
 own ``base_lrs``: a group's ``lr`` set alone is undone at its next step. So a change here scales, for
 each group it touches, everything the schedule is made from by one factor: the group's ``lr`` and
 ``initial_lr`` (OneCycleLR: ``max_lr``, ``min_lr``), and each driving scheduler's ``base_lrs`` (timm:
-``base_values``; CyclicLR: ``max_lrs``) and ``_last_lr``. The factor is ``VALUE / lr`` (the lr is VALUE
+``base_values``; CyclicLR: ``max_lrs``; DeepSpeed's: what each computes lr from, its ``min_lrs`` too) and
+``_last_lr``. The factor is ``VALUE / lr`` (the lr is VALUE
 now, and the schedule goes on from there, in proportion), or with ``base=True`` ``VALUE / base_lr``
 (the scheduler's base becomes VALUE, and the lr follows its schedule from that base). Floors such as
 ``eta_min`` and ReduceLROnPlateau's ``min_lrs`` are left as they are.
@@ -122,7 +123,7 @@ def _work(value: Any, groups: Optional[Sequence[int]], name: Optional[str], base
         "mode": "base" if base else "lr", "groups": rows, "step": _step_of(torch, optimizer),
         "schedulers": [{"name": d.name, "class": sched.class_text(d.scheduler), "kind": sched.kind_of(d.scheduler),
                         "via": d.via, "note": sched.note_for(d),
-                        "step": _int(sched.attrs_of(d.scheduler).get("last_epoch"))} for d in drivers],
+                        "step": sched.step_count(d.scheduler)} for d in drivers],
     }
     if apply:
         out["token"] = _remember(optimizer, drivers, rows)
@@ -223,7 +224,8 @@ def _lists(scheduler: Any, seen: Optional[set] = None) -> List[List[Any]]:
         return []
     seen.add(id(scheduler))
     attrs = sched.attrs_of(scheduler)
-    out = [attrs[k] for k in ("base_lrs", "base_values", "max_lrs", "_last_lr") if isinstance(attrs.get(k), list)]
+    keys = ("base_lrs", "base_values", "max_lrs", "_last_lr") + tuple(sched.deepspeed_lists(scheduler))
+    out = [attrs[k] for k in keys if isinstance(attrs.get(k), list)]
     for child in attrs.get("_schedulers") or ():
         out += _lists(child, seen)
     unique, ids = [], set()
@@ -313,12 +315,8 @@ def _distance(a: float, b: float) -> float:
     return abs(math.log(a / b))
 
 
-def _int(value: Any) -> Optional[int]:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _scheduler_step(drivers: List[Any]) -> Optional[int]:
-    return _int(sched.attrs_of(drivers[0]).get("last_epoch")) if drivers else None
+    return sched.step_count(drivers[0]) if drivers else None
 
 
 def _step_of(torch: Any, optimizer: Any) -> Optional[int]:

@@ -41,7 +41,7 @@ COLUMNS = (
     Column("scheduler_class", "VARCHAR", "Its class, e.g. torch.optim.lr_scheduler.LambdaLR."),
     Column("scheduler_base_lr", "DOUBLE", "The scheduler's base value for this group (base_lrs; OneCycleLR: "
                                           "max_lr), from which schedules such as LambdaLR compute each lr."),
-    Column("scheduler_step", "BIGINT", "The scheduler's step count (last_epoch)."),
+    Column("scheduler_step", "BIGINT", "The scheduler's step count (last_epoch; DeepSpeed's: last_batch_iteration)."),
     Column("initial_lr", "DOUBLE", "The group's initial_lr, which a scheduler set from the first lr." + _HYPER),
     Column("lr_note", "VARCHAR", "Whether a changed lr sticks under this scheduler, and why (LambdaLR sets lr "
                                  "from its base_lrs at every step: use probe TARGET lr); how it is stepped."),
@@ -85,10 +85,8 @@ def _scheduled(torch: Any, driving: List[Any], index: int, group: Dict[str, Any]
     if not driving:
         return None, None, None, None, initial, None
     first = driving[0].scheduler
-    epoch = schedulers.attrs_of(first).get("last_epoch")
     return (", ".join(d.name for d in driving), ", ".join(schedulers.class_text(d.scheduler) for d in driving),
-            number(torch, schedulers.base_of(first, index)),
-            epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None,
+            number(torch, schedulers.base_of(first, index)), schedulers.step_count(first),
             initial, "; ".join(schedulers.note_for(d) for d in driving))
 
 

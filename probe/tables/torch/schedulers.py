@@ -5,7 +5,7 @@ A scheduler is any object with an ``optimizer`` (something with ``param_groups``
 Hugging Face's Trainer makes among them) and look-alikes. A wrapper holding one in ``scheduler``
 (accelerate's ``AcceleratedScheduler``, Lightning's ``LRSchedulerConfig``) is folded into it, as are
 the children of ``SequentialLR`` and ``ChainedScheduler`` (``_schedulers``) into their parent. Nothing
-is imported: torch's classes are told apart by name, the frameworks' by their attributes.
+is imported: torch's and DeepSpeed's classes are told apart by name, the frameworks' by their attributes.
 
 Where from: what probe's discovery finds (through a trainer: ``trainer.lr_scheduler``), ``__main__``
 and the main thread's frames (innermost first, the training thread's own too), two levels into what
@@ -28,6 +28,7 @@ from probe.tables.torch import discovery
 from probe.tables.torch._common import Deadline
 
 __all__ = ["Driver", "find_schedulers", "drivers_of", "is_scheduler", "kind_of", "torch_class", "note_for",
+           "step_count", "deepspeed_lists",
            "base_of", "class_text", "attrs_of", "param_groups_of", "GC_BUDGET_S"]
 
 GC_BUDGET_S = 2.0
@@ -78,15 +79,35 @@ def drivers_of(optimizer: Any, drivers: List[Driver]) -> List[Driver]:
 
 
 def is_scheduler(obj: Any) -> bool:
-    """An ``optimizer`` with param_groups, a ``step`` method, and an integer ``last_epoch`` or a list of
-    base values (``base_lrs``; timm's schedulers: ``base_values``)."""
+    """An ``optimizer`` with param_groups, a ``step`` method, and an integer ``last_epoch`` (DeepSpeed's:
+    ``last_batch_iteration``) or a list of base values (``base_lrs``; timm's schedulers: ``base_values``)."""
     attrs = attrs_of(obj)
     if not attrs or isinstance(obj, type):
         return False
-    epoch = attrs.get("last_epoch")
-    counted = isinstance(epoch, int) and not isinstance(epoch, bool)
+    counted = step_count(obj) is not None
     return ((counted or isinstance(attrs.get("base_lrs"), list) or isinstance(attrs.get("base_values"), list))
             and _has_step(type(obj)) and isinstance(param_groups_of(attrs.get("optimizer")), list))
+
+
+def step_count(obj: Any) -> Optional[int]:
+    """The scheduler's own step count: ``last_epoch`` (DeepSpeed's: ``last_batch_iteration``), else None."""
+    attrs = attrs_of(obj)
+    for key in ("last_epoch", "last_batch_iteration"):
+        value = attrs.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def deepspeed_lists(obj: Any) -> List[str]:
+    """The attributes holding the per-group values a DeepSpeed scheduler computes each lr from (lr =
+    min + delta * gamma for WarmupLR and WarmupDecayLR; org_lrs * ratio for WarmupCosineLR; between min and
+    max for OneCycle; min_lr * increase for LRRangeTest), the base value first; [] for another scheduler."""
+    return list(_DEEPSPEED_LISTS.get(discovery.deepspeed_scheduler(obj) or "", ()))
+
+
+_DEEPSPEED_LISTS = {"WarmupLR": ("max_lrs", "min_lrs", "delta_lrs"), "WarmupDecayLR": ("max_lrs", "min_lrs", "delta_lrs"),
+                    "WarmupCosineLR": ("org_lrs",), "OneCycle": ("max_lrs", "min_lrs"), "LRRangeTest": ("min_lr",)}
 
 
 def torch_class(obj: Any) -> Optional[str]:
@@ -104,7 +125,7 @@ def kind_of(obj: Any) -> str:
     children = attrs_of(obj).get("_schedulers")
     if name == "ChainedScheduler" and isinstance(children, (list, tuple)):
         return "base" if any(kind_of(c) != "lr" for c in children) else "lr"
-    if name in FROM_BASE or "lr_lambdas" in attrs_of(obj) or "base_values" in attrs_of(obj):
+    if name in FROM_BASE or "lr_lambdas" in attrs_of(obj) or "base_values" in attrs_of(obj) or deepspeed_lists(obj):
         return "base"
     if name in FROM_LR:
         return "lr"
@@ -120,6 +141,8 @@ def base_of(obj: Any, index: int) -> Any:
             return groups[index].get("max_lr")
     attrs = attrs_of(obj)
     bases = attrs.get("base_lrs", attrs.get("base_values"))
+    for key in deepspeed_lists(obj)[:1]:  # DeepSpeed's: max_lrs, org_lrs or min_lr
+        bases = attrs.get(key)
     if isinstance(bases, (list, tuple)) and index < len(bases):
         return bases[index]
     return None
@@ -145,6 +168,9 @@ def note_for(driver: Driver) -> str:
                 "milestone: lr set alone is undone there")
     elif name == "ReduceLROnPlateau":
         text = "ReduceLROnPlateau lowers the group's current lr when the metric stalls: a changed lr sticks"
+    elif deepspeed_lists(obj):
+        text = ("DeepSpeed's %s sets lr from its %s at every step: lr set alone is undone at its next step"
+                % (name, _and(deepspeed_lists(obj))))
     elif kind == "base":
         text = "%s sets lr from its base_lrs at every step: lr set alone is undone at its next step" % name
     elif kind == "lr":
@@ -156,6 +182,10 @@ def note_for(driver: Driver) -> str:
     if driver.via:
         text += "; stepped through %s" % ", ".join(driver.via)
     return text
+
+
+def _and(words: List[str]) -> str:
+    return words[0] if len(words) == 1 else "%s and %s" % (", ".join(words[:-1]), words[-1])
 
 
 # -- finding ----------------------------------------------------------------------------------------

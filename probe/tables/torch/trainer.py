@@ -1,15 +1,15 @@
 """``torch.trainer``: each training framework object found (a Hugging Face ``Trainer``, a Lightning
 ``Trainer``, an ``accelerate.Accelerator``) and where it stands: step, epoch, limits, gradient
-accumulation, precision, callbacks. Read by attribute, never importing the framework."""
+accumulation, precision, callbacks, the last logged loss. Read by attribute, never importing the framework."""
 
 from typing import Any, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
 from probe.tables.torch import steps
-from probe.tables.torch._common import torch_or_raise
+from probe.tables.torch._common import number, torch_or_raise
 from probe.tables.torch.discovery import found, trainer_objects
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "accelerate_step"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "accelerate_step", "logged_loss"]
 
 NAME = "torch.trainer"
 DESCRIPTION = ("Each training framework object found (Hugging Face Trainer, Lightning Trainer, accelerate "
@@ -34,6 +34,10 @@ COLUMNS = (
     Column("model", "VARCHAR", "The model it trains, by its name in torch.parameters (unwrapped)."),
     Column("optimizers", "VARCHAR", "Its optimizers, by their names in torch.optimizers (wrappers folded)."),
     Column("schedulers", "VARCHAR", "Its LR schedulers, by name."),
+    Column("loss", "DOUBLE", "The last training loss the framework logged, NaN and Inf as they are (HF: the newest "
+                             "of the last 16 entries of state.log_history with a loss; Lightning: callback_metrics' "
+                             "loss, train_loss or another key naming a loss; a CUDA tensor is not read: NULL)."),
+    Column("loss_from", "VARCHAR", "Where that loss was read, with its step where the framework says it."),
 )
 EXAMPLE = "SELECT trainer, global_step, epoch, max_steps, grad_accumulation FROM torch.trainer"
 
@@ -47,7 +51,8 @@ def rows() -> Iterator[Tuple[Any, ...]]:
         values = _read(kind, trainer)
         cls = type(trainer)
         yield ((name, kind, "%s.%s" % (cls.__module__, cls.__qualname__)) + values
-               + (_names(held.models[:1], names), _names(held.optimizers, names), _names(held.schedulers, names)))
+               + (_names(held.models[:1], names), _names(held.optimizers, names), _names(held.schedulers, names))
+               + logged_loss(torch, name, kind, trainer))
 
 
 def _names(items: List[Tuple[str, Any]], names: dict) -> Optional[str]:
@@ -102,6 +107,36 @@ def _read(kind: str, trainer: Any) -> Tuple[Any, ...]:
                 _int(_get(trainer, "world_size")), _callbacks(_get(trainer, "callbacks")))
     return (accelerate_step(trainer)[0], None, None, None, _int(_get(trainer, "gradient_accumulation_steps")),
             _text(_get(trainer, "mixed_precision")), _int(_get(trainer, "num_processes")), None)
+
+
+_HISTORY = 16  # HF log_history entries looked at, newest first: an evaluation's entries have no loss
+_LOSS_KEYS = ("loss", "train_loss", "train/loss", "training_loss")
+
+
+def logged_loss(torch: Any, name: str, kind: str, trainer: Any) -> Tuple[Optional[float], Optional[str]]:
+    """The framework's last logged training loss and where it was read (see the ``loss`` column)."""
+    try:
+        if kind == "transformers":
+            history = _get(trainer, "state", "log_history")
+            if isinstance(history, list):
+                for back, entry in enumerate(reversed(history[-_HISTORY:]), 1):
+                    if isinstance(entry, dict) and isinstance(entry.get("loss"), (int, float)):
+                        return (float(entry["loss"]), "%s.state.log_history[-%d]['loss'] at step %s"
+                                % (name, back, entry.get("step")))
+        elif kind == "lightning":
+            for attribute in ("callback_metrics", "logged_metrics"):
+                metrics = _get(trainer, attribute)
+                if not isinstance(metrics, dict):
+                    continue
+                keys = [k for k in _LOSS_KEYS if k in metrics] + sorted(
+                    k for k in list(metrics)[:64] if isinstance(k, str) and "loss" in k and k not in _LOSS_KEYS
+                    and not k.startswith("val"))
+                for key in keys[:1]:
+                    return (number(torch, metrics[key]), "%s.%s[%r] at global step %s"
+                            % (name, attribute, key, _get(trainer, "global_step")))
+    except Exception:
+        pass
+    return None, None
 
 
 _STATE_ENTRIES = 8  # parameters' state entries looked at for a step count: every entry of one step holds the same
