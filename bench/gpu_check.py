@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 JOB = os.path.join(HERE, "targets", "gpu_job.py")
 GPU_ONLY = ("blocked", "profile")
+SKIPPED = ("needs a GPU", "not built yet")  # said, not failed
 CHECKS = ("trace", "checkpoint", "blocked", "flight_recorder", "profile", "compile")
 WHAT = {
     "trace": "training traced (PROBE_TORCH_TRACE=1): python.torch_trace memory columns from the device",
@@ -308,32 +309,40 @@ CHECK_FUNCTIONS: Dict[str, Callable[[str, str], str]] = {
 }
 
 
-def report(results: str, device: str) -> int:
-    """Print the run's table and write its record (bench/_common.py's); 1 when a check failed."""
+def report(results: str, device: str, started: float) -> int:
+    """Print the run's table and write its record (bench/_common.py's); 1 when a check failed or is missing."""
     sys.path.insert(0, HERE)
+    import _common
     from _common import figure, header, table
 
     header("GPU check (bench/gpu_check.sh): probe on a machine with one NVIDIA GPU",
-           ["device: %s%s" % (device, "" if device == "cuda" else " (no CUDA device: the GPU-only checks say so)")])
+           ["device: %s%s" % (device, "" if device == "cuda" else " (no CUDA device: the GPU-only checks say so)")]
+           + ["  %-16s %s" % (name, WHAT[name]) for name in CHECKS])
+    run = _common.RUN
+    assert run is not None
+    run.started, run.argv = started, ["device=%s" % device]  # the whole run's, not this report's
     rows: List[List[str]] = []
     with open(results, encoding="utf-8") as handle:
         for line in handle:
             name, status, seconds, detail = (line.rstrip("\n").split("\t") + ["", "", ""])[:4]
             rows.append([name, status, seconds, detail])
+            run.rows.append({"what": name, "result": status, "seconds": float(seconds or 0), "detail": detail})
     print(table(rows, ["check", "result", "seconds", "detail"]))
-    for name, status, seconds, detail in rows:
-        figure("check %s: %s" % (name, status), value=float(seconds or 0), unit="s", goal="ok",
-               met=status == "ok" if status in ("ok", "FAIL", "timeout") else None)
-    failed = [row[0] for row in rows if row[1] not in ("ok", "needs a GPU", "not built yet")]
-    print("SUMMARY gpu_check device=%s: %d ok, %d need a GPU, %d not built yet, %d failed%s" % (
+    for name, status, seconds, _ in rows:
+        if status not in SKIPPED:
+            figure("check %s (%s)" % (name, device), value=float(seconds or 0), unit="s", goal="ok", met=status == "ok")
+    failed = [row[0] for row in rows if row[1] not in ("ok",) + SKIPPED]
+    missing = [name for name in CHECKS if name not in [row[0] for row in rows]]
+    print("SUMMARY gpu_check device=%s: %d ok, %d need a GPU, %d not built yet, %d failed%s%s" % (
         device, sum(r[1] == "ok" for r in rows), sum(r[1] == "needs a GPU" for r in rows),
-        sum(r[1] == "not built yet" for r in rows), len(failed), (": " + ", ".join(failed)) if failed else ""))
-    return 1 if failed or len(rows) != len(CHECKS) else 0
+        sum(r[1] == "not built yet" for r in rows), len(failed), (": " + ", ".join(failed)) if failed else "",
+        "; no result from " + ", ".join(missing) if missing else ""))
+    return 1 if failed or missing else 0
 
 
 def main(argv: List[str]) -> int:
     if argv[:1] == ["--report"]:
-        return report(argv[1], argv[2])
+        return report(argv[1], argv[2], float(argv[3]))
     name, device, work = argv
 
     def on_term(signum: int, frame: Any) -> None:

@@ -23,7 +23,12 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$HERE")"
 PY="${PYTHON:-python}"
 SCALE="${GPU_CHECK_SCALE:-1}"
+STARTED="$(date +%s.%N)"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/probe-gpu-check.XXXXXX")"
+if [ "${#WORK}" -gt 48 ]; then  # an agent's socket path must fit in 108 bytes: keep the runtime dirs short
+    rmdir "$WORK"
+    WORK="$(mktemp -d /tmp/probe-gpu-check.XXXXXX)"
+fi
 CHILD=""
 
 stop_group() {
@@ -65,11 +70,11 @@ for entry in $CHECKS; do
     name="${entry%%:*}"
     limit="$(awk -v s="${entry##*:}" -v k="$SCALE" 'BEGIN { printf "%d", s * k }')"
     dir="$WORK/$name"
-    mkdir -p "$dir/runtime"
-    chmod 700 "$dir/runtime"
+    mkdir -p "$dir/rt"
+    chmod 700 "$dir/rt"
     start="$(date +%s.%N)"
     # timeout puts itself and the check in a process group of their own: the whole check is stopped at once.
-    PROBE_RUNTIME_DIR="$dir/runtime" timeout -k 10 "$limit" "$PY" "$HERE/gpu_check.py" "$name" "$DEVICE" "$dir" \
+    PROBE_RUNTIME_DIR="$dir/rt" timeout -k 10 "$limit" "$PY" "$HERE/gpu_check.py" "$name" "$DEVICE" "$dir" \
         > "$dir/out" 2> "$dir/err" &
     CHILD=$!
     wait "$CHILD"
@@ -90,4 +95,4 @@ for entry in $CHECKS; do
     fi
 done
 
-PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/gpu_check.py" --report "$RESULTS" "$DEVICE"
+PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$HERE/gpu_check.py" --report "$RESULTS" "$DEVICE" "$STARTED"
