@@ -99,7 +99,8 @@ def _assert_nothing_left(short_tmp: str, mark: str) -> None:
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _marked(mark) == []
-    assert os.listdir(short_tmp) == []  # the run's mktemp directory, runtime directories in it, removed
+    # the run's mktemp directory and the runtime directories in it removed (torch may keep its caches there)
+    assert [name for name in os.listdir(short_tmp) if name.startswith("probe-gpu-check")] == []
 
 
 def test_on_a_cpu_the_cpu_checks_pass_and_the_gpu_ones_say_they_need_a_gpu(tmp_path, short_tmp):
