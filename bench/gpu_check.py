@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -79,15 +79,11 @@ def query(pid: int, sql: str) -> List[Dict[str, Any]]:
 
 
 def evaluate(pid: int, code: str, timeout: float = 60.0) -> Any:
-    """The value of the expression ``code`` evaluated in the target (its repr read back as JSON)."""
-    out = cli_ok(str(pid), "eval", "import json as _j; _j.dumps(%s)" % code, "--json", timeout=timeout)
-    value = json.loads(out).get("value")
-    try:
-        return json.loads(json.loads(value) if value.startswith(("'", '"')) else value)
-    except (ValueError, AttributeError):
-        import ast
+    """The value of the expression ``code`` in the target, passed as JSON (the eval's value is its repr)."""
+    import ast
 
-        return json.loads(ast.literal_eval(value))
+    out = cli_ok(str(pid), "eval", "import json as _j; _j.dumps(%s)" % code, "--json", timeout=timeout)
+    return json.loads(ast.literal_eval(json.loads(out)["value"]))
 
 
 class Target:
@@ -98,6 +94,7 @@ class Target:
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.popen.pid
         self.args = args
+        self.extra = extra
         self.ready_s = ready_s * _scale()
         self._ready = False
 
@@ -123,7 +120,10 @@ class Target:
         if pending.split()[:2] != [b"READY", str(self.pid).encode()]:
             raise Failed("gpu_job.py %s said %r" % (" ".join(self.args), pending[:200]))
         self._ready = True
-        wait_until(lambda: cli(str(self.pid), "health", timeout=30)[0] == 0, 30, "the agent of %d answers" % self.pid)
+        # the blocked rank's agent may answer, or probe say from outside that the GIL is held (exit 5)
+        answers = [int(code) for code in self.extra.get("GPU_CHECK_HEALTH", "0").split(",")]
+        wait_until(lambda: cli(str(self.pid), "health", timeout=30)[0] in answers, 30,
+                   "the agent of %d answers" % self.pid)
 
     def close(self) -> None:
         if self.popen.poll() is None:
@@ -168,7 +168,7 @@ def wait_until(condition: Callable[[], Any], seconds: float, what: str) -> Any:
 
 
 def check_trace(device: str, work: str) -> str:
-    with targets((["train", device], 120, {"PROBE_TORCH_TRACE": "1"})) as (job,):
+    with targets((["train", device], 40, {"PROBE_TORCH_TRACE": "1"})) as (job,):
         sql = ("SELECT device, count(*) AS spans, max(allocated) AS allocated, max(max_allocated) AS max_allocated, "
                "max(cached) AS cached FROM python.torch_trace GROUP BY device")
         rows = wait_until(lambda: [r for r in query(job.pid, sql) if r["spans"] >= 20], 60, "20 traced spans")
@@ -192,7 +192,7 @@ def check_trace(device: str, work: str) -> str:
 
 def check_checkpoint(device: str, work: str) -> str:
     path = os.path.join(work, "ck.pt")
-    with targets((["train", device, "5"], 120, {})) as (job,):
+    with targets((["train", device, "5"], 40, {})) as (job,):
         saved = json.loads(cli_ok(str(job.pid), "checkpoint", path, "--json", timeout=120))
         if not os.path.exists(path) or saved.get("path") != path:
             raise Failed("no checkpoint at %s: %s" % (path, saved))
@@ -211,7 +211,7 @@ def check_checkpoint(device: str, work: str) -> str:
 
 
 def check_blocked(device: str, work: str) -> str:
-    with targets((["blocked", device, "120"], 120, {})) as (job,):
+    with targets((["blocked", device, "120"], 45, {"GPU_CHECK_HEALTH": "0,5"})) as (job,):
         code, out, err = cli("list", "--json", timeout=60)
         listed = [row for row in json.loads(out or "[]") if row.get("pid") == job.pid] if code == 0 else []
         if not listed:
@@ -221,9 +221,14 @@ def check_blocked(device: str, work: str) -> str:
         if code not in (0, 5):  # 5: the agent cannot answer (GIL held), said from outside: a state too
             raise Failed("probe %d health exited %d: %s" % (job.pid, code, health[-300:]))
         out = cli_ok(str(job.pid), "backtrace", "--native", timeout=120)
-    blocks = ["Thread " + block for block in out.split("Thread ")[1:]]
-    main = next((block for block in blocks if block.splitlines()[0].rstrip().endswith("main)")), out)
-    lines = [line.strip() for line in main.splitlines()[1:] if line.strip()]
+    blocks: List[List[str]] = []
+    for line in out.splitlines():
+        if line.startswith("Thread "):
+            blocks.append([])
+        if blocks and line.strip():
+            blocks[-1].append(line.strip())
+    main = next((block for block in blocks if block[0].endswith("main)")), [])
+    lines = main[1:]
     python_frame = [line for line in lines if line.startswith("synchronize (" if device == "cuda" else "blocked (")]
     native = [line for line in lines if line.startswith("[C]") and (device != "cuda" or "cuda" in line.lower())]
     if not python_frame or not native:
@@ -238,7 +243,7 @@ def check_blocked(device: str, work: str) -> str:
 def check_flight_recorder(device: str, work: str) -> str:
     backend = "nccl" if device == "cuda" else "gloo"
     store = os.path.join(work, "store")
-    with targets((["fr", device, store, "6"], 120, {"TORCH_FR_BUFFER_SIZE": "64"})) as (job,):
+    with targets((["fr", device, store, "6"], 40, {"TORCH_FR_BUFFER_SIZE": "64"})) as (job,):
         sql = "SELECT op, state, retired, collective_seq_id FROM torch.flight_recorder ORDER BY record_id"
 
         def recorded() -> List[Dict[str, Any]]:
@@ -258,15 +263,29 @@ def profile_built() -> bool:
 
 
 def check_profile(device: str, work: str) -> str:
-    raise NotBuilt("probe profile --help shows no profile command: it is not in this tree yet")
+    """``probe PID profile`` on a CUDA training job: its output names CUDA work. Written before the command
+    existed: the options are taken from its --help (``--activities``, a duration, ``--json``)."""
+    helps = cli_ok("profile", "--help")
+    args = ["--json"] if "--json" in helps else []
+    if "--activities" in helps:
+        args += ["--activities", "cuda"]
+    for option in ("--seconds", "--duration"):
+        if option in helps:
+            args += [option, "2"]
+            break
+    with targets((["train", device], 40, {})) as (job,):
+        out = cli_ok(str(job.pid), "profile", *args, timeout=120)
+    if not any(word in out.lower() for word in ("cuda", "kernel", "gemm")):
+        raise Failed("probe PID profile %s named no CUDA work: %s" % (" ".join(args), " ".join(out.split())[:300]))
+    return "probe PID profile %s: %d bytes naming CUDA work" % (" ".join(args), len(out))
 
 
 def check_compile(device: str, work: str) -> str:
     # Dynamo decides the graph breaks whatever the backend; inductor's code generation for a CPU takes minutes
     # on a small box, so there aot_eager (Dynamo and AOT autograd, eager kernels) stands in unless asked.
     backend = os.environ.get("GPU_CHECK_COMPILE_BACKEND") or ("inductor" if device == "cuda" else "aot_eager")
-    with targets((["compiled", device, backend], 300, {}),
-                 (["compiled", device, backend], 300, {"PROBE_TORCH_TRACE": "1"})) as (plain, traced):
+    with targets((["compiled", device, backend], 150, {}),
+                 (["compiled", device, backend], 150, {"PROBE_TORCH_TRACE": "1"})) as (plain, traced):
         counts = {}
         for name, job in (("without", plain), ("with", traced)):
             counts[name] = evaluate(job.pid, "__import__('__main__').dynamo_counts()", timeout=60)
@@ -282,10 +301,6 @@ def check_compile(device: str, work: str) -> str:
         backend, device, with_trace["graph_breaks"], with_trace["graphs"], with_trace["forward_versions"], spans)
 
 
-class NotBuilt(Exception):
-    """The command a check drives is not in this tree yet: reported, not a failure."""
-
-
 def run_check(name: str, device: str, work: str) -> Tuple[str, str]:
     if name == "profile":
         built = profile_built()
@@ -297,8 +312,6 @@ def run_check(name: str, device: str, work: str) -> Tuple[str, str]:
         return "needs a GPU", "no CUDA device here"
     try:
         return "ok", CHECK_FUNCTIONS[name](device, work)
-    except NotBuilt as exc:
-        return "not built yet", str(exc)
     except Failed as exc:
         return "FAIL", str(exc)
 
