@@ -167,27 +167,48 @@ def wait_until(condition: Callable[[], Any], seconds: float, what: str) -> Any:
 # -- the checks: each returns its detail, or raises Failed ------------------------------------------------
 
 
+TRACE_SQL = ("SELECT device, count(*) AS spans, max(allocated) AS allocated, max(max_allocated) AS max_allocated, "
+             "max(cached) AS cached FROM python.torch_trace GROUP BY device")
+
+
+def _trace_memory(pid: int, device: str, when: str) -> str:
+    """The memory columns of the trace's spans (20 at least) are the device's: the allocator's on CUDA."""
+    rows = wait_until(lambda: [r for r in query(pid, TRACE_SQL) if r["spans"] >= 20], 60, "20 traced spans")
+    if len(rows) != 1:
+        raise Failed("%s: spans from more than one device: %s" % (when, rows))
+    row = rows[0]
+    if device == "cuda":
+        peak_mb = evaluate(pid, "torch.cuda.max_memory_allocated() / 1048576.0")
+        if row["device"] != "cuda:0" or not row["allocated"] or row["cached"] is None:
+            raise Failed("%s: memory columns not the allocator's of cuda:0 but %s" % (when, row))
+        if not 0 < row["max_allocated"] <= peak_mb + 1e-6:
+            raise Failed("%s: max_allocated %.3f MB vs the allocator's peak %.3f MB" % (when, row["max_allocated"],
+                                                                                        peak_mb))
+        return "%s: %d spans, cuda:0 allocated %.2f MB, max %.2f MB (allocator peak %.2f), cached %.1f MB" % (
+            when, row["spans"], row["allocated"], row["max_allocated"], peak_mb, row["cached"])
+    if row["device"] != "cpu" or not row["allocated"] or row["max_allocated"] < row["allocated"] \
+            or row["cached"] is not None:
+        raise Failed("%s: expected RSS readings on cpu: %s" % (when, row))
+    return "%s: %d spans, cpu RSS %.0f MB, max %.0f MB, cached NULL" % (
+        when, row["spans"], row["allocated"], row["max_allocated"])
+
+
 def check_trace(device: str, work: str) -> str:
+    """The trace armed by PROBE_TORCH_TRACE=1 (it starts as torch is imported, before the job touches CUDA),
+    then started again with ``probe PID trace start`` on the running job: both read the device's memory."""
     with targets((["train", device], 40, {"PROBE_TORCH_TRACE": "1"})) as (job,):
-        sql = ("SELECT device, count(*) AS spans, max(allocated) AS allocated, max(max_allocated) AS max_allocated, "
-               "max(cached) AS cached FROM python.torch_trace GROUP BY device")
-        rows = wait_until(lambda: [r for r in query(job.pid, sql) if r["spans"] >= 20], 60, "20 traced spans")
-        if len(rows) != 1:
-            raise Failed("spans from more than one device: %s" % rows)
-        row = rows[0]
-        if device == "cuda":
-            peak_mb = evaluate(job.pid, "torch.cuda.max_memory_allocated() / 1048576.0")
-            if row["device"] != "cuda:0" or not row["allocated"] or row["cached"] is None:
-                raise Failed("expected allocator readings of cuda:0: %s" % row)
-            if not 0 < row["max_allocated"] <= peak_mb + 1e-6:
-                raise Failed("max_allocated %.3f MB vs the allocator's peak %.3f MB" % (row["max_allocated"], peak_mb))
-            return "%d spans, cuda:0 allocated %.2f MB, max %.2f MB (allocator peak %.2f MB), cached %.1f MB" % (
-                row["spans"], row["allocated"], row["max_allocated"], peak_mb, row["cached"])
-        if row["device"] != "cpu" or not row["allocated"] or row["max_allocated"] < row["allocated"] \
-                or row["cached"] is not None:
-            raise Failed("expected RSS readings on cpu: %s" % row)
-        return "%d spans, device cpu: RSS %.0f MB, max %.0f MB, cached NULL" % (
-            row["spans"], row["allocated"], row["max_allocated"])
+        said, failed = [], False
+        for when in ("PROBE_TORCH_TRACE=1", "trace start"):
+            if when == "trace start":
+                cli_ok(str(job.pid), "trace", "start")
+            try:
+                said.append(_trace_memory(job.pid, device, when))
+            except Failed as exc:  # the other way is still worth reading
+                said.append(str(exc))
+                failed = True
+    if failed:
+        raise Failed("; ".join(said))
+    return "; ".join(said)
 
 
 def check_checkpoint(device: str, work: str) -> str:

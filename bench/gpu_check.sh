@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh            # PYTHON=... picks the interpreter (default: python)
 #
 # Checks (bench/gpu_check.py holds them; their targets are bench/targets/gpu_job.py):
-#   trace            CUDA training traced: python.torch_trace's allocated/max_allocated from the allocator
+#   trace            CUDA training traced (PROBE_TORCH_TRACE=1, then trace start): allocated/max_allocated from the allocator
 #   checkpoint       probe PID checkpoint of CUDA tensors, torch.load'ed back and compared
 #   blocked          a rank blocked in torch.cuda.synchronize on a long kernel: list, health, backtrace --native
 #   flight_recorder  a 1-rank NCCL group's entries in torch.flight_recorder (TORCH_FR_BUFFER_SIZE)
