@@ -24,7 +24,7 @@ GPU_ONLY = ("blocked", "profile")
 SKIPPED = ("needs a GPU", "not built yet")  # said, not failed
 CHECKS = ("trace", "checkpoint", "blocked", "flight_recorder", "profile", "compile")
 WHAT = {
-    "trace": "training traced (PROBE_TORCH_TRACE=1): python.torch_trace memory columns from the device",
+    "trace": "training traced (PROBE_TORCH_TRACE=1, then trace start): python.torch_trace memory columns",
     "checkpoint": "probe PID checkpoint of device tensors, torch.load'ed back and compared",
     "blocked": "a rank blocked in a long CUDA kernel: probe list, health, backtrace --native",
     "flight_recorder": "1-rank process group (NCCL; gloo on CPU): torch.flight_recorder entries",
