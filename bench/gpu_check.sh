@@ -6,7 +6,7 @@
 #   bash bench/gpu_check.sh            # PYTHON=... picks the interpreter (default: python)
 #
 # Checks (bench/gpu_check.py holds them; their targets are bench/targets/gpu_job.py):
-#   trace            CUDA training traced (PROBE_TORCH_TRACE=1, then trace start): allocated/max_allocated from the allocator
+#   trace            CUDA training traced (PROBE_TORCH_TRACE=1, then trace start): allocator memory columns
 #   checkpoint       probe PID checkpoint of CUDA tensors, torch.load'ed back and compared
 #   blocked          a rank blocked in torch.cuda.synchronize on a long kernel: list, health, backtrace --native
 #   flight_recorder  a 1-rank NCCL group's entries in torch.flight_recorder (TORCH_FR_BUFFER_SIZE)
@@ -68,7 +68,7 @@ RESULTS="$WORK/results.tsv"
 : > "$RESULTS"
 for entry in $CHECKS; do
     name="${entry%%:*}"
-    limit="$(awk -v s="${entry##*:}" -v k="$SCALE" 'BEGIN { printf "%d", s * k }')"
+    limit="$(awk -v s="${entry##*:}" -v k="$SCALE" 'BEGIN { v = s * k; printf "%d", (v < 1 ? 1 : v) }')"  # 0: none
     dir="$WORK/$name"
     mkdir -p "$dir/rt"
     chmod 700 "$dir/rt"
