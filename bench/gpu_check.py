@@ -33,6 +33,10 @@ WHAT = {
 }
 
 
+LOGS = [os.environ.get("TMPDIR") or "/tmp"]
+"""Where the targets' stderr goes: the check's own directory once :func:`run_check` names it."""
+
+
 class Failed(Exception):
     """A check's real failure: what was expected and what came instead."""
 
@@ -90,8 +94,11 @@ class Target:
     """``gpu_job.py ARGS`` started with an agent, handshaken by its ``READY <pid>`` line; killed and reaped."""
 
     def __init__(self, args: Sequence[str], ready_s: float, **extra: str) -> None:
-        self.popen = subprocess.Popen([sys.executable, JOB, *args], env=env(True, **extra), cwd=REPO,
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # stderr to a file: torch may write more warnings than a pipe holds, and a full pipe blocks the target
+        self.log = os.path.join(LOGS[0], "target-%d.err" % len(os.listdir(LOGS[0])))
+        with open(self.log, "wb") as err:
+            self.popen = subprocess.Popen([sys.executable, JOB, *args], env=env(True, **extra), cwd=REPO,
+                                          stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=err)
         self.pid = self.popen.pid
         self.args = args
         self.extra = extra
@@ -113,7 +120,8 @@ class Target:
                 chunk = os.read(self.popen.stdout.fileno(), 4096)
                 if not chunk:
                     self.popen.wait(10)
-                    err = self.popen.stderr.read().decode("utf-8", "replace") if self.popen.stderr else ""
+                    with open(self.log, "rb") as handle:
+                        err = handle.read().decode("utf-8", "replace")
                     raise Failed("gpu_job.py %s exited %s: %s" % (" ".join(self.args), self.popen.returncode,
                                                                   err.strip()[-600:]))
                 pending += chunk
@@ -132,9 +140,8 @@ class Target:
             self.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        for stream in (self.popen.stdout, self.popen.stderr):
-            if stream is not None:
-                stream.close()
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
 
 
 @contextmanager
@@ -323,6 +330,7 @@ def check_compile(device: str, work: str) -> str:
 
 
 def run_check(name: str, device: str, work: str) -> Tuple[str, str]:
+    LOGS[0] = work
     if name == "profile":
         built = profile_built()
         if device != "cuda":
