@@ -222,6 +222,29 @@ def test_a_gil_held_process_without_agent_is_not_told_to_inject(target_factory):
         assert "_PyRuntime" not in injected.err and "longer --timeout" not in injected.err
         followed = _follow(_hints(injected.err)[-1])  # backtrace, from outside
         assert followed.code == 0 and "gil_sleep.py" in followed.out
+        # The start stays queued in the target: health says so (not "inject starts one"), and its hint works.
+        queued = run_cli(str(proc.pid), "health")
+        assert queued.code == 3 and "the start that `probe %d inject` queued" % proc.pid in queued.err, queued.err
+        assert "inject` starts" not in queued.err and "holds the GIL" in queued.err, queued.err
+        followed = _follow(_hints(queued.err)[-1])
+        assert followed.code == 0 and "gil_sleep.py" in followed.out, followed.err
+
+
+@pytest.mark.skipif(not GDB, reason="inject needs gdb")
+def test_a_start_queued_behind_a_c_call_runs_when_the_call_returns_and_health_answers(target_factory):
+    proc = target_factory("gil_sleep.py", "10", "then-idle", probe=False)
+    injected = run_cli(str(proc.pid), "inject", "--timeout", "2")
+    assert injected.code == 6 and "queued" in injected.err, injected.err
+    said = run_cli(str(proc.pid), "health")
+    assert said.code in (0, 3), said.err
+    if said.code == 3:  # the call has not returned yet
+        assert "queued" in said.err and "has not run" in said.err, said.err
+    deadline = time.monotonic() + scaled(60)
+    while said.code != 0:
+        assert time.monotonic() < deadline, said.err
+        time.sleep(0.2)
+        said = run_cli(str(proc.pid), "health")
+    assert "pid %d" % proc.pid in said.out, said.out
 
 
 # ---------------------------------------------------------------- Python 3.8

@@ -8,7 +8,7 @@ once here, travel on the error, for backtrace and SQL to use.
 
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from probe import _paths
 from probe.client.targets import Target
@@ -112,7 +112,12 @@ def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
         stacks = None
     holder = advice.gil_kept_in_c(pid, stacks)
     requested = advice.probe_requested(pid)
-    if holder is not None:
+    pending = _queued_start(pid, path)
+    if pending is not None:
+        exc = ConnectError("%s yet: the start that `probe %d inject` queued %s ago has not run (%s)"
+                           % (message, pid, _ago(pending.since), pending.why),
+                           hint="the agent starts by itself once it can, and `probe %d health` answers then; meanwhile %s" % (pid, outside))
+    elif holder is not None:
         exc = ConnectError("%s, and none can start now: thread %s holds the GIL in %s inside a call into C that does "
                            "not let go; an agent needs the GIL to start, so injecting one cannot work until that call "
                            "returns" % (message, holder.label().strip(), holder.where()),
@@ -140,6 +145,18 @@ def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
     exc = _agentless(exc, pid)
     exc.outside = stacks  # type: ignore[attr-defined]  # read once: backtrace and SQL use them
     return exc
+
+
+def _queued_start(pid: int, path: str) -> Optional[Any]:
+    """The note ``probe PID inject`` left when the start it queued had not run (``probe.injector.queued``)."""
+    from probe.injector import queued
+
+    return queued.read(pid, path)
+
+
+def _ago(since: float) -> str:
+    seconds = max(0.0, time.time() - since)
+    return "%.0f s" % seconds if seconds < 120 else "%.0f min" % (seconds / 60)
 
 
 def dead_with_record(pid: int, answering: bool = False) -> Optional[ProcessDead]:
