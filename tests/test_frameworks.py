@@ -194,7 +194,9 @@ def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):
     pytest.importorskip("lightning")
     log, resumed_log = str(tmp_path / "run.log"), str(tmp_path / "resumed.log")
     plain, own = str(tmp_path / "ck.pt"), str(tmp_path / "lightning.ckpt")
-    proc = spawn("lightning_train.py", [log, "--max-steps", "14", "--sleep", "0.3"], timeout=scaled(90))
+    # A step a third of a second on a quiet box, longer under load: the queries and checkpoints below run
+    # within the 12 steps after READY (at load 10 on 2 cores, 0.3 s steps ended the run before them).
+    proc = spawn("lightning_train.py", [log, "--max-steps", "14", "--sleep", "%.2f" % scaled(0.3)], timeout=scaled(90))
     try:
         pid = proc.pid
         models = _rows(pid, "SELECT DISTINCT model FROM torch.parameters")

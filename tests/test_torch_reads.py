@@ -25,7 +25,8 @@ def test_an_optimizer_read_never_straddles_a_step():
         deadline = time.monotonic() + scaled(20)
         reads = 0
         while reads < 40 and time.monotonic() < deadline:
-            steps = [r[0] for r in client.query_rows("SELECT step FROM torch.optimizers").rows]
+            # Each read waits for a moment between two steps; under load that has taken over the 10 s default.
+            steps = [r[0] for r in client.query_rows("SELECT step FROM torch.optimizers", timeout=60).rows]
             assert len(steps) == 64, steps
             if len(set(steps)) != 1:
                 mixed.append(sorted(set(steps)))
