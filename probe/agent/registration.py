@@ -93,7 +93,7 @@ class _Registrar:
                 return True
         if self.sent == (served, body):
             return True
-        from probe.client import transport
+        import probe.client.transport as transport
 
         answer = transport.request(transport.UnixAddress(self.path), "POST", "/v1/register",
                                    json.dumps(body).encode("utf-8"), {}, 2.0)
@@ -118,7 +118,7 @@ class _Registrar:
             served = self._start_helper()
         if served is None or self.candidate_at == served:
             return
-        from probe.client import transport
+        import probe.client.transport as transport
 
         body = dict(self._body(who), rank=None, source="unknown")
         self.candidate_at = served  # offered once to this helper, whatever it answers
