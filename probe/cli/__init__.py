@@ -18,6 +18,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         code = _run(args)
     except ProbeError as exc:
+        address = getattr(exc, "job_address", None)
+        if address is not None:  # nothing serves the job's address: had a job there died?
+            from probe.cli.dead_job import died_here
+
+            exc.hint = died_here(*address) or exc.hint
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
         say("probe: error: " + message, err=True)  # the message may quote a target: no escape reaches the terminal
         code = exc.exit_code

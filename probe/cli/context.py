@@ -145,13 +145,25 @@ class CliContext:
                         timeout=self.timeout if self.timeout_given else None, wait=self.wait,
                         executable=self.executable) for t in targets]
 
+    def _died_here(self) -> Optional[str]:
+        """For the one HOST:PORT target that refused: a record of a job that died there, if one was kept."""
+        from probe.client.targets import parse_target
+
+        port = self.master_port()
+        if port is None:
+            return None
+        from probe.cli.dead_job import died_here
+
+        written = (self.targets or [os.environ.get("PROBE_TARGET", "")])[0]
+        return died_here(parse_target(written).address.host, port)
+
     def record(self, exc: ProbeError, label: Optional[str] = None) -> None:
         """Report one target's error and remember the exit code; the other targets still run."""
         prefix = "probe: %s: " % label if label else "probe: "
         if isinstance(exc, ConnectionRefused) and not exc.hint and not label and len(self.targets) == 1:
             from probe.client.refused import where_to_ask
 
-            exc.hint = where_to_ask(self.targets[0], self.token, self.token_file)
+            exc.hint = self._died_here() or where_to_ask(self.targets[0], self.token, self.token_file)
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
         say(prefix + "error: " + message, err=True)
         self.failures += 1

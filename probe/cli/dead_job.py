@@ -14,7 +14,7 @@ from typing import Any, Callable, List, Optional
 from probe.cli.output import emit, say
 from probe.cli.render import visible
 
-__all__ = ["snapshot_roots", "diagnose_dead_job", "DEAD_EXIT"]
+__all__ = ["snapshot_roots", "diagnose_dead_job", "died_here", "DEAD_EXIT"]
 
 DEAD_EXIT = 12
 
@@ -77,3 +77,22 @@ def diagnose_dead_job(cli: Any, error: Any, as_json: bool, explicit_dir: Optiona
         say("\n".join(render(report)))
     cli.exit_code = DEAD_EXIT
     return True
+
+
+def died_here(host: str, port: int, explicit_dir: Optional[str] = None) -> Optional[str]:
+    """Where a job that served at ``host:port`` died within the hour and its node's watch recorded it: a
+    hint that says so and how to read the record (instead of "start the job with PROBE_PORT", which it was);
+    None where there is no such record."""
+    from probe.cli.commands.snapshots import age_text
+    from probe.snapshot.recent import find_dead_job
+
+    try:
+        found = find_dead_job(host, port, snapshot_roots(explicit_dir))
+    except (OSError, ValueError):
+        return None
+    if found is None:
+        return None
+    return ("a job served here and died (%s, written %s, %s): `probe %s diagnose` reads probe's record of it"
+            % (found.info.reason or "its node's watch recorded it",
+               time.strftime("%H:%M:%S UTC", time.gmtime(found.written)), age_text(time.time() - found.written),
+               shlex.quote("snapshot:" + found.info.path)))

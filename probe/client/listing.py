@@ -71,9 +71,12 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
         answer = transport.request(helper, "GET", "/v1/ranks", None, None, timeout, token=token)
     except ConnectError as exc:
         wrong_port()
-        raise ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
-                           hint="start the job with PROBE=1 PROBE_PORT=%d (under any launcher); or list the targets (%s)"
-                           % (port, option("-t several times, or --hosts", "connect_all([\"HOST:PORT\", ...])"))) from None
+        missing = ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
+                               hint="start the job with PROBE=1 PROBE_PORT=%d (under any launcher); or list the targets "
+                                    "(%s)" % (port, option("-t several times, or --hosts",
+                                                           "connect_all([\"HOST:PORT\", ...])")))
+        missing.job_address = (host, port)  # type: ignore[attr-defined]  # the CLI looks for a record of a death there
+        raise missing from None
     raw = _json(answer.body)
     if answer.status >= 400:
         from probe.errors import error_from_code
