@@ -2,7 +2,8 @@
 (tests/targets/snap_train.py) whose launcher is the node helper, with PROBE_ALERT_WEBHOOK naming small HTTP
 servers this test runs on 127.0.0.1: one that takes the posts, one that never answers, and a URL of a
 scheme that is refused. Rank 1 stops issuing its all_reduce: one alert names it stuck, with the snapshot
-that holds it; a second rank 1, killed by SIGKILL, is one death alert naming the signal."""
+that holds it. In a second job rank 1 keeps more memory at every step: one memory alert names it; killed
+by SIGKILL, it is one death alert naming the signal."""
 
 import json
 import os
@@ -136,12 +137,23 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
     assert len(store.list_snapshots(snaps)) == 1
 
 
-def test_a_rank_killed_is_one_death_alert_naming_the_rank_and_signal(tmp_path, receiver):
+def test_a_rank_whose_memory_rises_then_is_killed_is_one_memory_alert_then_one_death_alert(tmp_path, receiver):
     run, snaps, control = _dirs(tmp_path, "kill")
+    # RSS read at each look of the watch (once a second); 6 readings in a row, rising by 150 MiB at least
     launcher, output = _torchrun(tmp_path, "kill", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600",
-                                 SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK="http://127.0.0.1:%d/hook" % receiver.port)
+                                 SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK="http://127.0.0.1:%d/hook" % receiver.port,
+                                 PROBE_ALERT_RSS_EVERY_S="0.5", PROBE_ALERT_RSS_SAMPLES="6",
+                                 PROBE_ALERT_RSS_MIN_MB="150", PROBE_ALERT_RSS_RISE="0.05")
     try:
         ranks = _stepping_and_watched(run, output)
+        with open(control, "w") as handle:
+            handle.write("grow 1\n")
+        memory = _until(lambda: receiver.of("/hook", "memory"), 60, "the memory alert")
+        with open(control, "w") as handle:
+            handle.write("")
+        assert memory[0]["culprits"] == [1] and memory[0]["pid"] == ranks[1], memory[0]["summary"]
+        assert memory[0]["rss_bytes"] - memory[0]["rss_from_bytes"] >= 150 << 20, memory
+        assert memory[0]["summary"].startswith("rank 1's RSS rose"), memory
         os.kill(ranks[1], signal.SIGKILL)
         code = launcher.wait(scaled(60))  # torchrun ends the job; its exit waits for the alert queued
     finally:
@@ -149,7 +161,7 @@ def test_a_rank_killed_is_one_death_alert_naming_the_rank_and_signal(tmp_path, r
     assert code != 0
     snap = _until(lambda: [s for s in _recorded(snaps) if s.complete], 10, "the death recorded")[0]
     alerts = _until(lambda: receiver.of("/hook", "death"), 10, "the death's alert")
-    assert len(receiver.posts) == 1, receiver.posts
+    assert [body["rule"] for _, body in receiver.posts] == ["memory", "death"], receiver.posts
     alert = alerts[0]
     assert alert["culprits"] == [1] and alert["reason"].startswith("rank 1 died: killed by SIGKILL"), alert
     assert alert["snapshot_id"] == snap.id, (alert, snap)

@@ -1,5 +1,5 @@
 """Alerts from the node helper's watch to webhooks (issue 36 item 2): a stall recorded, with its verdict; a
-rank's death, with its signal; a NaN or Inf the stall's verdict found.
+rank's death, with its signal; a NaN or Inf the stall's verdict found; a rank's RSS that keeps rising.
 
 Why here: the watch already knows when progress stopped and when a rank died, and the record it writes
 already holds what ``diagnose`` reads. Nobody gets that verdict unless someone types the command; a
@@ -20,6 +20,7 @@ host alone. Each rule fires once for one event (its key: the record, the process
 """
 
 import atexit
+import collections
 import json
 import os
 import queue
@@ -42,6 +43,10 @@ QUEUE_MAX = 64  # alerts waiting to be sent; more are dropped (and said)
 KEYS_KEPT = 1024  # event keys remembered, so that none fires twice
 EXIT_WAIT_S = 5.0  # how long the helper's exit waits for the alerts still queued
 VERDICT_LINES = 3
+RSS_EVERY_S = 60.0  # how often each rank's RSS is read from /proc (PROBE_ALERT_RSS_EVERY_S)
+RSS_SAMPLES = 10  # readings in a row that each rose or held (PROBE_ALERT_RSS_SAMPLES)
+RSS_RISE = 0.2  # and rose by this fraction of the first (PROBE_ALERT_RSS_RISE)
+RSS_MIN_MB = 256.0  # and by at least this much (PROBE_ALERT_RSS_MIN_MB)
 
 
 class Hook:
@@ -114,6 +119,9 @@ class Alerts:
         self._queue: "queue.Queue[Any]" = queue.Queue(QUEUE_MAX)
         self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
+        self._rss: Dict[int, "collections.deque[Tuple[float, int]]"] = {}  # pid -> its last readings (when, bytes)
+        self._rss_next = 0.0
+        self._rss_alerts = 0
         if self.hooks:
             atexit.register(self.drain, EXIT_WAIT_S)  # before the watch's own exit hook: runs after it
 
@@ -146,6 +154,40 @@ class Alerts:
             self.fire("death", directory, lambda: _death_fields(where, list(died)))
         else:
             self.fire("stall", directory, lambda: _stall_fields(self, where, directory, reason))
+
+    def look(self, watch: Any, live: Sequence[Any]) -> None:
+        """Each look of the watch: every ``RSS_EVERY_S``, each live rank's RSS (one read of /proc/PID/statm,
+        no word to the rank); a rank whose RSS rose or held at ``RSS_SAMPLES`` readings in a row, by
+        ``RSS_RISE`` of the first and ``RSS_MIN_MB`` at least, is an alert (then a new window begins). From a
+        rank's first step on: before it, a start-up's imports and loading rise as steadily."""
+        now = time.monotonic()
+        if not self.hooks or now < self._rss_next:
+            return
+        every = _number("PROBE_ALERT_RSS_EVERY_S", RSS_EVERY_S) or RSS_EVERY_S
+        self._rss_next = now + every
+        count = max(2, int(_number("PROBE_ALERT_RSS_SAMPLES", RSS_SAMPLES)))
+        for pid in [p for p in self._rss if p not in {r.pid for r in live}]:
+            del self._rss[pid]
+        for rank in live:
+            rss = _rss_bytes(rank.pid) if rank.steps else None  # a start-up's imports and loading rise too
+            if rss is None:
+                continue
+            kept = self._rss.setdefault(rank.pid, collections.deque(maxlen=count))
+            if kept and rss < kept[-1][1]:
+                kept.clear()  # it fell: no steady rise
+            kept.append((now, rss))
+            since, first = kept[0]
+            rise = rss - first
+            if len(kept) < count or rise < max(_number("PROBE_ALERT_RSS_MIN_MB", RSS_MIN_MB) * 2 ** 20,
+                                               _number("PROBE_ALERT_RSS_RISE", RSS_RISE) * first):
+                continue
+            kept.clear()
+            self._rss_alerts += 1
+            text = ("rank %d's RSS rose or held at %d readings in a row, from %.0f MiB to %.0f MiB (+%.0f %%) in %.0f s"
+                    % (rank.rank, count, first / 2 ** 20, rss / 2 ** 20, 100.0 * rise / max(first, 1), now - since))
+            fields = dict(_where(watch, None), rule="memory", summary=text, culprits=[rank.rank], pid=rank.pid,
+                          rss_bytes=rss, rss_from_bytes=first)
+            self.fire("memory", "rss %d %d" % (rank.pid, self._rss_alerts), lambda made=fields: made)
 
     def died(self, watch: Any, member: Any, how: Optional[str]) -> None:
         """A rank of a recorded stall died since (the watchdog, the launcher's SIGTERM)."""
@@ -303,6 +345,15 @@ def _stall_fields(alerts: Alerts, where: Dict[str, Any], directory: str, reason:
     who = " (culprit: rank %s)" % ",".join(map(str, out["culprits"])) if out.get("culprits") else ""
     out["summary"] = "stall recorded in %s%s: %s" % (where["snapshot_id"], who, reason)
     return out
+
+
+def _rss_bytes(pid: int) -> Optional[int]:
+    """A process's resident memory, from /proc/PID/statm (its second field, in pages)."""
+    try:
+        with open("/proc/%d/statm" % pid, "rb") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _place(where: Any) -> str:

@@ -247,6 +247,7 @@ class Watch:
             del self.ranks[pid]
         for pid in [p for p in self.held if p not in known]:
             del self.held[pid]
+        self.alerts.look(self, live)  # the cheap rules (RSS from /proc): probe.host.alerts
         if not live:
             self.baseline = None
             return None
