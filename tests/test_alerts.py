@@ -2,7 +2,7 @@
 (tests/targets/snap_train.py) whose launcher is the node helper, with PROBE_ALERT_WEBHOOK naming small HTTP
 servers this test runs on 127.0.0.1: one that takes the posts, one that never answers, and a URL of a
 scheme that is refused. Rank 1 stops issuing its all_reduce: one alert names it stuck, with the snapshot
-that holds it. In a second job rank 1 keeps more memory at every step: one memory alert names it; killed
+that holds it; killed then, one alert says its death. In a second job rank 1 keeps more memory at every step: one memory alert names it; killed
 by SIGKILL, it is one death alert naming the signal."""
 
 import json
@@ -95,7 +95,7 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
                                  PROBE_HANG_MIN="600", SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK=hooks,
                                  PROBE_ALERT_TIMEOUT_S="2")
     try:
-        _stepping_and_watched(run, output)
+        ranks = _stepping_and_watched(run, output)
         assert not receiver.posts, receiver.posts
         with open(control, "w") as handle:
             handle.write("skip 1\n")
@@ -113,8 +113,14 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
                 receiver.posts
             time.sleep(0.5)
         assert launcher.poll() is None, _stderr(tmp_path, "stall")
+        # rank 1, stalled, is killed: one death alert; rank 0, which its launcher ends then, is no news
+        os.kill(ranks[1], signal.SIGKILL)
+        launcher.wait(scaled(60))
+        death = _until(lambda: receiver.of("/json/", "death"), 10, "the death's alert")
     finally:
         stop_launcher(launcher)
+    assert len(death) == 1 and death[0]["ranks"] == [1] and death[0]["pid"] == ranks[1], death
+    assert "SIGKILL" in death[0]["summary"] and death[0]["snapshot_id"] == snap.id, death
 
     alert = generic[0]
     assert alert["source"] == "probe" and alert["culprits"] == [1], alert
@@ -126,7 +132,8 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
     assert alert["reason"].startswith("stall: no step for") and "rank 1" in alert["summary"], alert
     text = slack[0]["text"]
     assert set(slack[0]) == {"text"}, slack[0]
-    assert "rank 1 did not" in text and "culprit: rank 1 in Condition.wait" in text and "called from load_next_batch" in text, text
+    assert "rank 1 did not" in text and "culprit: rank 1 in Condition.wait" in text, text
+    assert "called from load_next_batch" in text, text
     assert "`probe snapshot:%s diagnose`" % snap.path in text and snap.id in text, text
 
     log = _log(run)

@@ -334,7 +334,8 @@ def _stall_fields(alerts: Alerts, where: Dict[str, Any], directory: str, reason:
         report = Snapshot(directory).judge(command)
         verdicts = [v for v in report.verdicts if v.kind != "healthy"] or report.verdicts
         first = verdicts[0]
-        out.update(status=report.status, verdict=first.kind, verdict_lines=[v.summary for v in verdicts[:VERDICT_LINES]],
+        out.update(status=report.status, verdict=first.kind,
+                   verdict_lines=[v.summary for v in verdicts[:VERDICT_LINES]],
                    culprits=first.culprits, victims=first.victims, where=first.where, where_text=_place(first.where))
         numeric = [v for v in report.verdicts if v.kind == "numerical"]
         if numeric:  # found in the record: its own alert too
