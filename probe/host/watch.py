@@ -46,7 +46,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from probe import _paths
 from probe._stderr import say as _say
-from probe.host import deaths, exits
+from probe.host import alerts, deaths, exits
 
 __all__ = ["Watch", "start", "hang_after_rule", "POLL_S", "HANG_MIN_S", "HANG_CAP_S", "STEP_FACTOR"]
 
@@ -164,6 +164,7 @@ class Watch:
         self.records = 0
         self._complained: Dict[str, bool] = {}
         self._lock = threading.Lock()  # one look at a time (the thread's, and the exit hook's)
+        self.alerts = alerts.Alerts.from_env(self._log)  # PROBE_ALERT_WEBHOOK: probe.host.alerts
 
     # -- the thread -------------------------------------------------------------------------------
 
@@ -246,6 +247,7 @@ class Watch:
             del self.ranks[pid]
         for pid in [p for p in self.held if p not in known]:
             del self.held[pid]
+        self.alerts.look(self, live)  # the cheap rules (RSS from /proc): probe.host.alerts
         if not live:
             self.baseline = None
             return None
@@ -444,6 +446,7 @@ class Watch:
         self.rewording = (directory, died, reason, time.monotonic()) if died else None
         self._log("probe: %s recorded in %s: %d rank(s) in %.1f s%s"
                   % (what, directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
+        self.alerts.recorded(self, directory, reason, members, died)
         return directory
 
     def _copy_deaths(self, members: List[Any]) -> None:
@@ -474,6 +477,7 @@ class Watch:
                 record.write_rank(recorded.directory, rec)
                 self._log("probe: rank %d (process %d) died after the stall was recorded; its crash record is "
                           "copied into %s" % (member.rank, member.pid, path))
+                self.alerts.died(self, member, rec["died_how"])
             except Exception as exc:  # noqa: BLE001
                 self._log("probe: cannot copy rank %d's crash record into %s: %s"
                           % (member.rank, path, getattr(exc, "message", exc)))

@@ -10,7 +10,8 @@ step a rank reads ``SNAP_CONTROL`` (a file; absent: no order), one order a line:
 - ``eval``: every rank makes no optimizer step, but goes on calling all_reduce (as an evaluation with
   collectives does) while the order stands;
 - ``exit``: every rank leaves the loop and exits normally;
-- ``abort R``: rank R calls ``os.abort()`` (SIGABRT, as torch's watchdog aborts a rank).
+- ``abort R``: rank R calls ``os.abort()`` (SIGABRT, as torch's watchdog aborts a rank);
+- ``grow R``: rank R keeps 2 MiB more at each step while the order stands (1 GiB at most), as a leak does.
 """
 
 import os
@@ -57,6 +58,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(8, 16)
     step = 0
+    leak = []
     while True:
         said = orders() if CONTROL else []
         if ["exit"] in said:
@@ -65,6 +67,8 @@ def main() -> None:
             load_next_batch(rank)
         if ["abort", str(rank)] in said:
             os.abort()
+        if ["grow", str(rank)] in said and len(leak) < 512:
+            leak.append(bytearray(b"\1") * (2 << 20))
         if ["eval"] in said:
             time.sleep(STEP_SLEEP)
             if DISTRIBUTED:
