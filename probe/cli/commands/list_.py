@@ -50,7 +50,31 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
                     "command": " ".join(getattr(proc, "cmdline", []) or [])[:100],
                     "reach": "probe %d inject" % pid if job is None else job})
     _name_loader_workers(out)
+    for record in out:
+        held = _gil_kept(record["pid"]) if "state" not in record else None
+        if held:
+            record["state"] = held
     return out
+
+
+def _gil_kept(pid: int) -> Optional[str]:
+    """The state of a process none of whose Python code can run: a thread keeps the GIL in a C call (read
+    from outside without stopping it, and confirmed a moment later, as inject's advice does); None else.
+    An agent cannot start there either: inject's start is queued until the call returns."""
+    try:
+        from probe.injector.advice import gil_kept_in_c
+        from probe.reader import live
+
+        first = live.read_live(pid, stop=False)
+        holder = first.gil_holder()
+        if holder is None:  # no thread holds the GIL now: the common case, one read
+            return None
+        kept = gil_kept_in_c(pid, first)
+    except Exception:  # noqa: BLE001 -- a process that cannot be read (another user's, gone) is listed as before
+        return None
+    if kept is None:
+        return None
+    return "GIL kept in a C call by thread %s, from %s" % (kept.label().strip(), kept.where())
 
 
 def _name_loader_workers(records: List[Dict[str, Any]]) -> None:
