@@ -10,6 +10,8 @@ Evidence, per rank and per look (:func:`gather`; reads only, bounded):
   each bounded by the table's own budget; at the next look ``torch.memory`` once more, to see whether the
   live tensors grew with RSS (a program's RSS also rises for seconds and falls back as the allocator keeps
   and returns freed memory: over a few seconds that looks like a leak, tensors that grow do not);
+* while RSS goes on rising (``--watch``), the largest holders again every ``HOLDERS_AGAIN_S``: where the
+  largest grew since the first reading, the growth is said to be there;
 * for a dead process of this host: the kernel log's line of the OOM killer naming its pid (where
   ``dmesg`` is readable), and its cgroup's ``memory.events`` ``oom_kill`` counter.
 """
@@ -30,7 +32,8 @@ MIN_SPAN_S = 2.0  # ... spanning this long, each above the one before
 LONG_SPAN_S = 10.0  # RSS alone is growth only over this long; shorter, the live tensors must grow with it:
 TENSOR_SHARE = 0.25  # ... by this share of RSS's rise between the two readings of the tensors ...
 TENSOR_FLOOR = 4 * MB  # ... and at least this much
-HOLDER_FLOOR = 1 * MB  # or the largest holder of torch.tensors grew by this much, and by more tensors, between two looks
+HOLDERS_AGAIN_S = 5.0  # while RSS rises, the largest holders are read again at most this often (a garbage collector
+HOLDER_FLOOR = 1 * MB  # scan); the largest grew by this much, and by more tensors, since the first reading: it is there
 RSS_SQL = "SELECT rss FROM process.info"
 PYTHON_SQL = "SELECT python_traced_bytes FROM process.info"
 SPLIT_SQL = "SELECT device, allocated_bytes, reserved_bytes, rss_bytes, tensors, complete FROM torch.memory"
@@ -85,6 +88,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                     split[name] = query(client, sql)
                 except ProbeError as exc:
                     split[name + "_why"] = exc.message
+            split["holders_at"] = time.monotonic()
             _SPLIT[key] = split
             _tensors_reading(key, split.get("split"), rss)
         elif key in _SPLIT and len(_TENSORS.get(key, ())) == 1 and torch:  # the look after: did the tensors grow?
@@ -92,16 +96,29 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                 rows = query(client, SPLIT_SQL)
                 _SPLIT[key]["split"] = rows
                 _tensors_reading(key, rows, rss)
-                if _SPLIT[key].get("holders"):  # and what holds them: the largest holder, grown or not
-                    _SPLIT[key]["holders_before"] = _SPLIT[key]["holders"]
-                    _SPLIT[key]["holders"] = query(client, HOLDERS_SQL)
             except ProbeError:
                 pass
+        elif (key in _SPLIT and _SPLIT[key].get("holders") and torch and rss > history[-2][1]
+              and time.monotonic() - _SPLIT[key]["holders_at"] >= HOLDERS_AGAIN_S):
+            _holders_again(client, _SPLIT[key], query)
     out["readings"] = list(history)
     out.update(_SPLIT.get(key, {}))
     if key in _TENSORS:
         out["tensors"] = list(_TENSORS[key])
     ev.memory = out
+
+
+def _holders_again(client: Any, split: Dict[str, Any], query: Callable[[Any, str], List[Dict[str, Any]]]) -> None:
+    """The largest holders read again while RSS goes on rising (at most every ``HOLDERS_AGAIN_S``), beside
+    the first reading: whether the largest holder grew over that time (:func:`_holder_growth`)."""
+    from probe.errors import ProbeError
+
+    try:
+        rows = query(client, HOLDERS_SQL)
+    except ProbeError:
+        return
+    split.setdefault("holders_before", split["holders"])
+    split["holders"], split["holders_at"] = rows, time.monotonic()
 
 
 def forget(key: Tuple[str, Optional[int], int]) -> None:
