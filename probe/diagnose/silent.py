@@ -127,8 +127,11 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
 
 
 def _death(why: str) -> str:
-    """What follows the rank's name in the summary of its death: the error's own words where they name the
-    process themselves ("process N is dead: ...", "process N has exited, and its parent ..."), which the
-    summary, naming the rank, would otherwise say twice; else "is dead: WHY"."""
+    """What follows the rank's name in the summary of its death: "is dead: CAUSE" (or "died while
+    answering: CAUSE"), the error's words without the "process N is dead:" they may begin with, which the
+    summary, naming the rank, would otherwise say twice ("process N has exited, ..." -> "it has exited, ...")."""
+    found = re.match(r"(?:process|rank) \d+ (is dead|died while answering)(?:: |$)(.*)", why, re.S)
+    if found:
+        return "%s: %s" % (found.group(1), found.group(2)) if found.group(2) else found.group(1)
     found = re.match(r"(?:process|rank) \d+ (\S.*)", why, re.S)
-    return found.group(1) if found else "is dead: %s" % why
+    return "is dead: %s" % ("it " + found.group(1) if found else why)
