@@ -1,6 +1,6 @@
-"""`probe list` without clutter: a process stopped on purpose (SIGTERM, Ctrl-C: a demo, a test) is listed
-for an hour after it died, not a week like a crash; and on a narrow terminal the column that says how
-to reach a process is the last to be cut."""
+"""`probe list` without clutter: a process that died before this terminal's session began, or was stopped
+on purpose (SIGTERM, Ctrl-C: a demo, a test) over an hour ago, is left out unless --all; and on a narrow
+terminal the column that says how to reach a process is the last to be cut."""
 
 import json
 import os
@@ -22,31 +22,31 @@ def _age(tmp_path, pid: int, seconds: float) -> None:
     os.utime(os.path.join(tmp_path, name), (when, when))
 
 
-def test_processes_stopped_on_purpose_leave_the_list_after_an_hour_crashes_stay(tmp_path):
+def test_the_dead_of_before_this_session_and_those_stopped_over_an_hour_ago_leave_the_list(tmp_path):
+    """Run from a session begun after three deaths (aged two hours: a SIGTERM, a Ctrl-C, a crash) and before
+    a fourth: only the fourth is listed; --all lists all four, and their stacks are still read."""
+    from test_list_layout import list_in_a_new_session
+
     tmp_path.chmod(0o700)
     terminated = _die(tmp_path, "idle.py", [], signal.SIGTERM)
     interrupted = _die(tmp_path, "idle.py", [], signal.SIGINT)  # Ctrl-C: an uncaught KeyboardInterrupt
     crashed = _die(tmp_path, "hung.py", ["segv"])
-    fresh = _die(tmp_path, "idle.py", [], signal.SIGTERM)
     for pid in (terminated, interrupted, crashed):
         _age(tmp_path, pid, 2 * 3600)
     env = dict(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path)), COLUMNS="200")
+    fresh: list = []
+    rows, table, every = list_in_a_new_session(
+        env, lambda: fresh.append(_die(tmp_path, "idle.py", [], signal.SIGTERM)),
+        ("--agents-only", "--json"), ("--agents-only",), ("--agents-only", "--all", "--json"))
+    dead = {r["pid"]: r["state"] for r in json.loads(rows.split("\n", 1)[0]) if r["agent"] == "dead"}
+    assert set(dead) == set(fresh) and "SIGTERM" in dead[fresh[0]], (dead, rows)
+    assert str(terminated) not in table and str(crashed) not in table and str(fresh[0]) in table, table
+    assert "3 dead processes (from before this session, or stopped on purpose over an hour ago) are not shown: " \
+           "probe list --all" in table, table
 
-    rows = json.loads(run_cli("list", "--agents-only", "--json", env=env).out)
-    dead = {r["pid"]: r["state"] for r in rows if r["agent"] == "dead"}
-    assert set(dead) == {crashed, fresh}, dead
-    assert "SIGSEGV" in dead[crashed] and "SIGTERM" in dead[fresh]
-
-    table = run_cli("list", "--agents-only", env=env)
-    assert table.code == 0, table.err
-    assert str(terminated) not in table.out and str(crashed) in table.out
-    assert "2 processes stopped on purpose (SIGTERM, Ctrl-C) over an hour ago are not shown: probe list --all" \
-        in table.out + table.err, (table.out, table.err)
-
-    every = json.loads(run_cli("list", "--agents-only", "--all", "--json", env=env).out)
-    causes = {r["pid"]: r["state"] for r in every if r["agent"] == "dead"}
-    assert set(causes) == {terminated, interrupted, crashed, fresh}, causes
-    assert "KeyboardInterrupt" in causes[interrupted]
+    causes = {r["pid"]: r["state"] for r in json.loads(every) if r["agent"] == "dead"}
+    assert set(causes) == {terminated, interrupted, crashed, fresh[0]}, causes
+    assert "KeyboardInterrupt" in causes[interrupted] and "SIGSEGV" in causes[crashed]
     # Still on disk: its last stacks are there for `probe PID backtrace`.
     assert run_cli(str(terminated), "backtrace", env=env).code == 0
 

@@ -4,6 +4,7 @@ import time
 
 import pytest
 
+from procs import scaled
 from terminal import Terminal
 
 import probe
@@ -82,3 +83,18 @@ def test_several_targets_grouped_by_output(target_factory, terminal_factory):
 
 def test_group_outputs():
     assert group_outputs([("a", "1\n"), ("b", "2\n"), ("c", "1\n")]) == [(["a", "c"], "1\n"), (["b"], "2\n")]
+
+
+@pytest.mark.parametrize("line", ["exit()", "quit()", "raise SystemExit", "import sys; print('bye'); sys.exit(3)"])
+def test_leaving_the_repl_the_ways_a_console_leaves_never_ends_the_target(idle_target, terminal_factory, line):
+    """exit() and quit() leave the repl (run here: in the target they would close its stdin); SystemExit
+    raised in the target is caught there by the agent, and leaves the repl too. The target runs on."""
+    term = terminal_factory(str(idle_target.pid))
+    term.expect(">>> ")
+    term.send(line + "\r")
+    if "print" in line:
+        assert "SystemExit" not in term.expect("bye", timeout=scaled(30))  # what it printed is shown
+    assert term.wait_exit(timeout=scaled(30)) == 0
+    assert idle_target.popen.poll() is None
+    client = probe.connect(str(idle_target.pid))
+    assert client.eval("import sys; sys.stdin is None or not sys.stdin.closed").value == "True"

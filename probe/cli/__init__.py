@@ -23,7 +23,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             from probe.cli.dead_job import died_here
 
             exc.hint = died_here(*address) or exc.hint
-        message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+        from probe._words import for_target
+
+        message = for_target(exc.message + (" -- %s" % exc.hint if exc.hint else ""), _one_target(args))
         say("probe: error: " + message, err=True)  # the message may quote a target: no escape reaches the terminal
         code = exc.exit_code
     except KeyboardInterrupt as exc:
@@ -46,6 +48,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     if argv is None:
         _exit(code)
     return code
+
+
+def _one_target(args: List[str]) -> Optional[str]:
+    """The one target of a normalised command line (``--target X``), which hints then name; None for several."""
+    found = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-t", "--target")]
+    found += [a.split("=", 1)[1] for a in args if a.startswith("--target=")]
+    return found[0] if len(found) == 1 else None
 
 
 def _run(args: List[str]) -> int:

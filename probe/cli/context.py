@@ -164,7 +164,10 @@ class CliContext:
             from probe.client.refused import where_to_ask
 
             exc.hint = self._died_here() or where_to_ask(self.targets[0], self.token, self.token_file)
+        from probe._words import for_target
+
         message = exc.message + (" -- %s" % exc.hint if exc.hint else "")
+        message = for_target(message, label or (self.targets[0] if len(self.targets) == 1 else None))
         say(prefix + "error: " + message, err=True)
         self.failures += 1
         self.exit_code = self.exit_code or exc.exit_code

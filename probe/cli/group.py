@@ -53,7 +53,11 @@ class _Commands(click.Group):
 
 
 def _usage_shows_target(command: click.Command) -> None:
-    """Make ``probe query --help`` say ``probe TARGET query [OPTIONS] SQL`` (and so for a group's commands)."""
+    """Make ``probe query --help`` say ``probe TARGET query [OPTIONS] SQL`` (and so for a group's commands);
+    a command that takes the target as its own argument (``probe mcp [TARGET]``) says it there, once."""
+    if any(isinstance(p, click.Argument) and p.name in ("target", "targets") for p in command.params):
+        return
+
     def format_usage(ctx: click.Context, formatter: click.HelpFormatter) -> None:
         root = ctx.find_root().info_name or "probe"
         formatter.write_usage(root + " TARGET" + ctx.command_path[len(root):], " ".join(command.collect_usage_pieces(ctx)))

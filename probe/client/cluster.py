@@ -178,10 +178,9 @@ class Cluster:
             return rows
         answers = self._answered(self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout,
                                                                  query_id=query_id)), empty_if_none)
-        parts = [a.value.with_column("host", a.member.host).with_column("rank", a.member.rank) for a in answers]
-        if parts:
-            parts = [Rows((("rank", "BIGINT"),) + p.columns[1:], p.rows, p.truncated) for p in parts]
-        return Rows.concat(parts)
+        from probe.client.results import by_rank
+
+        return by_rank([(a.member.rank, a.member.host, a.value) for a in answers])
 
     def query(self, sql: str, max_rows: Optional[int] = None, timeout: Optional[float] = None,
               query_id: Optional[str] = None, empty_if_none: bool = False) -> Any:
@@ -195,9 +194,16 @@ class Cluster:
             return via_helpers.rows_to_arrow(self.query_rows(sql, max_rows, timeout, query_id, empty_if_none))
         answers = self._answered(self.map(lambda c: c.query(sql, max_rows=max_rows, timeout=timeout,
                                                             query_id=query_id)), empty_if_none)
+        from probe.client.results import own_columns
+
         tables = []
+        own = own_columns([(a.member.rank, a.member.host, a.value) for a in answers])
         for answer in answers:
             table = answer.value.replace_schema_metadata(None)
+            for key, keep in own.items():  # the table's own rank/host: once (see results.by_rank)
+                at = table.column_names.index(key)
+                table = table.rename_columns([("table_" + n if i == at else n) for i, n in enumerate(
+                    table.column_names)]) if keep else table.remove_column(at)
             n = table.num_rows
             table = table.add_column(0, "host", pa.array([answer.member.host] * n, pa.string()))
             tables.append(table.add_column(0, "rank", pa.array([answer.member.rank] * n, pa.int64())))

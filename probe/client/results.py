@@ -6,7 +6,7 @@ dataclass costs about eight times as much as a NamedTuple.
 
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
-__all__ = ["Rows", "EvalResult", "Frame", "ColumnInfo", "TableInfo", "StackKey", "thread_stacks"]
+__all__ = ["Rows", "by_rank", "EvalResult", "Frame", "ColumnInfo", "TableInfo", "StackKey", "thread_stacks"]
 
 
 class Rows(NamedTuple):
@@ -38,6 +38,42 @@ class Rows(NamedTuple):
         for part in parts:
             rows.extend(part.rows)
         return Rows(parts[0].columns, rows, any(p.truncated for p in parts), parts[0].row_cap)
+
+
+def by_rank(parts: Sequence[Tuple[int, str, Rows]]) -> Rows:
+    """Each rank's rows with ``rank`` and ``host`` first, as one result. A table that has a column of that
+    name itself (torch.distributed's ``rank``) keeps it once: where it says what the added one says on
+    every row, the table's own goes; where it differs, it stays as ``table_rank`` (``table_host``)."""
+    if not parts:
+        return Rows((), [])
+    names = parts[0][2].column_names
+    drop, rename = set(), {}
+    for position, key in ((0, "rank"), (1, "host")):
+        if key not in names:
+            continue
+        at = names.index(key)
+        if all(str(row[at]) == str(part[position]) for part in parts for row in part[2].rows):
+            drop.add(at)
+        else:
+            rename[at] = "table_" + key
+    columns = (("rank", "BIGINT"), ("host", "string")) + tuple(
+        (rename.get(i, name), kind) for i, (name, kind) in enumerate(parts[0][2].columns) if i not in drop)
+    rows: List[List[Any]] = []
+    for rank, host, part in parts:
+        rows.extend([rank, host] + [v for i, v in enumerate(row) if i not in drop] for row in part.rows)
+    return Rows(columns, rows, any(p.truncated for _, _, p in parts), parts[0][2].row_cap)
+
+
+def own_columns(parts: List[Tuple[int, str, Any]]) -> Dict[str, bool]:
+    """The arrow tables' own ``rank``/``host`` columns: name -> whether to keep it (as ``table_NAME``, where
+    it differs from the rank's) or drop it (it says what the added column says)."""
+    out: Dict[str, bool] = {}
+    if not parts:
+        return out
+    for position, key in ((0, "rank"), (1, "host")):
+        if key in parts[0][2].column_names:
+            out[key] = any(str(v) != str(part[position]) for part in parts for v in part[2].column(key).to_pylist())
+    return out
 
 
 class EvalResult(NamedTuple):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 
 import probe.client.transport as transport
 from probe.client.fanout import fan_out
-from probe.client.results import Rows
+from probe.client.results import Rows, by_rank
 from probe.errors import ProbeError, Timeout, UsageError, error_from_code
 
 if TYPE_CHECKING:  # the cluster calls this module: only its name here, for the signatures
@@ -340,10 +340,9 @@ def query_rows(cluster: Cluster, sql: str, max_rows: Optional[int], timeout: Opt
             if member.rank not in mine and member.rank not in failed:
                 failures.append(RankFailure(member.rank, member.host, "internal", "its node helper at %s said nothing "
                                             "of it" % helper, 1))
+        tagged = by_rank([(r, asked[r].host, mine[r]) for r in sorted(mine)])  # the table's own rank once
         for rank, rows in mine.items():
-            host = asked[rank].host
-            parts[rank] = Rows((("rank", "BIGINT"), ("host", "string")) + rows.columns,
-                               [[rank, host] + list(r) for r in rows.rows], rows.truncated)
+            parts[rank] = Rows(tagged.columns, [row for row in tagged.rows if row[0] == rank], rows.truncated)
     if direct:
         sub = _sub(cluster, direct)
         got = sub.query_rows(sql, max_rows=max_rows, timeout=timeout, query_id=query_id, empty_if_none=True)

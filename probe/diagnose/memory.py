@@ -10,6 +10,8 @@ Evidence, per rank and per look (:func:`gather`; reads only, bounded):
   each bounded by the table's own budget; at the next look ``torch.memory`` once more, to see whether the
   live tensors grew with RSS (a program's RSS also rises for seconds and falls back as the allocator keeps
   and returns freed memory: over a few seconds that looks like a leak, tensors that grow do not);
+* while RSS goes on rising (``--watch``), the largest holders again every ``HOLDERS_AGAIN_S``: where the
+  largest grew since the first reading, the growth is said to be there;
 * for a dead process of this host: the kernel log's line of the OOM killer naming its pid (where
   ``dmesg`` is readable), and its cgroup's ``memory.events`` ``oom_kill`` counter.
 """
@@ -30,6 +32,8 @@ MIN_SPAN_S = 2.0  # ... spanning this long, each above the one before
 LONG_SPAN_S = 10.0  # RSS alone is growth only over this long; shorter, the live tensors must grow with it:
 TENSOR_SHARE = 0.25  # ... by this share of RSS's rise between the two readings of the tensors ...
 TENSOR_FLOOR = 4 * MB  # ... and at least this much
+HOLDERS_AGAIN_S = 5.0  # while RSS rises, the largest holders are read again at most this often (a garbage collector
+HOLDER_FLOOR = 1 * MB  # scan); the largest grew by this much, and by more tensors, since the first reading: it is there
 RSS_SQL = "SELECT rss FROM process.info"
 PYTHON_SQL = "SELECT python_traced_bytes FROM process.info"
 SPLIT_SQL = "SELECT device, allocated_bytes, reserved_bytes, rss_bytes, tensors, complete FROM torch.memory"
@@ -84,6 +88,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                     split[name] = query(client, sql)
                 except ProbeError as exc:
                     split[name + "_why"] = exc.message
+            split["holders_at"] = time.monotonic()
             _SPLIT[key] = split
             _tensors_reading(key, split.get("split"), rss)
         elif key in _SPLIT and len(_TENSORS.get(key, ())) == 1 and torch:  # the look after: did the tensors grow?
@@ -93,11 +98,27 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
                 _tensors_reading(key, rows, rss)
             except ProbeError:
                 pass
+        elif (key in _SPLIT and _SPLIT[key].get("holders") and torch and rss > history[-2][1]
+              and time.monotonic() - _SPLIT[key]["holders_at"] >= HOLDERS_AGAIN_S):
+            _holders_again(client, _SPLIT[key], query)
     out["readings"] = list(history)
     out.update(_SPLIT.get(key, {}))
     if key in _TENSORS:
         out["tensors"] = list(_TENSORS[key])
     ev.memory = out
+
+
+def _holders_again(client: Any, split: Dict[str, Any], query: Callable[[Any, str], List[Dict[str, Any]]]) -> None:
+    """The largest holders read again while RSS goes on rising (at most every ``HOLDERS_AGAIN_S``), beside
+    the first reading: whether the largest holder grew over that time (:func:`_holder_growth`)."""
+    from probe.errors import ProbeError
+
+    try:
+        rows = query(client, HOLDERS_SQL)
+    except ProbeError:
+        return
+    split.setdefault("holders_before", split["holders"])
+    split["holders"], split["holders_at"] = rows, time.monotonic()
 
 
 def forget(key: Tuple[str, Optional[int], int]) -> None:
@@ -194,9 +215,32 @@ def _assess(ev: Any) -> Tuple[Optional[Dict[str, float]], str]:
     if len(tensors) >= 2:
         (t1, b1, r1), (t2, b2, r2) = tensors[0], tensors[-1]
         growth.update(tensors=b2 - b1, tensors_rss=r2 - r1, tensors_span=t2 - t1)
-        if b2 - b1 >= max(TENSOR_FLOOR, TENSOR_SHARE * (r2 - r1)):
+        # RSS's rise between the two readings, or its steady pace over as long, whichever is less: a rise
+        # between two looks may hold a one-time jump (the agent's first query loads DuckDB: tens of MB)
+        paced = min(r2 - r1, max(0.0, growth["slope"]) * (t2 - t1))
+        if b2 - b1 >= max(TENSOR_FLOOR, TENSOR_SHARE * paced):
             return growth, "tensors"
+    if _holder_growth(ev) is not None:
+        return growth, "tensors"
     return growth, "long" if growth["span"] >= LONG_SPAN_S else "short"
+
+
+def _holder_key(h: Dict[str, Any]) -> Tuple[Any, ...]:
+    return (h.get("kind"), h.get("owner"), str(h.get("shape")), h.get("device"), h.get("requires_grad"))
+
+
+def _holder_growth(ev: Any) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+    """The largest holder of the last reading of ``torch.tensors`` and its row at the reading before, where
+    it grew between them by ``TENSOR_FLOOR`` or more: then the growth is there, whatever RSS did."""
+    memory = getattr(ev, "memory", None) or {}
+    now, before = memory.get("holders") or [], memory.get("holders_before") or []
+    if not now or not before:
+        return None
+    top = max(now, key=lambda h: h.get("bytes") or 0)
+    old = next((h for h in before if _holder_key(h) == _holder_key(top)), {"n": 0, "bytes": 0})
+    if (top.get("bytes") or 0) - (old.get("bytes") or 0) < HOLDER_FLOOR or (top.get("n") or 0) <= (old.get("n") or 0):
+        return None
+    return top, old
 
 
 def _mb(value: Any) -> str:
@@ -221,6 +265,7 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
         evidence = [Evidence("RSS at each look: %s" % ", ".join(_mb(v) for _, v in readings[-8:]),
                              command([r], "query \"SELECT rss FROM process.info\""), [r],
                              [{"seconds": round(t - readings[0][0], 2), "rss": v} for t, v in readings])]
+        grown = _holder_growth(ev)
         if "tensors" in growth:
             summary += ("; torch CPU tensors grew with it (%+.0f MB in %.1f s)" % (
                 growth["tensors"] / MB, growth["tensors_span"]) if kind == "tensors" else "; not in torch CPU tensors")
@@ -262,7 +307,16 @@ def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who:
             top = sorted(holders, key=lambda h: -(h.get("bytes") or 0))[:3]
             text = "; ".join("%s %s %s x%s %s" % (h.get("kind"), h.get("owner") or "", h.get("shape"), h.get("n"),
                                                    _mb(h.get("bytes"))) for h in top)
-            if graphs:
+            if grown is not None:
+                h, before = grown
+                summary += "; it grows in its largest holder: %s, %s -> %s tensors, %s -> %s" % (
+                    " ".join(str(w) for w in (h.get("kind"), h.get("owner"), h.get("shape")) if w), before.get("n"),
+                    h.get("n"),
+                    _mb(before.get("bytes")), _mb(h.get("bytes")))
+                if h.get("requires_grad") and h.get("kind") == "tensor":
+                    summary += " (with requires_grad, not parameters: each keeps its autograd graph and the " \
+                               "activations it saved)"
+            elif graphs:
                 g = max(graphs, key=lambda h: h.get("n") or 0)
                 summary += "; largest holder: %d tensors %s with requires_grad (not parameters), each keeping its " \
                            "autograd graph and the activations it saved" % (g.get("n"), g.get("shape"))

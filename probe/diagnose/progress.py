@@ -18,6 +18,7 @@ longest is for the trace to say, and the verdicts say so rather than guess.
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from probe._words import span
 from probe.diagnose.evidence import RankEvidence, Sample
 from probe.errors import ProbeError, TorchNotLoaded
 
@@ -123,7 +124,7 @@ def steps_text(last: Sample, ranks: Sequence[int], who: Who) -> str:
 
 
 def _span(low: float, high: float) -> str:
-    return "%.1f s" % low if abs(high - low) < 0.05 else "%.1f-%.1f s" % (low, high)
+    return span(low, high, "%.1f", "s")
 
 
 def _rows(last: Sample, ranks: Sequence[int]) -> List[Dict[str, Any]]:
@@ -268,7 +269,7 @@ def spread_evidence(last: Sample, ranks: Sequence[int], who: Who, command: Comma
 
 
 def _span3(low: float, high: float) -> str:
-    return "%.3f s" % low if high - low < 0.0005 else "%.3f-%.3f s" % (low, high)
+    return span(low, high, "%.3f", "s")
 
 
 def healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]], window: float,
@@ -285,7 +286,7 @@ def healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, An
     made = {r: progress[r]["optimizer_steps"] for r in counted}
     rate = min(made.values()) / window if window > 0 else 0.0
     low, high = min(made.values()), max(made.values())
-    steps = "%d" % low if low == high else "%d-%d" % (low, high)
+    steps = span(low, high)
     evidence = [Evidence("step counter: %s optimizer step%s in %.1f s on %s (about %.1f steps/s); %s" % (
         steps, "" if steps == "1" else "s", window, who(counted), rate, steps_text(last, counted, who)),
         _command(command), counted, _rows(last, counted))]
@@ -336,9 +337,7 @@ def _made_text(low: int, high: int) -> str:
     """How many steps the ranks made between the looks: "no step", "3 steps", "2-5 steps"."""
     if high == 0:
         return "no step"
-    if low == high:
-        return "%d step%s" % (low, "" if low == 1 else "s")
-    return "%d-%d steps" % (low, high)
+    return span(low, high, unit="step" if high == 1 else "steps")
 
 
 def unavailable(last: Sample, answering: List[int], who: Who) -> List[str]:

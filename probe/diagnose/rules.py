@@ -23,6 +23,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from probe._words import span
 from probe.diagnose.evidence import RankEvidence, Sample
 from probe.diagnose import silent as cannot
 from probe.diagnose.lockwaits import lock_verdict, lock_wait_of, lock_waits
@@ -532,14 +533,14 @@ def _healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, A
         steps = [progress[r]["steps"] for r in traced]
         rate = min(steps) / window if window > 0 else 0.0
         step_s = [float(last.ranks[r].trace.get("step_s") or 0) for r in traced]  # type: ignore[union-attr]
-        evidence.append(Evidence("trace: %d-%d steps in %.1f s on %s (about %.1f steps/s; %.3f s a step)" % (
-            min(steps), max(steps), window, who(traced), rate, max(step_s)),
+        evidence.append(Evidence("trace: %s in %.1f s on %s (about %.1f steps/s; %.3f s a step)" % (
+            span(min(steps), max(steps), unit="step" if max(steps) == 1 else "steps"), window, who(traced), rate, max(step_s)),
             command(None, "query \"SELECT max(step) AS step FROM python.torch_trace\""), traced))
     fr = [r for r in answering if "collectives" in progress[r]]
     if fr:
         counts = [progress[r]["collectives"] for r in fr]
-        evidence.append(Evidence("Flight Recorder: %d-%d collectives completed in %.1f s on %s" % (
-            min(counts), max(counts), window, who(fr)), command(None, "query \"SELECT pg, max(collective_seq_id) "
+        evidence.append(Evidence("Flight Recorder: %s completed in %.1f s on %s" % (
+            span(min(counts), max(counts), unit="collective" if max(counts) == 1 else "collectives"), window, who(fr)), command(None, "query \"SELECT pg, max(collective_seq_id) "
                                                                        "FROM torch.flight_recorder GROUP BY 1\""), fr))
     if stepped and len(stepped) == len(answering):
         summary = "healthy: steps advance on %s" % who(answering)
@@ -553,7 +554,7 @@ def _healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, A
     cpu = [progress[r].get("cpu") for r in ran if progress[r].get("cpu") is not None]
     if ran:
         evidence.append(Evidence("%s: the main thread ran in the %.1f s watched%s" % (
-            who(ran), window, " (%.2f-%.2f s of CPU)" % (min(cpu), max(cpu)) if cpu else ""),
+            who(ran), window, " (%s of CPU)" % span(min(cpu), max(cpu), "%.2f", "s") if cpu else ""),
             command(None, "query \"SELECT thread_name, cpu_user FROM python.threads\""), ran))
     idle = sorted(set(answering) - set(ran) - set(stepped))
     if idle:

@@ -7,6 +7,7 @@ is a library's. Advice that acts on the process (``kill -CONT``) is given only f
 for a record read back later (the process may be long gone).
 """
 
+import re
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
     nexts: List[str] = []
     if ev.state == "dead":
         status, kind = "dead", "dead"
-        summary = "%s is dead: %s%s" % (name, ev.why.split(" -- ")[0], victims_text)
+        summary = "%s %s%s" % (name, _death(ev.why.split(" -- ")[0]), victims_text)
         if ev.frames:
             evidence.append(Evidence("its last stacks (%s): %s" % (ev.source, where_text(where)), stacks_cmd, [ev.rank]))
         else:
@@ -123,3 +124,14 @@ def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], 
             evidence.append(Evidence("%s: %s" % (who(group), where_text(where_of(vkey, vthread, library))),
                                      command(group, "backtrace"), group))
     return Verdict(kind, status, summary, [ev.rank], waiting, where, evidence, nexts)
+
+
+def _death(why: str) -> str:
+    """What follows the rank's name in the summary of its death: "is dead: CAUSE" (or "died while
+    answering: CAUSE"), the error's words without the "process N is dead:" they may begin with, which the
+    summary, naming the rank, would otherwise say twice ("process N has exited, ..." -> "it has exited, ...")."""
+    found = re.match(r"(?:process|rank) \d+ (is dead|died while answering)(?:: |$)(.*)", why, re.S)
+    if found:
+        return "%s: %s" % (found.group(1), found.group(2)) if found.group(2) else found.group(1)
+    found = re.match(r"(?:process|rank) \d+ (\S.*)", why, re.S)
+    return "is dead: %s" % ("it " + found.group(1) if found else why)

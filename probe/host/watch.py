@@ -46,6 +46,7 @@ from typing import Any, Deque, Dict, List, Optional, Tuple
 
 from probe import _paths
 from probe._stderr import say as _say
+from probe._words import listed
 from probe.host import alerts, deaths, exits
 
 __all__ = ["Watch", "start", "hang_after_rule", "POLL_S", "HANG_MIN_S", "HANG_CAP_S", "STEP_FACTOR"]
@@ -445,7 +446,7 @@ class Watch:
         self.held.update((p, r.ticks) for p, r in self.recorded.ranks.items())
         self.rewording = (directory, died, reason, time.monotonic()) if died else None
         self._log("probe: %s recorded in %s: %d rank(s) in %.1f s%s"
-                  % (what, directory, len(files), ended - started, "; not recorded: %s" % failed if failed else ""))
+                  % (what, directory, len(files), ended - started, "; not recorded: %s" % listed(failed) if failed else ""))
         self.alerts.recorded(self, directory, reason, members, died)
         return directory
 

@@ -9,7 +9,7 @@ at the end), so giving up never leaves the target stopped or traced (the one exc
 import os
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from probe.agent.options import AgentOptions
 from probe.errors import Forbidden, InjectError, ProbeError, ProcessDead, UsageError
@@ -24,6 +24,7 @@ from probe.injector.threads import is_parked_safely
 
 __all__ = ["InjectResult", "inject", "agent_answers", "default_timeout", "DEFAULT_TIMEOUT_S"]
 
+GIL_KEPT_WAIT_S = 2.0  # how long a start queued behind a C call that keeps the GIL is waited for by default
 _SLEEP_GRACE = 0.3  # how long a pending call gets to run after a time.sleep before gil_ensure is tried
 DEFAULT_TIMEOUT_S = 5.0
 _MAX_LOAD_SCALE = 4.0
@@ -63,9 +64,14 @@ class InjectResult:
     """Where the TCP token is, when the agent was asked to listen on TCP."""
 
 
-def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[float] = None) -> InjectResult:
+def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[float] = None,
+           notice: Optional[Callable[[str], None]] = None) -> InjectResult:
     """Start the probe agent in process ``pid`` (or find the one running there) within ``timeout`` seconds
     (None: :func:`default_timeout`, scaled to the machine's load).
+
+    Where a thread keeps the GIL in a C call, no agent can start before it returns: ``notice`` is told so
+    at once, and without a ``timeout`` given the wait for it is ``GIL_KEPT_WAIT_S`` (scaled), not the whole
+    default budget (the start stays queued and runs when the call returns).
 
     Raises ``InjectError`` with a ``hint`` when it cannot (``Forbidden`` for another user's process): the
     target is then running and untraced.
@@ -96,8 +102,16 @@ def inject(pid: int, options: Optional[AgentOptions] = None, timeout: Optional[f
             chosen = inject_with_remote_exec(info, code)
         else:
             chosen = _inject_with_gdb(info, code, socket, deadline, _budget(timeout, given))
+        if chosen.gil_kept and chosen.delay:
+            if given is None:
+                deadline = min(deadline, time.monotonic() + GIL_KEPT_WAIT_S * _load_scale())
+            if notice is not None:
+                notice("process %d: %s; an agent needs the GIL to start, so its start is queued and runs when "
+                       "the call returns; waiting %s for it" % (pid, chosen.delay,
+                                                               _seconds(max(0.0, deadline - time.monotonic()))))
         if not _wait_for_agent(socket, pid, deadline):
-            raise _not_started(info, chosen, _budget(timeout, given), socket)
+            raise _not_started(info, chosen, _budget(timeout, given) if not chosen.gil_kept
+                               else "the %s waited" % _seconds(time.monotonic() - started), socket)
     finally:
         finish_detached()  # gdb detached before the wait; its exit overlapped it
     queued.clear(pid, socket)

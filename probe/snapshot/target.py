@@ -18,6 +18,7 @@ import os
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from probe._words import span
 from probe.client.cluster import DEFAULT_DEADLINE, DEFAULT_IN_FLIGHT, Cluster, Member
 from probe.client.results import Frame, Rows, TableInfo, ColumnInfo
 from probe.client.sources import LIVE_ONLY, SourceKind, register_kind
@@ -183,7 +184,7 @@ def _dumps_verdict(sample: Any, command: Any) -> Any:
                    "missing from it: the collective itself hangs (the network, a device), or a rank without a dump"
                    % (pg, desc, ranks_word(sorted(rows)), row.get("last_op"), seqs.pop()))
         evidence = [Evidence("Flight Recorder dumps, group %s: not done on any rank%s" % (
-            pg, ", issued %.1f-%.1f s before each dump" % (min(ages), max(ages)) if ages else ""), fr_cmd, sorted(rows))]
+            pg, ", issued %s before each dump" % span(min(ages), max(ages), "%.1f", "s") if ages else ""), fr_cmd, sorted(rows))]
         return Verdict("collective_stuck", "stuck", summary, [], sorted(rows), None, evidence, [])
     lasts = ", ".join("group %s #%s" % (pg, max(int(r["last_seq"]) for r in rows.values()))
                       for pg, rows in sorted(groups.items()))

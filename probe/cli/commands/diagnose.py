@@ -187,10 +187,19 @@ def render(report: Any) -> List[str]:
 def _changes(before: Any, now: Any) -> List[str]:
     """What changed between two diagnoses of --watch: the verdict, and the steps each rank made."""
     lines = []
-    if before.status != now.status or [v.summary for v in before.verdicts] != [v.summary for v in now.verdicts]:
-        lines.append("%s -> %s: %s" % (before.status, now.status, now.verdicts[0].summary if now.verdicts else ""))
+    def gist(report: Any) -> List[Any]:  # what a verdict says, not its numbers (a rate differs every look)
+        return [(v.kind, v.culprits, v.victims) for v in report.verdicts]
+
+    if before.status != now.status or gist(before) != gist(now):
+        summary = now.verdicts[0].summary if now.verdicts else ""
+        if summary.startswith(now.status + ": "):  # the summary may begin with its status: said once
+            summary = summary[len(now.status) + 2:]
+        change = ("still %s" % now.status if before.status == now.status
+                  else "%s -> %s" % (before.status, now.status))
+        lines.append("%s: %s" % (change, summary) if summary else change)
     else:
         lines.append("the same verdict (%s)" % now.status)
+    from probe._words import span
     from probe.diagnose.rules import ranks_word
 
     moved, still = [], []
@@ -202,7 +211,8 @@ def _changes(before: Any, now: Any) -> List[str]:
                 break
     if moved:
         steps = [d for _, d in moved]
-        lines.append("%s made %d-%d steps" % (ranks_word([r for r, _ in moved]), min(steps), max(steps)))
+        lines.append("%s made %s" % (ranks_word([r for r, _ in moved]), span(min(steps), max(steps),
+                                                                             unit="step" if steps == [1] else "steps")))
     if still:
         lines.append("no step on %s (no progress)" % ranks_word([r for r, _ in still]))
     if not moved and not still:

@@ -116,6 +116,10 @@ def _read_snippet(path: str) -> str:
 
 def _show(cli: CliContext, client: Client, result: EvalResult, as_json: bool, several: bool) -> None:
     """Print one target's outcome; a snippet that raised exits 1, one that ran out of time 5."""
+    if result.error:  # the agent's words name no target: its hints are made the commands to type here
+        from probe._words import for_target
+
+        result = result._replace(error=for_target(result.error, client.target.label))
     if as_json:
         import json
 

@@ -38,7 +38,8 @@ def inject(cli: CliContext, listen: Optional[str], agent_token_file: Optional[st
         try:
             if not target.isdigit():
                 raise UsageError("inject needs a pid, got %r" % target, hint="write `probe PID inject`")
-            result = inject_into(int(target), options, timeout=wait)
+            result = inject_into(int(target), options, timeout=wait, notice=lambda words: say("probe: " + words,
+                                                                                             err=True))
         except ProbeError as exc:
             cli.record(exc, target if len(targets) > 1 else None)
             continue

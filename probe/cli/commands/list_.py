@@ -1,14 +1,18 @@
 """``probe list``: local Python processes, which run an agent, and how to reach each.
 
-Dead processes come from their crash records. One that was stopped on purpose (SIGTERM, Ctrl-C: the
-demo's target, a test's, a job cancelled) is listed for ``STOPPED_LISTED_S`` after it died, a crash for
-as long as its record is kept (7 days); ``--all`` lists every record, and ``probe PID backtrace`` reads
-any. On a narrow terminal the command gives way first, then the state; the column that says how to
-reach a process is cut last.
+Each row names the program's own script first (``train.py --lr 3``, not ``python /long/path/...``), and
+how to reach it as one short command; the other ways (its TCP address and token file) are said under the
+table. Dead processes come from their crash records: those that died before this terminal's session
+began (its session leader's start), and those stopped on purpose (SIGTERM, Ctrl-C) over
+``STOPPED_LISTED_S`` ago, are left out unless ``--all``; ``probe PID backtrace`` reads any record. On a
+narrow terminal the state gives way first, then the Python version, then the script; the column that
+says how to reach a process is cut last.
 """
 
 import json
 import os
+import re
+import textwrap
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -23,7 +27,9 @@ from probe.client.results import Rows
 STOPPED_LISTED_S = 3600
 # On a narrow terminal, in this order until the table fits: a column cut down to a width, left out (None),
 # or (``reach`` 0) the notes in parentheses after each command to reach a process left out.
-_GIVE_WAY = (("command", 12), ("state", 16), ("reach", 0), ("python", None), ("command", 7), ("state", 8))
+_GIVE_WAY = (("state", 24), ("python", None), ("script", 24), ("state", 12), ("script", 14), ("state", 8))
+_PYTHON = re.compile(r"(python|pypy)[\d.]*[dmu]*$")
+_OPTION_WITH_VALUE = {"-X", "-W", "-Q"}
 
 
 def _command_of(pid: int) -> str:
@@ -51,7 +57,31 @@ def _attachable(exclude: set) -> List[Dict[str, Any]]:
                     "command": " ".join(getattr(proc, "cmdline", []) or [])[:100],
                     "reach": "probe %d inject" % pid if job is None else job})
     _name_loader_workers(out)
+    for record in out:
+        held = _gil_kept(record["pid"]) if "state" not in record else None
+        if held:
+            record["state"] = held
     return out
+
+
+def _gil_kept(pid: int) -> Optional[str]:
+    """The state of a process none of whose Python code can run: a thread keeps the GIL in a C call (read
+    from outside without stopping it, and confirmed a moment later, as inject's advice does); None else.
+    An agent cannot start there either: inject's start is queued until the call returns."""
+    try:
+        from probe.injector.advice import gil_kept_in_c
+        from probe.reader import live
+
+        first = live.read_live(pid, stop=False)
+        holder = first.gil_holder()
+        if holder is None:  # no thread holds the GIL now: the common case, one read
+            return None
+        kept = gil_kept_in_c(pid, first)
+    except Exception:  # noqa: BLE001 -- a process that cannot be read (another user's, gone) is listed as before
+        return None
+    if kept is None:
+        return None
+    return "GIL kept in a C call by thread %s, from %s" % (kept.label().strip(), kept.where())
 
 
 def _name_loader_workers(records: List[Dict[str, Any]]) -> None:
@@ -164,19 +194,22 @@ def _stopped_on_purpose(cause: str) -> bool:
 
 def _dead(show_all: bool) -> Tuple[List[Dict[str, Any]], int]:
     """Processes that died with an agent, from the crash records their agents left (old ones cleaned up),
-    and how many stopped on purpose so long ago that they are not listed (``show_all``: all are)."""
+    and how many are not listed (``show_all``: all are): those that died before this session began, and
+    those stopped on purpose over ``STOPPED_LISTED_S`` ago."""
     from probe.reader import crash
 
     crash.clean_up()
     out = []
     hidden = 0
     now = time.time()
+    began = None if show_all else _session_start()
     for record in crash.records():
         if record.alive:
             continue
         cause = record.cause
-        if (not show_all and record.died_at is not None and now - record.died_at > STOPPED_LISTED_S
-                and _stopped_on_purpose(cause)):
+        if not show_all and record.died_at is not None and (
+                (now - record.died_at > STOPPED_LISTED_S and _stopped_on_purpose(cause))
+                or (began is not None and record.died_at < began)):
             hidden += 1
             continue
         when = " " + time.strftime("%m-%d %H:%M:%S", time.localtime(record.died_at)) if record.died_at else ""
@@ -187,10 +220,49 @@ def _dead(show_all: bool) -> Tuple[List[Dict[str, Any]], int]:
     return out, hidden
 
 
-def _short_command(command: str) -> str:
-    """In the table: the interpreter by its name, not its whole path (JSON keeps the whole command)."""
-    first, sep, rest = command.partition(" ")
-    return os.path.basename(first) + sep + rest if "/" in first else command
+def script_of(command: str) -> str:
+    """The program's own part of a command line, first: the script by its name and its arguments
+    (``python -u /x/train.py --lr 3`` -> ``train.py --lr 3``), ``-m module ...``, or ``-c ...``; a command
+    that is no Python interpreter by its name (torchrun, a worker) as it is, its program by its name."""
+    words = command.split(" ")
+    if not words or not words[0]:
+        return command
+    if not _PYTHON.match(os.path.basename(words[0])):
+        return " ".join([os.path.basename(words[0])] + words[1:])
+    i = 1
+    while i < len(words) and words[i].startswith("-") and words[i] not in ("-m", "-c", "-"):
+        i += 2 if words[i] in _OPTION_WITH_VALUE else 1
+    rest = words[i:]
+    if not rest:
+        return os.path.basename(words[0])
+    if rest[0] in ("-m", "-c", "-"):
+        return " ".join(rest)
+    return " ".join([os.path.basename(rest[0])] + rest[1:])
+
+
+def _session_start() -> Optional[float]:
+    """When this terminal's session began (the start of its session leader, the login shell), as a time
+    of the epoch; None where that cannot be read."""
+    try:
+        leader = os.getsid(0)
+        stat = _read(leader, "stat")
+        ticks = int(stat[stat.rfind(")") + 2:].split()[19])  # since boot; /proc/stat's btime is whole seconds
+        with open("/proc/uptime") as handle:
+            uptime = float(handle.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _folded(records: List[Dict[str, Any]]) -> Tuple[List[str], List[str]]:
+    """Each row's way to reach it as one command, and the other ways as lines for under the table."""
+    cells, notes = [], []
+    for record in records:
+        first, _, others = str(record["reach"]).partition("  or  ")
+        cells.append(first.split("  (", 1)[0])
+        if others:
+            notes.append("%d also: %s" % (record["pid"], others))
+    return cells, notes
 
 
 def _cut_to(text: str, width: int) -> str:
@@ -298,8 +370,10 @@ def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = F
         records.extend(dict(r, state=r.get("state", "running")) for r in _attachable({r["pid"] for r in records}))
     dead, hidden = _dead(show_all)
     records.extend(dead)
-    note = ("%d process%s stopped on purpose (SIGTERM, Ctrl-C) over an hour ago %s not shown: probe list --all"
-            % (hidden, "" if hidden == 1 else "es", "is" if hidden == 1 else "are")) if hidden else None
+    note = ("%d dead process%s (from before this session, or stopped on purpose over an hour ago) %s not shown: "
+            "probe list --all" % (hidden, "" if hidden == 1 else "es", "is" if hidden == 1 else "are")) if hidden else None
+    for record in records:
+        record["script"] = script_of(str(record.get("command") or ""))
     if fmt == "json":
         echo(json.dumps(records))
         if note:
@@ -310,18 +384,25 @@ def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = F
         if note:
             echo(note)
         return
-    names = ["pid", "agent", "state", "rank", "python", "command", "reach"]
+    shorten = not (vertical or wide)
+    names = ["pid", "script", "agent", "state", "rank", "python", "reach"] if shorten else [
+        "pid", "agent", "state", "rank", "python", "command", "reach"]
     if all(r["rank"] is None for r in records):
         names.remove("rank")  # no process is a rank: the column would only hold dashes
-    shorten = not (vertical or wide)
-    cells = [[str("-" if r[c] is None else _short_command(r[c]) if c == "command" and shorten else r[c])
-              for c in names] for r in records]
+    cells = [[str("-" if r[c] is None else r[c]) for c in names] for r in records]
+    folded: List[str] = []
+    if shorten:  # the way to reach each, one command; the others under the table
+        reach, folded = _folded(records)
+        for row, text in zip(cells, reach):
+            row[-1] = text
     width = terminal_width()
     footer = None
     if width and shorten and _give_way(names, cells, width):
         footer = "narrowed to fit; -x or --wide shows all"
     table = Rows(tuple((c, "") for c in names), cells)
     echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
+    for line in folded:  # folded to the terminal's width, a word (a path) whole where it fits a line
+        echo(textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False) if width else line)
     for record in records:
         if record.get("tcp_note"):
             echo("process %d: %s" % (record["pid"], record["tcp_note"]))

@@ -4,10 +4,14 @@ Python's own console decides when a block is complete (``code.InteractiveConsole
 complete input goes to every target as one eval, and the outputs are shown grouped by identical text.
 readline gives line editing, a history file and tab completion (names and attributes asked of the
 first target). Ctrl-C while a snippet runs interrupts it in the target (a second request naming the
-eval); a second Ctrl-C stops waiting for it. Ctrl-D leaves.
+eval); a second Ctrl-C stops waiting for it. Ctrl-D leaves, and so do ``exit()`` and ``quit()`` (run here,
+never in the target: there they would close its stdin) and an input that raised SystemExit in the target
+(the agent caught it: the target runs on).
 """
 
+import ast
 import code
+import re
 import os
 import threading
 import uuid
@@ -37,6 +41,29 @@ def group_outputs(outputs: List[Tuple[str, str]]) -> List[Tuple[List[str], str]]
     return [(labels, text) for text, labels in groups.items()]
 
 
+class Leave(Exception):
+    """The console is left, as a console leaves on SystemExit; the targets run on."""
+
+
+def is_exit_call(source: str) -> bool:
+    """Whether the input is ``exit()`` or ``quit()`` alone (an argument allowed), as typed to leave a console."""
+    try:
+        body = ast.parse(source).body
+    except (SyntaxError, ValueError):
+        return False
+    return (len(body) == 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Call)
+            and isinstance(body[0].value.func, ast.Name) and body[0].value.func.id in ("exit", "quit")
+            and len(body[0].value.args) <= 1 and not body[0].value.keywords)
+
+
+_SYSTEM_EXIT = re.compile(r"(?m)^SystemExit(?::.*)?\s*\Z")
+
+
+def raised_system_exit(result: Any) -> bool:
+    """Whether a snippet's traceback ends in SystemExit (``sys.exit()``, ``raise SystemExit``)."""
+    return isinstance(result, EvalResult) and bool(result.error) and bool(_SYSTEM_EXIT.search(result.error or ""))
+
+
 class RemoteConsole(code.InteractiveConsole):
     """A console whose ``runsource`` sends complete input to the targets instead of running it here."""
 
@@ -58,6 +85,8 @@ class RemoteConsole(code.InteractiveConsole):
                 return True  # an open block: ask for more
         except (OverflowError, SyntaxError, ValueError):
             pass  # the target's own parser says what is wrong (its Python may differ from ours)
+        if is_exit_call(source):
+            raise Leave()
         self.run_remote(source)
         return False
 
@@ -113,10 +142,19 @@ class RemoteConsole(code.InteractiveConsole):
         """Each distinct output once, headed by the targets (ranks) that printed it; an input that printed
         nothing anywhere shows nothing, and where only some printed, the others are named as silent."""
         labels = [c.target.label for c in self.clients] if self.ranks is None else [str(r) for r in self.ranks]
+        leave = any(raised_system_exit(r) for r in results.values())  # as a console leaves on SystemExit
+        if leave:  # what the snippet printed is shown; its SystemExit is the leaving, not an error
+            results = {i: r._replace(error=None) if raised_system_exit(r) else r for i, r in results.items()}
         outputs = [(label, _text(results.get(i))) for i, label in enumerate(labels)]
         groups = group_outputs(outputs)
+        if leave:
+            self._write_groups([(g, t) for g, t in groups if t])
+            raise Leave()
         if all(not text for _, text in groups):
             return
+        self._write_groups(groups)
+
+    def _write_groups(self, groups: List[Tuple[List[str], str]]) -> None:
         for group, text in groups:
             if len(self.clients) > 1:
                 who = ", ".join(group) if self.ranks is None else _ranks_heading(group)
@@ -254,6 +292,8 @@ def repl(cli: CliContext, eval_timeout: Optional[float], on: str, between_steps:
     readline = _setup_readline(clients[0], frame)
     try:
         console.interact(banner=banner, exitmsg="")
+    except Leave:
+        emit("")  # the prompt's line ends; the targets run on
     finally:
         if readline is not None:
             try:
