@@ -48,7 +48,7 @@ def main() -> None:
                % (args.runs, " ".join("%.1f" % x for x in os.getloadavg()))])
     from probe.client.cluster import connect_all
     from probe.diagnose.engine import diagnose, sampler_for
-    from probe.diagnose.evidence import sample_job
+    from probe.diagnose.gather import sample_job
 
     rows: List[List[str]] = []
     try:

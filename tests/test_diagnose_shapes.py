@@ -11,7 +11,7 @@ import shutil
 import signal
 import time
 
-from probe.diagnose.rules import EXIT_CODES
+from probe.diagnose.verdict import EXIT_CODES
 from procs import TARGETS, run_cli, scaled, target_env
 from test_cluster import needs_torchrun, torchrun_job
 

@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from probe.client.results import Frame
 from probe.diagnose.evidence import RankEvidence, Sample
-from probe.diagnose.rules import EXIT_CODES, judge
+from probe.diagnose.rules import judge
+from probe.diagnose.verdict import EXIT_CODES
 from procs import run_cli, scaled, target_env
 from test_cluster import needs_torchrun, torchrun_job
 

@@ -544,7 +544,7 @@ class _ManyRanks:
         return "probe many:9700 %s" % rest
 
     def diagnose(self):
-        from probe.diagnose.rules import Report, Verdict
+        from probe.diagnose.verdict import Report, Verdict
 
         verdict = Verdict("collective_hang", "stuck", "collective hang: rank 77 did not enter all_reduce", culprits=[77],
                           victims=[r for r in range(self.ranks) if r != 77])

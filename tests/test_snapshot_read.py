@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 
-from probe.diagnose.rules import EXIT_CODES
+from probe.diagnose.verdict import EXIT_CODES
 from procs import TARGETS, Proc, run_cli, scaled, target_env
 from test_cluster import TORCHRUN, _free_ports, _kill_job, _ready_ranks, needs_torchrun, torchrun_job
 

@@ -74,7 +74,8 @@ def test_a_record_written_while_its_writer_is_sigkilled_is_whole_or_absent(tmp_p
 
 def test_a_live_process_evidence_round_trips_and_is_judged_alike():
     from probe.client import connect
-    from probe.diagnose.evidence import Sample, collect
+    from probe.diagnose.evidence import Sample
+    from probe.diagnose.gather import collect
     from probe.diagnose.rules import judge
     from probe.snapshot import record
 

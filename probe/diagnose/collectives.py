@@ -1,4 +1,14 @@
-"""A mismatched collective: ranks that issued different collectives under the same number of one process
+"""The collective verdicts: a hang (a rank that did not issue or enter the collective the others wait in) and
+a mismatched collective.
+
+A hang, only where every rank answers (else the ranks that cannot answer are the reason, and their
+verdicts name the waiting ones): from the Flight Recorder, the ranks whose last collective of a group is
+before the one the others issued and still wait in (its number, op, for how long); without it, from the
+stacks: ranks whose main thread stayed inside a torch.distributed collective over the whole window, with
+no CPU gained and no step made (:func:`waiting_in`), against the ranks outside it. One process of a job
+waiting so is said to wait for a rank elsewhere (:func:`waits_alone`).
+
+A mismatched collective: ranks that issued different collectives under the same number of one process
 group (rank 1 ``broadcast`` where the others ``all_reduce``), or the same op with different sizes or dtypes.
 
 Such ranks all wait, each in its own collective, and none is behind another: the Flight Recorder's
@@ -19,7 +29,13 @@ are as many (two ranks), both are named, since nothing recorded says which side'
 import json
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["RECENT", "recent_text", "parse_recent", "mismatch"]
+from probe.diagnose.evidence import RankEvidence, Sample, fr_by_pg, main_stack
+from probe.diagnose.verdict import CPU_RAN_S, HANG_FLOOR_S, Commands, Evidence, Verdict, ranks_word, where_of, \
+    where_text
+
+__all__ = ["RECENT", "recent_text", "parse_recent", "mismatch", "collective_of", "waiting_in", "hang", "waits_alone"]
+
+HANG_PERIODS = 5.0  # no hang either: a collective waited in for less than this many of the group's mean intervals
 
 RECENT = 8
 """Collectives of each group kept per rank and look for the comparison (the newest)."""
@@ -117,12 +133,10 @@ def _sides(entries: Dict[int, Entry], what: str) -> List[Tuple[Entry, List[int]]
 
 
 def _from_recorder(last: Any, answering: List[int], who: Who, command: Any) -> Optional[Any]:
-    from probe.diagnose.rules import _fr_by_pg
-
     by_pg: Dict[str, Dict[int, Dict[int, Entry]]] = {}
     rows: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for r in answering:
-        for pg, row in _fr_by_pg(last.ranks[r]).items():
+        for pg, row in fr_by_pg(last.ranks[r]).items():
             parsed = parse_recent(row)
             if parsed:
                 by_pg.setdefault(pg, {})[r] = parsed
@@ -145,8 +159,6 @@ def _from_recorder(last: Any, answering: List[int], who: Who, command: Any) -> O
 
 def _verdict(last: Any, pg: str, seq: int, what: str, entries: Dict[int, Entry], rows: Dict[int, Dict[str, Any]],
              who: Who, command: Any) -> Any:
-    from probe.diagnose.rules import Evidence, Verdict
-
     sides = _sides(entries, what)
     if len(sides[0][1]) > len(sides[1][1]):
         culprits = sorted(r for _, rs in sides[1:] for r in rs)
@@ -189,10 +201,8 @@ def _stacks_next(culprits: List[int], who: Who, command: Any) -> str:
 def _line(last: Any, rank: int, row: Optional[Dict[str, Any]]) -> Tuple[Optional[Dict[str, Any]], str]:
     """Where a rank issued its collective: the program's own frame on its main thread's stack where that is
     inside a collective, else the recorder's call site; the text says which, or that neither is known."""
-    from probe.diagnose.rules import _main, collective_of, where_of, where_text
-
     ev = last.ranks[rank]
-    thread, key = _main(ev)
+    thread, key = main_stack(ev)
     if key and collective_of(key) is not None:
         where = where_of(key, thread)
         return where, where_text(where)
@@ -206,18 +216,15 @@ def _line(last: Any, rank: int, row: Optional[Dict[str, Any]]) -> Tuple[Optional
 def _from_stacks(first: Any, last: Any, answering: List[int], who: Who, command: Any) -> Optional[Any]:
     """Every rank's main thread in a torch.distributed collective in both looks (the same stack), not all
     in the same op, the recorder not saying otherwise: each waits in its own collective."""
-    from probe.diagnose.rules import HANG_FLOOR_S, Evidence, Verdict, _fr_by_pg, _main, collective_of, \
-        where_of, where_text
-
     window = max(0.0, last.at - first.at)
-    if window < HANG_FLOOR_S or all(_fr_by_pg(last.ranks[r]) for r in answering):
+    if window < HANG_FLOOR_S or all(fr_by_pg(last.ranks[r]) for r in answering):
         return None  # where the recorder has every rank, its numbers say what the stacks cannot
     ops: Dict[int, Tuple[str, str, Any]] = {}
     for r in answering:
         a = first.ranks.get(r)
-        name, key = _main(last.ranks[r])
+        name, key = main_stack(last.ranks[r])
         op = collective_of(key)
-        if op is None or a is None or _main(a) != (name, key):
+        if op is None or a is None or main_stack(a) != (name, key):
             return None
         ops[r] = (op, name, key)
     groups: Dict[str, List[int]] = {}
@@ -251,3 +258,150 @@ def _from_stacks(first: Any, last: Any, answering: List[int], who: Who, command:
     nexts = ["make every rank issue the same collectives in the same order: look for a rank-dependent branch "
              "around these lines", _stacks_next(culprits, who, command)]
     return Verdict("collective_mismatch", "stuck", summary, culprits, victims, where, evidence, nexts)
+
+
+# -- a collective hang ---------------------------------------------------------------------------------
+
+_C10D = ("distributed/distributed_c10d.py", "distributed/_functional_collectives.py", "distributed/c10d_logger.py")
+
+
+def collective_of(key: Sequence[Tuple[str, str, int, str]]) -> Optional[str]:
+    """The torch.distributed collective a stack is inside (``all_reduce``, ``barrier``...), or None."""
+    for func, path, _, _ in key:
+        if path.endswith(_C10D[:2]) and not func.startswith("_") and func != "wrapper":
+            return func
+    return None
+
+
+def waiting_in(first: Sample, last: Sample, answering: List[int],
+               progress: Dict[int, Dict[str, Any]]) -> Dict[int, Tuple[str, str, Any]]:
+    """Ranks waiting inside a collective, by stacks, stuck over the whole window (victims of whoever is
+    missing): rank -> (op, thread, stack)."""
+    in_collective: Dict[int, Tuple[str, str, Any]] = {}
+    for r in answering:
+        name, key = main_stack(last.ranks[r])
+        op = collective_of(key)
+        a = first.ranks.get(r)
+        if op is not None and a is not None and main_stack(a) == (name, key) and not progress[r].get("stepped") \
+                and not (progress[r].get("cpu") or 0) >= CPU_RAN_S:
+            in_collective[r] = (op, name, key)
+    return in_collective
+
+
+def hang(first: Sample, last: Sample, answering: List[int], in_collective: Dict[int, Any], window: float,
+         who: Who, command: Commands) -> Optional[Verdict]:
+    """A mismatch, else a hang by the Flight Recorder, else a hang by the stacks; or None."""
+    return mismatch(first, last, answering, who, command) or _fr_hang(first, last, answering, who, command) or \
+        _stack_hang(last, answering, in_collective, window, who, command)
+
+
+def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
+             command: Commands) -> Optional[Verdict]:
+    """From the Flight Recorder: per group, the ranks at its last collective #M that wait in it, and the
+    ranks whose last collective is before M (they did not issue #M)."""
+    groups: Dict[str, Dict[int, Dict[str, Any]]] = {}
+    for r in answering:
+        for pg, row in fr_by_pg(last.ranks[r]).items():
+            groups.setdefault(pg, {})[r] = row
+    for pg, rows in sorted(groups.items()):
+        if len(rows) < 2:
+            continue
+        top = max(int(row["last_seq"]) for row in rows.values())
+        waiting = sorted(r for r, row in rows.items() if int(row["last_seq"]) == top and not row.get("last_done"))
+        behind = sorted(r for r, row in rows.items() if int(row["last_seq"]) < top)
+        if not waiting or not behind:
+            continue
+        still = []
+        for r in waiting:
+            before = fr_by_pg(first.ranks[r]).get(pg) if r in first.ranks else None
+            row = rows[r]
+            period = float(row.get("period") or 0.0)
+            age = float(row.get("last_age") or 0.0)
+            if before is not None and int(before["last_seq"]) == top and not before.get("last_done") \
+                    and age >= max(HANG_FLOOR_S, HANG_PERIODS * period):
+                still.append(r)
+        if still != waiting:
+            continue  # a rank arrived, or the wait is short for this group's pace: not a hang (yet)
+        row = rows[waiting[0]]
+        op = str(row.get("last_op") or "a collective")
+        desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
+        thread, key = main_stack(last.ranks[behind[0]])
+        where = where_of(key, thread, last.ranks[behind[0]].library())
+        behind_at = sorted({int(rows[r]["last_seq"]) for r in behind})
+        summary = ("collective hang in process group %s%s: %s did not issue %s #%d; %s wait%s in it" % (
+            pg, desc, who(behind), op, top, who(waiting), "s" if len(waiting) == 1 else ""))
+        ages = [float(rows[r].get("last_age") or 0) for r in waiting]
+        fr_cmd = command(None, "query \"SELECT pg, collective_seq_id, op, state, retired, time_created FROM "
+                               "torch.flight_recorder ORDER BY collective_seq_id DESC LIMIT 3\"")
+        evidence = [
+            Evidence("Flight Recorder, group %s: %s issued #%d (%s) %.1f s ago and it is not done; %s's last is #%s"
+                     % (pg, who(waiting), top, op, min(ages), who(behind), ",".join(map(str, behind_at))),
+                     fr_cmd, waiting + behind,
+                     [dict(rank=r, pg=pg, last_seq=rows[r]["last_seq"], last_op=rows[r].get("last_op"),
+                           last_done=rows[r].get("last_done"), last_age=rows[r].get("last_age")) for r in sorted(rows)]),
+            Evidence("%s: %s" % (who(behind), where_text(where)), command(behind, "backtrace"), behind)]
+        vthread, vkey = main_stack(last.ranks[waiting[0]])
+        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread,
+                                                                                last.ranks[waiting[0]].library()))),
+                                 command(waiting, "backtrace"), waiting))
+        return Verdict("collective_hang", "stuck", summary, behind, waiting, where, evidence, _hang_next(behind, command))
+    return None
+
+
+def waits_alone(ev: RankEvidence, found: Tuple[str, str, Any], window: float, command: Commands) -> Verdict:
+    """One process of a job, waiting in a collective (``found``: from :func:`waiting_in`): the rank to blame
+    is elsewhere, and only the job says which."""
+    op, thread, key = found
+    where = where_of(key, thread, ev.library())
+    fr = [row for row in fr_by_pg(ev).values() if not row.get("last_done")]
+    age = max((float(row.get("last_age") or 0) for row in fr), default=window)
+    summary = "process %s waits in %s (no progress for %.1f s): the rank it waits for is elsewhere" % (
+        ev.pid if ev.pid is not None else "", op, age)
+    evidence = [Evidence("%s, the same stack over %.1f s with no CPU gained and no step" % (where_text(where), window),
+                         command(None, "backtrace"), [ev.rank])]
+    for row in fr:
+        evidence.append(Evidence("Flight Recorder, group %s: #%s (%s) issued %.1f s ago, not done" % (
+            row.get("pg"), row.get("last_seq"), row.get("last_op"), float(row.get("last_age") or 0)),
+            command(None, "query \"SELECT * FROM torch.flight_recorder ORDER BY collective_seq_id DESC LIMIT 3\""),
+            [ev.rank], [row]))
+    return Verdict("collective_wait", "stuck" if age >= HANG_FLOOR_S * 5 else "degraded", summary, [], [],
+                   where, evidence, ["diagnose the whole job to find the rank that did not join: probe MASTER:PROBE_PORT "
+                                     "diagnose (or probe slurm:JOBID diagnose)"])
+
+
+def _hang_next(culprits: List[int], command: Commands) -> List[str]:
+    return ["see what %s does, with its C frames: %s" % (ranks_word(culprits), command(culprits[:1], "backtrace --native")),
+            "why it did not reach the collective: a data loader, a rank-dependent branch, an exception caught and "
+            "ignored; its locals: %s" % command(culprits[:1], "eval --frame MainThread:0 \"sorted(locals())\""),
+            "save the state before restarting, into a directory every rank can write (DIR: choose one; it must "
+            "exist): %s" % command(None, "checkpoint DIR/emergency-{rank}.pt")]
+
+
+def _stack_hang(last: Sample, answering: List[int], in_collective: Dict[int, Any], window: float,
+                who: Callable[[Sequence[int]], str], command: Commands) -> Optional[Verdict]:
+    """From the stacks alone: ranks whose main thread stayed in a collective over the window (same stack, no
+    CPU, no step) while the other ranks are outside it (or in another)."""
+    if not in_collective or window < HANG_FLOOR_S:
+        return None
+    ops: Dict[str, List[int]] = {}
+    for r, (op, _, _) in in_collective.items():
+        ops.setdefault(op, []).append(r)
+    op, waiting = max(ops.items(), key=lambda kv: (len(kv[1]), kv[0]))
+    waiting.sort()
+    outside = sorted(r for r in answering if r not in waiting)
+    if not outside:
+        return None  # every rank in the same collective: no rank is missing from it by the stacks
+    thread, key = main_stack(last.ranks[outside[0]])
+    where = where_of(key, thread, last.ranks[outside[0]].library())
+    summary = "collective hang: %s did not enter %s; %s wait%s in it (no progress for %.1f s)" % (
+        who(outside), op, who(waiting), "s" if len(waiting) == 1 else "", window)
+    vthread, vkey = main_stack(last.ranks[waiting[0]])
+    evidence = [Evidence("%s: %s, the same stack over %.1f s with no CPU gained and no step"
+                         % (who(waiting), where_text(where_of(vkey, vthread, last.ranks[waiting[0]].library())), window),
+                         command(waiting, "backtrace"), waiting),
+                Evidence("%s: %s, outside %s" % (who(outside), where_text(where), op), command(outside, "backtrace"),
+                         outside),
+                Evidence("the Flight Recorder is off: the collective's number is not known "
+                         "(TORCH_FR_BUFFER_SIZE=2000 at the job's start records it)", None, [])][
+                    :3 if any(last.ranks[r].fr_why for r in answering) else 2]
+    return Verdict("collective_hang", "stuck", summary, outside, waiting, where, evidence, _hang_next(outside, command))

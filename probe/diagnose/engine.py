@@ -4,8 +4,10 @@ sign of life between the first two (a stuck rank and a slow one look alike for a
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from probe.diagnose.evidence import Sample, sample_job, sample_one
-from probe.diagnose.rules import Commands, Report, judge, needs_longer_look
+from probe.diagnose.evidence import Sample
+from probe.diagnose.gather import sample_job, sample_one
+from probe.diagnose.rules import judge, needs_longer_look
+from probe.diagnose.verdict import Commands, Report
 
 __all__ = ["diagnose", "FIRST_GAP_S", "LONGER_S"]
 

@@ -12,13 +12,14 @@ no owner: its holder is said to be unknown.
 """
 
 import ast
+import io
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+import tokenize
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-if TYPE_CHECKING:
-    from probe.diagnose.evidence import RankEvidence
+from probe.diagnose.evidence import RankEvidence
 
-__all__ = ["waited_lock", "with_blocks", "holders"]
+__all__ = ["code_only", "waited_lock", "with_blocks", "holders"]
 
 Key = Sequence[Tuple[str, str, int, str]]
 
@@ -28,10 +29,23 @@ MAX_FILES = 64  # files parsed in one diagnose run at most
 _PARSED: Dict[str, Optional[Tuple[List[str], ast.AST]]] = {}
 
 
+def code_only(line: str) -> str:
+    """A source line without its comment (``with a:  # first a`` -> ``with a:``); the line as it is where
+    it does not tokenize alone (a line of a statement that spans several)."""
+    text = (line or "").strip()
+    if "#" not in text:
+        return text
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text + "\n").readline):
+            if token.type == tokenize.COMMENT:
+                return text[:token.start[1]].rstrip()
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        pass
+    return text
+
+
 def waited_lock(code: str) -> Optional[str]:
     """The lock expression of a waiting line: ``with X:`` -> ``X`` (the first item), ``X.acquire(...)`` -> ``X``."""
-    from probe.diagnose.lockwaits import code_only
-
     text = code_only(code)
     try:
         if text.startswith(("with ", "async with ")) and text.endswith(":"):
@@ -81,7 +95,7 @@ def with_blocks(path: str, line: int, code: str) -> Optional[List[Tuple[str, int
     return sorted(out, key=lambda item: item[1])
 
 
-def holders(ev: "RankEvidence", waits: Sequence[Tuple[str, Key]]) -> List[Dict[str, object]]:
+def holders(ev: RankEvidence, waits: Sequence[Tuple[str, Key]]) -> List[Dict[str, object]]:
     """For each waiting thread: the lock it waits for and the thread that holds it, or why that is not
     known. By the lock's identity where the agent resolved it (``python.locks``: an RLock's owner, or a
     frame inside a ``with`` of the same object), else by the expression's text in the stacks' source."""
@@ -132,8 +146,6 @@ def _by_identity(rows: List[Dict[str, Any]], names: Dict[int, str], stacks: Dict
 
 
 def _by_text(stacks: Dict[str, Key], library: Any, name: str, key: Key) -> Dict[str, object]:
-    from probe.diagnose.lockwaits import code_only
-
     lock = waited_lock(code_only(key[0][3])) if key else None
     row: Dict[str, object] = {"thread": name, "lock": lock, "holder": None, "how": "by its stack"}
     if lock is None:

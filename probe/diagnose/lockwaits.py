@@ -8,44 +8,24 @@ resolved it (``python.locks``) an object that is not a lock is no lock wait, and
 not its name, says which thread holds it (:mod:`probe.diagnose.locks`).
 """
 
-import io
 import re
-import tokenize
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-if TYPE_CHECKING:
-    from probe.diagnose.evidence import RankEvidence
-    from probe.diagnose.rules import Commands, Verdict
+from probe.diagnose.evidence import RankEvidence
+from probe.diagnose.locks import code_only, holders as lock_holders, waited_lock
+from probe.diagnose.verdict import CPU_RAN_S, Commands, Evidence, Verdict, short_path, where_of, where_text
 
-__all__ = ["lock_line", "lock_wait_of", "lock_waits", "lock_verdict", "code_only"]
+__all__ = ["lock_line", "lock_wait_of", "lock_waits", "lock_verdict"]
 
 Key = Sequence[Tuple[str, str, int, str]]
 
-CPU_RAN_S = 0.02  # as probe.diagnose.rules: a thread that gained this much CPU over the window ran
 _LOCKISH = re.compile(r"lock|mutex", re.IGNORECASE)
 _CHAIN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\s*\.\s*[A-Za-z_][A-Za-z0-9_]*)*")
-
-
-def code_only(line: str) -> str:
-    """A source line without its comment (``with a:  # first a`` -> ``with a:``); the line as it is where
-    it does not tokenize alone (a line of a statement that spans several)."""
-    text = (line or "").strip()
-    if "#" not in text:
-        return text
-    try:
-        for token in tokenize.generate_tokens(io.StringIO(text + "\n").readline):
-            if token.type == tokenize.COMMENT:
-                return text[:token.start[1]].rstrip()
-    except (tokenize.TokenError, IndentationError, SyntaxError):
-        pass
-    return text
 
 
 def lock_line(code: str) -> Optional[str]:
     """The lock a line would wait for: ``with X:`` (X a plain name or attribute chain, or an expression that
     says lock or mutex), ``X.acquire(``; None for any other line."""
-    from probe.diagnose.locks import waited_lock
-
     text = code_only(code)
     expr = waited_lock(text)
     if expr is None:
@@ -61,7 +41,7 @@ def lock_wait_of(key: Key, library: Any) -> bool:
     return bool(key) and not library.holds(key[0][1]) and lock_line(key[0][3]) is not None
 
 
-def _not_a_lock(ev: "RankEvidence", thread: str, key: Key) -> bool:
+def _not_a_lock(ev: RankEvidence, thread: str, key: Key) -> bool:
     """Whether the agent found the object at the waiting line and it is no lock (``with open_gate:`` of a
     context manager written in C that blocks for other reasons is not called a lock wait)."""
     names = ev.names_by_id()
@@ -70,7 +50,7 @@ def _not_a_lock(ev: "RankEvidence", thread: str, key: Key) -> bool:
     return bool(rows) and all(r.get("lock_type") is not None and r.get("locked") is None for r in rows)
 
 
-def lock_waits(a: "RankEvidence", b: "RankEvidence") -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
+def lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
     """Threads at a lock's acquire in both samples, with the same stack, gaining no CPU."""
     if a.state != "answering" or b.state != "answering":
         return []
@@ -87,24 +67,19 @@ def lock_waits(a: "RankEvidence", b: "RankEvidence") -> List[Tuple[str, Tuple[Tu
 
 
 def _place(row: Dict[str, Any]) -> str:
-    from probe.diagnose.rules import _short
-
-    return "%s (%s:%s)" % (row["holder_func"], _short(str(row["holder_file"])),
+    return "%s (%s:%s)" % (row["holder_func"], short_path(str(row["holder_file"])),
                            row.get("holder_with_line") or row["holder_line"])
 
 
-def lock_verdict(ev: "RankEvidence", waits: List[Tuple[str, Any]], window: float,
-                 who: Callable[[Sequence[int]], str], command: "Commands", live: bool = True) -> "Verdict":
-    from probe.diagnose import locks
-    from probe.diagnose.rules import Evidence, Verdict, _short, where_of, where_text
-
+def lock_verdict(ev: RankEvidence, waits: List[Tuple[str, Any]], window: float,
+                 who: Callable[[Sequence[int]], str], command: Commands, live: bool = True) -> Verdict:
     library = ev.library()
     names = [n for n, _ in waits]
     main = "MainThread" in names
     name, key = waits[0]
     where = where_of(key, name, library)
     several = len(waits) > 1
-    held = {str(row["thread"]): row for row in locks.holders(ev, waits)}
+    held = {str(row["thread"]): row for row in lock_holders(ev, waits)}
     cycle = _lock_cycle(held)
     if cycle:
         detail = "; a deadlock: %s (%s)" % ("; ".join(
@@ -114,7 +89,7 @@ def lock_verdict(ev: "RankEvidence", waits: List[Tuple[str, Any]], window: float
     else:
         known = [row for row in held.values() if row.get("holder") is not None]
         detail = "".join("; %s waits for %s, held by thread %s in %s (%s:%s) (%s)" % (
-            row["thread"], row["lock"], row["holder"], row["holder_func"], _short(str(row["holder_file"])),
+            row["thread"], row["lock"], row["holder"], row["holder_func"], short_path(str(row["holder_file"])),
             row["holder_line"], row.get("how") or "by its stack") for row in known)
         if several and len(known) < len(held):
             detail += "; a deadlock if each holds what another waits for"
@@ -132,11 +107,11 @@ def lock_verdict(ev: "RankEvidence", waits: List[Tuple[str, Any]], window: float
         if row.get("holder") is not None:
             if row.get("holder_with_line"):
                 said = "held by thread %s, inside `with %s:` (%s:%s), now at %s (%s:%s)" % (
-                    row["holder"], row.get("holder_expr") or row["lock"], _short(str(row["holder_file"])),
-                    row["holder_with_line"], row["holder_func"], _short(str(row["holder_file"])), row["holder_line"])
+                    row["holder"], row.get("holder_expr") or row["lock"], short_path(str(row["holder_file"])),
+                    row["holder_with_line"], row["holder_func"], short_path(str(row["holder_file"])), row["holder_line"])
             else:
                 said = "held by thread %s (the RLock's owner; taken with acquire()), now at %s (%s:%s)" % (
-                    row["holder"], row["holder_func"], _short(str(row["holder_file"])), row["holder_line"])
+                    row["holder"], row["holder_func"], short_path(str(row["holder_file"])), row["holder_line"])
         else:
             said = "holder unknown: %s" % row.get("why")
         evidence.append(Evidence("thread %s at `%s`: %s; %s" % (n, code_only(k[0][3]), where_text(where_of(k, n, library)),

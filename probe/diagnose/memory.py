@@ -249,7 +249,7 @@ def _mb(value: Any) -> str:
 
 def judge(first: Any, last: Any, answering: List[int], verdicts: List[Any], who: Callable[[Sequence[int]], str],
           command: Any) -> List[Any]:
-    from probe.diagnose.rules import Evidence, Verdict
+    from probe.diagnose.verdict import Evidence, Verdict
 
     out = []
     for r in answering:

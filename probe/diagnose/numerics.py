@@ -155,7 +155,7 @@ def _loss_text(row: Dict[str, Any]) -> str:
 def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
     """The numerical verdict from the parameters read, where some rank's are not finite, or from the
     framework's last logged loss, where it is NaN or Inf."""
-    from probe.diagnose.rules import Evidence, Verdict
+    from probe.diagnose.verdict import Evidence, Verdict
 
     checks = {r: c for r in answering for c in [_check(last.ranks[r])] if c is not None}
     bad = {r: _bad(c) for r, c in checks.items() if _bad(c)}
@@ -208,7 +208,7 @@ def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], 
 def _loss_verdict(losses: Dict[int, List[Dict[str, Any]]], checks: Dict[int, Any], evidence: List[Any],
                   who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
     """The numerical verdict from the logged loss alone (the parameters finite, or not read)."""
-    from probe.diagnose.rules import Verdict
+    from probe.diagnose.verdict import Verdict
 
     ranks = sorted(losses)
     row = losses[ranks[0]][0]

@@ -1,9 +1,13 @@
-"""Progress from the step counter (``torch.steps``): whether each rank makes optimizer steps, at what rate,
-and how long a step takes, on every torch job, with or without the trace.
+"""Progress: whether each rank makes steps, at what rate, and how long a step takes. Above all from the step
+counter (``torch.steps``), on every torch job, with or without the trace; also from the trace's steps, the
+Flight Recorder's collectives and the main thread's CPU.
 
 * the evidence: one query per look (:data:`STEPS_SQL`), kept as ``RankEvidence.steps`` (rows) or
   ``steps_why``;
-* :func:`merge`: what a rank's counter did between two looks (``progress_of`` calls it);
+* :func:`progress_of`: what changed in one rank between two looks (steps, collectives, CPU, stack), with
+  :func:`merge`: what its counter did;
+* by the trace: no step on any rank for long (:func:`trace_stalled`); healthy where the counter does not
+  say (:func:`healthy_by_trace`: the trace's steps, the Flight Recorder's collectives, the main threads);
 * the rules, called by ``rules.judge``: a rank whose counter stopped while others advance (:func:`stopped`);
   no step on any rank for long (:func:`stalled`; the ranks behind in steps, if some are, apart from those
   ahead); ranks whose own steps are slower (:func:`slow_steps`: only where the ranks are not kept in step,
@@ -19,11 +23,12 @@ import statistics
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from probe._words import span
-from probe.diagnose.evidence import RankEvidence, Sample
+from probe.diagnose.evidence import RankEvidence, Sample, fr_by_pg, main_stack
+from probe.diagnose.verdict import CPU_RAN_S, Commands, Evidence, Verdict, where_of, where_text
 from probe.errors import ProbeError, TorchNotLoaded
 
-__all__ = ["STEPS_SQL", "collect_steps", "merge", "stopped", "stalled", "slow_steps", "healthy", "annotate",
-           "unavailable"]
+__all__ = ["STEPS_SQL", "collect_steps", "progress_of", "merge", "stopped", "stalled", "slow_steps", "healthy",
+           "annotate", "unavailable", "trace_stalled", "healthy_by_trace"]
 
 STEPS_SQL = ("SELECT optimizer, optimizer_id, steps, last_step_age_s AS last_age, step_time_last_s AS step_last, "
              "step_time_median_s AS step_s, step_times FROM torch.steps")
@@ -35,10 +40,8 @@ STALL_FLOOR_S = 10.0
 STALL_STEPS = 10.0
 SLOW_RATIO = 1.5
 SLOW_FLOOR_S = 0.02
-CPU_RAN_S = 0.02
 
 Who = Callable[[Sequence[int]], str]
-Commands = Callable[[Optional[Sequence[int]], str], str]
 
 
 def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, Any]]], client: Any) -> None:
@@ -64,6 +67,40 @@ def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
     if not rows or ev is None or ev.state != "answering":
         return None
     return min(rows, key=lambda r: float(r.get("last_age") or 0.0))
+
+
+def _trace_step(ev: RankEvidence) -> Optional[int]:
+    value = (ev.trace or {}).get("step")
+    return value if isinstance(value, int) else None
+
+
+def progress_of(a: RankEvidence, b: RankEvidence) -> Dict[str, Any]:
+    """What changed in one rank between two samples: steps (trace), collectives (Flight Recorder), its main
+    thread's CPU and stack. ``stepped``: it made a step or finished a collective; ``ran``: its main thread
+    ran (gained CPU or moved)."""
+    out: Dict[str, Any] = {"stepped": None, "ran": None}
+    if a.state != "answering" or b.state != "answering":
+        return out
+    sa, sb = _trace_step(a), _trace_step(b)
+    if sa is not None and sb is not None:
+        out["steps"] = sb - sa
+        out["step"] = sb
+        out["stepped"] = sb > sa
+    fa, fb = fr_by_pg(a), fr_by_pg(b)
+    if fa and fb:
+        moved = any(fb[pg]["last_seq"] != fa.get(pg, {}).get("last_seq")
+                    or bool(fb[pg].get("last_done")) != bool(fa.get(pg, {}).get("last_done")) for pg in fb)
+        out["collectives"] = sum(max(0, int(fb[pg]["last_seq"]) - int(fa.get(pg, fb[pg])["last_seq"])) for pg in fb)
+        out["stepped"] = bool(out["stepped"]) or moved
+    ca, cb = a.main_cpu(), b.main_cpu()
+    same_stack = main_stack(a) == main_stack(b)
+    if ca is not None and cb is not None:
+        out["cpu"] = round(cb - ca, 3)
+        out["ran"] = (cb - ca) >= CPU_RAN_S or not same_stack
+    else:
+        out["ran"] = not same_stack
+    merge(a, b, out)  # the step counter (torch.steps): steps made, trace or not
+    return out
 
 
 def merge(a: RankEvidence, b: RankEvidence, out: Dict[str, Any]) -> None:
@@ -142,9 +179,7 @@ def _command(command: Commands, ranks: Optional[Sequence[int]] = None) -> str:
 
 
 def _where(ev: RankEvidence) -> Any:
-    from probe.diagnose.rules import _main, where_of
-
-    thread, key = _main(ev)
+    thread, key = main_stack(ev)
     return where_of(key, thread, ev.library()) if key else None
 
 
@@ -152,8 +187,6 @@ def stopped(first: Sample, last: Sample, answering: List[int], progress: Dict[in
             window: float, who: Who, command: Commands) -> List[Any]:
     """Ranks whose counter stopped (no step in the window, the last one long ago) while others advance:
     one verdict for them; the advancing ranks are not blamed (they do not wait: they step)."""
-    from probe.diagnose.rules import Evidence, Verdict, where_text
-
     counted = _counted(last, answering, progress)
     advancing = [r for r in counted if progress[r]["optimizer_steps"] > 0]
     if not advancing:
@@ -191,8 +224,6 @@ def stalled(last: Sample, answering: List[int], progress: Dict[int, Dict[str, An
     """No step on any rank for long (at least ``STALL_FLOOR_S`` and ``STALL_STEPS`` step times): stuck when
     no main thread runs, else degraded (an evaluation, a checkpoint, a loop that makes no step). Ranks
     behind in steps are named apart from those ahead."""
-    from probe.diagnose.rules import Evidence, Verdict, where_text
-
     counted = _counted(last, answering, progress)
     if not counted or len(counted) != len(answering) or any(progress[r].get("stepped") for r in answering):
         return []
@@ -229,8 +260,6 @@ def stalled(last: Sample, answering: List[int], progress: Dict[int, Dict[str, An
 def slow_steps(last: Sample, answering: List[int], who: Who, command: Commands) -> List[Any]:
     """Ranks whose own step time is well above the others': only possible where no collective keeps the
     ranks in step every step, so there it is the rank's own iterations that are slower."""
-    from probe.diagnose.rules import Evidence, Verdict
-
     times = {r: t for r in answering for t in [_step_s(last.ranks[r])] if t is not None and t > 0}
     if len(times) < 2:
         return []
@@ -256,8 +285,6 @@ def slow_steps(last: Sample, answering: List[int], who: Who, command: Commands) 
 
 def spread_evidence(last: Sample, ranks: Sequence[int], who: Who, command: Commands) -> Optional[Any]:
     """The step time across ranks, where it is about equal: what it does and does not say."""
-    from probe.diagnose.rules import Evidence
-
     times = [t for r in ranks for t in [_step_s(last.ranks[r])] if t is not None]
     if not times:
         return None
@@ -276,8 +303,6 @@ def healthy(last: Sample, answering: List[int], progress: Dict[int, Dict[str, An
             who: Who, command: Commands) -> Optional[Any]:
     """Healthy by the counter, where no rank has the trace (that verdict says the same with its own steps):
     every rank made steps (the rate), or no step in the window but none stopped for long."""
-    from probe.diagnose.rules import Evidence, Verdict
-
     if not answering or any(last.ranks[r].trace for r in answering):
         return None
     counted = _counted(last, answering, progress)
@@ -313,8 +338,6 @@ def annotate(verdicts: List[Any], last: Sample, answering: List[int], progress: 
              who: Who, command: Commands) -> None:
     """Add the counter's reading to verdicts made from other evidence (a hang, a rank that cannot answer,
     the trace's healthy): the ranks they name, or every rank for a healthy one."""
-    from probe.diagnose.rules import Evidence
-
     counted = _counted(last, answering, progress)
     if not counted:
         return
@@ -347,3 +370,88 @@ def unavailable(last: Sample, answering: List[int], who: Who) -> List[str]:
         if why and why != "torch is not loaded":
             reasons.setdefault(why, []).append(r)
     return ["step counter: %s on %s" % (why, who(rs)) for why, rs in sorted(reasons.items())]
+
+
+# -- by the trace, where the counter does not say ----------------------------------------------------
+
+
+def trace_stalled(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]],
+                  who: Callable[[Sequence[int]], str], command: Commands) -> Optional[Verdict]:
+    """The trace's last step long ago on every rank (``STALL_FLOOR_S`` and ``STALL_STEPS`` step times), none
+    made in the window."""
+    traced = [r for r in answering if last.ranks[r].trace]
+    if not traced or len(traced) != len(answering) or any(progress[r].get("stepped") for r in answering):
+        return None
+    stale = []
+    for r in traced:
+        trace = last.ranks[r].trace or {}
+        age, step_s = float(trace.get("last_age") or 0), float(trace.get("step_s") or 0)
+        if age >= max(STALL_FLOOR_S, STALL_STEPS * step_s):
+            stale.append(r)
+    if stale != traced:
+        return None
+    thread, key = main_stack(last.ranks[traced[0]])
+    where = where_of(key, thread, last.ranks[traced[0]].library())
+    ages = [float(last.ranks[r].trace["last_age"]) for r in traced]  # type: ignore[index]
+    summary = "no step on %s for %.0f s (a step took %.2f s before)" % (
+        who(traced), min(ages), float(last.ranks[traced[0]].trace.get("step_s") or 0))  # type: ignore[union-attr]
+    evidence = [Evidence("trace: last step %s, its last span began %.0f s ago" % (
+        last.ranks[traced[0]].trace.get("step"), min(ages)),  # type: ignore[union-attr]
+        command(None, "query \"SELECT max(step), max(time) FROM python.torch_trace\""), traced),
+        Evidence("%s: %s" % (who([traced[0]]), where_text(where)), command(None, "backtrace"), traced)]
+    return Verdict("stalled", "stuck", summary, traced, [], where, evidence,
+                   ["see where every rank is: %s" % command(None, "backtrace")])
+
+
+def healthy_by_trace(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]], window: float,
+                     who: Callable[[Sequence[int]], str], command: Commands) -> Verdict:
+    """Healthy where the counter does not say: steps advancing by the trace or the Flight Recorder, or,
+    without either, the main threads running and "progress unknown"."""
+    if not answering:
+        return Verdict("unknown", "degraded", "no rank gave evidence", [], [], None, [], [])
+    stepped = [r for r in answering if progress[r].get("stepped")]
+    traced = [r for r in answering if "steps" in progress[r]]
+    ran = [r for r in answering if progress[r].get("ran")]
+    evidence = []
+    if traced:
+        steps = [progress[r]["steps"] for r in traced]
+        rate = min(steps) / window if window > 0 else 0.0
+        step_s = [float(last.ranks[r].trace.get("step_s") or 0) for r in traced]  # type: ignore[union-attr]
+        evidence.append(Evidence("trace: %s in %.1f s on %s (about %.1f steps/s; %.3f s a step)" % (
+            span(min(steps), max(steps), unit="step" if max(steps) == 1 else "steps"), window, who(traced), rate,
+            max(step_s)),
+            command(None, "query \"SELECT max(step) AS step FROM python.torch_trace\""), traced))
+    fr = [r for r in answering if "collectives" in progress[r]]
+    if fr:
+        counts = [progress[r]["collectives"] for r in fr]
+        evidence.append(Evidence("Flight Recorder: %s completed in %.1f s on %s" % (
+            span(min(counts), max(counts), unit="collective" if max(counts) == 1 else "collectives"), window, who(fr)), command(None, "query \"SELECT pg, max(collective_seq_id) "
+                                                                       "FROM torch.flight_recorder GROUP BY 1\""), fr))
+    if stepped and len(stepped) == len(answering):
+        summary = "healthy: steps advance on %s" % who(answering)
+        if traced:
+            summary += " (%.1f steps/s)" % (min(progress[r]["steps"] for r in traced) / window if window else 0.0)
+        return Verdict("healthy", "healthy", summary, [], [], None, evidence, [])
+    uncounted = _uncounted(last, answering)
+    if not traced and not fr:
+        evidence.append(Evidence("progress unknown: %s; neither the trace's steps nor the Flight Recorder's "
+                                 "collectives are recorded" % uncounted, command(None, "trace start"), answering))
+    cpu = [progress[r].get("cpu") for r in ran if progress[r].get("cpu") is not None]
+    if ran:
+        evidence.append(Evidence("%s: the main thread ran in the %.1f s watched%s" % (
+            who(ran), window, " (%s of CPU)" % span(min(cpu), max(cpu), "%.2f", "s") if cpu else ""),
+            command(None, "query \"SELECT thread_name, cpu_user FROM python.threads\""), ran))
+    idle = sorted(set(answering) - set(ran) - set(stepped))
+    if idle:
+        evidence.append(Evidence("%s: the main thread neither ran nor moved in %.1f s, and nothing else says it is "
+                                 "stuck" % (who(idle), window), command(idle, "backtrace"), idle))
+    summary = "no trouble found on %s%s" % (who(answering), "; %s: progress unknown" % uncounted if not traced and
+                                            not fr else "; no step completed in the %.1f s watched" % window)
+    return Verdict("healthy", "healthy", summary, [], [], None, evidence,
+                   ["steps and a straggler's compute per rank: %s" % command(None, "trace start")] if not traced else [])
+
+
+def _uncounted(last: Sample, answering: List[int]) -> str:
+    """Why the step counter counted no optimizer step, in the words of its evidence."""
+    whys = sorted({str(last.ranks[r].steps_why) for r in answering if last.ranks[r].steps_why})
+    return "no optimizer step counted%s" % (" (%s)" % "; ".join(whys) if whys else "")

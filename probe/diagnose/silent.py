@@ -8,32 +8,29 @@ for a record read back later (the process may be long gone).
 """
 
 import re
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
-if TYPE_CHECKING:
-    from probe.diagnose.evidence import RankEvidence, Sample
-    from probe.diagnose.rules import Commands, Verdict
+from probe.diagnose.evidence import RankEvidence, Sample, main_stack
+from probe.diagnose.verdict import Commands, Evidence, Verdict, where_of, where_text
 
 __all__ = ["cannot_answer", "died_of_another", "waiting"]
 
 Key = Tuple[Tuple[str, str, int, str], ...]
 
 
-def died_of_another(ev: "RankEvidence") -> bool:
+def died_of_another(ev: RankEvidence) -> bool:
     """A dead rank whose death is how ranks die of another's: SIGTERM (a launcher ends the others so), an
     uncaught exception (a collective whose peer is gone raises one)."""
     why = ev.why or ""
     return ev.state == "dead" and ("SIGTERM (terminated)" in why or ": uncaught exception: " in why)
 
 
-def waiting(in_collective: Dict[int, Any], first: "Sample", last: "Sample",
+def waiting(in_collective: Dict[int, Any], first: Sample, last: Sample,
             progress: Dict[int, Dict[str, Any]]) -> Dict[int, Any]:
     """The ranks that wait for a rank that cannot answer: those inside a collective over the look
     (rank -> (op, thread, stack)), and the other answering ranks of a job whose main thread neither ran nor
     moved and that made no step (rank -> (None, thread, stack)): waiting inside DDP's backward, a barrier
     of their own, a queue fed by the silent rank."""
-    from probe.diagnose.rules import _main
-
     out = dict(in_collective)
     if last.single:
         return out
@@ -41,29 +38,25 @@ def waiting(in_collective: Dict[int, Any], first: "Sample", last: "Sample",
         if r in out or ev.state != "answering" or r not in first.ranks or first.ranks[r] is ev:
             continue
         if progress.get(r, {}).get("ran") is False and not progress[r].get("stepped"):
-            thread, key = _main(ev)
+            thread, key = main_stack(ev)
             if key:
                 out[r] = (None, thread, key)
     return out
 
 
-def _culprit_thread(ev: "RankEvidence") -> Tuple[str, Key]:
+def _culprit_thread(ev: RankEvidence) -> Tuple[str, Key]:
     """The thread a verdict on ``ev`` points at: the GIL's holder where it is known, else the main thread."""
-    from probe.diagnose.rules import _main
-
     if ev.state == "gil_held" and type(ev.holder_id) is int:
         name = ev.names_by_id().get(ev.holder_id)
         stacks = ev.stacks()
         if name is not None and stacks.get(name):
             return name, stacks[name]
-    return _main(ev)
+    return main_stack(ev)
 
 
-def cannot_answer(ev: "RankEvidence", name: str, in_collective: Dict[int, Any], ranks: Dict[int, "RankEvidence"],
-                  who: Callable[[Sequence[int]], str], command: "Commands", single: bool,
-                  recorded: bool = False) -> "Verdict":
-    from probe.diagnose.rules import Evidence, Verdict, where_of, where_text
-
+def cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], ranks: Dict[int, RankEvidence],
+                  who: Callable[[Sequence[int]], str], command: Commands, single: bool,
+                  recorded: bool = False) -> Verdict:
     thread, key = _culprit_thread(ev)
     where = where_of(key, thread, ev.library()) if ev.frames else None
     waiting = sorted(in_collective)

@@ -18,18 +18,30 @@ most of the time, the straggler is mostly elsewhere, and where it is names the c
   where a rank waits for another (a collective; a backward pass: DDP's gradient all_reduce waits there,
   in C) and it 0.4 less often, is the straggler; its most sampled own function is named, with the trace's
   phase times per step where the trace runs. Exactly one rank must fit: else nothing is said.
+
+Where the trace runs, a straggler slow in its forward pass is found first by its own compute per step
+(:func:`by_trace`: forward self time well above the others' median); not the ranks that wait for it in
+collectives.
 """
 
+import statistics
 import time
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-__all__ = ["SAMPLES", "GAP_S", "gather", "judge"]
+from probe.diagnose.collectives import collective_of
+from probe.diagnose.evidence import Sample, agent_frames, main_stack
+from probe.diagnose.progress import counter, _step_s as step_of
+from probe.diagnose.verdict import Commands, Evidence, Verdict, where_of
+
+__all__ = ["SAMPLES", "GAP_S", "gather", "judge", "by_trace"]
 
 SAMPLES = 5
 GAP_S = 0.08
 STEPPING_S = 2.0
 MIN_SAMPLES = 6
+STRAGGLER_RATIO = 1.5  # by the trace: a rank's forward self time this many times the others' median ...
+STRAGGLER_FLOOR_S = 0.02  # ... and this much above it
 
 Frame = Tuple[str, str, int, str]
 PHASES = (("backward", ("torch/autograd/", "torch/_tensor.py")), ("optimizer", ("torch/optim/",)),
@@ -51,8 +63,6 @@ from the step's beginning to its first forward (data loading, zero_grad, the pro
 def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], out: Dict[str, Any]) -> None:
     """More samples of the main thread's stack into ``out["main_samples"]``, where the rank is stepping;
     the trace's phases where it runs. Never raises."""
-    from probe.diagnose.evidence import _agent_frames
-    from probe.diagnose.progress import counter
     from probe.errors import ProbeError
 
     if not _moving(ev, counter(ev)):
@@ -61,7 +71,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
     for _ in range(SAMPLES):
         time.sleep(GAP_S)
         try:
-            frames = _agent_frames(client)
+            frames = agent_frames(client)
         except ProbeError:
             break
         except Exception:  # a surprise in the reading: fewer samples, said by their count
@@ -88,13 +98,11 @@ def _moving(ev: Any, main: Optional[Dict[str, Any]]) -> bool:
 
 
 def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
-    from probe.diagnose.rules import _main
-
     out: List[Tuple[Frame, ...]] = []
     for ev in (first.ranks.get(rank), last.ranks.get(rank)):
         if ev is None or ev.state != "answering":
             continue
-        key = _main(ev)[1]
+        key = main_stack(ev)[1]
         if key:
             out.append(tuple(key))
         for stack in (getattr(ev, "training", None) or {}).get("main_samples") or ():
@@ -110,8 +118,6 @@ def _phase(key: Sequence[Frame], library: Any = None) -> str:
     code inside the autograd engine's (a hook, an autograd Function's backward, a recomputed forward) make
     it ``backward code``: the rank computes there in Python, where a rank waiting for DDP's gradient
     all_reduce shows the engine's frame innermost (the wait is in C)."""
-    from probe.diagnose.rules import collective_of
-
     if collective_of(key) is not None:
         return "collective"
     for phase, marks in PHASES:
@@ -134,8 +140,6 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
     """The straggler by the main threads' samples: one rank mostly in a phase of its own (its code, its
     forward, its optimizer) where the others seldom are, while they are mostly where ranks wait for another
     (a collective; a backward pass, where DDP's gradient all_reduce waits) and it seldom is."""
-    from probe.diagnose.rules import Evidence, Verdict, where_of
-
     if len(answering) < 2:
         return []
     phases: Dict[int, Counter] = {}
@@ -200,8 +204,6 @@ APART = 0.4  # ... and this much more than the others there (median), or than th
 
 def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional[Tuple[int, str, str]]:
     """(rank, its phase, where the others wait), where exactly one rank fits."""
-    import statistics
-
     def share(rank: int, phase: str) -> float:
         return phases[rank][phase] / len(keys[rank])
 
@@ -221,15 +223,11 @@ def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional
 
 
 def _step_s(last: Any, answering: List[int]) -> Optional[float]:
-    from probe.diagnose.progress import _step_s as step_of
-
     times = [t for r in answering for t in [step_of(last.ranks[r])] if t]
     return max(times) if times else None
 
 
 def _phase_evidence(last: Any, ranks: List[int], who: Callable[[Sequence[int]], str], command: Any) -> Optional[Any]:
-    from probe.diagnose.rules import Evidence
-
     rows = {r: (last.ranks[r].training or {}).get("phases") for r in ranks}
     rows = {r: p for r, p in rows.items() if p and p.get("steps")}
     if not rows:
@@ -244,3 +242,42 @@ def _phase_evidence(last: Any, ranks: List[int], who: Callable[[Sequence[int]], 
     return Evidence("trace, a step over the last 5: %s" % text,
                     command(None, "query \"SELECT stage, sum(total_duration) FROM python.torch_trace WHERE depth = 0 "
                                   "GROUP BY 1\""), sorted(rows), [dict(p, rank=r) for r, p in sorted(rows.items())])
+
+
+def by_trace(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
+             command: Commands) -> Optional[Verdict]:
+    """A straggler by the trace: a rank whose own compute per step (forward self time over the last 5 steps)
+    is well above the others' median (of two ranks, well above the other's)."""
+    compute = {r: float(last.ranks[r].trace["compute"]) for r in answering  # type: ignore[index]
+               if last.ranks[r].trace and isinstance(last.ranks[r].trace.get("compute"), (int, float))}  # type: ignore[union-attr]
+    if len(compute) < 2:
+        return None
+    median = statistics.median(compute.values())
+    slow = sorted(r for r, c in compute.items() if c > STRAGGLER_RATIO * median and c - median > STRAGGLER_FLOOR_S)
+    if not slow or len(slow) * 2 > len(compute) and len(compute) > 2:
+        return None
+    if len(compute) == 2:  # two ranks: the slower one, if it is well above the other
+        low = min(compute.values())
+        slow = [r for r, c in compute.items() if c > STRAGGLER_RATIO * low and c - low > STRAGGLER_FLOOR_S]
+        median = low
+        if len(slow) != 1:
+            return None
+    r = slow[0]
+    top = last.ranks[r].trace.get("top_module")  # type: ignore[union-attr]
+    summary = "straggler: %s compute%s %.3f s a step (forward self time), the others %.3f s%s" % (
+        who(slow), "s" if len(slow) == 1 else "", compute[r], median,
+        "; most of it in module %s" % top if top else "")
+    where = {"module": top, "thread": "MainThread"} if top else None
+    rows = [dict(rank=k, compute=round(v, 4), top_module=last.ranks[k].trace.get("top_module"))  # type: ignore[union-attr]
+            for k, v in sorted(compute.items())]
+    shown = ", ".join("%s %.3f s" % (who([k]), v) for k, v in sorted(compute.items(), key=lambda kv: -kv[1])[:4])
+    evidence = [Evidence("trace: forward self time per step over the last 5 steps: %s%s" % (
+        shown, ", ..." if len(compute) > 4 else ""), command(
+        None, "query \"SELECT sum(duration) AS compute FROM python.torch_trace WHERE step > (SELECT max(step) - 5 "
+              "FROM python.torch_trace) AND stage = 'forward'\" --merge \"SELECT rank, compute FROM result ORDER BY "
+              "compute DESC\""), sorted(compute), rows)]
+    return Verdict("straggler", "degraded", summary, slow, sorted(set(compute) - set(slow)), where, evidence,
+                   ["its slowest modules: %s" % command(slow[:1], "query \"SELECT module, sum(duration) AS t FROM "
+                                                                    "python.torch_trace WHERE stage = 'forward' GROUP BY "
+                                                                    "1 ORDER BY 2 DESC LIMIT 5\""),
+                    "the others wait for it in their collectives: their long collective time is its effect, not a cause"])

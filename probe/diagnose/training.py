@@ -34,7 +34,7 @@ _PARAMS_DONE: Dict[Tuple[str, Optional[int]], Dict[str, Any]] = {}  # once per p
 
 
 def forget(key: Tuple[str, Optional[int]]) -> None:
-    """Forget the parameters read after a NaN of one process (``probe.diagnose.evidence.forget``)."""
+    """Forget the parameters read after a NaN of one process (``probe.diagnose.gather.forget``)."""
     _PARAMS_DONE.pop(key, None)
 
 
@@ -140,7 +140,7 @@ def _main_key(ev: Any) -> Tuple[Tuple[str, str, int, str], ...]:
 
 def judge(first: Any, last: Any, answering: List[int], progress: Dict[int, Dict[str, Any]], window: float,
           who: Callable[[Sequence[int]], str], command: Any) -> List[Any]:
-    from probe.diagnose.rules import HANG_FLOOR_S
+    from probe.diagnose.verdict import HANG_FLOOR_S
 
     out = []
     for r in answering:
@@ -166,7 +166,7 @@ def _task(ev: Any) -> Any:
 
 def _loader_stall(a: Any, b: Any, progress: Dict[str, Any], window: float, who: Callable[[Sequence[int]], str],
                   command: Any) -> Optional[Any]:
-    from probe.diagnose.rules import CPU_RAN_S, Evidence, Verdict, where_of, where_text
+    from probe.diagnose.verdict import CPU_RAN_S, Evidence, Verdict, where_of, where_text
 
     key = _main_key(b)
     if loader_wait_of(key) is None or loader_wait_of(_main_key(a)) is None or progress.get("stepped"):
@@ -230,7 +230,7 @@ def _nan(value: Any) -> bool:
 
 
 def _numerical(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], command: Any) -> Optional[Any]:
-    from probe.diagnose.rules import Evidence, Verdict
+    from probe.diagnose.verdict import Evidence, Verdict
 
     found = {r: last.ranks[r].training["anomalies"] for r in answering
              if (getattr(last.ranks[r], "training", None) or {}).get("anomalies")}

@@ -2,11 +2,10 @@
 line each (an engine's message can span several), and the probe command that turns it on where one does
 (`probe T trace start` for the trace's steps and each module's time)."""
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-if TYPE_CHECKING:
-    from probe.diagnose.evidence import Sample
-    from probe.diagnose.rules import Commands
+from probe.diagnose.evidence import Sample
+from probe.diagnose.verdict import Commands
 
 __all__ = ["unavailable", "with_how", "said"]
 
@@ -15,8 +14,8 @@ _HOW = {"trace": ("records each step and each module's time", "trace start"),
 """What turns on the evidence a line of "not known" says is missing: (what it gives, the probe command)."""
 
 
-def unavailable(last: "Sample", answering: List[int], who: Callable[[Sequence[int]], str],
-                 command: Optional["Commands"] = None) -> List[str]:
+def unavailable(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
+                 command: Optional[Commands] = None) -> List[str]:
     out = []
     for what, attr in (("Flight Recorder", "fr_why"), ("trace", "trace_why"), ("threads' CPU", "threads_why")):
         reasons: Dict[str, List[int]] = {}
@@ -35,7 +34,7 @@ def said(why: str) -> str:
     return lines[0] if lines else str(why)
 
 
-def with_how(lines: List[str], command: Optional["Commands"], recorded: bool) -> List[str]:
+def with_how(lines: List[str], command: Optional[Commands], recorded: bool) -> List[str]:
     """Each line of "not known" whose evidence a probe command turns on, with that command (not for a record:
     its process is not there to be asked)."""
     if command is None or recorded:

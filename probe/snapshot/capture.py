@@ -41,7 +41,7 @@ def capture_rank(client: Any, rank: int, host: str, pid: Optional[int], reason: 
     start = time.monotonic()
     recorded_at = time.time()
     try:
-        from probe.diagnose.evidence import collect, forget
+        from probe.diagnose.gather import collect, forget
 
         forget(host, pid, rank)  # a record holds its own looks only, not an earlier stall's
         first = collect(client, rank, host, pid)
@@ -71,7 +71,8 @@ def _longer_look(client: Any, rank: int, host: str, pid: Optional[int], first: A
     look alike for a second; the rules call a wait a hang or a lock wait only over 2 s), look again at 3 s
     from the first look and keep that look instead."""
     from probe.diagnose.engine import LONGER_S
-    from probe.diagnose.evidence import Sample, collect
+    from probe.diagnose.evidence import Sample
+    from probe.diagnose.gather import collect
     from probe.diagnose.rules import needs_longer_look
 
     if last.state != "answering" or not needs_longer_look(Sample({rank: first}, 1), Sample({rank: last}, 1)):

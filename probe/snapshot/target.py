@@ -148,7 +148,7 @@ def _needs_live(rest: str, no_stacks: bool = False) -> bool:
 
 def _call_sites(sample: Any, ranks: Sequence[int]) -> List[Any]:
     """Evidence: where each rank issued its last collective (the recorder keeps the call's stack)."""
-    from probe.diagnose.rules import Evidence
+    from probe.diagnose.verdict import Evidence
 
     out = []
     for rank in ranks:
@@ -165,7 +165,7 @@ def _call_sites(sample: Any, ranks: Sequence[int]) -> List[Any]:
 def _dumps_verdict(sample: Any, command: Any) -> Any:
     """Where no rank of torch's dumps is behind another: each group's last collective issued by every rank
     and finished (no hang in them), or finished by none (the collective itself hangs)."""
-    from probe.diagnose.rules import Evidence, Verdict, ranks_word
+    from probe.diagnose.verdict import Evidence, Verdict, ranks_word
 
     groups: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for rank, ev in sample.ranks.items():

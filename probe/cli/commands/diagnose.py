@@ -154,13 +154,13 @@ def render(report: Any) -> List[str]:
             out.append("")
         out.append("%s: %s" % (verdict.status.upper(), visible(verdict.summary)))
         if verdict.where and verdict.where.get("func"):
-            from probe.diagnose.rules import where_text
+            from probe.diagnose.verdict import where_text
 
             out.append("  where: %s" % visible(where_text(verdict.where)))
         elif verdict.where and verdict.where.get("module"):
             out.append("  where: module %s" % visible(str(verdict.where["module"])))
         if verdict.victims and verdict.kind != "straggler":
-            from probe.diagnose.rules import ranks_word
+            from probe.diagnose.verdict import ranks_word
 
             out.append("  waiting (not to blame): %s" % ranks_word(verdict.victims))
         if verdict.evidence:
@@ -200,7 +200,7 @@ def _changes(before: Any, now: Any) -> List[str]:
     else:
         lines.append("the same verdict (%s)" % now.status)
     from probe._words import span
-    from probe.diagnose.rules import ranks_word
+    from probe.diagnose.verdict import ranks_word
 
     moved, still = [], []
     for rank, p in sorted(now.progress.items()):
