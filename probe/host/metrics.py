@@ -1,0 +1,228 @@
+"""Prometheus metrics of a node's ranks (issue 36): ``PROBE_METRICS_PORT=N`` makes the node helper serve
+``http://NODE:N/metrics`` in Prometheus's text format, through ``prometheus_client``.
+
+Why here: the helper already knows its node's ranks and reads each one's step counter from its progress
+file (``progress-<pid>.bin``) without the rank's GIL; a scrape adds a few small reads of files in the runtime
+directory and ``/proc`` and nothing else. No request goes to any rank's agent: a rank whose GIL a C call
+holds, or that is stopped, is scraped like any other. A custom collector reads the state at each scrape,
+so nothing runs between scrapes.
+
+What is not here (said in docs/metrics.md): CUDA memory, the last collective's sequence number, data-wait
+time and the framework's loss, learning rate and grad norm; each needs the rank's agent. A silent rank
+(agent not run for 2 s) is not told apart from one whose GIL a C call holds: that takes a read from
+outside (ptrace), which ``probe ... ranks`` and ``diagnose`` do and a scrape does not.
+"""
+
+import os
+import time
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from probe._stderr import say as _say
+
+__all__ = ["start", "NodeCollector", "STATES", "VERDICTS", "metrics_port"]
+
+STATES = ("running", "silent", "stopped", "starting", "dead")  # a rank's, as the helper's member list has it
+VERDICTS = ("stepping", "starting", "suspect", "stalled", "dead")  # the node's, by code 0-4 (probe_verdict)
+_RANK_LABELS = ("job", "node", "host", "rank", "local_rank")
+_NODE_LABELS = ("job", "node", "host")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def metrics_port(environ: Optional[Dict[str, str]] = None) -> Optional[int]:
+    """``PROBE_METRICS_PORT`` as a port number (1-65535); None where unset or not one."""
+    raw = (environ if environ is not None else os.environ).get("PROBE_METRICS_PORT", "").strip()
+    return int(raw) if raw.isdigit() and 0 < int(raw) < 65536 else None
+
+
+def _rss(pid: int) -> Optional[int]:
+    try:
+        with open("/proc/%d/statm" % pid, "rb") as handle:
+            return int(handle.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _meminfo() -> Dict[str, int]:
+    """MemTotal and MemAvailable of this node, in bytes."""
+    out: Dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", "rb") as handle:
+            for line in handle:
+                name, _, rest = line.partition(b":")
+                if name in (b"MemTotal", b"MemAvailable"):
+                    out[name.decode("ascii")] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def verdict_code(watch: Any, members: List[Any], stepped: bool) -> Optional[int]:
+    """The node's verdict as the stall watch holds it (``VERDICTS``' index); None without a watch. Read off
+    the watch's fields, without its lock: a scrape never waits on a look or a record being written.
+    ``stepped``: a rank's progress file, read by this scrape, counts a step (the watch looks once a second)."""
+    if watch is None:
+        return None
+    if any(m.state == "dead" for m in members):
+        return 4
+    if watch.stalled_since is not None:
+        return 3  # recorded, no progress since
+    if watch.baseline is not None:
+        return 2  # no step for half of hang_after: the watch is asking the Flight Recorders
+    if not stepped and not any(r.steps for r in list(watch.ranks.values())):
+        return 1
+    return 0
+
+
+class NodeCollector:
+    """The collector ``prometheus_client`` calls at each scrape: this node's ranks, as they are now."""
+
+    def __init__(self, helper: Any) -> None:
+        self.helper = helper
+        self._jobs: Dict[Tuple[int, ...], str] = {}  # the ranks' pids -> the job's id (read from /proc once)
+        self._ticks: Dict[int, int] = {}  # pid -> start ticks: a progress file of an earlier process is not its
+
+    def describe(self) -> List[Any]:
+        return []  # nothing read at registration
+
+    def job(self, members: List[Any]) -> str:
+        """The job's id as the snapshots name it (``probe.snapshot.store.job_id``): Slurm's job id,
+        torchelastic's run id, else ``port<PROBE_PORT>``."""
+        pids = tuple(sorted(m.pid for m in members))
+        if pids not in self._jobs:
+            from probe.host.members import process_environ
+            from probe.snapshot import store
+
+            keys = (b"SLURM_JOB_ID", b"TORCHELASTIC_RUN_ID")
+            env = next((e for e in (process_environ(p, keys) for p in pids) if e), {})
+            slurm = env.get(b"SLURM_JOB_ID", b"").decode("ascii", "replace") or os.environ.get("SLURM_JOB_ID")
+            run = env.get(b"TORCHELASTIC_RUN_ID", b"").decode("ascii", "replace") or os.environ.get("TORCHELASTIC_RUN_ID")
+            if len(self._jobs) > 64:
+                self._jobs.clear()
+            self._jobs[pids] = store.job_id(slurm or None, run or None, self.helper.base_port)
+        return self._jobs[pids]
+
+    def _progress(self, pid: int) -> Any:
+        from probe import _paths
+        from probe.tables.torch.steps import read_progress
+
+        found = read_progress(_paths.progress_path(pid))
+        if found is None or found.pid != pid:
+            return None
+        if pid not in self._ticks:
+            try:
+                self._ticks[pid] = _paths.process_start_ticks(str(pid))
+            except (OSError, ValueError, IndexError):
+                return None
+        if found.start_ticks and found.start_ticks != self._ticks[pid]:
+            return None  # a file left by an earlier process with this pid
+        return found
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from probe.host.members import node_host
+
+        helper = self.helper
+        members = helper.members.scan()
+        watch = getattr(helper, "watch", None)
+        job = self.job(members)
+        host = node_host()
+        node_key = helper.members.node_key()
+        node = str(node_key if node_key is not None else 0)
+        now = time.monotonic()
+
+        steps = CounterMetricFamily("probe_steps", "Optimizer steps the rank made (its step counter).",
+                                    labels=_RANK_LABELS)
+        age = GaugeMetricFamily("probe_last_step_age_seconds", "Seconds since the rank's last optimizer step ended.",
+                                labels=_RANK_LABELS)
+        took = GaugeMetricFamily("probe_step_time_seconds", "How long the rank's last optimizer step took "
+                                 "(end of the step before to end of this one).", labels=_RANK_LABELS)
+        state = GaugeMetricFamily("probe_rank_state", "1 for the rank's state now (running, silent: its agent "
+                                  "has not run for 2 s, stopped, starting, dead), 0 for the others.",
+                                  labels=_RANK_LABELS + ("state",))
+        rss = GaugeMetricFamily("probe_rank_rss_bytes", "The rank's resident memory, from /proc.", labels=_RANK_LABELS)
+        beat = GaugeMetricFamily("probe_rank_heartbeat_age_seconds", "Seconds since the rank's agent last ran.",
+                                 labels=_RANK_LABELS)
+        restarts = GaugeMetricFamily("probe_rank_restarts", "Restarts of the rank (torchelastic's count).",
+                                     labels=_RANK_LABELS)
+        seen: set = set()
+        stepped = False
+        for member in members:
+            seen.add(member.pid)
+            labels = [job, str(member.node if member.node is not None else node), host, str(member.rank),
+                      "" if member.local_rank is None else str(member.local_rank)]
+            for word in STATES:
+                state.add_metric(labels + [word], 1.0 if member.state == word else 0.0)
+            restarts.add_metric(labels, float(member.restarts))
+            if member.heartbeat_age is not None:
+                beat.add_metric(labels, float(member.heartbeat_age))
+            if member.state == "dead":
+                continue
+            memory = _rss(member.pid)
+            if memory is not None:
+                rss.add_metric(labels, float(memory))
+            found = self._progress(member.pid)
+            if found is None:
+                continue
+            steps.add_metric(labels, float(found.steps))
+            stepped = stepped or found.steps > 0
+            if found.steps:
+                age.add_metric(labels, max(0.0, now - found.last))
+            if found.step_time > 0:
+                took.add_metric(labels, found.step_time)
+        for pid in [p for p in self._ticks if p not in seen]:
+            del self._ticks[pid]
+        yield from (steps, age, took, state, rss, beat, restarts)
+
+        labels = [job, node, host]
+        ranks = GaugeMetricFamily("probe_ranks", "Ranks of this node the helper knows (dead ones included).",
+                                  labels=_NODE_LABELS)
+        ranks.add_metric(labels, float(len(members)))
+        yield ranks
+        info = _meminfo()
+        for key, name in (("MemTotal", "probe_node_memory_total_bytes"),
+                          ("MemAvailable", "probe_node_memory_available_bytes")):
+            if key in info:
+                family = GaugeMetricFamily(name, "This node's %s, from /proc/meminfo." % key, labels=_NODE_LABELS)
+                family.add_metric(labels, float(info[key]))
+                yield family
+        if watch is None:
+            return
+        records = CounterMetricFamily("probe_records", "Snapshots the node's stall watch wrote (stalls and deaths).",
+                                      labels=_NODE_LABELS)
+        records.add_metric(labels, float(watch.records))
+        code = GaugeMetricFamily("probe_verdict", "The node's verdict, from its stall watch: 0 stepping, 1 starting "
+                                 "(no step yet), 2 suspect (no step for half of hang_after), 3 stalled (recorded), "
+                                 "4 a rank dead.", labels=_NODE_LABELS)
+        code.add_metric(labels, float(verdict_code(watch, members, stepped)))
+        hang = GaugeMetricFamily("probe_hang_after_seconds", "Seconds without a step that make a stall, as the "
+                                 "watch reckons it now.", labels=_NODE_LABELS)
+        hang.add_metric(labels, float(watch.hang_after(list(watch.ranks.values()))))
+        yield from (records, code, hang)
+
+
+def start(helper: Any, host: str) -> Optional[Any]:
+    """Serve the node's metrics where ``PROBE_METRICS_PORT`` says, on the helper's address; the server, or None
+    (unset, ``prometheus_client`` missing, the port taken: said once). Never raises."""
+    port = metrics_port()
+    if port is None:
+        if os.environ.get("PROBE_METRICS_PORT", "").strip():
+            _say("probe: PROBE_METRICS_PORT=%r is not a port; no metrics" % os.environ["PROBE_METRICS_PORT"][:40])
+        return None
+    try:
+        from prometheus_client import CollectorRegistry, start_http_server
+    except ImportError:
+        _say("probe: PROBE_METRICS_PORT is set but prometheus_client is not installed (pip install "
+             "'rankprobe[metrics]'); no metrics")
+        return None
+    try:
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(NodeCollector(helper))
+        bind = host.strip("[]")
+        server, _ = start_http_server(port, addr=bind, registry=registry)
+        helper.metrics_address = "%s:%d" % (host, port)
+        _say("probe: the host helper serves metrics at http://%s:%d/metrics" % (host, port))
+        return server
+    except Exception as exc:  # noqa: BLE001 -- the helper serves on without metrics
+        _say("probe: no metrics on %s:%d: %s" % (host, port, getattr(exc, "strerror", None) or exc))
+        return None
