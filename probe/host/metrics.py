@@ -9,11 +9,12 @@ so nothing runs between scrapes.
 
 What is not here (said in docs/metrics.md): CUDA memory, the last collective's sequence number, data-wait
 time and the framework's loss, learning rate and grad norm; each needs the rank's agent. A silent rank
-(agent not run for 2 s) is not told apart from one whose GIL a C call holds: that takes a read from
-outside (ptrace), which ``probe ... ranks`` and ``diagnose`` do and a scrape does not.
+(agent not run for 2 s) is shown ``gil_held`` once a background read from outside (ptrace, at most every
+``HELD_EVERY_S`` a silent rank, never in a scrape) found a C call keeping its GIL.
 """
 
 import os
+import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -21,10 +22,11 @@ from probe._stderr import say as _say
 
 __all__ = ["start", "NodeCollector", "STATES", "VERDICTS", "metrics_port"]
 
-STATES = ("running", "silent", "stopped", "starting", "dead")  # a rank's, as the helper's member list has it
+STATES = ("running", "silent", "gil_held", "stopped", "starting", "dead")  # a rank's (probe_rank_state)
 VERDICTS = ("stepping", "starting", "suspect", "stalled", "dead")  # the node's, by code 0-4 (probe_verdict)
 _RANK_LABELS = ("job", "node", "host", "rank", "local_rank")
 _NODE_LABELS = ("job", "node", "host")
+HELD_EVERY_S = 30.0  # a silent rank is read from outside at most this often, to tell gil_held
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -56,6 +58,52 @@ def _meminfo() -> Dict[str, int]:
     return out
 
 
+class _Holders:
+    """Which silent ranks keep their GIL in a C call. Telling takes a read from outside (ptrace, as
+    ``diagnose`` does: ``probe.client.outside.diagnose_now``), so a scrape never does it: it hands the silent
+    ranks to one background thread, which reads each at most every ``HELD_EVERY_S``, and shows the last
+    finding. A rank that is not silent costs nothing here."""
+
+    def __init__(self) -> None:
+        self.found: Dict[int, Tuple[float, bool]] = {}  # pid -> (when read, keeps its GIL)
+        self.busy = False
+        self._lock = threading.Lock()
+
+    def held(self, pid: int) -> bool:
+        return self.found.get(pid, (0.0, False))[1]
+
+    def ask(self, silent: List[int]) -> None:
+        """Called by a scrape with the ranks silent now: forget the others, read the stale ones in the
+        background (one read at a time; never waits)."""
+        now = time.monotonic()
+        for pid in [p for p in self.found if p not in silent]:
+            self.found.pop(pid, None)
+        due = [p for p in silent if now - self.found.get(p, (-HELD_EVERY_S, False))[0] >= HELD_EVERY_S]
+        if not due:
+            return
+        with self._lock:
+            if self.busy:
+                return
+            self.busy = True
+        try:
+            threading.Thread(target=self._read, args=(due,), name="probe-metrics-held", daemon=True).start()
+        except RuntimeError:
+            self.busy = False
+
+    def _read(self, pids: List[int]) -> None:
+        from probe import _paths
+        from probe.client.outside import diagnose_now
+
+        try:
+            for pid in pids:
+                try:
+                    self.found[pid] = (time.monotonic(), diagnose_now(pid, _paths.socket_path(pid)).state == "gil_held")
+                except Exception:  # noqa: BLE001 -- shown as silent
+                    self.found[pid] = (time.monotonic(), False)
+        finally:
+            self.busy = False
+
+
 def verdict_code(watch: Any, members: List[Any], stepped: bool) -> Optional[int]:
     """The node's verdict as the stall watch holds it (``VERDICTS``' index); None without a watch. Read off
     the watch's fields, without its lock: a scrape never waits on a look or a record being written.
@@ -80,6 +128,7 @@ class NodeCollector:
         self.helper = helper
         self._jobs: Dict[Tuple[int, ...], str] = {}  # the ranks' pids -> the job's id (read from /proc once)
         self._ticks: Dict[int, int] = {}  # pid -> start ticks: a progress file of an earlier process is not its
+        self.holders = _Holders()
 
     def describe(self) -> List[Any]:
         return []  # nothing read at registration
@@ -138,7 +187,7 @@ class NodeCollector:
         took = GaugeMetricFamily("probe_step_time_seconds", "How long the rank's last optimizer step took "
                                  "(end of the step before to end of this one).", labels=_RANK_LABELS)
         state = GaugeMetricFamily("probe_rank_state", "1 for the rank's state now (running, silent: its agent "
-                                  "has not run for 2 s, stopped, starting, dead), 0 for the others.",
+                                  "has not run for 2 s, gil_held: a C call keeps its GIL, stopped, starting, dead), 0 for the others.",
                                   labels=_RANK_LABELS + ("state",))
         rss = GaugeMetricFamily("probe_rank_rss_bytes", "The rank's resident memory, from /proc.", labels=_RANK_LABELS)
         beat = GaugeMetricFamily("probe_rank_heartbeat_age_seconds", "Seconds since the rank's agent last ran.",
@@ -149,10 +198,13 @@ class NodeCollector:
         stepped = False
         for member in members:
             seen.add(member.pid)
+            now_state = member.state
+            if now_state == "silent" and self.holders.held(member.pid):
+                now_state = "gil_held"
             labels = [job, str(member.node if member.node is not None else node), host, str(member.rank),
                       "" if member.local_rank is None else str(member.local_rank)]
             for word in STATES:
-                state.add_metric(labels + [word], 1.0 if member.state == word else 0.0)
+                state.add_metric(labels + [word], 1.0 if now_state == word else 0.0)
             restarts.add_metric(labels, float(member.restarts))
             if member.heartbeat_age is not None:
                 beat.add_metric(labels, float(member.heartbeat_age))
@@ -170,6 +222,7 @@ class NodeCollector:
                 age.add_metric(labels, max(0.0, now - found.last))
             if found.step_time > 0:
                 took.add_metric(labels, found.step_time)
+        self.holders.ask([m.pid for m in members if m.state == "silent"])
         for pid in [p for p in self._ticks if p not in seen]:
             del self._ticks[pid]
         yield from (steps, age, took, state, rss, beat, restarts)
