@@ -173,6 +173,9 @@ class NodeCollector:
 
         helper = self.helper
         members = helper.members.scan()
+        if not members:  # a program run alone under PROBE_PORT: rank 0 of one, as the watch takes it
+            solo = helper.members.solo()
+            members = [solo] if solo is not None else []
         watch = getattr(helper, "watch", None)
         job = self.job(members)
         host = node_host()
