@@ -13,6 +13,7 @@ time and the framework's loss, learning rate and grad norm; each needs the rank'
 ``HELD_EVERY_S`` a silent rank, never in a scrape) found a C call keeping its GIL.
 """
 
+import errno
 import os
 import threading
 import time
@@ -22,10 +23,12 @@ from probe._stderr import say as _say
 
 __all__ = ["start", "NodeCollector", "STATES", "VERDICTS", "metrics_port"]
 
-STATES = ("running", "silent", "gil_held", "stopped", "starting", "dead")  # a rank's (probe_rank_state)
+STATES = ("running", "silent", "gil_held", "stopped", "starting", "exited", "dead")  # a rank's (probe_rank_state)
 VERDICTS = ("stepping", "starting", "suspect", "stalled", "dead")  # the node's, by code 0-4 (probe_verdict)
 _RANK_LABELS = ("job", "node", "host", "rank", "local_rank")
 _NODE_LABELS = ("job", "node", "host")
+RETRY_S = 2.0  # the metrics port taken at start: tried again this often
+RETRY_FOR_S = 300.0  # for this long (a helper of the job before lingers PROBE_HELPER_LINGER_S, 30 s)
 HELD_EVERY_S = 30.0  # a silent rank is read from outside at most this often, to tell gil_held
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -76,7 +79,7 @@ class _Holders:
         """Called by a scrape with the ranks silent now: forget the others, read the stale ones in the
         background (one read at a time; never waits)."""
         now = time.monotonic()
-        for pid in [p for p in self.found if p not in silent]:
+        for pid in [p for p in list(self.found) if p not in silent]:
             self.found.pop(pid, None)
         due = [p for p in silent if now - self.found.get(p, (-HELD_EVERY_S, False))[0] >= HELD_EVERY_S]
         if not due:
@@ -104,13 +107,14 @@ class _Holders:
             self.busy = False
 
 
-def verdict_code(watch: Any, members: List[Any], stepped: bool) -> Optional[int]:
+def verdict_code(watch: Any, states: List[str], stepped: bool) -> Optional[int]:
     """The node's verdict as the stall watch holds it (``VERDICTS``' index); None without a watch. Read off
     the watch's fields, without its lock: a scrape never waits on a look or a record being written.
-    ``stepped``: a rank's progress file, read by this scrape, counts a step (the watch looks once a second)."""
+    ``states``: the ranks' (``STATES``); ``stepped``: a rank's progress file, read by this scrape, counts a step
+    (the watch looks once a second)."""
     if watch is None:
         return None
-    if any(m.state == "dead" for m in members):
+    if "dead" in states:
         return 4
     if watch.stalled_since is not None:
         return 3  # recorded, no progress since
@@ -129,6 +133,7 @@ class NodeCollector:
         self._jobs: Dict[Tuple[int, ...], str] = {}  # the ranks' pids -> the job's id (read from /proc once)
         self._ticks: Dict[int, int] = {}  # pid -> start ticks: a progress file of an earlier process is not its
         self.holders = _Holders()
+        self._ended: Dict[int, str] = {}  # pid -> "dead" (a crash record: a signal, an exception) or "exited"
 
     def describe(self) -> List[Any]:
         return []  # nothing read at registration
@@ -149,6 +154,20 @@ class NodeCollector:
                 self._jobs.clear()
             self._jobs[pids] = store.job_id(slurm or None, run or None, self.helper.base_port)
         return self._jobs[pids]
+
+    def _ended_how(self, pid: int) -> str:
+        """``dead`` where the rank left a crash record (a signal, an uncaught exception, SIGKILL: the record
+        begun at its start stays), ``exited`` where it ended cleanly or by Ctrl-C, as the watch tells them;
+        decided once a process."""
+        if pid not in self._ended:
+            from probe.reader import crash
+
+            found = crash.dead_record(pid)
+            ticks = self._ticks.get(pid)
+            died = (found is not None and not (ticks and found.start_ticks and found.start_ticks != ticks)
+                    and not found.cause.startswith("uncaught exception: KeyboardInterrupt"))
+            self._ended[pid] = "dead" if died else "exited"
+        return self._ended[pid]
 
     def _progress(self, pid: int) -> Any:
         from probe import _paths
@@ -189,8 +208,9 @@ class NodeCollector:
                                 labels=_RANK_LABELS)
         took = GaugeMetricFamily("probe_step_time_seconds", "How long the rank's last optimizer step took "
                                  "(end of the step before to end of this one).", labels=_RANK_LABELS)
-        state = GaugeMetricFamily("probe_rank_state", "1 for the rank's state now (running, silent: its agent "
-                                  "has not run for 2 s, gil_held: a C call keeps its GIL, stopped, starting, dead), 0 for the others.",
+        state = GaugeMetricFamily("probe_rank_state", "1 for the rank's state now, 0 for the others: running; "
+                                  "silent (its agent has not run for 2 s); gil_held (a C call keeps its GIL); "
+                                  "stopped; starting; exited (cleanly); dead (killed or crashed).",
                                   labels=_RANK_LABELS + ("state",))
         rss = GaugeMetricFamily("probe_rank_rss_bytes", "The rank's resident memory, from /proc.", labels=_RANK_LABELS)
         beat = GaugeMetricFamily("probe_rank_heartbeat_age_seconds", "Seconds since the rank's agent last ran.",
@@ -198,12 +218,16 @@ class NodeCollector:
         restarts = GaugeMetricFamily("probe_rank_restarts", "Restarts of the rank (torchelastic's count).",
                                      labels=_RANK_LABELS)
         seen: set = set()
+        states: List[str] = []
         stepped = False
         for member in members:
             seen.add(member.pid)
             now_state = member.state
             if now_state == "silent" and self.holders.held(member.pid):
                 now_state = "gil_held"
+            elif now_state == "dead":
+                now_state = self._ended_how(member.pid)
+            states.append(now_state)
             labels = [job, str(member.node if member.node is not None else node), host, str(member.rank),
                       "" if member.local_rank is None else str(member.local_rank)]
             for word in STATES:
@@ -226,8 +250,9 @@ class NodeCollector:
             if found.step_time > 0:
                 took.add_metric(labels, found.step_time)
         self.holders.ask([m.pid for m in members if m.state == "silent"])
-        for pid in [p for p in self._ticks if p not in seen]:
-            del self._ticks[pid]
+        for known in (self._ticks, self._ended):
+            for pid in [p for p in known if p not in seen]:
+                del known[pid]
         yield from (steps, age, took, state, rss, beat, restarts)
 
         labels = [job, node, host]
@@ -250,7 +275,7 @@ class NodeCollector:
         code = GaugeMetricFamily("probe_verdict", "The node's verdict, from its stall watch: 0 stepping, 1 starting "
                                  "(no step yet), 2 suspect (no step for half of hang_after), 3 stalled (recorded), "
                                  "4 a rank dead.", labels=_NODE_LABELS)
-        code.add_metric(labels, float(verdict_code(watch, members, stepped)))
+        code.add_metric(labels, float(verdict_code(watch, states, stepped)))
         hang = GaugeMetricFamily("probe_hang_after_seconds", "Seconds without a step that make a stall, as the "
                                  "watch reckons it now.", labels=_NODE_LABELS)
         hang.add_metric(labels, float(watch.hang_after(list(watch.ranks.values()))))
@@ -271,14 +296,42 @@ def start(helper: Any, host: str) -> Optional[Any]:
         _say("probe: PROBE_METRICS_PORT is set but prometheus_client is not installed (pip install "
              "'rankprobe[metrics]'); no metrics")
         return None
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(helper))
+    bind = host.strip("[]")
     try:
-        registry = CollectorRegistry(auto_describe=False)
-        registry.register(NodeCollector(helper))
-        bind = host.strip("[]")
         server, _ = start_http_server(port, addr=bind, registry=registry)
-        helper.metrics_address = "%s:%d" % (host, port)
-        _say("probe: the host helper serves metrics at http://%s:%d/metrics" % (host, port))
-        return server
-    except Exception as exc:  # noqa: BLE001 -- the helper serves on without metrics
-        _say("probe: no metrics on %s:%d: %s" % (host, port, getattr(exc, "strerror", None) or exc))
+    except OSError as exc:
+        if exc.errno != errno.EADDRINUSE:
+            _say("probe: no metrics on %s:%d: %s" % (host, port, exc.strerror or exc))
+            return None
+        _say("probe: no metrics on %s:%d yet: the port is taken (a helper of the job before, lingering?); "
+             "tried again every %.0f s for %.0f s" % (host, port, RETRY_S, RETRY_FOR_S))
+        try:
+            threading.Thread(target=_retry, args=(start_http_server, port, bind, registry, host),
+                             name="probe-metrics-bind", daemon=True).start()
+        except RuntimeError:
+            pass
         return None
+    except Exception as exc:  # noqa: BLE001 -- the helper serves on without metrics
+        _say("probe: no metrics on %s:%d: %s" % (host, port, exc))
+        return None
+    _say("probe: the host helper serves metrics at http://%s:%d/metrics" % (host, port))
+    return server
+
+
+def _retry(serve: Any, port: int, bind: str, registry: Any, host: str) -> None:
+    """Bind the metrics port once it is free (``RETRY_S`` apart, for ``RETRY_FOR_S``); said when it is."""
+    deadline = time.monotonic() + RETRY_FOR_S
+    while time.monotonic() < deadline:
+        time.sleep(RETRY_S)
+        try:
+            serve(port, addr=bind, registry=registry)
+        except OSError:
+            continue
+        except Exception as exc:  # noqa: BLE001
+            _say("probe: no metrics on %s:%d: %s" % (host, port, exc))
+            return
+        _say("probe: the host helper serves metrics at http://%s:%d/metrics now" % (host, port))
+        return
+    _say("probe: no metrics on %s:%d: the port stayed taken" % (host, port))
