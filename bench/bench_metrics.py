@@ -18,8 +18,10 @@ what scrapes cost a rank, beside the peer (a hand-written ``prometheus_client`` 
    scrapes a second of each (far more than Prometheus's usual one in 15 s, so that a cost shows),
    interleaved (A B B A); each loop reports its median step and its CPU a step per window. The probe rank
    records every request its agent takes (``PROBE_AUDIT_READS=1``): the requests counted in its trail
-   during the scraped windows are the scrapes' cost in requests (0 expected); the exporter serves every
-   scrape itself.
+   during the scraped windows are the scrapes' cost in requests (0 expected; ``PROBE_METRICS_EVERY=0``, the
+   framework reader off); the exporter serves every scrape itself. Then the framework reader's read
+   (``torch.trainer``'s loss, from this process, 20 times): what it asks of the rank every
+   ``PROBE_METRICS_EVERY`` seconds.
 """
 
 import argparse
@@ -227,7 +229,8 @@ def rank_cost(rounds: int, window: float, rate: float) -> None:
     try:
         probe = Loop("probe", {"PROBE": "1", "PROBE_PORT": "127.0.0.1:%d" % probe_port, "PROBE_RUNTIME_DIR": run,
                                "PROBE_METRICS_PORT": str(helper_metrics), "PROBE_AUDIT_READS": "1",
-                               "PROBE_SNAPSHOT": "1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"})
+                               "PROBE_SNAPSHOT": "1", "PROBE_METRICS_EVERY": "0", "RANK": "0", "LOCAL_RANK": "0",
+                               "WORLD_SIZE": "1"})
         exporter = Loop("exporter", {"RANK": "0", "LOCAL_RANK": "0"}, (str(exporter_port),))
         urls = {"probe": "http://127.0.0.1:%d/metrics" % helper_metrics,
                 "exporter": "http://127.0.0.1:%d/metrics" % exporter_port}
@@ -262,6 +265,7 @@ def rank_cost(rounds: int, window: float, rate: float) -> None:
                 steps, median, cpu = loop.report()
                 kept[(name, scraping)].append((median, cpu))
         reads = _reads(probe.pid, run) - reads_before
+        framework = _framework_reads(probe.pid, run, 20)
     finally:
         for loop in (probe, exporter):
             if loop is not None:
@@ -286,6 +290,32 @@ def rank_cost(rounds: int, window: float, rate: float) -> None:
         scraped_count["probe"], scraped_count["exporter"]))
     print("SUMMARY requests to the probe rank during %d scrapes: %d (the exporter's rank served %d itself)"
           % (scraped_count["probe"], reads, scraped_count["exporter"]))
+    f = Summary.of(framework)
+    figure("the framework reader's read of a rank (its logged loss)", framework, unit="ms")
+    print("SUMMARY the framework's loss read from the rank: median %.1f ms (IQR %.1f-%.1f), "
+          "once every PROBE_METRICS_EVERY (15 s): %.3f %% of the rank's time" % (
+              f.median * 1e3, f.q1 * 1e3, f.q3 * 1e3, 100.0 * f.median / 15.0))
+
+
+def _framework_reads(pid: int, run: str, count: int) -> List[float]:
+    """Wall time of the framework reader's table read (``probe.host.metrics._Framework``) from the rank,
+    ``count`` times: what it asks of the rank every ``PROBE_METRICS_EVERY`` seconds."""
+    from probe.client.client import Client
+    from probe.client.targets import parse_target
+
+    saved = os.environ["PROBE_RUNTIME_DIR"]
+    os.environ["PROBE_RUNTIME_DIR"] = run
+    try:
+        client = Client(parse_target(str(pid)), None, 10.0)
+        out = []
+        for _ in range(count):
+            start = time.perf_counter()
+            client.table_rows("torch.trainer", 8, ["loss"])
+            out.append(time.perf_counter() - start)
+            time.sleep(0.1)
+        return out
+    finally:
+        os.environ["PROBE_RUNTIME_DIR"] = saved
 
 
 def _safe_get(url: str) -> bytes:

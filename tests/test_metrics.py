@@ -91,11 +91,15 @@ def _samples(text: str) -> List[Dict[str, Any]]:
     return out
 
 
-def _audited_reads(pids: Any) -> Dict[str, int]:
-    """The size of each rank's trail of read requests (``audit-PID-TICKS.reads.jsonl``)."""
+def _audited_reads(pids: Any) -> List[Dict[str, Any]]:
+    """The records of the ranks' trails of read requests (``audit-PID-TICKS.reads.jsonl``), begun ones."""
     directory = os.environ["PROBE_RUNTIME_DIR"]
-    return {name: os.path.getsize(os.path.join(directory, name)) for name in os.listdir(directory)
-            if name.endswith(".reads.jsonl") and any(name.startswith("audit-%d-" % pid) for pid in pids)}
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".reads.jsonl") and any(name.startswith("audit-%d-" % pid) for pid in pids):
+            with open(os.path.join(directory, name)) as handle:
+                out += [r for r in map(json.loads, handle.read().splitlines()) if r.get("phase") == "start"]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +113,7 @@ def job() -> Iterator[Dict[str, Any]]:
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 env=target_env(probe=False, PROBE_PORT="127.0.0.1:%d" % port,
                                                PROBE_METRICS_PORT=str(metrics), STEP_SLEEP="0.05",
-                                               PROBE_AUDIT_READS="1"))
+                                               PROBE_AUDIT_READS="1", PROBE_METRICS_EVERY="2"))
     output = Proc(launcher, "torchrun dist_steps.py")
     try:
         ranks = {int(w[2]): int(w[1]) for w in ready_lines(output, 2, time.monotonic() + scaled(90))}
@@ -152,12 +156,26 @@ def test_the_helper_serves_every_ranks_metrics_without_asking_them(job: Dict[str
     verdict = [s["value"] for s in samples if s["name"] == "probe_verdict"]
     assert verdict == [0.0], samples  # stepping, by the stall watch
     assert [s["value"] for s in samples if s["name"] == "probe_records_total"] == [0.0]
-    reads = _audited_reads(job["ranks"].values())  # every request an agent takes is in its trail (AUDIT_READS)
-    for _ in range(20):
+    # Every request an agent takes is in its trail (PROBE_AUDIT_READS=1). The only ones the helper sends are the
+    # framework reader's (a table read a rank, at most every PROBE_METRICS_EVERY=2 s): none per scrape.
+    before = len(_audited_reads(job["ranks"].values()))
+    start = time.monotonic()
+    for _ in range(30):
         _get(job["url"])
-    assert _audited_reads(job["ranks"].values()) == reads  # no scrape asked any rank
+    elapsed = time.monotonic() - start
+    new = _audited_reads(job["ranks"].values())[before:]
+    assert len(new) <= 2 * (elapsed / 2 + 2), (elapsed, new)  # 2 ranks, a read each, per 2 s (+ one begun)
+    assert {(r["command"], r["detail"]["table"]) for r in new} <= {("reading a table", "torch.trainer")}, new
     assert run_cli(str(job["ranks"][0]), "health").code == 0
-    assert _audited_reads(job["ranks"].values()) != reads  # where a request does reach a rank, it shows
+    assert any(r["command"] != "reading a table" for r in _audited_reads(job["ranks"].values())[before:])  # a request shows
+
+    def read_times() -> List[Dict[str, Any]]:  # the framework reader asked both (their loss: none, no framework)
+        took = [s for s in _samples(_get(job["url"]).decode("utf-8")) if s["name"] == "probe_framework_read_seconds"]
+        return took if {s["labels"]["rank"] for s in took} == {"0", "1"} else []
+
+    took = _until(read_times, scaled(30), "probe_framework_read_seconds of both ranks")
+    assert all(0 < s["value"] < 60 for s in took), took
+    assert b"probe_loss{" not in _get(job["url"])  # a plain loop: no framework logged a loss
     _until(lambda: all(s["value"] > steps[s["labels"]["rank"]]["value"]
                        for s in _samples(_get(job["url"]).decode("utf-8")) if s["name"] == "probe_steps_total"),
            scaled(20), "the step counters advancing between scrapes")

@@ -7,8 +7,11 @@ directory and ``/proc`` and nothing else. No request goes to any rank's agent: a
 holds, or that is stopped, is scraped like any other. A custom collector reads the state at each scrape,
 so nothing runs between scrapes.
 
-What is not here (said in docs/metrics.md): CUDA memory, the last collective's sequence number, data-wait
-time and the framework's loss, learning rate and grad norm; each needs the rank's agent. A silent rank
+The one thing here that asks a rank: the framework's logged loss, read from each answering rank's agent at most every ``PROBE_METRICS_EVERY`` seconds (default 15;
+``0``: never) and only while scrapes come, by a background thread, never in a scrape; each read's time
+is served too (``probe_framework_read_seconds``). What is not here (said in docs/metrics.md): CUDA memory,
+the last collective's sequence number, data-wait time, the grad norm and the learning rate (``torch.optimizers``
+took half a second a read of a small job: too dear to ask every 15 s). A silent rank
 (agent not run for 2 s) is shown ``gil_held`` once a background read from outside (ptrace, at most every
 ``HELD_EVERY_S`` a silent rank, never in a scrape) found a C call keeping its GIL.
 """
@@ -29,6 +32,8 @@ _RANK_LABELS = ("job", "node", "host", "rank", "local_rank")
 _NODE_LABELS = ("job", "node", "host")
 RETRY_S = 2.0  # the metrics port taken at start: tried again this often
 RETRY_FOR_S = 300.0  # for this long (a helper of the job before lingers PROBE_HELPER_LINGER_S, 30 s)
+EVERY_S = 15.0  # the framework's values are read at most this often ($PROBE_METRICS_EVERY)
+READ_TIMEOUT_S = 5.0  # one rank's read of them
 HELD_EVERY_S = 30.0  # a silent rank is read from outside at most this often, to tell gil_held
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -37,6 +42,12 @@ def metrics_port(environ: Optional[Dict[str, str]] = None) -> Optional[int]:
     """``PROBE_METRICS_PORT`` as a port number (1-65535); None where unset or not one."""
     raw = (environ if environ is not None else os.environ).get("PROBE_METRICS_PORT", "").strip()
     return int(raw) if raw.isdigit() and 0 < int(raw) < 65536 else None
+
+
+def _labels(member: Any, job: str, node: str, host: str) -> List[str]:
+    """A rank's label values, in ``_RANK_LABELS``' order."""
+    return [job, str(member.node if member.node is not None else node), host, str(member.rank),
+            "" if member.local_rank is None else str(member.local_rank)]
 
 
 def _rss(pid: int) -> Optional[int]:
@@ -107,6 +118,63 @@ class _Holders:
             self.busy = False
 
 
+def _every() -> Optional[float]:
+    """``PROBE_METRICS_EVERY`` in seconds (default ``EVERY_S``); None where it is 0 (never read)."""
+    raw = os.environ.get("PROBE_METRICS_EVERY", "").strip()
+    try:
+        value = float(raw) if raw else EVERY_S
+    except ValueError:
+        value = EVERY_S
+    return value if value > 0 and value == value else None
+
+
+class _Framework:
+    """The loss each answering rank's framework logged last (``torch.trainer``: HF Trainer's log history,
+    Lightning's logged metrics), read by one background thread from the rank's agent, at most every
+    ``every`` seconds, and only when a scrape asks (an unscraped helper asks nothing). Each read's wall time
+    is kept: what it cost the rank's agent, GIL included."""
+
+    def __init__(self, every: Optional[float]) -> None:
+        self.every = every
+        self.values: Dict[int, Dict[str, Any]] = {}  # pid -> {"loss": float or None, "took": s}
+        self.last = float("-inf")
+        self.busy = False
+        self._lock = threading.Lock()
+
+    def ask(self, pids: List[int]) -> None:
+        for pid in [p for p in list(self.values) if p not in pids]:
+            self.values.pop(pid, None)
+        now = time.monotonic()
+        if self.every is None or not pids or now - self.last < self.every:
+            return
+        with self._lock:
+            if self.busy:
+                return
+            self.busy, self.last = True, now
+        try:
+            threading.Thread(target=self._read, args=(pids,), name="probe-metrics-framework", daemon=True).start()
+        except RuntimeError:
+            self.busy = False
+
+    def _read(self, pids: List[int]) -> None:
+        from probe.client.client import Client
+        from probe.client.targets import parse_target
+
+        try:
+            for pid in pids:
+                client = Client(parse_target(str(pid)), None, READ_TIMEOUT_S)
+                start = time.perf_counter()
+                try:
+                    losses = client.table_rows("torch.trainer", 8, ["loss"]).rows
+                except Exception:  # noqa: BLE001 -- no torch there, an older agent, no answer: nothing to show
+                    self.values.pop(pid, None)
+                    continue
+                loss = next((row[0] for row in losses if isinstance(row[0], (int, float))), None)
+                self.values[pid] = {"loss": loss, "took": time.perf_counter() - start}
+        finally:
+            self.busy = False
+
+
 def verdict_code(watch: Any, states: List[str], stepped: bool) -> Optional[int]:
     """The node's verdict as the stall watch holds it (``VERDICTS``' index); None without a watch. Read off
     the watch's fields, without its lock: a scrape never waits on a look or a record being written.
@@ -133,6 +201,7 @@ class NodeCollector:
         self._jobs: Dict[Tuple[int, ...], str] = {}  # the ranks' pids -> the job's id (read from /proc once)
         self._ticks: Dict[int, int] = {}  # pid -> start ticks: a progress file of an earlier process is not its
         self.holders = _Holders()
+        self.framework = _Framework(_every())
         self._ended: Dict[int, str] = {}  # pid -> "dead" (a crash record: a signal, an exception) or "exited"
 
     def describe(self) -> List[Any]:
@@ -154,6 +223,29 @@ class NodeCollector:
                 self._jobs.clear()
             self._jobs[pids] = store.job_id(slurm or None, run or None, self.helper.base_port)
         return self._jobs[pids]
+
+    def _framework_families(self, members: List[Any], job: str, node: str, host: str) -> Iterator[Any]:
+        """What the framework reader holds of the ranks running now; asks it for a newer read when due."""
+        from prometheus_client.core import GaugeMetricFamily
+
+        running = [m for m in members if m.state == "running"]
+        self.framework.ask([m.pid for m in running])
+        if self.framework.every is None:
+            return
+        loss = GaugeMetricFamily("probe_loss", "The last training loss the framework logged (HF Trainer's log "
+                                 "history, Lightning's logged metrics), read every PROBE_METRICS_EVERY s.",
+                                 labels=_RANK_LABELS)
+        took = GaugeMetricFamily("probe_framework_read_seconds", "Wall time of the last read of the framework's "
+                                 "loss from the rank's agent: what it cost the rank.", labels=_RANK_LABELS)
+        for member in running:
+            got = self.framework.values.get(member.pid)
+            if got is None:
+                continue
+            labels = _labels(member, job, node, host)
+            took.add_metric(labels, got["took"])
+            if got["loss"] is not None:
+                loss.add_metric(labels, float(got["loss"]))
+        yield from (loss, took)
 
     def _ended_how(self, pid: int) -> str:
         """``dead`` where the rank left a crash record (a signal, an uncaught exception, SIGKILL: the record
@@ -228,8 +320,7 @@ class NodeCollector:
             elif now_state == "dead":
                 now_state = self._ended_how(member.pid)
             states.append(now_state)
-            labels = [job, str(member.node if member.node is not None else node), host, str(member.rank),
-                      "" if member.local_rank is None else str(member.local_rank)]
+            labels = _labels(member, job, node, host)
             for word in STATES:
                 state.add_metric(labels + [word], 1.0 if now_state == word else 0.0)
             restarts.add_metric(labels, float(member.restarts))
@@ -254,6 +345,7 @@ class NodeCollector:
             for pid in [p for p in known if p not in seen]:
                 del known[pid]
         yield from (steps, age, took, state, rss, beat, restarts)
+        yield from self._framework_families(members, job, node, host)
 
         labels = [job, node, host]
         ranks = GaugeMetricFamily("probe_ranks", "Ranks of this node the helper knows (dead ones included).",
