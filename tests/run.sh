@@ -37,6 +37,17 @@ if ! command -v mpirun >/dev/null 2>&1; then
   fi
 fi
 
+# Prometheus and promtool for tests/test_metrics.py (a real server scraping a torchrun job; the shipped rules checked).
+if ! { command -v prometheus && command -v promtool; } >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "tests/run.sh: installing prometheus (the metrics tests' server and promtool)" >&2
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null) \
+      || echo "tests/run.sh: could not install prometheus; the metrics tests that need it will skip" >&2
+  else
+    echo "tests/run.sh: no prometheus, and not root with apt-get: the metrics tests that need it will skip" >&2
+  fi
+fi
+
 # Headless browsers for tests/test_page.py (the page of `probe ... page`): Debian's Chromium and its driver,
 # driven by selenium (in the test extra; nothing is downloaded by selenium itself), and Debian's Firefox ESR,
 # driven over its own Marionette protocol (Debian packages no geckodriver).

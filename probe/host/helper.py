@@ -136,6 +136,9 @@ class Helper:
         import atexit
 
         atexit.register(self.stop, unix_paths)
+        from probe.host import metrics
+
+        metrics.start(self, host)  # PROBE_METRICS_PORT: Prometheus's /metrics of this node (docs/metrics.md)
 
     def listen_tcp(self, host: str) -> bool:
         """Serve TCP on the helper's port (``tcp_address``) where it is free; False and ``tcp_error`` where
