@@ -34,8 +34,8 @@ def test_profile_two_ranks_one_trace_and_the_table_across_ranks(tmp_path):
         assert min(starts.values()) >= 0 and abs(starts[0] - starts[1]) < scaled(30) * 1e6, starts
 
         top = run_cli(master, "--all-ranks", "query",
-                      "SELECT op, kind, SUM(calls) AS calls, SUM(self_cpu_s) AS self_s, COUNT(DISTINCT step) AS steps "
-                      "FROM torch.profile GROUP BY op, kind",
+                      "SELECT rank, op, kind, SUM(calls) AS calls, SUM(self_cpu_s) AS self_s, "
+                      "COUNT(DISTINCT step) AS steps FROM torch.profile GROUP BY rank, op, kind",
                       "--merge", "SELECT rank, kind, SUM(self_s) AS s, MAX(steps) AS steps FROM result "
                                  "GROUP BY rank, kind ORDER BY rank, kind", "--json", timeout=scaled(60))
         assert top.code == 0, (top.code, top.out, top.err)

@@ -178,7 +178,8 @@ class Cluster:
             return rows
         answers = self._answered(self.map(lambda c: c.query_rows(sql, max_rows=max_rows, timeout=timeout,
                                                                  query_id=query_id)), empty_if_none)
-        parts = [a.value.with_column("host", a.member.host).with_column("rank", a.member.rank) for a in answers]
+        parts = [a.value.without_columns(("host", "rank")).with_column("host", a.member.host)
+                 .with_column("rank", a.member.rank) for a in answers]
         if parts:
             parts = [Rows((("rank", "BIGINT"),) + p.columns[1:], p.rows, p.truncated) for p in parts]
         return Rows.concat(parts)
@@ -198,6 +199,9 @@ class Cluster:
         tables = []
         for answer in answers:
             table = answer.value.replace_schema_metadata(None)
+            for own in ("host", "rank"):  # a table's own rank column (torch.profile's): the rank asked stands for it
+                if own in table.column_names:
+                    table = table.drop_columns([own])
             n = table.num_rows
             table = table.add_column(0, "host", pa.array([answer.member.host] * n, pa.string()))
             tables.append(table.add_column(0, "rank", pa.array([answer.member.rank] * n, pa.int64())))
@@ -336,3 +340,4 @@ def _numbered_by_their_ranks(cluster: Cluster) -> Cluster:
     cluster.members = [m._replace(rank=r) for r, m, _ in numbered]  # type: ignore[misc]
     cluster._clients = [c for _, _, c in numbered]
     return cluster
+

@@ -342,6 +342,7 @@ def query_rows(cluster: Cluster, sql: str, max_rows: Optional[int], timeout: Opt
                                             "of it" % helper, 1))
         for rank, rows in mine.items():
             host = asked[rank].host
+            rows = rows.without_columns(("rank", "host"))
             parts[rank] = Rows((("rank", "BIGINT"), ("host", "string")) + rows.columns,
                                [[rank, host] + list(r) for r in rows.rows], rows.truncated)
     if direct:
