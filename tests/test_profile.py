@@ -19,7 +19,8 @@ def test_profile_two_ranks_one_trace_and_the_table_across_ranks(tmp_path):
         done = run_cli(master, "profile", "--steps", "3", "-o", out, "--timeout", str(scaled(60)),
                        timeout=scaled(120))
         assert done.code == 0, (done.code, done.out, done.err)
-        assert "wrote" in done.err and "of 2 ranks" in done.err, done.err
+        assert "wrote" in done.out and "of 2 ranks" in done.out, (done.out, done.err)
+        assert "profile 3/3 steps captured" in done.err, done.err  # the progress
         with open(out) as handle:
             trace = json.load(handle)
         events = trace["traceEvents"]
@@ -50,8 +51,10 @@ def test_profile_one_process_with_shapes_and_a_stopped_one_refused(tmp_path):
     out = str(tmp_path / "one.json")
     with running("train.py", timeout=scaled(60)) as proc:
         pid = str(proc.pid)
-        done = run_cli(pid, "profile", "--steps", "2", "--shapes", "-o", out, timeout=scaled(90))
+        done = run_cli(pid, "profile", "--steps", "2", "--shapes", "-o", out, "--json", timeout=scaled(90))
         assert done.code == 0, (done.code, done.out, done.err)
+        summary = json.loads(done.out)
+        assert summary["ranks"] == [0] and summary["events"] > 0 and summary["rows"] > 0, summary
         with open(out) as handle:
             events = json.load(handle)["traceEvents"]
         assert {e["pid"] for e in events} == {0}

@@ -9,8 +9,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from probe.cli.commands import made_on_first_use
 from probe.cli.context import CliContext, each_target
-from probe.cli.output import say
-from probe.cli.spec import PATH, STRING, Param, count, seconds
+from probe.cli.output import emit, say
+from probe.cli.spec import PATH, STRING, TEXT_FORMATS, Param, count, seconds, output_params
 from probe.errors import ProbeError, Timeout
 
 PARAMS = [
@@ -26,7 +26,7 @@ PARAMS = [
           help="Seconds to wait for the steps to be captured; past them the captures are cancelled."),
     Param("--max-events", dest="max_events", kind=count(1), default=200_000, show_default=True,
           help="Trace events kept per rank, the earliest; the file says how many each rank cut."),
-]
+] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, rows and what was cut")
 
 
 def _command() -> Any:
@@ -39,7 +39,7 @@ def _command() -> Any:
     @with_params(PARAMS)
     @pass_cli
     def profile(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str], shapes: bool, stacks: bool,
-                wait_s: float, max_events: int) -> None:
+                wait_s: float, max_events: int, fmt: Optional[str]) -> None:
         """Capture torch.profiler (CPU, and CUDA where used) on every rank for N steps, into one trace.
 
         \b
@@ -51,7 +51,7 @@ def _command() -> Any:
         Nothing runs in the ranks before or after the capture. A rank that cannot run Python now (GIL held,
         stopped) is named with why, and the others are profiled (exit 7).
         """
-        run(cli, steps, output, ranks, shapes, stacks, wait_s, max_events)
+        run(cli, steps, output, ranks, shapes, stacks, wait_s, max_events, fmt)
 
     return profile
 
@@ -60,7 +60,7 @@ __getattr__ = made_on_first_use("profile", _command)
 
 
 def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str], shapes: bool, stacks: bool,
-        wait_s: float, max_events: int) -> None:
+        wait_s: float, max_events: int, fmt: Optional[str] = None) -> None:
     """Start on every target, wait for the steps (progress on stderr), fetch, merge and write."""
     from probe.client.fanout import fan_out
     from probe.client.profile import merge_traces, wait_for_steps
@@ -126,21 +126,28 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
     if not answers:
         return
     rows = sum(int(a.get("rows", 0)) for _, a in answers)
-    cut_rows = sum(int(a.get("rows_cut", 0)) for _, a in answers)
+    summary: Dict[str, Any] = {"ranks": [key for key, _ in answers], "steps": steps, "output": output,
+                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut", 0)) for _, a in answers)}
+    lines = []
     if output:
         merged = merge_traces(answers)
         with open(output, "w") as handle:
             json.dump(merged, handle)
-        events = sum(1 for e in merged["traceEvents"] if e.get("ph") != "M")
-        cut = sum(merged["otherData"]["probe"]["events_cut"].values())
-        say("wrote %d events of %d rank%s to %s in %.1f s%s" % (
-            events, len(answers), "" if len(answers) == 1 else "s", output, time.monotonic() - begun,
-            "; cut %d events past --max-events or the agent's result size (%s)" % (
-                cut, ", ".join("rank %s: %d" % kv for kv in merged["otherData"]["probe"]["events_cut"].items()))
-            if cut else ""), err=True)
-    say("torch.profile holds %d rows in %d rank%s%s" % (
+        cuts = merged["otherData"]["probe"]["events_cut"]
+        summary.update(events=sum(1 for e in merged["traceEvents"] if e.get("ph") != "M"), events_cut=cuts,
+                       merge_s=round(time.monotonic() - begun, 3))
+        lines.append("wrote %d events of %d rank%s to %s in %.1f s%s" % (
+            summary["events"], len(answers), "" if len(answers) == 1 else "s", output, summary["merge_s"],
+            "; cut past --max-events or the agent's result size: %s" % ", ".join(
+                "rank %s: %d events" % kv for kv in cuts.items()) if cuts else ""))
+    lines.append("torch.profile holds %d rows in %d rank%s%s" % (
         rows, len(answers), "" if len(answers) == 1 else "s",
-        "; %d rarer ops cut (500 a step kept)" % cut_rows if cut_rows else ""), err=True)
+        "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
+    if fmt == "json":
+        emit(json.dumps(summary))
+    else:
+        for line in lines:
+            say(line)
 
 
 def _key(client: Any, answer: Dict[str, Any]) -> Any:
