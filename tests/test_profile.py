@@ -46,6 +46,10 @@ def test_profile_two_ranks_one_trace_and_the_table_across_ranks(tmp_path):
         assert seen == {(0, "communication"), (0, "compute"), (1, "communication"), (1, "compute")}, rows
         assert all(r["steps"] == 3 and r["s"] > 0 for r in rows), rows
 
+        one = run_cli(master, "profile", "--steps", "1", "--ranks", "1", "--json", timeout=scaled(120))
+        assert one.code == 0, (one.code, one.out, one.err)
+        assert json.loads(one.out)["ranks"] == [1], one.out
+
 
 def test_profile_one_process_with_shapes_and_a_stopped_one_refused(tmp_path):
     out = str(tmp_path / "one.json")
