@@ -29,7 +29,8 @@ from probe.errors import BadRequest, ProbeError, Timeout, TorchNotLoaded
 from probe.tables.spec import Column
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "steps_seen", "watch", "arm", "RING", "MAX_OPTIMIZERS",
-           "PROGRESS", "Progress", "read_progress", "remove_progress", "after_each_step", "not_after_each_step"]
+           "PROGRESS", "Progress", "read_progress", "remove_progress", "after_each_step",
+           "not_after_each_step"]
 
 NAME = "torch.steps"
 DESCRIPTION = ("Optimizer steps counted as they happen (the agent's optimizer post-step hook; no trace needed): "
