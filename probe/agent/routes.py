@@ -1,7 +1,7 @@
 """What each ``/v1/...`` path does: the route table, and the dispatcher that authorises each request,
 records it in the audit trail and turns every exception into a JSON error envelope, so that nothing
 escapes into the target. The routes themselves: ``probe.agent.routes_read`` (health, tables, rows, SQL)
-and ``probe.agent.routes_act`` (eval, debugger, lr, checkpoint, trace).
+and ``probe.agent.routes_act`` (eval, debugger, lr, checkpoint, trace, profile).
 
 Imports run one way: the agent imports this dispatcher, the dispatcher its routes, and the routes the
 tables and the engine; a route sees the agent only as ``probe.agent.route_common.ServingAgent``.
@@ -17,7 +17,7 @@ from probe.agent.handshake import HELLO_PATH
 from probe.agent.http import Request, Response
 from probe.agent.route_common import Route, ServingAgent
 from probe.agent.routes_act import (complete, debug_start, debug_stop, evaluate, interrupt_eval, torch_checkpoint,
-                                    torch_lr, torch_trace)
+                                    torch_lr, torch_profile, torch_trace)
 from probe.agent.routes_read import ARROW_STREAM, backtrace, health, interrupt_query, query, rows, schema, tables
 from probe.errors import BadRequest, InternalError, NotFound, ProbeError, Unauthorized
 
@@ -33,6 +33,7 @@ _EXACT: Dict[Tuple[str, str], Route] = {
     ("POST", "/v1/eval"): evaluate,
     ("POST", "/v1/torch/checkpoint"): torch_checkpoint,
     ("POST", "/v1/torch/trace"): torch_trace,
+    ("POST", "/v1/torch/profile"): torch_profile,
     ("POST", "/v1/torch/lr"): torch_lr,
     ("POST", "/v1/eval/interrupt"): interrupt_eval,
     ("POST", "/v1/query/interrupt"): interrupt_query,

@@ -1,5 +1,5 @@
 """The agent's routes that act on the target: eval and its interrupt, completion, the debugger, the
-learning rate, checkpoints and the torch trace (control or eval scope: ``probe.agent.scopes``). Each takes
+learning rate, checkpoints, the torch trace and profile (control or eval scope: ``probe.agent.scopes``). Each takes
 the request and returns a response; ``probe.agent.routes`` dispatches to them.
 """
 
@@ -14,7 +14,7 @@ from probe.agent.switch import fast_switching
 from probe.errors import BadRequest, EvalDisabled
 
 __all__ = ["evaluate", "torch_lr", "interrupt_eval", "complete", "debug_start", "debug_stop", "torch_checkpoint",
-           "torch_trace"]
+           "torch_trace", "torch_profile"]
 
 
 def evaluate(agent: ServingAgent, request: Request) -> Response:
@@ -203,6 +203,15 @@ def torch_checkpoint(agent: ServingAgent, request: Request) -> Response:
 def torch_trace(agent: ServingAgent, request: Request) -> Response:
     """Start, stop, describe or export the torch trace (see probe.tables.torch.trace.control)."""
     from probe.tables.torch.trace import control
+
+    body = request.json()
+    with work_slot(agent.options.query_timeout), fast_switching():
+        return Response.json(control(body, agent.options.eval_enabled, agent.options.max_result_bytes))
+
+
+def torch_profile(agent: ServingAgent, request: Request) -> Response:
+    """Start, follow, fetch or cancel a torch.profiler capture of N steps (see probe.tables.torch.profile)."""
+    from probe.tables.torch.profile import control
 
     body = request.json()
     with work_slot(agent.options.query_timeout), fast_switching():

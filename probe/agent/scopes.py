@@ -2,7 +2,7 @@
 tokens (and the unix socket's owner) that grant them.
 
     read     queries, backtrace, tables, schema, health, ranks, the audit trail
-    control  trace start/stop/export, checkpoint (of what probe finds), debug stop, learning-rate change,
+    control  trace start/stop/export, profile, checkpoint (of what probe finds), debug stop, learning-rate change,
              interrupting a snippet
     eval     eval and the REPL, completion, debug start, checkpoint's --model/--optimizer/--frame (they
              evaluate expressions)
@@ -35,6 +35,11 @@ def _trace(body: Mapping[str, Any]) -> int:
     return READ if body.get("action") == "status" else CONTROL
 
 
+def _profile(body: Mapping[str, Any]) -> int:
+    # start/stop change what the training step runs, fetch hands out the captured ops; status only reads.
+    return READ if body.get("action") == "status" else CONTROL
+
+
 def _checkpoint(body: Mapping[str, Any]) -> int:
     # --model/--optimizer are Python expressions evaluated in the target; --frame opens a frame's locals to them.
     return EVAL if body.get("models") or body.get("optimizers") or body.get("frame") is not None else CONTROL
@@ -57,6 +62,7 @@ AGENT_ROUTES: Dict[Tuple[str, str], Needed] = {
     ("POST", "/v1/query"): READ,
     ("POST", "/v1/query/interrupt"): READ,
     ("POST", "/v1/torch/trace"): _trace,
+    ("POST", "/v1/torch/profile"): _profile,
     ("POST", "/v1/torch/checkpoint"): _checkpoint,
     ("POST", "/v1/torch/lr"): CONTROL,
     ("POST", "/v1/debug/stop"): CONTROL,
@@ -104,8 +110,8 @@ def command_of(path: str, body: Callable[[], Mapping[str, Any]]) -> str:
     """A request in the words of the command that sends it (``trace start``, ``checkpoint --model``)."""
     word = _WORDS.get(path)
     try:
-        if path == "/v1/torch/trace":
-            return "trace %s" % str(body().get("action"))[:20]
+        if path in ("/v1/torch/trace", "/v1/torch/profile"):
+            return "%s %s" % (path.rsplit("/", 1)[1], str(body().get("action"))[:20])
         if word == "checkpoint" and _checkpoint(body()) == EVAL:
             return "checkpoint with --model/--optimizer/--frame"
     except Exception:

@@ -34,6 +34,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
     "lr": ("lr", "lr"),
     "ranks": ("ranks", "ranks"),
     "trace": ("trace", "trace"),
+    "profile": ("profile", "profile"),
     "diagnose": ("diagnose", "diagnose"),
     "snapshot": ("snapshot", "snapshot"),
     "snapshots": ("snapshots", "snapshots"),

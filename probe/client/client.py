@@ -343,6 +343,14 @@ class Client(Connection):
         """The trace as Chrome trace-event JSON (``{"traceEvents": [...]}``; pid = rank, tid = thread)."""
         return self.trace("export")
 
+    def profile(self, action: str, **options: Any) -> Dict[str, Any]:
+        """A ``torch.profiler`` capture of N steps in the target: ``action`` is start (``steps``, ``shapes``,
+        ``stacks``, ``memory``), status, fetch (the trace events, this rank as one process, and the epoch
+        their ``ts`` counts from) or stop (cancel). ``probe.client.profile`` waits for it and merges ranks."""
+        body: Dict[str, Any] = {"action": action}
+        body.update({k: v for k, v in options.items() if v is not None})
+        return self._json("POST", "/v1/torch/profile", body)
+
 
 
 def frames_of_answer(raw: Dict[str, Any]) -> List[Frame]:

@@ -342,3 +342,4 @@ def _numbered_by_their_ranks(cluster: Cluster) -> Cluster:
     cluster.members = [m._replace(rank=r) for r, m, _ in numbered]  # type: ignore[misc]
     cluster._clients = [c for _, _, c in numbered]
     return cluster
+

@@ -30,6 +30,15 @@ class Rows(NamedTuple):
         return Rows(((name, "string"),) + self.columns, [[value] + list(r) for r in self.rows], self.truncated,
                     self.row_cap)
 
+    def without_columns(self, names: Sequence[str]) -> "Rows":
+        """The same rows less the columns ``names``: a rank's own ``rank`` column (torch.profile's, the trace's),
+        which the rank a fan-out asked stands for, so that the union has one."""
+        keep = [i for i, column in enumerate(self.columns) if column[0] not in names]
+        if len(keep) == len(self.columns):
+            return self
+        return Rows(tuple(self.columns[i] for i in keep), [[row[i] for i in keep] for row in self.rows],
+                    self.truncated, self.row_cap)
+
     @staticmethod
     def concat(parts: Sequence["Rows"]) -> "Rows":
         if not parts:

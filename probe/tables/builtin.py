@@ -25,14 +25,16 @@ from probe.tables.torch import tensors as torch_tensors
 from probe.tables.torch import anomalies as torch_anomalies  # noqa: I001
 from probe.tables.torch import trainer as torch_trainer
 from probe.tables.torch import trace as torch_trace
+from probe.tables.torch import profile as torch_profile
 
 __all__ = ["BUILTIN_MODULES"]
 
 #: torch.* tables: registered always, answering with TorchNotLoaded until the target imports torch.
 TORCH_MODULES = (torch_parameters, torch_optimizers, torch_tensors, torch_memory, torch_distributed,
                  torch_flight_recorder, torch_trainer, torch_steps)
-#: python.torch_trace and torch.anomalies: rows only while (or after) a trace runs (`probe T trace start`).
-TRACE_MODULES = (torch_trace, torch_anomalies)
+#: python.torch_trace and torch.anomalies: rows only while (or after) a trace runs (`probe T trace start`);
+#: torch.profile: rows once a profile has been captured (`probe T profile`).
+TRACE_MODULES = (torch_trace, torch_anomalies, torch_profile)
 BUILTIN_MODULES = (python_backtrace, python_threads, python_locals, python_modules, python_workers, python_paths,
                    python_locks, process_info, process_env) + TORCH_MODULES + TRACE_MODULES + (probe_audit,)
 

@@ -29,7 +29,8 @@ from probe.errors import BadRequest, ProbeError, Timeout, TorchNotLoaded
 from probe.tables.spec import Column
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "steps_seen", "watch", "arm", "RING", "MAX_OPTIMIZERS",
-           "PROGRESS", "Progress", "read_progress", "remove_progress"]
+           "PROGRESS", "Progress", "read_progress", "remove_progress", "after_each_step",
+           "not_after_each_step"]
 
 NAME = "torch.steps"
 DESCRIPTION = ("Optimizer steps counted as they happen (the agent's optimizer post-step hook; no trace needed): "
@@ -343,14 +344,27 @@ def _row(counter: _Counter, now: float) -> Tuple[Any, ...]:
 
 _hook_lock = threading.Lock()
 _step_hook_installed = False
-_then: List[Callable[[], None]] = []  # what else runs right after a step: the agent's work --between-steps
+_then: Tuple[Callable[[], None], ...] = ()  # what else runs right after a step (replaced whole, never changed)
+_then_by: Dict[str, Callable[[], None]] = {}  # the same by who asked: placement's --between-steps, a profile
 
 
-def after_each_step(then: Callable[[], None]) -> None:
+def after_each_step(then: Callable[[], None], key: str = "placement") -> None:
     """Have the post-step hook call ``then()`` after counting each step, on the thread that ended it (the
-    agent's placement runs its snippets ``--between-steps`` so); ``then`` must be cheap and never raise.
+    agent's placement runs its snippets ``--between-steps`` so; a profile starts and stops there); ``then``
+    must be cheap and never raise. One callable per ``key``, replaced by the next one of that key.
     The counter knows nothing of what ``then`` does: the import runs from the agent to here only."""
-    _then[:] = [then]
+    global _then
+    with _hook_lock:
+        _then_by[key] = then
+        _then = tuple(_then_by.values())
+
+
+def not_after_each_step(key: str) -> None:
+    """Take ``key``'s callable out: from the next step the hook no longer calls it (a finished profile)."""
+    global _then
+    with _hook_lock:
+        if _then_by.pop(key, None) is not None:
+            _then = tuple(_then_by.values())
 
 
 def _after_step(optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -1,0 +1,189 @@
+"""``probe TARGET profile --steps N -o FILE``: torch.profiler on every rank (or one process) for N steps,
+merged into one Chrome/Perfetto trace, one process per rank, the ranks' clocks lined up; the ops stay
+queryable as ``torch.profile``."""
+
+import json
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from probe.cli.commands import made_on_first_use
+from probe.cli.context import CliContext, each_target
+from probe.cli.output import emit, say
+from probe.cli.spec import PATH, STRING, TEXT_FORMATS, Param, count, seconds, output_params
+from probe.errors import ProbeError, Timeout
+
+PARAMS = [
+    Param("--steps", dest="steps", kind=count(1), default=3, show_default=True,
+          help="Optimizer steps to capture; the capture starts right after a step and stops right after one."),
+    Param("-o", "--output", dest="output", kind=PATH, metavar="FILE",
+          help="The Chrome trace-event JSON file to write: one process per rank (ui.perfetto.dev, "
+               "chrome://tracing). Without it, only the table torch.profile is kept in each rank."),
+    Param("--ranks", dest="ranks", kind=STRING, metavar="LIST", help="Only these ranks of the job, e.g. 0-3,8."),
+    Param("--shapes", dest="shapes", help="Record each op's input shapes (more overhead while capturing)."),
+    Param("--stacks", dest="stacks", help="Record the Python stack of each op (more overhead while capturing)."),
+    Param("--timeout", dest="wait_s", kind=seconds(1.0), default=120.0, show_default=True,
+          help="Seconds to wait for the steps to be captured; past them the captures are cancelled."),
+    Param("--max-events", dest="max_events", kind=count(1), default=200_000, show_default=True,
+          help="Trace events kept per rank, the earliest; the file says how many each rank cut."),
+] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, rows and what was cut")
+
+
+def _command() -> Any:
+    import click
+
+    from probe.cli.context import pass_cli
+    from probe.cli.options import with_params
+
+    @click.command("profile")
+    @with_params(PARAMS)
+    @pass_cli
+    def profile(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str], shapes: bool, stacks: bool,
+                wait_s: float, max_events: int, fmt: Optional[str]) -> None:
+        """Capture torch.profiler (CPU, and CUDA where used) on every rank for N steps, into one trace.
+
+        \b
+          probe MASTER:PORT profile --steps 3 -o trace.json      every rank, one process each
+          probe PID profile --steps 5 --shapes -o trace.json     one process
+          probe MASTER:PORT --all-ranks query "SELECT op, kind, SUM(self_cpu_s) AS s FROM torch.profile
+              GROUP BY ALL ORDER BY s DESC LIMIT 5"               top ops of each rank
+
+        Nothing runs in the ranks before or after the capture. A rank that cannot run Python now (GIL held,
+        stopped) is named with why, and the others are profiled (exit 7).
+        """
+        run(cli, steps, output, ranks, shapes, stacks, wait_s, max_events, fmt)
+
+    return profile
+
+
+__getattr__ = made_on_first_use("profile", _command)
+
+
+def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str], shapes: bool, stacks: bool,
+        wait_s: float, max_events: int, fmt: Optional[str] = None) -> None:
+    """Start on every target, wait for the steps (progress on stderr), fetch, merge and write."""
+    from probe.client.fanout import fan_out
+    from probe.client.profile import merge_traces, wait_for_steps
+
+    if ranks is not None:
+        cli.ranks = ranks
+    if not cli.is_cluster and not cli.hosts:
+        cli.try_job_at_master()
+    started: List[Tuple[Any, Any]] = []  # (client, key: its rank, or its label where it has none)
+    for client, answer in each_target(cli, lambda c: c.profile("start", steps=steps, shapes=shapes or None,
+                                                                stacks=stacks or None)):
+        member = cli.cluster_member(client)
+        started.append((client, member.rank if member is not None else _key(client, answer)))
+    if not started:
+        return
+    clients = [client for client, _ in started]
+    say("probe: capturing %d step%s on %d process%s" % (steps, "" if steps == 1 else "s", len(started),
+                                                        "" if len(started) == 1 else "es"), err=True)
+    lost: Dict[Any, str] = {}
+
+    def poll() -> Dict[Any, Dict[str, Any]]:
+        outcomes = fan_out(clients, lambda c: c.profile("status"), cli.max_in_flight, cli.timeout)
+        statuses = {}
+        for (client, key), outcome in zip(started, outcomes):
+            if key in lost:
+                continue
+            if outcome.error is not None:
+                lost[key] = outcome.error.message
+                continue
+            statuses[key] = outcome.value
+        return statuses
+
+    shown = _Progress(steps)
+    try:
+        statuses = wait_for_steps(poll, wait_s, shown)
+    except Timeout as exc:
+        shown.clear()
+        fan_out(clients, lambda c: c.profile("stop"), cli.max_in_flight, cli.timeout)
+        cli.record(exc)
+        return
+    shown.clear()
+    for key, why in lost.items():
+        cli.record(ProbeError("stopped answering while profiling: %s" % why), _label(key))
+    done = [(client, key) for client, key in started if statuses.get(key, {}).get("state") == "done"]
+    for key, status in statuses.items():
+        if status.get("state") != "done":
+            cli.record(ProbeError("the capture %s%s" % (status.get("state"), ": " + status["error"]
+                                                           if status.get("error") else "")), _label(key))
+    if not done:
+        cli.exit_code = cli.exit_code or 1
+        return
+    begun = time.monotonic()
+    outcomes = fan_out([c for c, _ in done], lambda c: c.profile("fetch", max_events=max_events),
+                       cli.max_in_flight, max(cli.timeout, 60.0))
+    answers = []
+    for (client, key), outcome in zip(done, outcomes):
+        if outcome.error is not None:
+            cli.record(outcome.error, _label(key))
+            continue
+        answers.append((key if isinstance(key, int) else len(answers), outcome.value))
+    if len(answers) < len(started):
+        cli.exit_code = cli.exit_code or 7
+    if not answers:
+        return
+    rows = sum(int(a.get("rows", 0)) for _, a in answers)
+    summary: Dict[str, Any] = {"ranks": [key for key, _ in answers], "steps": steps, "output": output,
+                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut", 0)) for _, a in answers)}
+    lines = []
+    if output:
+        merged = merge_traces(answers)
+        with open(output, "w") as handle:
+            json.dump(merged, handle)
+        cuts = merged["otherData"]["probe"]["events_cut"]
+        summary.update(events=sum(1 for e in merged["traceEvents"] if e.get("ph") != "M"), events_cut=cuts,
+                       merge_s=round(time.monotonic() - begun, 3))
+        lines.append("wrote %d events of %d rank%s to %s in %.1f s%s" % (
+            summary["events"], len(answers), "" if len(answers) == 1 else "s", output, summary["merge_s"],
+            "; cut past --max-events or the agent's result size: %s" % ", ".join(
+                "rank %s: %d events" % kv for kv in cuts.items()) if cuts else ""))
+    lines.append("torch.profile holds %d rows in %d rank%s%s" % (
+        rows, len(answers), "" if len(answers) == 1 else "s",
+        "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
+    if fmt == "json":
+        emit(json.dumps(summary))
+    else:
+        for line in lines:
+            say(line)
+
+
+def _key(client: Any, answer: Dict[str, Any]) -> Any:
+    rank = answer.get("rank")
+    return rank if isinstance(rank, int) else client.target.label
+
+
+def _label(key: Any) -> str:
+    return "rank %s" % key if isinstance(key, int) else str(key)
+
+
+class _Progress:
+    """``probe: profile 2/3 steps (slowest: rank 1)`` on stderr, redrawn on a terminal, else every change."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.last, self.tty = steps, "", sys.stderr.isatty()
+
+    def __call__(self, statuses: Dict[Any, Dict[str, Any]]) -> None:
+        if not statuses:
+            return
+        done = [int(s.get("steps_done") or 0) if s.get("state") != "done" else self.steps for s in statuses.values()]
+        waiting = sum(1 for s in statuses.values() if s.get("state") == "waiting")
+        slowest = min(statuses, key=lambda k: done[list(statuses).index(k)])
+        text = "probe: profile %d/%d steps captured (slowest: %s)%s" % (
+            min(done), self.steps, _label(slowest), ", %d waiting for a step to begin" % waiting if waiting else "")
+        if text == self.last:
+            return
+        self.last = text
+        if self.tty:
+            sys.stderr.write("\r\033[K" + text)
+            sys.stderr.flush()
+        else:
+            say(text, err=True)
+
+    def clear(self) -> None:
+        if self.tty and self.last:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+

@@ -1,0 +1,65 @@
+"""A profile of several processes at once: start a capture on each, wait (bounded) until each has captured
+its steps, fetch each one's trace, and merge them into one Chrome/Perfetto trace with one process per
+rank on one clock. Each rank captures on its own (no collective); the clocks are lined up by each rank's
+wall clock (the epoch its events count from), so ranks on hosts whose clocks disagree are off by that much.
+"""
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from probe.errors import Timeout
+
+__all__ = ["wait_for_steps", "merge_traces", "POLL_S"]
+
+POLL_S = 0.25
+_ENDED = ("done", "failed", "cancelled", "off")
+
+
+def wait_for_steps(poll: Callable[[], Dict[Any, Dict[str, Any]]], timeout: float,
+                   progress: Optional[Callable[[Dict[Any, Dict[str, Any]]], None]] = None) -> Dict[Any, Dict[str, Any]]:
+    """Poll every capture's status (``poll()``: key -> status) until each has ended, within ``timeout``
+    seconds; ``Timeout`` names the ones still capturing and how far they got."""
+    deadline = time.monotonic() + timeout
+    while True:
+        statuses = poll()
+        if progress is not None:
+            progress(statuses)
+        if all(s.get("state") in _ENDED for s in statuses.values()):
+            return statuses
+        if time.monotonic() >= deadline:
+            behind = ["%s: %s, %s of %s steps" % (key, s.get("state"), s.get("steps_done"), s.get("steps"))
+                      for key, s in sorted(statuses.items(), key=lambda kv: str(kv[0]))
+                      if s.get("state") not in _ENDED]
+            raise Timeout("the profile was not captured within %g s (%s)" % (timeout, "; ".join(behind[:8])),
+                          hint="a capture waits for the job's optimizer steps: give --timeout more time, or "
+                               "fewer --steps; the captures still running were cancelled")
+        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
+
+def merge_traces(answers: Sequence[Tuple[int, Dict[str, Any]]]) -> Dict[str, Any]:
+    """One Chrome trace from each rank's fetched capture: every event of rank R in process R ("rank R"), its
+    time moved onto one clock (microseconds since the earliest event of any rank). What a rank cut is said
+    in ``otherData``."""
+    starts = []
+    for _, answer in answers:
+        timed = [e["ts"] for e in answer.get("traceEvents", []) if "ts" in e]
+        if timed:
+            starts.append(answer.get("epoch_us", 0.0) + min(timed))
+    origin = min(starts) if starts else 0.0
+    events: List[Dict[str, Any]] = []
+    cut: Dict[str, int] = {}
+    for rank, answer in sorted(answers, key=lambda pair: pair[0]):
+        shift = answer.get("epoch_us", 0.0) - origin
+        for event in answer.get("traceEvents", []):
+            event = dict(event, pid=rank)
+            if "ts" in event:
+                event["ts"] = max(0.0, round(event["ts"] + shift, 3))  # epochs near 1.8e15 us: a 0.25 us grain
+            if event.get("ph") == "M" and event.get("name") == "process_name":
+                event["args"] = {"name": "rank %d" % rank}
+            events.append(event)
+        if answer.get("cut"):
+            cut[str(rank)] = int(answer["cut"])
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"probe": {"ranks": [rank for rank, _ in answers], "events_cut": cut,
+                                    "epoch_us": origin, "clock": "each rank's wall clock (time.time())"}}}
+
