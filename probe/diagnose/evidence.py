@@ -178,6 +178,7 @@ class Sample:
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
     recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
+    history: Optional[List[Any]] = None  # cluster.stack_history's current runs (probe.client.stack_history)
 
 
 def _agent_frames(client: Any) -> List[Frame]:
@@ -397,7 +398,10 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
                                            state="dead" if member is not None and member.state == "dead"
                                            else "no_answer", why=failure.reason, source="none",
                                            threads_why="no answer", fr_why="no answer", trace_why="no answer")
-    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start)
+    from probe.client.stack_history import current_or_none
+
+    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
+                  history=current_or_none(cluster))
 
 
 def _collect_member(client: Any, member: Any) -> RankEvidence:

@@ -325,6 +325,11 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         verdicts.append(steps.healthy(last, answering, progress, window, who, command)
                         or _healthy(last, answering, progress, window, who, command))
     steps.annotate(verdicts, last, answering, progress, who, command)
+    from probe.client.stack_history import since_lines  # since when each stuck rank has been where it is
+
+    for verdict in [v for v in verdicts if v.status == "stuck"]:
+        verdict.evidence += [Evidence(text, command(None, rest), [r])
+                             for r, text, rest in since_lines(last.history, (verdict.culprits or verdict.victims)[:4])]
     unavailable += steps.unavailable(last, answering, who)
     _cause_first(verdicts, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)
