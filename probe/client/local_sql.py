@@ -349,9 +349,9 @@ def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Opt
         if name == "cluster.ranks":
             return members
         if name == "cluster.stack_history" and cluster is not None:
-            from probe.client import stack_history
+            from probe.client.stack_history import fetch as _history, to_arrow as _history_table
 
-            return stack_history.to_arrow(stack_history.fetch(cluster))
+            return _history_table(_history(cluster))
         raise UsageError("%s is a rank's table, and cluster.ranks is the job's member list, read here from the "
                          "host helpers: one query cannot read both" % name,
                          hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
