@@ -401,7 +401,7 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     from probe.client.stack_history import current_or_none
 
     return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
-                  history=current_or_none(cluster))
+                  history=current_or_none(cluster) if previous is None else previous.history)
 
 
 def _collect_member(client: Any, member: Any) -> RankEvidence:
