@@ -8,7 +8,7 @@ import json
 import os
 import time
 
-from procs import run_cli, scaled
+from procs import run_cli, running, scaled
 from test_cluster import needs_torchrun, torchrun_job
 
 PER_RANK = """SELECT rank, count(*) AS samples, count(DISTINCT stack_id) AS stacks, arg_max(source, time) AS source,
@@ -55,6 +55,11 @@ def test_the_helpers_history_says_where_each_rank_has_been_and_since_when(tmp_pa
                                                           "cluster.stack_history WHERE thread = 'MainThread'"))
         assert {(r["rank"], r["pid"]) for r in pid_of} == set(pids.items()), pid_of
 
+        from probe.client.cluster import connect_all
+
+        table = connect_all(master).stack_history()  # the same from Python
+        assert set(table.column("rank").to_pylist()) == {0, 1} and table.num_rows >= 6
+
         verdict = run_cli(master, "diagnose", "--json", timeout=scaled(60))
         report = json.loads(verdict.out)
         assert verdict.code == 11, verdict.out + verdict.err
@@ -71,3 +76,41 @@ def test_the_helpers_history_says_where_each_rank_has_been_and_since_when(tmp_pa
     assert [r["rank"] for r in kept] == [0, 1] and all(r["stacks"] < r["samples"] for r in kept), kept
     judged = run_cli(target, "diagnose")
     assert "rank 1 has been in load_next_batch since " in judged.out, judged.out + judged.err
+
+
+class _Node:
+    """The one thing the sampler asks of its node helper: the node's ranks (here one real process)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def local_members(self):
+        return [{"rank": 0, "pid": self.pid, "state": "running"}]
+
+
+def test_the_history_stays_within_its_bounds_and_forgets_what_is_older_than_it_keeps(monkeypatch):
+    from probe.host import history
+
+    with running("idle.py") as target:
+        kept = history.History(_Node(target.popen.pid), every=1.0, keep=3600.0)
+        assert kept.sample() == 3  # the main thread, loader-0 and heartbeat, from the agent
+        body = kept.answer()
+        assert {r[3] for r in body["rows"]} == {"MainThread", "loader-0", "heartbeat"}
+        assert all(r[5] == "agent" and r[4] in body["stacks"] for r in body["rows"])
+        assert any("data_loader_wait" in frames for _, frames in body["stacks"].values())
+
+        monkeypatch.setattr(history, "MAX_ROWS", 7)
+        for _ in range(4):
+            kept.sample()
+        body = kept.answer()
+        assert len(body["rows"]) == 7 and len(body["stacks"]) < 7  # the oldest rows went; stacks stored once
+        assert set(kept._stacks) == {r[4] for r in body["rows"]}  # a stack no row names is gone too
+
+        monkeypatch.setattr(history, "MAX_STACKS", 2)
+        few = history.History(_Node(target.popen.pid), every=1.0, keep=3600.0)
+        few.sample()  # room for two distinct stacks: the third thread's pushes out the oldest row and its stack
+        body = few.answer()
+        assert len(body["stacks"]) == 2 and len(body["rows"]) == 2, body
+
+        kept.keep = 0.0  # nothing is older than the last hour here: forget everything sampled before now
+        assert kept.answer()["rows"] == [] and kept._stacks == {}
