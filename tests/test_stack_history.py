@@ -71,6 +71,11 @@ def test_the_helpers_history_says_where_each_rank_has_been_and_since_when(tmp_pa
         record = _until(lambda: [d for d in os.listdir(snaps) if os.path.isfile(os.path.join(snaps, d, "meta-%s.json"
                                                                                              % os.uname().nodename))]
                         if os.path.isdir(snaps) else None, 90, "the watch's record of the stall")
+    from probe.snapshot.record import rank_file_name, read_rank
+
+    for rank in (0, 1):  # each rank's rows in its record, each of its stacks written once
+        kept = read_rank(os.path.join(snaps, record[0], rank_file_name(rank)))["tables"]["cluster.stack_history"]
+        assert {row[1] for row in kept["rows"]} == {rank} and len(kept["stacks"]) < len(kept["rows"]), kept
     target = "snapshot:%s" % os.path.join(snaps, record[0])
     kept = _rows(run_cli(target, "query", "--json", PER_RANK))
     assert [r["rank"] for r in kept] == [0, 1] and all(r["stacks"] < r["samples"] for r in kept), kept

@@ -204,37 +204,63 @@ def _frames(text: Any) -> List[List[Any]]:
 # -- snapshots ------------------------------------------------------------------------------------------------
 
 
+_STORED = COLUMNS[:7]  # a record's rows: without func and frames, which its stacks hold once each
+STACK_BYTES = 1 << 20  # of one rank's stacks in its record: its oldest rows go where more would be needed
+
+
 def carry(records: Sequence[Dict[str, Any]], rows: Sequence[Sequence[Any]]) -> None:
-    """Put each rank's rows into its record (``tables["cluster.stack_history"]``, time as ISO text, UTC)."""
-    by_rank: Dict[int, List[List[Any]]] = {}
+    """Put each rank's rows into its record, deduplicated as the helper keeps them:
+    ``tables["cluster.stack_history"]`` = {"columns", "rows": [time (ISO text, UTC), rank, host, pid, thread,
+    stack id, source], "stacks": {id: [func, frames]}}; the newest rows whose stacks fit in ``STACK_BYTES``."""
+    by_rank: Dict[int, List[Sequence[Any]]] = {}
     for row in rows:
-        by_rank.setdefault(row[1], []).append([_utc(row[0]).isoformat()] + list(row[1:]))
+        by_rank.setdefault(row[1], []).append(row)
     for record in records:
-        mine = by_rank.get(record.get("rank"))  # type: ignore[arg-type]
-        if mine and isinstance(record.get("tables"), dict):
-            record["tables"][TABLE] = {"columns": [list(c) for c in COLUMNS], "rows": mine, "truncated": False}
+        mine = sorted(by_rank.get(record.get("rank"), ()), key=lambda r: -r[0])  # type: ignore[arg-type]
+        if not mine or not isinstance(record.get("tables"), dict):
+            continue
+        stacks: Dict[str, List[str]] = {}
+        kept: List[List[Any]] = []
+        size = 0
+        for row in mine:
+            if row[5] not in stacks:
+                size += len(row[7]) + len(row[8])
+                if size > STACK_BYTES:
+                    break
+                stacks[row[5]] = [row[7], row[8]]
+            kept.append([_utc(row[0]).isoformat()] + list(row[1:7]))
+        kept.reverse()
+        record["tables"][TABLE] = {"columns": [list(c) for c in _STORED], "rows": kept, "stacks": stacks,
+                                   "truncated": len(kept) < len(mine)}
 
 
 def from_records(records: Iterable[Dict[str, Any]], current: bool = False) -> List[List[Any]]:
-    """The rows the records carry (``COLUMNS``, time as epoch seconds), each checked: what a helper did not
-    write is left out (a record is read as hostile)."""
+    """The rows the records carry (``COLUMNS``, time as epoch seconds), each checked: what :func:`carry` did
+    not write is left out (a record is read as hostile)."""
     out: List[List[Any]] = []
     for record in records:
         table = (record.get("tables") or {}).get(TABLE) if isinstance(record.get("tables"), dict) else None
-        if not isinstance(table, dict) or not isinstance(table.get("rows"), list):
+        if not isinstance(table, dict) or not isinstance(table.get("rows"), list) or \
+                not isinstance(table.get("stacks"), dict):
             continue
+        stacks = {k: v for k, v in table["stacks"].items()
+                  if isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v)}
         for row in table["rows"]:
-            if not (isinstance(row, list) and len(row) == len(COLUMNS) and isinstance(row[0], str)
+            if not (isinstance(row, list) and len(row) == len(_STORED) and isinstance(row[0], str)
                     and isinstance(row[1], int) and isinstance(row[4], str) and isinstance(row[5], str)
-                    and isinstance(row[8], str)):
+                    and row[5] in stacks):
                 continue
             try:
                 at = datetime.datetime.fromisoformat(row[0]).replace(tzinfo=datetime.timezone.utc).timestamp()
             except ValueError:
                 continue
-            out.append([at] + [v if isinstance(v, (int, str)) or v is None else str(v) for v in row[1:]])
+            out.append([at] + [v if isinstance(v, (int, str)) or v is None else str(v) for v in row[1:]]
+                       + stacks[row[5]])
     if current:
-        shapes: Dict[str, Any] = {r[5]: shape_of(_frames(r[8])) for r in out}
+        shapes: Dict[str, Any] = {}
+        for row in out:
+            if row[5] not in shapes:  # each distinct stack's frames read once
+                shapes[row[5]] = shape_of(_frames(row[8]))
         out = current_runs(out, shapes.__getitem__)
     out.sort(key=lambda r: (r[1], r[4], r[0]))
     return out
