@@ -67,16 +67,22 @@ def test_the_helpers_history_says_where_each_rank_has_been_and_since_when(tmp_pa
         since = [t for t in said if t.startswith("rank 1 has been in load_next_batch since ")]
         assert since and since[0].endswith(" samples"), said
 
-        # the watch's record of the stall carries the history: queried and judged from it
-        record = _until(lambda: [d for d in os.listdir(snaps) if os.path.isfile(os.path.join(snaps, d, "meta-%s.json"
-                                                                                             % os.uname().nodename))]
-                        if os.path.isdir(snaps) else None, 90, "the watch's record of the stall")
+        # a snapshot by hand, now that the hang is old, carries the history: queried and judged from it
+        hand = _rows(run_cli(master, "--deadline", str(scaled(30)), "snapshot", "--dir", str(tmp_path / "hand"),
+                             "--json", timeout=scaled(120)))
+        # the watch's record of the stall (made at 6 s, whatever the ranks did by then) carries it too
+        watched = _until(lambda: [d for d in os.listdir(snaps) if os.path.isfile(os.path.join(
+            snaps, d, "meta-%s.json" % os.uname().nodename))] if os.path.isdir(snaps) else None, 90,
+                         "the watch's record of the stall")
     from probe.snapshot.record import rank_file_name, read_rank
 
-    for rank in (0, 1):  # each rank's rows in its record, each of its stacks written once
-        kept = read_rank(os.path.join(snaps, record[0], rank_file_name(rank)))["tables"]["cluster.stack_history"]
-        assert {row[1] for row in kept["rows"]} == {rank} and len(kept["stacks"]) < len(kept["rows"]), kept
-    target = "snapshot:%s" % os.path.join(snaps, record[0])
+    for directory, repeated in ((hand["path"], True), (os.path.join(snaps, watched[0]), False)):
+        for rank in (0, 1):  # each rank's rows in its record, each of its stacks written once
+            kept = read_rank(os.path.join(directory, rank_file_name(rank)))["tables"]["cluster.stack_history"]
+            assert {row[1] for row in kept["rows"]} == {rank}, kept
+            assert set(kept["stacks"]) == {row[5] for row in kept["rows"]}, kept
+            assert len(kept["stacks"]) < len(kept["rows"]) or not repeated, kept
+    target = "snapshot:%s" % hand["path"]
     kept = _rows(run_cli(target, "query", "--json", PER_RANK))
     assert [r["rank"] for r in kept] == [0, 1] and all(r["stacks"] < r["samples"] for r in kept), kept
     judged = run_cli(target, "diagnose")
