@@ -352,8 +352,8 @@ def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Opt
             from probe.client.stack_history import fetch as _history, to_arrow as _history_table
 
             return _history_table(_history(cluster))
-        raise UsageError("%s is a rank's table, and cluster.ranks is the job's member list, read here from the "
-                         "host helpers: one query cannot read both" % name,
+        raise UsageError("%s is a rank's table, and cluster.ranks (the job's member list) and cluster.stack_history "
+                         "are the job's, read here from the host helpers: one query cannot read both" % name,
                          hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
                               "with --merge 'SELECT ... FROM result'")
 
