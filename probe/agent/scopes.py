@@ -81,6 +81,7 @@ HELPER_ROUTES: Dict[Tuple[str, str], Needed] = {
     ("POST", "/v1/gather"): READ,  # backtrace and SQL only (probe.host.gather): the ranks answer read requests
     ("POST", "/v1/register"): READ,  # unix only (the helper refuses it on TCP)
     ("POST", "/v1/nodes"): EVAL,
+    ("GET", "/v1/stack_history"): READ,
 }
 
 

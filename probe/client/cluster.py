@@ -121,6 +121,13 @@ class Cluster:
         rows = self.ranks_rows()
         return pa.Table.from_pylist(rows.as_dicts())
 
+    def stack_history(self) -> Any:
+        """``cluster.stack_history`` as a ``pyarrow.Table``: where each rank has been, as its node helper
+        sampled it (``probe.client.stack_history``)."""
+        from probe.client.stack_history import fetch, to_arrow
+
+        return to_arrow(fetch(self))
+
     def ranks_rows(self) -> Rows:
         columns = tuple((c, "") for c in MEMBER_COLUMNS)
         return Rows(columns, [[getattr(m, c) for c in MEMBER_COLUMNS] for m in self.members])

@@ -315,12 +315,13 @@ def run_on_stacks(sql: str, stacks: Any, max_rows: Optional[int], timeout: Optio
                                                  "probe.source": stacks.source})
 
 
-_MEMBERS = re.compile(r'\b"?cluster"?\s*\.\s*"?ranks"?(?![A-Za-z0-9_])', re.IGNORECASE)
+_MEMBERS = re.compile(r'\b"?cluster"?\s*\.\s*"?(ranks|stack_history)"?(?![A-Za-z0-9_])', re.IGNORECASE)
 
 
 def names_members(sql: str) -> bool:
-    """Whether ``sql`` reads ``cluster.ranks``: the job's member list, answered by the client. DuckDB's
-    parser decides (a string that spells the name does not count), once the text mentions it at all."""
+    """Whether ``sql`` reads ``cluster.ranks`` or ``cluster.stack_history``: the job's tables, answered by
+    the client from the node helpers. DuckDB's parser decides (a string that spells the name does not
+    count), once the text mentions one at all."""
     if not _MEMBERS.search(sql):
         return False
     import duckdb
@@ -330,23 +331,29 @@ def names_members(sql: str) -> bool:
 
     connection = duckdb.connect(":memory:", config={"enable_external_access": False})
     try:
-        return "cluster.ranks" in referenced_tables(sql, connection)
+        return bool({"cluster.ranks", "cluster.stack_history"} & set(referenced_tables(sql, connection)))
     except SQLError:
         return False  # not SQL: the agent says what is wrong with it
     finally:
         connection.close()
 
 
-def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Optional[float]) -> Any:
-    """SQL over a job's member list (``cluster.ranks``, as the host helpers report it), run here: the
-    list is the helpers', not any rank's, so a query over it reaches no rank."""
+def run_on_members(sql: str, members: Any, max_rows: Optional[int], timeout: Optional[float],
+                   cluster: Any = None) -> Any:
+    """SQL over a job's member list (``cluster.ranks``, as the host helpers report it) and the stacks its
+    helpers sampled (``cluster.stack_history``, of ``cluster``: ``probe.client.stack_history``), run here:
+    both are the helpers', not any rank's, so a query over them reaches no rank."""
     from probe.errors import UsageError
 
     def fetch(name: str) -> Any:
         if name == "cluster.ranks":
             return members
-        raise UsageError("%s is a rank's table, and cluster.ranks is the job's member list, read here from the "
-                         "host helpers: one query cannot read both" % name,
+        if name == "cluster.stack_history" and cluster is not None:
+            from probe.client.stack_history import fetch as _history, to_arrow as _history_table
+
+            return _history_table(_history(cluster))
+        raise UsageError("%s is a rank's table, and cluster.ranks (the job's member list) and cluster.stack_history "
+                         "are the job's, read here from the host helpers: one query cannot read both" % name,
                          hint="ask every rank with --all-ranks (its rows carry rank and host), and group them "
                               "with --merge 'SELECT ... FROM result'")
 

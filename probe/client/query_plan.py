@@ -4,9 +4,10 @@ combined here, so that a command (``probe ... query``, a script) only shows the 
     plan = plan_query(sql, across_ranks=True, merge="SELECT max(step) FROM result")
     result = combine_ranks(plan, fetch_ranks(plan, cluster))      # a pyarrow.Table, or Rows
 
-Three plans: ``members`` (SQL over ``cluster.ranks``, the job's member list, run here: no rank is
-asked); ``ranks`` (the SQL runs on every rank, where each rank's source runs it, the rows come back with
-``rank`` and ``host`` first, and ``--merge`` runs here over their union, the table ``result``); and
+Three plans: ``members`` (SQL over ``cluster.ranks``, the job's member list, and
+``cluster.stack_history``, the stacks its node helpers sampled, run here: no rank is asked); ``ranks``
+(the SQL runs on every rank, where each rank's source runs it, the rows come back with ``rank`` and
+``host`` first, and ``--merge`` runs here over their union, the table ``result``); and
 ``targets`` (each target given runs it, a ``target`` column first when there are several). Where the SQL
 of one source runs (its agent, or here over the rows it sent, or over stacks read from outside) is the
 source's own affair (``probe.client.client``, ``probe.client.local_sql``).
@@ -64,7 +65,7 @@ def fetch_members(plan: QueryPlan, cluster: Any) -> Any:
     """SQL over the job's member list, run here."""
     from probe.client.local_sql import rows_of, run_on_members
 
-    table = run_on_members(plan.sql, cluster.ranks, plan.max_rows, plan.timeout)
+    table = run_on_members(plan.sql, cluster.ranks, plan.max_rows, plan.timeout, cluster)
     return table if plan.arrow else rows_of(table)
 
 

@@ -346,11 +346,11 @@ def query_rows(cluster: Cluster, sql: str, max_rows: Optional[int], timeout: Opt
     if direct:
         sub = _sub(cluster, direct)
         got = sub.query_rows(sql, max_rows=max_rows, timeout=timeout, query_id=query_id, empty_if_none=True)
-        by_rank: Dict[int, List[List[Any]]] = {m.rank: [] for m in direct}
+        per_rank: Dict[int, List[List[Any]]] = {m.rank: [] for m in direct}
         for row in got.rows:  # split back per rank: the rank is the first column
-            by_rank[row[0]].append(row)
-        for rank in set(by_rank) - {f.rank for f in sub.failures}:
-            parts[rank] = Rows(got.columns, by_rank[rank], got.truncated, got.row_cap)
+            per_rank[row[0]].append(row)
+        for rank in set(per_rank) - {f.rank for f in sub.failures}:
+            parts[rank] = Rows(got.columns, per_rank[rank], got.truncated, got.row_cap)
         failures.extend(sub.failures)
     cluster.failures = sorted(failures, key=lambda f: f.rank)
     return Rows.concat([parts[r] for r in sorted(parts)])

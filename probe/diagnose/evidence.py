@@ -164,6 +164,7 @@ class Sample:
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
     recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
+    history: Optional[List[Any]] = None  # cluster.stack_history's current runs (probe.client.stack_history)
 
 
 def agent_frames(client: Any) -> List[Frame]:

@@ -245,7 +245,10 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
                                            state="dead" if member is not None and member.state == "dead"
                                            else "no_answer", why=failure.reason, source="none",
                                            threads_why="no answer", fr_why="no answer", trace_why="no answer")
-    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start)
+    from probe.client.stack_history import current_or_none
+
+    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
+                  history=current_or_none(cluster) if previous is None else previous.history)
 
 
 def _collect_member(client: Any, member: Any) -> RankEvidence:

@@ -31,7 +31,7 @@ from probe.diagnose import collectives, memory, progress as steps, silent as can
 from probe.diagnose.evidence import Sample
 from probe.diagnose.lockwaits import lock_verdict, lock_waits
 from probe.diagnose.unknown import unavailable as _unavailable, with_how
-from probe.diagnose.verdict import HANG_FLOOR_S, STATUSES, Commands, Report, Verdict, ranks_word
+from probe.diagnose.verdict import HANG_FLOOR_S, STATUSES, Commands, Evidence, Report, Verdict, ranks_word
 
 __all__ = ["judge", "needs_longer_look"]
 
@@ -134,6 +134,11 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
         verdicts.append(steps.healthy(last, answering, progress, window, who, command)
                         or steps.healthy_by_trace(last, answering, progress, window, who, command))
     steps.annotate(verdicts, last, answering, progress, who, command)
+    from probe.client.stack_history import since_lines  # since when each stuck rank has been where it is
+
+    for verdict in [v for v in verdicts if v.status == "stuck"]:
+        verdict.evidence += [Evidence(text, command(None, rest), [r])
+                             for r, text, rest in since_lines(last.history, (verdict.culprits or verdict.victims)[:4])]
     unavailable += steps.unavailable(last, answering, who)
     _cause_first(verdicts, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)

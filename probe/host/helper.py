@@ -14,6 +14,7 @@ ranks. Nothing here may block or crash a launcher: every failure is written to s
     GET  /v1/outside/PID       a rank's state read from outside, with its stacks when it cannot answer
     POST /v1/register          (unix) a rank of this node says who it is and where it serves
     POST /v1/nodes             (master) another node's helper reports its ranks
+    GET  /v1/stack_history     the ranks' sampled stacks of the last hour (``probe.host.history``)
 
 A node report comes from a token holder, who may be buggy or hostile: every field is checked (types,
 ranges, ``helper`` a HOST:PORT), what is kept is bounded as a whole (``MAX_NODES`` nodes, at most
@@ -221,6 +222,9 @@ class Helper:
             from probe.host.gather import gather
 
             return gather(self, request)
+        if request.method == "GET" and path == "/v1/stack_history":  # cluster.stack_history: probe.host.history
+            from probe.host import history
+            return Response.json(history.answer(self, request.path))
         raise NotFound("no such endpoint on the host helper: %s %s" % (request.method, path[:200]))
 
     def _identity(self, owner: bool = False) -> Dict[str, Any]:
@@ -576,6 +580,8 @@ def start_in_launcher(probe_port: str) -> None:
             from probe.host import watch
 
             watch.start(helper)  # the stall watch (PROBE_SNAPSHOT=0: none)
+            from probe.host import history
+            history.start(helper)  # where each rank has been (PROBE_STACK_EVERY=0: nowhere)
             if binds_every_interface(host) and helper.tcp_address:
                 _say("probe: the host helper serves TCP on every interface (%s; token required)" % helper.tcp_address)
             if token_file:

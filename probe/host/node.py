@@ -56,6 +56,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     from probe.host import watch
 
     watching = watch.start(helper) is not None  # PROBE_SNAPSHOT=0: none
+    from probe.host import history
+
+    history.start(helper)  # where each rank has been (PROBE_STACK_EVERY=0: nowhere)
     _say("probe: node helper %d for PROBE_PORT=%d: unix %s, TCP %s" % (
         os.getpid(), args.port, _paths.node_socket_path(args.port), helper.tcp_address or "none"))
     started = last_alive = time.monotonic()

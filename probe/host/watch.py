@@ -420,6 +420,8 @@ class Watch:
         if died:
             reason = deaths.reason(died)
         deaths.patched(records, members, [self._dead(m) for m in members], reason)
+        from probe.host import history
+        history.carry(self.helper, records)  # where each rank has been, the last hour (cluster.stack_history)
         files: Dict[int, str] = {}
         failed: Dict[str, str] = {}
         for member, rec in zip(members, records):

@@ -330,7 +330,7 @@ class JobSource:
         if names_members(sql):
             if merge:
                 raise ProbeError("--merge groups the rows of several ranks; cluster.ranks is one table already")
-            return dict(rows_json(rows_of(run_on_members(sql, cluster.ranks, max_rows, None))), failures=[])
+            return dict(rows_json(rows_of(run_on_members(sql, cluster.ranks, max_rows, None, cluster))), failures=[])
         if rank is not None:
             cluster = cluster.select([rank])
         if merge:

@@ -38,7 +38,7 @@ META_FORMAT = "probe-snapshot-meta 1"
 MAX_RANK_BYTES = 2 * 1024 * 1024
 _FRAME_FIELDS = ("thread_id", "thread_name", "native_id", "is_main", "depth", "func", "file", "lineno", "code",
                  "frame_type")
-_KEPT_AT_TAIL = ("python.torch_trace", "torch.flight_recorder")  # cut from the oldest end
+_KEPT_AT_TAIL = ("python.torch_trace", "torch.flight_recorder", "cluster.stack_history")  # cut from the oldest end
 
 
 def max_rank_bytes() -> int:

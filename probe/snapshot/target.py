@@ -84,8 +84,11 @@ class Snapshot:
                 window = max(window, last.at - first.at)
                 looks = 2
         single = len(chosen) == 1 and str(self.records[chosen[0]].get("job") or "").startswith("pid")  # one process
+        from probe.client.stack_history import from_records
+
+        history = from_records([self.records[r] for r in chosen], current=True) or None
         return (Sample(firsts, len(chosen), single, 0.0, recorded=True),
-                Sample(lasts, len(chosen), single, window, recorded=True), looks)
+                Sample(lasts, len(chosen), single, window, recorded=True, history=history), looks)
 
     def judge(self, command: Any, ranks: Optional[Sequence[int]] = None) -> Any:
         """``diagnose``'s report on the recorded looks, judged by the same rules as a live job."""
@@ -558,6 +561,12 @@ class RecordCluster(Cluster):
     def interrupt(self, kind: str, run_id: str, deadline: float = 3.0,
                   ranks: Optional[Sequence[int]] = None) -> Dict[int, str]:
         return {m.rank: "finished" for m in self.members if ranks is None or m.rank in ranks}
+
+    def stack_history_rows(self, current: bool = False) -> List[List[Any]]:
+        """``cluster.stack_history`` as these ranks' records carry it (``probe.client.stack_history``)."""
+        from probe.client.stack_history import from_records
+
+        return from_records([self.snapshot.records[m.rank] for m in self.members], current)
 
     @property
     def recorded(self) -> "RecordCluster":

@@ -51,6 +51,10 @@ def snapshot(cli: CliContext, directory: Optional[str], reason: str, fmt: Option
     deadline = cli.deadline or DEFAULT_DEADLINE_S
     started = time.time()
     records = capture_members(pairs, reason, job, deadline, secrets=secrets, max_in_flight=cli.max_in_flight)
+    if cli.is_cluster:  # a job: where each rank has been, as its node helpers sampled it
+        from probe.client.stack_history import carry, current_or_none
+
+        carry(records, current_or_none(cli.cluster(), whole=True) or [])
     path, meta = save_snapshot(root, job, reason, records, started)
     failed = {int(r): why for r, why in meta["failed"].items()}
     if fmt == "json":

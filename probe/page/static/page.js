@@ -150,6 +150,56 @@ async function showRank(rank) {
   $("rank-stacks").textContent = lines.join("\n");
 }
 
+// -- where each rank has been ------------------------------------------------------------------------------
+
+// Runs of one stack of each rank's main thread, from the node helpers' samples (run on the page's server).
+const TIMELINE_SQL = `SELECT rank, any_value(func) AS func, min(epoch(time)) AS t0, max(epoch(time)) AS t1, count(*) AS n
+FROM (SELECT rank, time, func, sum(CASE WHEN stack_id = prev THEN 0 ELSE 1 END) OVER (PARTITION BY rank ORDER BY time) AS run
+      FROM (SELECT rank, time, func, stack_id, lag(stack_id) OVER (PARTITION BY rank ORDER BY time) AS prev
+            FROM cluster.stack_history WHERE thread = 'MainThread'))
+GROUP BY rank, run ORDER BY rank, t0`;
+
+async function refreshTimeline() {
+  let d;
+  try {
+    d = await api("/api/sql", {method: "POST", headers: {"Content-Type": "application/json", "X-Probe-Page": "1"},
+                               body: JSON.stringify({sql: TIMELINE_SQL, rank: null, merge: null})});
+  } catch (e) {
+    $("timeline").replaceChildren();
+    $("timeline-status").textContent = "no history: " + e.message;
+    return;
+  }
+  renderTimeline(d.rows.map(r => ({rank: r[0], func: r[1], t0: r[2], t1: r[3], n: r[4]})));
+}
+
+function renderTimeline(runs) {
+  const box = $("timeline");
+  box.replaceChildren();
+  if (!runs.length) { $("timeline-status").textContent = "no samples yet"; return; }
+  const ranks = [...new Set(runs.map(r => r.rank))].slice(0, 64);
+  const start = Math.min(...runs.map(r => r.t0));
+  const end = Math.max(...runs.map(r => r.t1));
+  const step = runs.length > 1 ? Math.max(1, Math.min(...runs.filter(r => r.n > 1).map(r => (r.t1 - r.t0) / (r.n - 1)))) : 1;
+  const width = Math.max(600, box.clientWidth || 1000), left = 70, row = 16;
+  const scale = (width - left - 10) / Math.max(end - start + step, 1);
+  const chart = svg("svg", {width, height: ranks.length * row + 20, class: "timeline"});
+  ranks.forEach((rank, i) => {
+    chart.append(svg("text", {x: 2, y: i * row + 12, class: "label"}, "rank " + rank));
+    for (const r of runs.filter(x => x.rank === rank)) {
+      const bar = svg("rect", {x: left + (r.t0 - start) * scale, y: i * row + 2, height: row - 4,
+                               width: Math.max(2, (r.t1 - r.t0 + step) * scale), "data-rank": rank, "data-func": r.func});
+      bar.style.fill = "hsl(" + (hue(r.func || "?") * 7 % 360) + ", 55%, 62%)";
+      bar.append(svg("title", {}, "rank " + rank + ": " + r.func + " from " + new Date(r.t0 * 1000).toLocaleTimeString() +
+                                   " to " + new Date(r.t1 * 1000).toLocaleTimeString() + ", " + r.n + " samples"));
+      chart.append(bar);
+    }
+  });
+  chart.append(svg("text", {x: left, y: ranks.length * row + 16, class: "label"}, new Date(start * 1000).toLocaleTimeString()));
+  chart.append(svg("text", {x: width - 80, y: ranks.length * row + 16, class: "label"}, new Date(end * 1000).toLocaleTimeString()));
+  box.append(chart);
+  $("timeline-status").textContent = runs.length + " runs of " + ranks.length + " ranks; hover a bar for its function";
+}
+
 // -- the flame graph ---------------------------------------------------------------------------------------
 
 function hue(text) {
@@ -413,7 +463,7 @@ async function refresh() {
     .catch(e => { $("failures").textContent = "the page's server: " + e.message; });
   const metrics = api("/api/metrics").then(renderMetrics).catch(e => { $("metrics-source").textContent = "(" + e.message + ")"; });
   const diagnosis = api("/api/diagnose").then(renderDiagnosis).catch(e => renderDiagnosis({error: e.message}));
-  await Promise.all([overview, metrics, diagnosis]);
+  await Promise.all([overview, metrics, diagnosis, refreshTimeline()]);
   busy = false;
   stamp();
   if (!paused) timer = setTimeout(refresh, refreshS * 1000);
