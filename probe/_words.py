@@ -3,7 +3,7 @@
 import re
 from typing import Dict, Iterable, Optional
 
-__all__ = ["span", "listed", "for_target"]
+__all__ = ["span", "listed", "for_target", "age_text"]
 
 
 def span(low: float, high: float, fmt: str = "%d", unit: str = "", close: float = 0.0) -> str:
@@ -34,3 +34,12 @@ def for_target(text: str, target: Optional[str]) -> str:
         return text
     shown = target if re.fullmatch(r"[\w.:\[\]@/-]+", target) else "'%s'" % target.replace("'", "'\\''")
     return _PLACEHOLDER.sub(lambda _: "probe " + shown, text)
+
+
+def age_text(seconds: float) -> str:
+    """How long ago, in the largest unit that fits: ``12 s ago``, ``3 min ago``, ``2 h ago``, ``4 d ago``."""
+    seconds = max(0.0, seconds)
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return "%.0f %s ago" % (seconds / scale, unit)
+    return "%.0f s ago" % seconds

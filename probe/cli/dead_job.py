@@ -39,7 +39,7 @@ def diagnose_dead_job(cli: Any, error: Any, as_json: bool, explicit_dir: Optiona
     """Where the one target is HOST:PORT and a record of a job that died there is found: its verdict said
     (``render``: diagnose's), the exit status set, and True; False where there is none (the caller reports
     ``error``)."""
-    from probe.cli.commands.snapshots import age_text
+    from probe._words import age_text
     from probe.client.targets import parse_target
     from probe.snapshot.recent import find_dead_job
     from probe.snapshot.target import Snapshot
@@ -83,7 +83,7 @@ def died_here(host: str, port: int, explicit_dir: Optional[str] = None) -> Optio
     """Where a job that served at ``host:port`` died within the hour and its node's watch recorded it: a
     hint that says so and how to read the record (instead of "start the job with PROBE_PORT", which it was);
     None where there is no such record."""
-    from probe.cli.commands.snapshots import age_text
+    from probe._words import age_text
     from probe.snapshot.recent import find_dead_job
 
     try:

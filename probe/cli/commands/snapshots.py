@@ -8,6 +8,7 @@ import click
 
 from probe.cli.context import CliContext, pass_cli
 from probe.cli.options import TEXT, output_format
+from probe._words import age_text
 from probe.cli.output import emit, say
 
 
@@ -52,14 +53,6 @@ def size_text(size: int) -> str:
         if size >= scale:
             return "%.1f %s" % (size / scale, unit)
     return "%d B" % size
-
-
-def age_text(seconds: float) -> str:
-    seconds = max(0.0, seconds)
-    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
-        if seconds >= scale:
-            return "%.0f %s ago" % (seconds / scale, unit)
-    return "%.0f s ago" % seconds
 
 
 def ranks_text(info: Any, compact_ranks: Any) -> str:
