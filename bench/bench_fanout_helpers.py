@@ -134,8 +134,29 @@ class Live:
 LIVE: Any = None  # a Live where the agents answer as a progressing job (role ``agents FIRST COUNT T0``)
 
 
-def _answer(rank: int, head: bytes, request: bytes = b"") -> bytes:
-    if head.startswith(b"GET /v1/backtrace"):
+_NONCES: Any = None
+
+
+def _hello(head: bytes, local: str) -> bytes:
+    """The listener's half of the token handshake (``probe.agent.handshake``), which every TCP request of the
+    client starts with: a fresh nonce and the proof for the job's token. The request that follows is answered
+    without checking its MAC (a simulated agent does no agent work)."""
+    global _NONCES
+    from probe.agent import handshake
+
+    if _NONCES is None:
+        _NONCES = handshake.Nonces()
+    headers = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return json.dumps(handshake.hello([(TOKEN.encode(), 3, "token")], {3: "eval"}, _NONCES, headers, local)).encode()
+
+
+def _answer(rank: int, head: bytes, request: bytes = b"", local: str = "") -> bytes:
+    if head.startswith(b"GET /v1/hello"):
+        body = _hello(head, local)
+    elif head.startswith(b"GET /v1/backtrace"):
         body = BACKTRACES[rank % 64 == 7] if LIVE is None else LIVE.backtrace(rank)
     elif head.startswith(b"POST /v1/query"):
         body = QUERY if LIVE is None else LIVE.query(rank, request)
@@ -211,7 +232,10 @@ def role_agents(first: int, count: int) -> None:
                 conn.setblocking(True)  # type: ignore[union-attr]
                 conn.settimeout(2.0)  # type: ignore[union-attr]
                 try:
-                    conn.sendall(_answer(rank, head, bytes(buf[end + 4:end + 4 + length])))  # type: ignore[union-attr]
+                    local = ""
+                    if conn.family == socket.AF_INET:  # type: ignore[union-attr]
+                        local = "%s:%d" % conn.getsockname()  # type: ignore[union-attr]
+                    conn.sendall(_answer(rank, head, bytes(buf[end + 4:end + 4 + length]), local))  # type: ignore[union-attr]
                 except OSError:
                     pass
             elif chunk:
@@ -352,7 +376,7 @@ class Job:
             body = json.dumps({"node": node["node"], "host": "127.0.0.1", "members": members,
                                "helper": "127.0.0.1:%d" % self.helpers[node["node"]]}).encode()
             answer = transport.request(transport.TcpAddress("127.0.0.1", self.helpers[0]), "POST", "/v1/nodes", body,
-                                       {"Authorization": "Bearer %s" % TOKEN}, 10.0)
+                                       None, 10.0, token=TOKEN)
             assert answer.status == 200, bytes(answer.body)[:300]
 
     def close(self) -> None:

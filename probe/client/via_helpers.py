@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # the cluster calls this module: only its name here, for the 
 
 Cluster = Any  # probe.client.cluster.Cluster
 
-__all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow"]
+__all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow",
+           "ask_helpers", "helper_failures", "unusable", "BadAnswer"]
 
 VIA = ("auto", "helpers", "direct")
 AUTO_ABOVE = 1024
@@ -423,3 +424,15 @@ def rows_to_arrow(rows: Rows) -> Any:
     table = pa.Table.from_arrays(arrays, names=names)
     return table.replace_schema_metadata({"probe.truncated": "true" if rows.truncated else "false"})
 
+
+
+# For a gather whose answer another part reads (``probe.diagnose.gathered``: diagnose's evidence): ask every
+# helper, check its failures, name the ranks of an answer that cannot be used.
+ask_helpers = _gather
+BadAnswer = _Bad
+unusable = _unusable
+
+
+def helper_failures(raw: Any, asked: Dict[int, "Member"]) -> Dict[int, Any]:
+    """rank -> RankFailure from a helper's ``failed`` (checked: :class:`BadAnswer` where it is not)."""
+    return _failures(raw, asked, "")

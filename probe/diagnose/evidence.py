@@ -14,6 +14,7 @@ not be had is kept with why (``*_why``), never filled in.
 """
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -107,6 +108,17 @@ class RankEvidence:
         return {ident: name for name, ident, _ in self._named()}
 
     def _named(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
+        """Kept while ``frames`` is the same list (the rules ask for a rank's stacks many times; at 16k ranks
+        rebuilding them each time was most of the judging)."""
+        memo = self.__dict__.get("_named_memo")
+        frames = self.frames
+        if memo is not None and memo[0] is frames and memo[1] == len(frames or ()):
+            return memo[2]
+        out = self._named_now()
+        self.__dict__["_named_memo"] = (frames, len(frames or ()), out)
+        return out
+
+    def _named_now(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
         by_thread: Dict[int, List[Frame]] = {}
         for frame in self.frames or ():
             if frame.frame_type == "python":
@@ -379,19 +391,28 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     """Every rank's evidence through the fan-out, within ``deadline`` seconds. ``only``: the ranks to ask
     again (the others keep their evidence from ``previous``: a rank that cannot answer is not read from
     outside a second time)."""
+    from probe.diagnose import gathered
+
     start = time.monotonic()
     chosen = cluster if only is None else cluster.select(only)
-    by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
+    chosen.via = getattr(cluster, "via", "auto")
     saved = chosen.deadline
     chosen.deadline = deadline
+    ranks: Dict[int, RankEvidence] = {} if previous is None else dict(previous.ranks)
     try:
-        answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+        if chosen.members and gathered.through_helpers(chosen):  # one request a node (probe.diagnose.gathered)
+            got, failures = gathered.sample(chosen, None if previous is None else start - previous.at + 1.0,
+                                            sys.modules[__name__])
+            ranks.update(got)
+        else:
+            by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
+            answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+            for answer in answers:
+                ranks[answer.member.rank] = answer.value
+            failures = chosen.failures
     finally:
         chosen.deadline = saved
-    ranks: Dict[int, RankEvidence] = {} if previous is None else dict(previous.ranks)
-    for answer in answers:
-        ranks[answer.member.rank] = answer.value
-    for failure in chosen.failures:
+    for failure in failures:
         member = next((m for m in chosen.members if m.rank == failure.rank), None)
         ranks[failure.rank] = RankEvidence(failure.rank, failure.host, member.pid if member else None,
                                            state="dead" if member is not None and member.state == "dead"
