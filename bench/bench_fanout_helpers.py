@@ -263,6 +263,57 @@ class _Canned:
         return json.loads(QUERY)
 
 
+class _CannedLive(_Canned):
+    """A rank's agent inside a helper, answering as ``Live`` does (``probe diagnose``'s evidence of a healthy
+    job making steps), from memory: the helper's own work (``probe.diagnose.evidence.collect`` for each rank,
+    its answer) is what runs, with no request to any rank."""
+
+    live: Any = None
+    frames: List[List[Any]] = []  # [stack variant][line step]: the frames of each canned stack
+
+    class _Target:
+        core = None
+        is_local = True
+
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+            self.label = "pid %d" % pid
+
+    def __init__(self, member: Dict[str, Any], asked: Any) -> None:
+        super().__init__(member, asked)
+        self.target = self._Target(member["pid"])
+
+    def backtrace(self, native: bool = False, fallback: bool = True) -> Any:
+        step = int((time.time() - self.live.t0) / self.live.STEP_S) % 4
+        return self.frames[self.rank % 64 == 7][step]
+
+    def query_rows(self, sql: str, max_rows: Any = None, timeout: Any = None, **_: Any) -> Any:
+        from probe.client.results import Rows
+
+        make = self.live.by_sql.get(sql)
+        if make is None:
+            return Rows((("threads", "BIGINT"),), [[3]])
+        columns, rows = make(self.rank, time.time() - self.live.t0)
+        return Rows(tuple(columns), rows)
+
+    def table_rows(self, name: str, max_rows: Any = None, columns: Any = None) -> Any:
+        from probe.errors import NotFound
+
+        raise NotFound("a simulated agent serves backtrace and query only")
+
+
+def _canned_frames(raw: bytes) -> List[Any]:
+    from probe.client.results import Frame
+
+    decoded = json.loads(raw)
+    frames = []
+    for thread_id, name, native_id, is_main, chain in decoded["threads"]:
+        for depth, position in enumerate(chain):
+            func, file, lineno, code = decoded["frames"][position]
+            frames.append(Frame(thread_id, name, native_id, is_main, depth, func, file, lineno, code))
+    return frames
+
+
 def role_helpers(spec_path: str) -> None:
     """The node helpers of a spec file: [{"node", "ranks": [[rank, port], ...], "master": bool}], each
     a real Helper on its own TCP listener; prints ``HELPER node port`` for each, then ``READY``."""
@@ -272,18 +323,17 @@ def role_helpers(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
     if spec["canned"]:
-        from probe.client.client import Client, _frames_of  # noqa: F401  (imported before timing)
-        from probe.client.results import Frame
+        from probe.client.client import Client  # noqa: F401  (imported before timing)
 
         for raw in BACKTRACES:
-            decoded = json.loads(raw)
-            frames = []
-            for thread_id, name, native_id, is_main, chain in decoded["threads"]:
-                for depth, position in enumerate(chain):
-                    func, file, lineno, code = decoded["frames"][position]
-                    frames.append(Frame(thread_id, name, native_id, is_main, depth, func, file, lineno, code))
-            _Canned._frames.append(frames)
+            _Canned._frames.append(_canned_frames(raw))
         gather._client = _Canned  # type: ignore[assignment]
+        if spec.get("live") is not None:  # diagnose's evidence, as a job making steps (bench_diagnose.py)
+            from probe.diagnose import evidence  # noqa: F401  (imported before timing)
+
+            _CannedLive.live = Live(spec["live"])
+            _CannedLive.frames = [[_canned_frames(raw) for raw in variants] for variants in _CannedLive.live.stacks]
+            gather._client = _CannedLive  # type: ignore[assignment]
 
     class SimHelper(helper_mod.Helper):
         def __init__(self, node: int, ranks: List[List[int]], world: int) -> None:
@@ -341,7 +391,8 @@ class Job:
             for at in range(0, len(nodes), step):
                 path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
                 with open(path, "w") as handle:
-                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step]}, handle)
+                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step],
+                               "live": float(live_args[0]) if live_args else None}, handle)
                 proc = self._start(["helpers", path], env, stdin=True)
                 for line in proc.stdout:  # type: ignore[union-attr]
                     words = line.split()

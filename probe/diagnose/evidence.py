@@ -69,6 +69,8 @@ def _may_wait_for_a_lock(ev: "RankEvidence") -> bool:
     return any(lockwaits.lock_line(key[0][3]) for key in ev.stacks().values() if key)
 
 
+_LIBRARIES: Dict[Tuple[Tuple[str, str], ...], Any] = {}  # a layout's rows -> its Library (RankEvidence.library)
+
 STATES = ("answering", "gil_held", "stopped", "dead", "no_answer", "unreachable", "no_agent")
 
 
@@ -151,9 +153,16 @@ class RankEvidence:
         reported or that was read from outside; this host's own where neither is known."""
         from probe.diagnose import library
 
-        rows = [(str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
-                if isinstance(r, (list, tuple)) and len(r) == 2][:64]
-        return library.from_rows(rows) if rows else library.local_layout()
+        rows = tuple((str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
+                     if isinstance(r, (list, tuple)) and len(r) == 2)[:64]
+        # One Library per distinct layout, kept: the rules ask for it rank by rank, and the ranks of a job
+        # share one layout (this host's own, read from sysconfig, cost a millisecond each time).
+        found = _LIBRARIES.get(rows)
+        if found is None:
+            if len(_LIBRARIES) >= 64:
+                _LIBRARIES.clear()
+            found = _LIBRARIES[rows] = library.from_rows(rows) if rows else library.local_layout()
+        return found
 
     def main_cpu(self) -> Optional[float]:
         for thread in self.threads or ():
