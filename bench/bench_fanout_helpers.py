@@ -314,6 +314,32 @@ def _canned_frames(raw: bytes) -> List[Any]:
     return frames
 
 
+def _one_node_gathers(gather: Any) -> None:
+    """The helpers of this process stand for nodes that work at once: within one look, the rank of each local
+    number is collected once (``probe.diagnose.evidence.collect`` over a canned agent, as a node helper does
+    it), and the other nodes' ranks of that local number answer with that evidence, renumbered. So this
+    process does one node's work a look, as each of a real job's nodes does at once on its own cores (a
+    2-core machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's
+    request, answer and encoding, the client's reading of every rank's evidence and the rules."""
+    import dataclasses
+    import threading
+
+    real = gather._evidence
+    kept: Dict[int, Any] = {}
+    locks = {i: threading.Lock() for i in range(1024)}
+
+    def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
+        i = member["local_rank"]
+        with locks[i % 1024]:
+            got = kept.get(i)
+            if got is None or time.monotonic() - got[0] > 0.8:  # a look's requests come within this; looks 1 s apart
+                start = time.monotonic()
+                got = kept[i] = (start, real(member, asked, budget))
+        return dataclasses.replace(got[1], rank=member["rank"], pid=member.get("pid"))
+
+    gather._evidence = shared
+
+
 def role_helpers(spec_path: str) -> None:
     """The node helpers of a spec file: [{"node", "ranks": [[rank, port], ...], "master": bool}], each
     a real Helper on its own TCP listener; prints ``HELPER node port`` for each, then ``READY``."""
@@ -334,6 +360,8 @@ def role_helpers(spec_path: str) -> None:
             _CannedLive.live = Live(spec["live"])
             _CannedLive.frames = [[_canned_frames(raw) for raw in variants] for variants in _CannedLive.live.stacks]
             gather._client = _CannedLive  # type: ignore[assignment]
+            if spec.get("one_node"):
+                _one_node_gathers(gather)
 
     class SimHelper(helper_mod.Helper):
         def __init__(self, node: int, ranks: List[List[int]], world: int) -> None:
@@ -370,7 +398,7 @@ class Job:
     """Simulated agents (unless canned) and node helpers for ``world`` ranks, ``per_node`` a node."""
 
     def __init__(self, world: int, per_node: int, canned: bool, runtime: str, agent_procs: int, helper_procs: int,
-                 env: Dict[str, str], live: bool = False) -> None:
+                 env: Dict[str, str], live: bool = False, one_node: bool = False) -> None:
         self.world, self.per_node = world, per_node
         live_args = [repr(time.time())] if live else []  # the agents answer as a progressing job (Live)
         self.procs: List[subprocess.Popen] = []
@@ -392,7 +420,7 @@ class Job:
                 path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
                 with open(path, "w") as handle:
                     json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step],
-                               "live": float(live_args[0]) if live_args else None}, handle)
+                               "live": float(live_args[0]) if live_args else None, "one_node": one_node}, handle)
                 proc = self._start(["helpers", path], env, stdin=True)
                 for line in proc.stdout:  # type: ignore[union-attr]
                     words = line.split()

@@ -85,9 +85,10 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
     return out
 
 
-def _gather(cluster: Cluster, op: Dict[str, Any]) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
-    and the failures of the ranks of helpers that did not answer in time."""
+    and the failures of the ranks of helpers that did not answer in time. ``in_flight``: helpers asked at
+    once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more)."""
     from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
@@ -115,7 +116,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any]) -> Tuple[List[Tuple[List["Memb
         return raw
 
     items = list(helpers.items())
-    outcomes = fan_out(items, ask, cluster.max_in_flight, deadline)
+    outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
     answered, direct, failures = [], [], []
     for (helper, members), outcome in zip(items, outcomes):
         if outcome.error is None:

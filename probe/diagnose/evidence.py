@@ -102,8 +102,15 @@ class RankEvidence:
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
-        """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
-        return {name: key for name, _, key in self._named()}
+        """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2...
+        (One dict while the frames are the same: read it, do not change it.)"""
+        named = self._named()
+        memo = self.__dict__.get("_stacks_memo")
+        if memo is not None and memo[0] is named:
+            return memo[1]  # type: ignore[no-any-return]
+        out = {name: key for name, _, key in named}
+        self.__dict__["_stacks_memo"] = (named, out)
+        return out
 
     def names_by_id(self) -> Dict[int, str]:
         """Thread id -> the name :meth:`stacks` gives that thread."""
@@ -199,6 +206,12 @@ class Sample:
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
     recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
+
+
+def keep_named(ev: RankEvidence, named: List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]) -> None:
+    """Give ``ev`` its named stacks, made by whoever built its frames (``probe.diagnose.gathered``: each
+    distinct stack's key once for every rank), so that they are not made again from the frames."""
+    ev.__dict__["_named_memo"] = (ev.frames, len(ev.frames or ()), named)
 
 
 def _agent_frames(client: Any) -> List[Frame]:

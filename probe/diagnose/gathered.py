@@ -19,6 +19,7 @@ import json
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from probe.client.fanout import MAX_OPEN
 from probe.client.results import Frame
 
 __all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample"]
@@ -119,6 +120,7 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
     if not isinstance(raw, dict) or not isinstance(raw.get("stacks"), list) or not isinstance(raw.get("ranks"), list):
         raise Bad("the evidence has no stacks and ranks")
     stacks = [_stack(text, known) for text in raw["stacks"]]
+    keys = [_key(stack) for stack in stacks]
     out: List[Any] = []
     seen = set()
     for item in raw["ranks"]:
@@ -145,11 +147,12 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
         ev.at = arrived - age
         if "frames" in item:
             ev.frames = _frames(item["frames"], stacks, rank)
+            evidence.keep_named(ev, _named(item["frames"], keys))
         if isinstance(ev.training, dict) and "main_samples" in ev.training:
             refs = ev.training["main_samples"]
             if not isinstance(refs, list) or not all(type(i) is int and 0 <= i < len(stacks) for i in refs):
                 raise Bad("rank %d's main-thread samples are not stacks it sent" % rank)
-            ev.training = dict(ev.training, main_samples=[[list(f[1:5]) for f in stacks[i]] for i in refs])
+            ev.training = dict(ev.training, main_samples=[_sample(stacks[i], known) for i in refs])
         if isinstance(ev.memory, dict) and "readings" in ev.memory:
             readings = ev.memory["readings"]
             if not isinstance(readings, list) or not all(
@@ -189,10 +192,45 @@ def _stack(text: Any, known: Dict[str, Any]) -> Any:
     return got
 
 
+def _key(stack: Any) -> Any:
+    """(whether it has Python frames, its key as ``RankEvidence.stacks`` gives it): func, file, line, code."""
+    python = sorted((f for f in stack if f[5] == "python"), key=lambda f: f[0])
+    return bool(python), tuple((f[1], f[2], f[3], (f[4] or "").strip()) for f in python)
+
+
+def _named(threads: List[Any], keys: List[Any]) -> List[Any]:
+    """``RankEvidence._named`` of a rank's threads, from each distinct stack's key read once (the same order
+    and names: main first, then by name and id; threads that share a name get #2...)."""
+    out = []
+    taken = set()
+    for ident, name, _, is_main, at in sorted(threads, key=lambda t: (not t[3], t[1] or "", t[0])):
+        has_python, key = keys[at]
+        if not has_python:
+            continue
+        name = "MainThread" if is_main else (name or "?")
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = "%s#%d" % (name, n)
+        taken.add(unique)
+        out.append((unique, ident, key))
+    return out
+
+
+def _sample(stack: Any, known: Dict[Any, Any]) -> Any:
+    """A straggler's sample, ``(func, file, line, code)`` frames, one object for every rank that has it."""
+    at = ("sample", id(stack))
+    got = known.get(at)
+    if got is None:
+        got = known[at] = tuple((f[1], f[2], f[3], f[4]) for f in stack)
+    return got
+
+
 def _frames(raw: Any, stacks: List[Any], rank: int) -> List[Frame]:
     if not isinstance(raw, list):
         raise Bad("rank %d's frames are not a list" % rank)
     out: List[Frame] = []
+    ids = set()
     new = tuple.__new__
     for thread in raw:
         if not (isinstance(thread, list) and len(thread) == 5 and type(thread[0]) is int
@@ -200,6 +238,9 @@ def _frames(raw: Any, stacks: List[Any], rank: int) -> List[Frame]:
                 and (thread[2] is None or type(thread[2]) is int) and isinstance(thread[3], bool)
                 and type(thread[4]) is int and 0 <= thread[4] < len(stacks)):
             raise Bad("rank %d's thread is not [id, name, native id, is main, stack]" % rank)
+        if thread[0] in ids:
+            raise Bad("rank %d has two threads of id %d" % (rank, thread[0]))
+        ids.add(thread[0])
         head = (thread[0], thread[1], thread[2], thread[3])
         out.extend(new(Frame, head + f) for f in stacks[thread[4]])
     return out
@@ -213,7 +254,10 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[i
     from probe.client.members import RankFailure
 
     op: Dict[str, Any] = {"op": "evidence", "since_s": round(max(since_s or 0.0, 0.0), 3)}
-    answered, direct, failures = via_helpers.ask_helpers(chosen, op)
+    # Every helper's answer takes a while (the straggler rule's samples, 80 ms apart, on each of its ranks):
+    # all of them asked at once, up to the fan-out's bound on open requests.
+    helpers = len({m.helper for m in chosen.members})
+    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)))
     ranks: Dict[int, Any] = {}
     known: Dict[str, Any] = {}
     for members, raw in answered:
