@@ -253,7 +253,7 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[i
     from probe.client import via_helpers
     from probe.client.members import RankFailure
 
-    op: Dict[str, Any] = {"op": "evidence", "since_s": round(max(since_s or 0.0, 0.0), 3)}
+    op: Dict[str, Any] = {"op": "evidence", "since_s": round(min(max(since_s or 0.0, 0.0), 600.0), 3)}
     # Every helper's answer takes a while (the straggler rule's samples, 80 ms apart, on each of its ranks):
     # all of them asked at once, up to the fan-out's bound on open requests.
     helpers = len({m.helper for m in chosen.members})
