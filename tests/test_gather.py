@@ -104,7 +104,7 @@ def test_through_the_helpers_diagnose_gives_the_direct_verdict_and_rank_1_is_rea
     the same verdict as asked rank by rank; rank 1, whose GIL is held, read from outside by its helper."""
     port, pids = job
     master = "127.0.0.1:%d" % port
-    got = {via: run_cli(master, "--via", via, "diagnose", "-f", "json", timeout=scaled(60))
+    got = {via: run_cli(master, "--via", via, "diagnose", "--json", timeout=scaled(60))
            for via in ("direct", "helpers")}
     reports = {}
     for via, result in got.items():
