@@ -315,29 +315,50 @@ def _canned_frames(raw: bytes) -> List[Any]:
 
 
 def _one_node_gathers(gather: Any) -> None:
-    """The helpers of this process stand for nodes that work at once: within one look, the rank of each local
-    number is collected once (``probe.diagnose.evidence.collect`` over a canned agent, as a node helper does
-    it), and the other nodes' ranks of that local number answer with that evidence, renumbered. So this
-    process does one node's work a look, as each of a real job's nodes does at once on its own cores (a
-    2-core machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's
-    request, answer and encoding, the client's reading of every rank's evidence and the rules."""
+    """The helpers of this process stand for nodes that work at once: within one look, the ranks of one node
+    are collected (``probe.diagnose.evidence.collect`` over canned agents, at once, as a node helper does it),
+    and every node's rank of the same local number answers with that evidence, renumbered. So this process
+    does one node's work a look, as each of a real job's nodes does at once on its own cores (a 2-core
+    machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's request,
+    answer and encoding, the client's reading of every rank's evidence and its rules. Each gather asks its
+    ranks one at a time (they answer from memory): a runner a node, not 8 (16,384 threads here)."""
     import dataclasses
     import threading
 
-    real = gather._evidence
-    kept: Dict[int, Any] = {}
-    locks = {i: threading.Lock() for i in range(1024)}
+    real, fan_out = gather._evidence, gather._fan_out
+    kept: Dict[str, Any] = {"at": -1.0, "evs": {}}
+    lock = threading.Lock()
+
+    def collect_node(members: List[Dict[str, Any]], asked: Any, budget: Any) -> Dict[int, Any]:
+        out: Dict[int, Any] = {}
+
+        def one(member: Dict[str, Any]) -> None:
+            out[member["local_rank"]] = real(member, asked, budget)
+
+        threads = [threading.Thread(target=one, args=(m,)) for m in members]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+    def shared_fan_out(helper: Any, members: List[Dict[str, Any]], work: Any, in_flight: int, deadline: float) -> Any:
+        return fan_out(helper, members, work, 1, deadline)
 
     def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
-        i = member["local_rank"]
-        with locks[i % 1024]:
-            got = kept.get(i)
-            if got is None or time.monotonic() - got[0] > 0.8:  # a look's requests come within this; looks 1 s apart
-                start = time.monotonic()
-                got = kept[i] = (start, real(member, asked, budget))
-        return dataclasses.replace(got[1], rank=member["rank"], pid=member.get("pid"))
+        with lock:
+            if time.monotonic() - kept["at"] > 0.8:  # a look's requests come within this; looks 1 s apart
+                kept["at"] = time.monotonic()
+                local = [m for m in SIM_NODES[0].local_members()]
+                kept["evs"] = collect_node(local, asked, budget)
+            ev = kept["evs"].get(member["local_rank"] % max(1, len(kept["evs"])))
+        return dataclasses.replace(ev, rank=member["rank"], pid=member.get("pid"))
 
     gather._evidence = shared
+    gather._fan_out = shared_fan_out
+
+
+SIM_NODES: List[Any] = []  # this process's simulated node helpers
 
 
 def role_helpers(spec_path: str) -> None:
@@ -386,6 +407,7 @@ def role_helpers(spec_path: str) -> None:
                             "heartbeat_age": 0.1, "helper": "127.0.0.1:%d" % listener.port}
                            for i, (rank, port) in enumerate(node["ranks"])]
         out.append((sim, listener))
+        SIM_NODES.append(sim)
         print("HELPER %d %d" % (node["node"], listener.port), flush=True)
     print("READY", flush=True)
     sys.stdin.read()  # until the bench closes our stdin (or dies)
