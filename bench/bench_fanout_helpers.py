@@ -347,8 +347,10 @@ def _one_node_gathers(gather: Any) -> None:
 
     def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
         with lock:
-            if time.monotonic() - kept["at"] > 0.8:  # a look's requests come within this; looks 1 s apart
-                kept["at"] = time.monotonic()
+            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come
+            # within a moment of each other: another since_s, or 0.8 s past, is the next look.
+            if time.monotonic() - kept["at"] > 0.8 or kept.get("since") != asked.since_s:
+                kept["at"], kept["since"] = time.monotonic(), asked.since_s
                 local = [m for m in SIM_NODES[0].local_members()]
                 kept["evs"] = collect_node(local, asked, budget)
             ev = kept["evs"].get(member["local_rank"] % max(1, len(kept["evs"])))
