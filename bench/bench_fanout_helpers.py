@@ -134,8 +134,29 @@ class Live:
 LIVE: Any = None  # a Live where the agents answer as a progressing job (role ``agents FIRST COUNT T0``)
 
 
-def _answer(rank: int, head: bytes, request: bytes = b"") -> bytes:
-    if head.startswith(b"GET /v1/backtrace"):
+_NONCES: Any = None
+
+
+def _hello(head: bytes, local: str) -> bytes:
+    """The listener's half of the token handshake (``probe.agent.handshake``), which every TCP request of the
+    client starts with: a fresh nonce and the proof for the job's token. The request that follows is answered
+    without checking its MAC (a simulated agent does no agent work)."""
+    global _NONCES
+    from probe.agent import handshake
+
+    if _NONCES is None:
+        _NONCES = handshake.Nonces()
+    headers = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+    return json.dumps(handshake.hello([(TOKEN.encode(), 3, "token")], {3: "eval"}, _NONCES, headers, local)).encode()
+
+
+def _answer(rank: int, head: bytes, request: bytes = b"", local: str = "") -> bytes:
+    if head.startswith(b"GET /v1/hello"):
+        body = _hello(head, local)
+    elif head.startswith(b"GET /v1/backtrace"):
         body = BACKTRACES[rank % 64 == 7] if LIVE is None else LIVE.backtrace(rank)
     elif head.startswith(b"POST /v1/query"):
         body = QUERY if LIVE is None else LIVE.query(rank, request)
@@ -211,7 +232,10 @@ def role_agents(first: int, count: int) -> None:
                 conn.setblocking(True)  # type: ignore[union-attr]
                 conn.settimeout(2.0)  # type: ignore[union-attr]
                 try:
-                    conn.sendall(_answer(rank, head, bytes(buf[end + 4:end + 4 + length])))  # type: ignore[union-attr]
+                    local = ""
+                    if conn.family == socket.AF_INET:  # type: ignore[union-attr]
+                        local = "%s:%d" % conn.getsockname()  # type: ignore[union-attr]
+                    conn.sendall(_answer(rank, head, bytes(buf[end + 4:end + 4 + length]), local))  # type: ignore[union-attr]
                 except OSError:
                     pass
             elif chunk:
@@ -239,6 +263,106 @@ class _Canned:
         return json.loads(QUERY)
 
 
+class _CannedLive(_Canned):
+    """A rank's agent inside a helper, answering as ``Live`` does (``probe diagnose``'s evidence of a healthy
+    job making steps), from memory: the helper's own work (``probe.diagnose.evidence.collect`` for each rank,
+    its answer) is what runs, with no request to any rank."""
+
+    live: Any = None
+    frames: List[List[Any]] = []  # [stack variant][line step]: the frames of each canned stack
+
+    class _Target:
+        core = None
+        is_local = True
+
+        def __init__(self, pid: int) -> None:
+            self.pid = pid
+            self.label = "pid %d" % pid
+
+    def __init__(self, member: Dict[str, Any], asked: Any) -> None:
+        super().__init__(member, asked)
+        self.target = self._Target(member["pid"])
+
+    def backtrace(self, native: bool = False, fallback: bool = True) -> Any:
+        step = int((time.time() - self.live.t0) / self.live.STEP_S) % 4
+        return self.frames[self.rank % 64 == 7][step]
+
+    def query_rows(self, sql: str, max_rows: Any = None, timeout: Any = None, **_: Any) -> Any:
+        from probe.client.results import Rows
+
+        make = self.live.by_sql.get(sql)
+        if make is None:
+            return Rows((("threads", "BIGINT"),), [[3]])
+        columns, rows = make(self.rank, time.time() - self.live.t0)
+        return Rows(tuple(columns), rows)
+
+    def table_rows(self, name: str, max_rows: Any = None, columns: Any = None) -> Any:
+        from probe.errors import NotFound
+
+        raise NotFound("a simulated agent serves backtrace and query only")
+
+
+def _canned_frames(raw: bytes) -> List[Any]:
+    from probe.client.results import Frame
+
+    decoded = json.loads(raw)
+    frames = []
+    for thread_id, name, native_id, is_main, chain in decoded["threads"]:
+        for depth, position in enumerate(chain):
+            func, file, lineno, code = decoded["frames"][position]
+            frames.append(Frame(thread_id, name, native_id, is_main, depth, func, file, lineno, code))
+    return frames
+
+
+def _one_node_gathers(gather: Any) -> None:
+    """The helpers of this process stand for nodes that work at once: within one look, the ranks of one node
+    are collected (``probe.diagnose.evidence.collect`` over canned agents, at once, as a node helper does it),
+    and every node's rank of the same local number answers with that evidence, renumbered. So this process
+    does one node's work a look, as each of a real job's nodes does at once on its own cores (a 2-core
+    machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's request,
+    answer and encoding, the client's reading of every rank's evidence and its rules. Each gather asks its
+    ranks one at a time (they answer from memory): a runner a node, not 8 (16,384 threads here)."""
+    import dataclasses
+    import threading
+
+    real, fan_out = gather._evidence, gather._fan_out
+    kept: Dict[str, Any] = {"at": -1.0, "evs": {}}
+    lock = threading.Lock()
+
+    def collect_node(members: List[Dict[str, Any]], asked: Any, budget: Any) -> Dict[int, Any]:
+        out: Dict[int, Any] = {}
+
+        def one(member: Dict[str, Any]) -> None:
+            out[member["local_rank"]] = real(member, asked, budget)
+
+        threads = [threading.Thread(target=one, args=(m,)) for m in members]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return out
+
+    def shared_fan_out(helper: Any, members: List[Dict[str, Any]], work: Any, in_flight: int, deadline: float) -> Any:
+        return fan_out(helper, members, work, 1, deadline)
+
+    def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
+        with lock:
+            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come
+            # within a moment of each other: another since_s, or 0.8 s past, is the next look.
+            if time.monotonic() - kept["at"] > 0.8 or kept.get("since") != asked.since_s:
+                kept["at"], kept["since"] = time.monotonic(), asked.since_s
+                local = [m for m in SIM_NODES[0].local_members()]
+                kept["evs"] = collect_node(local, asked, budget)
+            ev = kept["evs"].get(member["local_rank"] % max(1, len(kept["evs"])))
+        return dataclasses.replace(ev, rank=member["rank"], pid=member.get("pid"))
+
+    gather._evidence = shared
+    gather._fan_out = shared_fan_out
+
+
+SIM_NODES: List[Any] = []  # this process's simulated node helpers
+
+
 def role_helpers(spec_path: str) -> None:
     """The node helpers of a spec file: [{"node", "ranks": [[rank, port], ...], "master": bool}], each
     a real Helper on its own TCP listener; prints ``HELPER node port`` for each, then ``READY``."""
@@ -248,18 +372,19 @@ def role_helpers(spec_path: str) -> None:
     with open(spec_path) as handle:
         spec = json.load(handle)
     if spec["canned"]:
-        from probe.client.client import Client, _frames_of  # noqa: F401  (imported before timing)
-        from probe.client.results import Frame
+        from probe.client.client import Client  # noqa: F401  (imported before timing)
 
         for raw in BACKTRACES:
-            decoded = json.loads(raw)
-            frames = []
-            for thread_id, name, native_id, is_main, chain in decoded["threads"]:
-                for depth, position in enumerate(chain):
-                    func, file, lineno, code = decoded["frames"][position]
-                    frames.append(Frame(thread_id, name, native_id, is_main, depth, func, file, lineno, code))
-            _Canned._frames.append(frames)
+            _Canned._frames.append(_canned_frames(raw))
         gather._client = _Canned  # type: ignore[assignment]
+        if spec.get("live") is not None:  # diagnose's evidence, as a job making steps (bench_diagnose.py)
+            from probe.diagnose import evidence  # noqa: F401  (imported before timing)
+
+            _CannedLive.live = Live(spec["live"])
+            _CannedLive.frames = [[_canned_frames(raw) for raw in variants] for variants in _CannedLive.live.stacks]
+            gather._client = _CannedLive  # type: ignore[assignment]
+            if spec.get("one_node"):
+                _one_node_gathers(gather)
 
     class SimHelper(helper_mod.Helper):
         def __init__(self, node: int, ranks: List[List[int]], world: int) -> None:
@@ -284,6 +409,7 @@ def role_helpers(spec_path: str) -> None:
                             "heartbeat_age": 0.1, "helper": "127.0.0.1:%d" % listener.port}
                            for i, (rank, port) in enumerate(node["ranks"])]
         out.append((sim, listener))
+        SIM_NODES.append(sim)
         print("HELPER %d %d" % (node["node"], listener.port), flush=True)
     print("READY", flush=True)
     sys.stdin.read()  # until the bench closes our stdin (or dies)
@@ -296,7 +422,7 @@ class Job:
     """Simulated agents (unless canned) and node helpers for ``world`` ranks, ``per_node`` a node."""
 
     def __init__(self, world: int, per_node: int, canned: bool, runtime: str, agent_procs: int, helper_procs: int,
-                 env: Dict[str, str], live: bool = False) -> None:
+                 env: Dict[str, str], live: bool = False, one_node: bool = False) -> None:
         self.world, self.per_node = world, per_node
         live_args = [repr(time.time())] if live else []  # the agents answer as a progressing job (Live)
         self.procs: List[subprocess.Popen] = []
@@ -317,7 +443,8 @@ class Job:
             for at in range(0, len(nodes), step):
                 path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
                 with open(path, "w") as handle:
-                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step]}, handle)
+                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step],
+                               "live": float(live_args[0]) if live_args else None, "one_node": one_node}, handle)
                 proc = self._start(["helpers", path], env, stdin=True)
                 for line in proc.stdout:  # type: ignore[union-attr]
                     words = line.split()
@@ -352,7 +479,7 @@ class Job:
             body = json.dumps({"node": node["node"], "host": "127.0.0.1", "members": members,
                                "helper": "127.0.0.1:%d" % self.helpers[node["node"]]}).encode()
             answer = transport.request(transport.TcpAddress("127.0.0.1", self.helpers[0]), "POST", "/v1/nodes", body,
-                                       {"Authorization": "Bearer %s" % TOKEN}, 10.0)
+                                       None, 10.0, token=TOKEN)
             assert answer.status == 200, bytes(answer.body)[:300]
 
     def close(self) -> None:

@@ -99,6 +99,37 @@ def test_through_the_helpers_the_grouped_backtrace_equals_the_direct_one_and_a_g
     assert "process.info needs the agent" in plain["helpers"].err
 
 
+def test_through_the_helpers_diagnose_gives_the_direct_verdict_and_rank_1_is_read_on_its_node(job):
+    """diagnose's evidence gathered by the node helpers (one request a node a look, ``op: evidence``):
+    the same verdict as asked rank by rank; rank 1, whose GIL is held, read from outside by its helper."""
+    port, pids = job
+    master = "127.0.0.1:%d" % port
+    got = {via: run_cli(master, "--via", via, "diagnose", "--json", timeout=scaled(60))
+           for via in ("direct", "helpers")}
+    reports = {}
+    for via, result in got.items():
+        assert result.code == 11, (via, result.code, result.out[-2000:], result.err[-2000:])  # stuck: rank 1 cannot run
+        reports[via] = json.loads(result.out)
+    direct, helped = reports["direct"], reports["helpers"]
+    assert helped["status"] == direct["status"] == "stuck"
+    assert [(v["kind"], v["culprits"]) for v in helped["verdicts"]] == \
+        [(v["kind"], v["culprits"]) for v in direct["verdicts"]], (helped["verdicts"], direct["verdicts"])
+    assert helped["verdicts"][0]["culprits"] == [1] and "hold_the_gil" in json.dumps(helped["verdicts"][0])
+
+    # the helper's own answer: each rank's evidence, rank 1's stacks read from outside on its node
+    answer = _gather(port, json.dumps({"op": "evidence", "deadline": 10, "since_s": 0}).encode())
+    assert answer.status == 200, bytes(answer.body)[:500]
+    raw = json.loads(bytes(answer.body))
+    ranks = {item["rank"]: item for item in raw["evidence"]["ranks"]}
+    assert sorted(ranks) == [0, 1, 2, 3] and raw["failed"] == []
+    assert ranks[1]["state"] == "gil_held" and ranks[0].get("state", "answering") == "answering"
+    stacks = [json.loads(text) for text in raw["evidence"]["stacks"]]
+    main_of = {r: next(stacks[t[4]] for t in item["frames"] if t[3]) for r, item in ranks.items()}
+    assert main_of[1][0][1] == "hold_the_gil", main_of[1][:2]
+    assert any(f[1] == "wait_for_work" for f in main_of[0])
+    assert len({t[4] for r in (0, 2, 3) for t in ranks[r]["frames"] if t[3]}) == 1  # one main stack for the three
+
+
 def test_through_the_helpers_a_killed_rank_is_named_and_the_answer_is_partial(job):
     port, pids = job
     master = "127.0.0.1:%d" % port

@@ -33,7 +33,8 @@ if TYPE_CHECKING:  # the cluster calls this module: only its name here, for the 
 
 Cluster = Any  # probe.client.cluster.Cluster
 
-__all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow"]
+__all__ = ["VIA", "AUTO_ABOVE", "through_helpers", "Grouped", "backtrace_groups", "query_rows", "rows_to_arrow",
+           "ask_helpers", "helper_failures", "unusable", "BadAnswer"]
 
 VIA = ("auto", "helpers", "direct")
 AUTO_ABOVE = 1024
@@ -84,9 +85,10 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
     return out
 
 
-def _gather(cluster: Cluster, op: Dict[str, Any]) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
-    and the failures of the ranks of helpers that did not answer in time."""
+    and the failures of the ranks of helpers that did not answer in time. ``in_flight``: helpers asked at
+    once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more)."""
     from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
@@ -114,7 +116,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any]) -> Tuple[List[Tuple[List["Memb
         return raw
 
     items = list(helpers.items())
-    outcomes = fan_out(items, ask, cluster.max_in_flight, deadline)
+    outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
     answered, direct, failures = [], [], []
     for (helper, members), outcome in zip(items, outcomes):
         if outcome.error is None:
@@ -422,3 +424,15 @@ def rows_to_arrow(rows: Rows) -> Any:
     table = pa.Table.from_arrays(arrays, names=names)
     return table.replace_schema_metadata({"probe.truncated": "true" if rows.truncated else "false"})
 
+
+
+# For a gather whose answer another part reads (``probe.diagnose.gathered``: diagnose's evidence): ask every
+# helper, check its failures, name the ranks of an answer that cannot be used.
+ask_helpers = _gather
+BadAnswer = _Bad
+unusable = _unusable
+
+
+def helper_failures(raw: Any, asked: Dict[int, "Member"]) -> Dict[int, Any]:
+    """rank -> RankFailure from a helper's ``failed`` (checked: :class:`BadAnswer` where it is not)."""
+    return _failures(raw, asked, "")

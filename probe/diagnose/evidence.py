@@ -54,6 +54,8 @@ FROM python.torch_trace"""
 """The trace's last step, how long ago its last span began, the forward self time per step over the last
 5 complete steps (a rank's own compute), its slowest forward module there, and the wall time per step."""
 
+_LIBRARIES: Dict[Tuple[Tuple[str, str], ...], Any] = {}  # a layout's rows -> its Library (RankEvidence.library)
+
 STATES = ("answering", "gil_held", "stopped", "dead", "no_answer", "unreachable", "no_agent")
 
 
@@ -85,14 +87,32 @@ class RankEvidence:
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
-        """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2..."""
-        return {name: key for name, _, key in self._named()}
+        """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2...
+        (One dict while the frames are the same: read it, do not change it.)"""
+        named = self._named()
+        memo = self.__dict__.get("_stacks_memo")
+        if memo is not None and memo[0] is named:
+            return memo[1]  # type: ignore[no-any-return]
+        out = {name: key for name, _, key in named}
+        self.__dict__["_stacks_memo"] = (named, out)
+        return out
 
     def names_by_id(self) -> Dict[int, str]:
         """Thread id -> the name :meth:`stacks` gives that thread."""
         return {ident: name for name, ident, _ in self._named()}
 
     def _named(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
+        """Kept while ``frames`` is the same list (the rules ask for a rank's stacks many times; at 16k ranks
+        rebuilding them each time was most of the judging)."""
+        memo = self.__dict__.get("_named_memo")
+        frames = self.frames
+        if memo is not None and memo[0] is frames and memo[1] == len(frames or ()):
+            return memo[2]
+        out = self._named_now()
+        self.__dict__["_named_memo"] = (frames, len(frames or ()), out)
+        return out
+
+    def _named_now(self) -> List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]:
         by_thread: Dict[int, List[Frame]] = {}
         for frame in self.frames or ():
             if frame.frame_type == "python":
@@ -125,9 +145,16 @@ class RankEvidence:
         reported or that was read from outside; this host's own where neither is known."""
         from probe.diagnose.library import from_rows, local_layout
 
-        rows = [(str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
-                if isinstance(r, (list, tuple)) and len(r) == 2][:64]
-        return from_rows(rows) if rows else local_layout()
+        rows = tuple((str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
+                     if isinstance(r, (list, tuple)) and len(r) == 2)[:64]
+        # One Library per distinct layout, kept: the rules ask for it rank by rank, and the ranks of a job
+        # share one layout (this host's own, read from sysconfig, cost a millisecond each time).
+        found = _LIBRARIES.get(rows)
+        if found is None:
+            if len(_LIBRARIES) >= 64:
+                _LIBRARIES.clear()
+            found = _LIBRARIES[rows] = from_rows(rows) if rows else local_layout()
+        return found
 
     def main_cpu(self) -> Optional[float]:
         for thread in self.threads or ():
@@ -165,6 +192,12 @@ class Sample:
     seconds: float = 0.0
     recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
     history: Optional[List[Any]] = None  # cluster.stack_history's current runs (probe.client.stack_history)
+
+
+def keep_named(ev: RankEvidence, named: List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]) -> None:
+    """Give ``ev`` its named stacks, made by whoever built its frames (``probe.diagnose.gathered``: each
+    distinct stack's key once for every rank), so that they are not made again from the frames."""
+    ev.__dict__["_named_memo"] = (ev.frames, len(ev.frames or ()), named)
 
 
 def agent_frames(client: Any) -> List[Frame]:

@@ -17,13 +17,17 @@ not be had is kept with why (``*_why``), never filled in.
 """
 
 import os
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from probe.diagnose.evidence import FR_SQL, THREADS_SQL, TRACE_SQL, RankEvidence, Sample, agent_frames
+from probe.diagnose.evidence import (FR_SQL, STATES, THREADS_SQL, TRACE_SQL, RankEvidence, Sample, agent_frames,
+                                    keep_named)
 from probe.errors import AgentBlocked, ConnectError, ProbeError, ProcessDead, Timeout, TorchNotLoaded
 
 __all__ = ["collect", "forget", "sample_job", "sample_one"]
+# What probe.diagnose.gathered reads from the module it is handed (this one: it cannot import it back).
+__gathered__ = (STATES, RankEvidence, keep_named)
 
 MAX_TABLE_ROWS = 2000  # rows of python.paths and python.locks read (their rows, without SQL: no engine involved)
 
@@ -227,19 +231,28 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     """Every rank's evidence through the fan-out, within ``deadline`` seconds. ``only``: the ranks to ask
     again (the others keep their evidence from ``previous``: a rank that cannot answer is not read from
     outside a second time)."""
+    from probe.diagnose import gathered
+
     start = time.monotonic()
     chosen = cluster if only is None else cluster.select(only)
-    by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
+    chosen.via = getattr(cluster, "via", "auto")
     saved = chosen.deadline
     chosen.deadline = deadline
+    ranks: Dict[int, RankEvidence] = {} if previous is None else dict(previous.ranks)
     try:
-        answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+        if chosen.members and gathered.through_helpers(chosen):  # one request a node (probe.diagnose.gathered)
+            got, failures = gathered.sample(chosen, None if previous is None else start - previous.at + 1.0,
+                                            sys.modules[__name__])
+            ranks.update(got)
+        else:
+            by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
+            answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+            for answer in answers:
+                ranks[answer.member.rank] = answer.value
+            failures = chosen.failures
     finally:
         chosen.deadline = saved
-    ranks: Dict[int, RankEvidence] = {} if previous is None else dict(previous.ranks)
-    for answer in answers:
-        ranks[answer.member.rank] = answer.value
-    for failure in chosen.failures:
+    for failure in failures:
         member = next((m for m in chosen.members if m.rank == failure.rank), None)
         ranks[failure.rank] = RankEvidence(failure.rank, failure.host, member.pid if member else None,
                                            state="dead" if member is not None and member.state == "dead"

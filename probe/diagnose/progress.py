@@ -63,10 +63,15 @@ def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, A
 
 def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
     """The rank's main optimizer: the one whose last step is the most recent (None: no step counted)."""
-    rows = [r for r in (ev.steps or ()) if isinstance(r.get("steps"), int)] if ev is not None else []
-    if not rows or ev is None or ev.state != "answering":
+    if ev is None:
         return None
-    return min(rows, key=lambda r: float(r.get("last_age") or 0.0))
+    memo = ev.__dict__.get("_counter_memo")  # the rules ask for it many times a rank: kept while steps is the same
+    if memo is not None and memo[0] is ev.steps and memo[1] == ev.state:
+        return memo[2]  # type: ignore[no-any-return]
+    rows = [r for r in (ev.steps or ()) if isinstance(r.get("steps"), int)]
+    found = None if not rows or ev.state != "answering" else min(rows, key=lambda r: float(r.get("last_age") or 0.0))
+    ev.__dict__["_counter_memo"] = (ev.steps, ev.state, found)
+    return found
 
 
 def _trace_step(ev: RankEvidence) -> Optional[int]:

@@ -97,7 +97,9 @@ def _moving(ev: Any, main: Optional[Dict[str, Any]]) -> bool:
     return any(isinstance(a, (int, float)) and a <= STEPPING_S for a in ages)
 
 
-def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
+def _samples(first: Any, last: Any, rank: int, seen: Optional[Dict[int, Any]] = None) -> List[Tuple[Frame, ...]]:
+    """``seen``: id of a sample -> the stack read from it, where the same sample object is shared by ranks
+    (evidence gathered through the node helpers shares them): read once. The samples outlive the call."""
     out: List[Tuple[Frame, ...]] = []
     for ev in (first.ranks.get(rank), last.ranks.get(rank)):
         if ev is None or ev.state != "answering":
@@ -106,10 +108,15 @@ def _samples(first: Any, last: Any, rank: int) -> List[Tuple[Frame, ...]]:
         if key:
             out.append(tuple(key))
         for stack in (getattr(ev, "training", None) or {}).get("main_samples") or ():
-            try:
-                out.append(tuple((str(f[0]), str(f[1]), int(f[2]), str(f[3])) for f in stack))
-            except (TypeError, ValueError, IndexError):
-                continue
+            read = seen.get(id(stack)) if seen is not None else None
+            if read is None:
+                try:
+                    read = tuple((str(f[0]), str(f[1]), int(f[2]), str(f[3])) for f in stack)
+                except (TypeError, ValueError, IndexError):
+                    continue
+                if seen is not None:
+                    seen[id(stack)] = read
+            out.append(read)
     return out
 
 
@@ -144,12 +151,21 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
         return []
     phases: Dict[int, Counter] = {}
     keys: Dict[int, List[Tuple[Frame, ...]]] = {}
+    seen: Dict[int, Any] = {}  # the ranks of a job share their samples' stacks: each read and phased once
+    phased: Dict[Tuple[Any, int], str] = {}
     for r in answering:
-        samples = _samples(first, last, r)
+        samples = _samples(first, last, r, seen)
         if len(samples) < MIN_SAMPLES or not (last.ranks[r].training or {}).get("main_samples"):
             return []  # not sampled (not stepping, or too few): no judgement
         keys[r] = samples
-        phases[r] = Counter(_phase(k, last.ranks[r].library()) for k in samples)
+        library = last.ranks[r].library()
+        counted: Counter = Counter()
+        for k in samples:
+            phase = phased.get((k, id(library)))
+            if phase is None:
+                phase = phased[(k, id(library))] = _phase(k, library)
+            counted[phase] += 1
+        phases[r] = counted
     found = _culprit(phases, keys)
     if found is None:
         return []
@@ -202,19 +218,41 @@ AT_LEAST = 0.5  # the straggler in its phase, the others where they wait: in at 
 APART = 0.4  # ... and this much more than the others there (median), or than the straggler where they wait
 
 
+def _median_without(ordered: List[float], value: float) -> float:
+    """``statistics.median`` of ``ordered`` (sorted) less one occurrence of ``value``, in O(log n)."""
+    import bisect
+
+    i = bisect.bisect_left(ordered, value)
+    m = len(ordered) - 1
+
+    def at(k: int) -> float:
+        return ordered[k] if k < i else ordered[k + 1]
+
+    return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
+
+
 def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional[Tuple[int, str, str]]:
     """(rank, its phase, where the others wait), where exactly one rank fits."""
     def share(rank: int, phase: str) -> float:
         return phases[rank][phase] / len(keys[rank])
 
+    # Each phase's shares sorted once: the others' median is the median of that list less the rank's own
+    # share (a median over the others for each rank was quadratic: seconds at a thousand ranks).
+    ordered = {phase: sorted(share(o, phase) for o in phases)
+               for phase in ("own code", "forward", "optimizer", "backward", "backward code", "collective")}
+
+    def others_median(rank: int, phase: str) -> float:
+        return _median_without(ordered[phase], share(rank, phase))
+
     found = []
     for r in phases:
-        others = [o for o in phases if o != r]
+        if len(phases) < 2:
+            break
         for phase in ("own code", "forward", "optimizer", "backward", "backward code"):
-            if share(r, phase) < AT_LEAST or share(r, phase) - statistics.median(share(o, phase) for o in others) < APART:
+            if share(r, phase) < AT_LEAST or share(r, phase) - others_median(r, phase) < APART:
                 continue
             for wait in ("collective", "backward"):
-                waited = statistics.median(share(o, wait) for o in others)
+                waited = others_median(r, wait)
                 if wait != phase and waited >= AT_LEAST and waited - share(r, wait) >= APART:
                     found.append((r, phase, wait))
                     break

@@ -14,6 +14,9 @@ node; each helper asks its local ranks over their unix sockets (the same HTTP AP
      "max_rows": N, "timeout": S,          [{"rank", "columns", "rows", "truncated", "row_cap"}],
      "query_id": ID}                       "outside": [{"rank", "code", "message", "hint", "note", "stacks"}],
                                            "failed": [...]}
+    {"op": "evidence", "since_s": S}       ``probe diagnose``'s evidence of each rank, its distinct stacks
+                                           sent once: {"evidence": {"stacks": [...], "ranks": [...]},
+                                           "failed": [...]} (``probe.diagnose.gathered``)
 
 ``ranks`` (a list of rank numbers) asks only those of this node's ranks. A rank that gave no answer is
 in ``failed`` with the error's ``code``, ``message`` and ``hint`` (for a dead rank, how it died, as
@@ -49,8 +52,8 @@ MAX_SQL_CHARS = 256 << 10
 MAX_RANKS = 1 << 16
 RAMP_S = 0.005  # how long one runner asks the ranks alone before the others join (see _fan_out)
 _MARGIN_S = 0.3  # a rank's own socket waits this much past the deadline, so the deadline names it first
-_GATHER_SHAPE = ('{"op": "backtrace" | "query", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
-                 '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "..."}')
+_GATHER_SHAPE = ('{"op": "backtrace" | "query" | "evidence", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
+                 '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "...", "since_s": SECONDS}')
 GATHER_SHAPE = _GATHER_SHAPE
 
 _slots_lock = threading.Lock()
@@ -63,8 +66,9 @@ class _Asked:
 
     def __init__(self, body: Dict[str, Any]) -> None:
         op = body.get("op")
-        if op not in ("backtrace", "query"):
-            raise BadRequest("a gather's op must be \"backtrace\" or \"query\", not %s" % _shown(op), hint=_GATHER_SHAPE)
+        if op not in ("backtrace", "query", "evidence"):
+            raise BadRequest("a gather's op must be \"backtrace\", \"query\" or \"evidence\", not %s" % _shown(op),
+                             hint=_GATHER_SHAPE)
         self.op: str = op
         self.deadline = _seconds(body, "deadline", 10.0, MAX_DEADLINE_S)
         self.max_in_flight = _int(body, "max_in_flight", DEFAULT_IN_FLIGHT, 1, MAX_IN_FLIGHT)
@@ -78,6 +82,7 @@ class _Asked:
         self.timeout: Optional[float] = None
         self.query_id: Optional[str] = None
         self.scope = "read"
+        self.since_s = _seconds(body, "since_s", None, MAX_DEADLINE_S) if body.get("since_s") != 0 else 0.0
         if op == "query":
             sql = body.get("sql")
             if not isinstance(sql, str) or not sql.strip() or len(sql) > MAX_SQL_CHARS:
@@ -218,11 +223,27 @@ def _gather(helper: Any, asked: _Asked) -> Response:
     failed: List[Dict[str, Any]] = [{"rank": r, "code": "not_found", "message": "rank %d is not a rank of this node "
                                      "(its helper lists %d)" % (r, len(members))} for r in missing[:1024]]
     budget = _Budget(MAX_ANSWER_BYTES)
-    work = _backtrace if asked.op == "backtrace" else _query
+    work = {"backtrace": _backtrace, "query": _query, "evidence": _evidence}[asked.op]
     started = time.monotonic()
     outcomes = _fan_out(helper, chosen, lambda m: work(m, asked, budget), asked.max_in_flight, asked.deadline)
     out: Dict[str, Any] = {"op": asked.op, "ranks": [m["rank"] for m in chosen]}
     outside: List[Any] = []
+    if asked.op == "evidence":  # diagnose's evidence of each rank, its stacks shared (probe.diagnose.gathered)
+        from probe.diagnose.gathered import encode
+
+        evs = []
+        for member, outcome in zip(chosen, outcomes):
+            if outcome.error is None:
+                evs.append(outcome.value)
+            else:
+                failed.append(_failure(member, outcome.error, helper))
+        keep_after = started - (asked.since_s or 0.0)
+        out.update(evidence=encode(evs, keep_after), failed=failed, seconds=round(time.monotonic() - started, 4))
+        body = json.dumps(out, default=str).encode("utf-8")
+        if len(body) > MAX_ANSWER_BYTES:
+            raise TooLarge("this node's evidence would take its answer past %d MB" % (MAX_ANSWER_BYTES >> 20),
+                           hint="ask the ranks directly (--via direct)")
+        return Response(200, body)
     if asked.op == "backtrace":
         threads: Dict[str, Dict[Key, List[int]]] = {}
         for member, outcome in zip(chosen, outcomes):
@@ -297,6 +318,15 @@ def _backtrace(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tupl
     stacks = thread_stacks(frames)
     budget.take(sum(40 + sum(len(f[0]) + len(f[1]) + 12 for f in key) for key in stacks.values()), member)
     return stacks, client.note
+
+
+def _evidence(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Any:
+    """The rank's evidence for ``probe diagnose`` (``probe.diagnose.gather.collect``: never raises), asked
+    over its unix socket; read from outside here where its agent cannot answer."""
+    from probe.diagnose.gather import collect
+
+    return collect(_client(member, asked), member["rank"], str(member.get("host")), member.get("pid"),
+                   member.get("state"))
 
 
 def _query(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[str, Any]:

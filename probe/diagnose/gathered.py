@@ -1,0 +1,287 @@
+"""``probe diagnose``'s evidence through the node helpers: one request a node a look, answered compactly.
+
+Directly, a look costs the client some 8-13 requests a rank (the stacks, the straggler's samples, the
+queries), each over TCP with its handshake, and the rules' evidence parsed rank by rank. Through the node
+helpers the client sends one ``POST /v1/gather`` ``{"op": "evidence"}`` to each node's helper; the helper
+runs :func:`probe.diagnose.gather.collect` for each of its ranks over their unix sockets (so every rule
+reads what it reads directly, a rank that cannot answer read from outside on its own node), and answers
+with :func:`encode`: each distinct stack once (the ranks of a job share most of their frames), each rank's
+threads pointing into that list, the rest of its evidence as it is. The client reads each distinct stack
+text once however many nodes send it (:func:`decode`).
+
+Times cross machines as ages: a look's ``at`` and the RSS readings are sent as seconds before the answer,
+and set on this machine's clock as they arrive. A helper keeps its ranks' readings between looks (as the
+node's watch does): ``since_s`` asks only for those of this diagnosis (the seconds before the request
+came; 0 at a first look).
+"""
+
+import json
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from probe.client.fanout import MAX_OPEN
+from probe.client.results import Frame
+
+__all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample"]
+
+AUTO_ABOVE = 32
+"""``--via auto`` gathers diagnose's evidence through the node helpers for more ranks than this: a look
+costs 8-13 requests a rank directly, so the helpers pay off far sooner than for one backtrace or query
+(``probe.client.via_helpers.AUTO_ABOVE``)."""
+
+_MAX_TEXT = 4096
+_MAX_FRAMES = 4096
+_FIELDS = ("pid", "state", "why", "source", "holder", "holder_id", "threads", "threads_why", "fr", "fr_why",
+           "trace", "trace_why", "training", "memory", "steps", "steps_why", "paths", "locks", "seconds")
+_TYPES: Dict[str, Tuple[type, ...]] = {
+    "pid": (int, type(None)), "state": (str,), "why": (str,), "source": (str,), "holder": (str, type(None)),
+    "holder_id": (int, type(None)), "threads": (list, type(None)), "threads_why": (str, type(None)),
+    "fr": (list, type(None)), "fr_why": (str, type(None)), "trace": (dict, type(None)),
+    "trace_why": (str, type(None)), "training": (dict, type(None)), "memory": (dict, type(None)),
+    "steps": (list, type(None)), "steps_why": (str, type(None)), "paths": (list, type(None)),
+    "locks": (list, type(None)), "seconds": (int, float)}
+
+
+class Bad(Exception):
+    """A helper's evidence failed a check: what was wrong."""
+
+
+def through_helpers(cluster: Any) -> bool:
+    """Whether a look goes through the node helpers: ``--via helpers``, or ``auto`` past ``AUTO_ABOVE``
+    ranks where every rank has a helper (a job found through its master's helper)."""
+    from probe.client import via_helpers
+
+    via = getattr(cluster, "via", "auto")
+    if via == "helpers":
+        return via_helpers.through_helpers(cluster)  # UsageError where a rank has no helper
+    every = bool(cluster.members) and all(m.helper and m.pid is not None for m in cluster.members)
+    return via == "auto" and every and len(cluster.members) > AUTO_ABOVE
+
+
+# -- the helper's side ------------------------------------------------------------------------------
+
+
+def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
+    """A node's evidence (``RankEvidence`` of each rank) as JSON: ``{"stacks": [TEXT, ...], "ranks":
+    [{...}]}``, a stack's TEXT the JSON of ``[[depth, func, file, line, code, frame_type], ...]`` and each
+    rank's ``frames`` ``[[thread_id, thread_name, native_id, is_main, STACK], ...]`` (STACK an index into
+    ``stacks``); the straggler's main-thread samples are indexes too. ``keep_after``: RSS readings taken
+    before this (``time.monotonic()``) are left out."""
+    now = time.monotonic()
+    texts: Dict[str, int] = {}
+
+    def ref(stack: Any) -> int:
+        text = json.dumps(stack, default=str)
+        at = texts.get(text)
+        if at is None:
+            at = texts[text] = len(texts)
+        return at
+
+    ranks = []
+    for ev in evs:
+        out: Dict[str, Any] = {"rank": ev.rank, "age": round(now - ev.at, 4)}
+        for name in _FIELDS:
+            value = getattr(ev, name)
+            if value is not None and value != "":
+                out[name] = value
+        if ev.frames is not None:
+            threads: Dict[int, List[Any]] = {}
+            heads: List[Any] = []
+            for f in ev.frames:
+                stack = threads.get(f.thread_id)
+                if stack is None:
+                    stack = threads[f.thread_id] = []
+                    heads.append([f.thread_id, f.thread_name, f.native_id, f.is_main, stack])
+                stack.append([f.depth, f.func, f.file, f.lineno, f.code, f.frame_type])
+            out["frames"] = [[t, n, native, main, ref(stack)] for t, n, native, main, stack in heads]
+        if isinstance(ev.training, dict) and isinstance(ev.training.get("main_samples"), list):
+            out["training"] = dict(ev.training, main_samples=[  # [func, file, line, code] frames, as a stack
+                ref([[depth] + list(f[:4]) + ["python"] for depth, f in enumerate(sample)])
+                for sample in ev.training["main_samples"]])
+        if isinstance(ev.memory, dict) and isinstance(ev.memory.get("readings"), list):
+            readings = [[round(now - t, 4), rss] for t, rss in ev.memory["readings"]
+                        if keep_after is None or t >= keep_after]
+            out["memory"] = dict(ev.memory, readings=readings)
+        ranks.append(out)
+    return {"stacks": list(texts), "ranks": ranks}
+
+
+# -- the client's side ------------------------------------------------------------------------------
+
+
+def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: float, evidence: Any) -> List[Any]:
+    """The ``RankEvidence`` of one helper's answer (:func:`encode`), checked as it is read: ranks it was
+    asked about, once each; stacks and frames of bounded types and sizes; each field of its type. ``known``:
+    stack text -> its frames, shared across the helpers of one look. ``arrived``: this machine's monotonic
+    time when the answer came. ``evidence``: the module ``probe.diagnose.gather``, which calls this and
+    passes itself (imported here it would make a circle). :class:`Bad` says what was wrong."""
+    STATES, RankEvidence = evidence.STATES, evidence.RankEvidence
+
+    if not isinstance(raw, dict) or not isinstance(raw.get("stacks"), list) or not isinstance(raw.get("ranks"), list):
+        raise Bad("the evidence has no stacks and ranks")
+    stacks = [_stack(text, known) for text in raw["stacks"]]
+    keys = [_key(stack) for stack in stacks]
+    out: List[Any] = []
+    seen = set()
+    for item in raw["ranks"]:
+        if not isinstance(item, dict):
+            raise Bad("a rank's evidence is not an object")
+        rank = item.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank not in asked or rank in seen:
+            raise Bad("it sent evidence of rank %s, which it was not asked about (or twice)" % ascii(rank)[:40])
+        seen.add(rank)
+        age = item.get("age")
+        if not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e6:
+            raise Bad("rank %d's evidence has no age" % rank)
+        values: Dict[str, Any] = {}
+        for name in _FIELDS:
+            if name in item:
+                value = item[name]
+                if not isinstance(value, _TYPES[name]) or isinstance(value, bool) and name in ("pid", "holder_id"):
+                    raise Bad("rank %d's %s is not of its type" % (rank, name))
+                values[name] = value
+        if values.get("state", "answering") not in STATES:
+            raise Bad("rank %d's state is not one of %s" % (rank, ", ".join(STATES)))
+        member = asked[rank]
+        ev = RankEvidence(rank, member.host, **values)
+        ev.at = arrived - age
+        if "frames" in item:
+            ev.frames = _frames(item["frames"], stacks, rank)
+            evidence.keep_named(ev, _named(item["frames"], keys))
+        if isinstance(ev.training, dict) and "main_samples" in ev.training:
+            refs = ev.training["main_samples"]
+            if not isinstance(refs, list) or not all(type(i) is int and 0 <= i < len(stacks) for i in refs):
+                raise Bad("rank %d's main-thread samples are not stacks it sent" % rank)
+            ev.training = dict(ev.training, main_samples=[_sample(stacks[i], known) for i in refs])
+        if isinstance(ev.memory, dict) and "readings" in ev.memory:
+            readings = ev.memory["readings"]
+            if not isinstance(readings, list) or not all(
+                    isinstance(r, list) and len(r) == 2 and isinstance(r[0], (int, float)) for r in readings):
+                raise Bad("rank %d's RSS readings are not [age, bytes] pairs" % rank)
+            ev.memory = dict(ev.memory, readings=[(arrived - a, rss) for a, rss in readings])
+        if isinstance(ev.training, dict) and isinstance(ev.training.get("worker_stacks"), dict):
+            ev.training = dict(ev.training, worker_stacks={
+                pid: None if not isinstance(stack, list) else [tuple(f) for f in stack if isinstance(f, list)]
+                for pid, stack in ev.training["worker_stacks"].items()})
+        out.append(ev)
+    return out
+
+
+def _stack(text: Any, known: Dict[str, Any]) -> Any:
+    """A stack's frames (``(depth, func, file, line, code, frame_type)``, innermost first) and its key as
+    ``RankEvidence.stacks`` gives it, read and checked once per distinct text."""
+    if not isinstance(text, str) or len(text) > _MAX_FRAMES * 2 * _MAX_TEXT:
+        raise Bad("a stack is not the JSON text of its frames")
+    got = known.get(text)
+    if got is not None:
+        return got
+    try:
+        raw = json.loads(text)
+    except (ValueError, RecursionError):
+        raise Bad("a stack is not the JSON text of its frames") from None
+    if not isinstance(raw, list) or len(raw) > _MAX_FRAMES:
+        raise Bad("a stack is not a list of at most %d frames" % _MAX_FRAMES)
+    frames = []
+    for f in raw:
+        if not (isinstance(f, list) and len(f) == 6 and type(f[0]) is int and isinstance(f[1], str)
+                and isinstance(f[2], str) and type(f[3]) is int and (f[4] is None or isinstance(f[4], str))
+                and isinstance(f[5], str) and max(len(f[1]), len(f[2]), len(f[4] or ""), len(f[5])) <= _MAX_TEXT):
+            raise Bad("a frame is not [depth, func, file, line, code, frame_type]")
+        frames.append(tuple(f))
+    got = known[text] = tuple(frames)
+    return got
+
+
+def _key(stack: Any) -> Any:
+    """(whether it has Python frames, its key as ``RankEvidence.stacks`` gives it): func, file, line, code."""
+    python = sorted((f for f in stack if f[5] == "python"), key=lambda f: f[0])
+    return bool(python), tuple((f[1], f[2], f[3], (f[4] or "").strip()) for f in python)
+
+
+def _named(threads: List[Any], keys: List[Any]) -> List[Any]:
+    """``RankEvidence._named`` of a rank's threads, from each distinct stack's key read once (the same order
+    and names: main first, then by name and id; threads that share a name get #2...)."""
+    out = []
+    taken = set()
+    for ident, name, _, is_main, at in sorted(threads, key=lambda t: (not t[3], t[1] or "", t[0])):
+        has_python, key = keys[at]
+        if not has_python:
+            continue
+        name = "MainThread" if is_main else (name or "?")
+        unique, n = name, 1
+        while unique in taken:
+            n += 1
+            unique = "%s#%d" % (name, n)
+        taken.add(unique)
+        out.append((unique, ident, key))
+    return out
+
+
+def _sample(stack: Any, known: Dict[Any, Any]) -> Any:
+    """A straggler's sample, ``(func, file, line, code)`` frames, one object for every rank that has it."""
+    at = ("sample", id(stack))
+    got = known.get(at)
+    if got is None:
+        got = known[at] = tuple((f[1], f[2], f[3], f[4]) for f in stack)
+    return got
+
+
+def _frames(raw: Any, stacks: List[Any], rank: int) -> List[Frame]:
+    if not isinstance(raw, list):
+        raise Bad("rank %d's frames are not a list" % rank)
+    out: List[Frame] = []
+    ids = set()
+    new = tuple.__new__
+    for thread in raw:
+        if not (isinstance(thread, list) and len(thread) == 5 and type(thread[0]) is int
+                and (thread[1] is None or isinstance(thread[1], str) and len(thread[1]) <= _MAX_TEXT)
+                and (thread[2] is None or type(thread[2]) is int) and isinstance(thread[3], bool)
+                and type(thread[4]) is int and 0 <= thread[4] < len(stacks)):
+            raise Bad("rank %d's thread is not [id, name, native id, is main, stack]" % rank)
+        if thread[0] in ids:
+            raise Bad("rank %d has two threads of id %d" % (rank, thread[0]))
+        ids.add(thread[0])
+        head = (thread[0], thread[1], thread[2], thread[3])
+        out.extend(new(Frame, head + f) for f in stacks[thread[4]])
+    return out
+
+
+def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[int, Any], List[Any]]:
+    """One look at ``chosen``'s ranks through their node helpers: (rank -> evidence, the failures of the
+    ranks that gave none). A helper that cannot gather (an older one) has its ranks looked at directly.
+    ``evidence``: the module ``probe.diagnose.evidence`` (see :func:`decode`)."""
+    from probe.client import via_helpers
+    from probe.client.members import RankFailure
+
+    op: Dict[str, Any] = {"op": "evidence", "since_s": round(min(max(since_s or 0.0, 0.0), 600.0), 3)}
+    # Every helper's answer takes a while (the straggler rule's samples, 80 ms apart, on each of its ranks):
+    # all of them asked at once, up to the fan-out's bound on open requests.
+    helpers = len({m.helper for m in chosen.members})
+    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)))
+    ranks: Dict[int, Any] = {}
+    known: Dict[str, Any] = {}
+    for members, raw in answered:
+        arrived = time.monotonic()
+        asked = {m.rank: m for m in members}
+        helper = str(members[0].helper)
+        try:
+            evs = decode(raw.get("evidence"), asked, known, arrived, evidence)
+            failed = via_helpers.helper_failures(raw.get("failed", []), asked)
+        except (Bad, via_helpers.BadAnswer) as exc:
+            failures.extend(via_helpers.unusable(members, helper, str(exc)))
+            continue
+        for ev in evs:
+            ranks[ev.rank] = ev
+        for member in members:
+            if member.rank in ranks:
+                continue
+            failures.append(failed.get(member.rank) or RankFailure(
+                member.rank, member.host, "internal", "its node helper at %s said nothing of it" % helper, 1))
+    if direct:
+        sub = chosen.plain(direct)
+        by_client = {id(c): m for m, c in zip(sub.members, sub.clients)}
+        for answer in sub.map(lambda c: evidence.collect(c, by_client[id(c)].rank, by_client[id(c)].host,
+                                                         by_client[id(c)].pid, by_client[id(c)].state)):
+            ranks[answer.member.rank] = answer.value
+        failures.extend(sub.failures)
+    return ranks, failures
