@@ -102,9 +102,9 @@ class Job:
     def close(self) -> None:
         """The ranks first (torchrun starts each in its own session: killing the launcher's group would leave
         them running), while the launcher, their parent, keeps their pids from being reused; then it."""
-        from probe.host.members import _children
+        from probe.reader.proc import children
 
-        for pid in _children(self.popen.pid):
+        for pid in children(self.popen.pid):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:

@@ -83,7 +83,7 @@ def _post(url, path, value):
 def job():
     """The hung job and a page server for it: (master, rank -> pid, page URL)."""
     with torchrun_job("page_job.py", 4, timeout=scaled(120), TORCH_FR_BUFFER_SIZE="0",
-                      PROBE_TORCH_TRACE="1") as (port, pids):
+                      PROBE_TORCH_TRACE="1", PROBE_STACK_EVERY="1") as (port, pids):
         master = "127.0.0.1:%d" % port
         proc, url = _serve(master, "page", "--refresh", "2", "--steps", "20")
         try:
@@ -410,6 +410,15 @@ def test_the_page_in_a_browser_shows_the_hung_rank_apart(job, tmp_path):
         assert {e["pid"] for e in exported["traceEvents"] if e.get("ph") == "X"} == {0, 1, 2, 3}
 
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#chart-step polyline[data-rank]"))
+        # where each rank has been: a bar a run of one stack, for every rank (the node helper samples each second)
+        try:
+            bars = wait.until(lambda b: (lambda found: found if {e.get_attribute("data-rank") for e in found} ==
+                                         {"0", "1", "2", "3"} else None)(b.find_elements(By.CSS_SELECTOR, "#timeline rect")))
+        except Exception:
+            raise AssertionError("timeline: %s; bars of ranks %s" % (
+                browser.find_element(By.ID, "timeline-status").text,
+                sorted({e.get_attribute("data-rank") for e in browser.find_elements(By.CSS_SELECTOR, "#timeline rect")})))
+        assert all(float(e.get_attribute("width")) >= 2 for e in bars), [e.get_attribute("width") for e in bars]
         shot = tmp_path / "page.png"
         assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10000
         print("the page's screenshot: %s" % shot)

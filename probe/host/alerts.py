@@ -359,7 +359,7 @@ def _rss_bytes(pid: int) -> Optional[int]:
 
 def _place(where: Any) -> str:
     """``func (file:line) called from ...``, as ``diagnose`` says it."""
-    from probe.diagnose.rules import where_text
+    from probe.diagnose.verdict import where_text
 
     if not isinstance(where, dict):
         return ""

@@ -132,7 +132,7 @@ class PageServer:
                              "host": "", "reason": UNLISTED_WHY})
         return {"ranks": ranks, "groups": groups, "flame": flame(raw["threads"], raw["total"]),
                 "failures": failures, "total": raw["total"], "asked_directly": raw["asked_directly"],
-                "at": time.strftime("%H:%M:%S")}
+                "at": time.strftime("%H:%M:%S"), "job": not self.source.single}
 
     def about(self) -> Dict[str, Any]:
         return {"target": self.source.label, "single": self.source.single, "refresh_s": self.refresh,

@@ -402,7 +402,7 @@ def run(fmt: Optional[str] = None, agents_only: bool = False, vertical: bool = F
     table = Rows(tuple((c, "") for c in names), cells)
     echo(render_rows(table, "vertical" if vertical else "table", width, wide, footer=footer))
     for line in folded:  # folded to the terminal's width, a word (a path) whole where it fits a line
-        echo(textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False) if width else line)
+        echo(textwrap.fill(line, width, subsequent_indent="    ", break_on_hyphens=False, break_long_words=False) if width else line)
     for record in records:
         if record.get("tcp_note"):
             echo("process %d: %s" % (record["pid"], record["tcp_note"]))

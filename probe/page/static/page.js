@@ -172,6 +172,11 @@ async function refreshTimeline() {
   renderTimeline(d.rows.map(r => ({rank: r[0], func: r[1], t0: r[2], t1: r[3], n: r[4]})));
 }
 
+function noTimeline() {
+  $("timeline").replaceChildren();
+  $("timeline-status").textContent = "no history: a job's node helpers keep it (cluster.stack_history); this page is of one process";
+}
+
 function renderTimeline(runs) {
   const box = $("timeline");
   box.replaceChildren();
@@ -179,7 +184,9 @@ function renderTimeline(runs) {
   const ranks = [...new Set(runs.map(r => r.rank))].slice(0, 64);
   const start = Math.min(...runs.map(r => r.t0));
   const end = Math.max(...runs.map(r => r.t1));
-  const step = runs.length > 1 ? Math.max(1, Math.min(...runs.filter(r => r.n > 1).map(r => (r.t1 - r.t0) / (r.n - 1)))) : 1;
+  // The sampling period, from runs of several samples; 1 s where there is none (every run one sample).
+  const periods = runs.filter(r => r.n > 1 && r.t1 > r.t0).map(r => (r.t1 - r.t0) / (r.n - 1));
+  const step = periods.length ? Math.max(1, Math.min(...periods)) : 1;
   const width = Math.max(600, box.clientWidth || 1000), left = 70, row = 16;
   const scale = (width - left - 10) / Math.max(end - start + step, 1);
   const chart = svg("svg", {width, height: ranks.length * row + 20, class: "timeline"});
@@ -459,11 +466,14 @@ async function refresh() {
     lastOverview = o;
     renderGrid(o);
     renderFlame(o.flame);
+    return o;
   })
     .catch(e => { $("failures").textContent = "the page's server: " + e.message; });
   const metrics = api("/api/metrics").then(renderMetrics).catch(e => { $("metrics-source").textContent = "(" + e.message + ")"; });
   const diagnosis = api("/api/diagnose").then(renderDiagnosis).catch(e => renderDiagnosis({error: e.message}));
-  await Promise.all([overview, metrics, diagnosis, refreshTimeline()]);
+  // The history is the node helpers' (a job's): a page of one process has none to ask for.
+  const timeline = overview.then(o => o && o.job ? refreshTimeline() : noTimeline());
+  await Promise.all([overview, metrics, diagnosis, timeline]);
   busy = false;
   stamp();
   if (!paused) timer = setTimeout(refresh, refreshS * 1000);
