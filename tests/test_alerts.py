@@ -17,7 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 from probe.snapshot import store
-from test_snapshot_watch import _dirs, _recorded, _stderr, _stepping_and_watched, _torchrun, _until
+from test_snapshot_watch import _dirs, _recorded, _stderr, _torchrun_stepping, _until
 from procs import scaled
 from torch_job import stop_launcher
 
@@ -91,11 +91,10 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
     run, snaps, control = _dirs(tmp_path, "stall")
     hooks = ("http://127.0.0.1:%d/never?token=%s, ftp://127.0.0.1/x http://127.0.0.1:%d/json/%s "
              "slack+http://127.0.0.1:%d/slack/%s" % (silent_port, SECRET, receiver.port, SECRET, receiver.port, SECRET))
-    launcher, output = _torchrun(tmp_path, "stall", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="3",
-                                 PROBE_HANG_MIN="600", SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK=hooks,
-                                 PROBE_ALERT_TIMEOUT_S="2")
+    launcher, output, ranks = _torchrun_stepping(tmp_path, "stall", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="3",
+                                                 PROBE_HANG_MIN="600", SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK=hooks,
+                                                 PROBE_ALERT_TIMEOUT_S="2")
     try:
-        ranks = _stepping_and_watched(run, output)
         assert not receiver.posts, receiver.posts
         with open(control, "w") as handle:
             handle.write("skip 1\n")
@@ -147,12 +146,11 @@ def test_a_stall_is_one_alert_naming_the_rank_and_its_snapshot_and_a_webhook_tha
 def test_a_rank_whose_memory_rises_then_is_killed_is_one_memory_alert_then_one_death_alert(tmp_path, receiver):
     run, snaps, control = _dirs(tmp_path, "kill")
     # RSS read at each look of the watch (once a second); 6 readings in a row, rising by 150 MiB at least
-    launcher, output = _torchrun(tmp_path, "kill", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600",
-                                 SNAP_CONTROL=control, PROBE_ALERT_WEBHOOK="http://127.0.0.1:%d/hook" % receiver.port,
-                                 PROBE_ALERT_RSS_EVERY_S="0.5", PROBE_ALERT_RSS_SAMPLES="6",
-                                 PROBE_ALERT_RSS_MIN_MB="150", PROBE_ALERT_RSS_RISE="0.05")
+    launcher, output, ranks = _torchrun_stepping(
+        tmp_path, "kill", run, PROBE_SNAPSHOT_DIR=snaps, PROBE_HANG_AFTER="600", SNAP_CONTROL=control,
+        PROBE_ALERT_WEBHOOK="http://127.0.0.1:%d/hook" % receiver.port, PROBE_ALERT_RSS_EVERY_S="0.5",
+        PROBE_ALERT_RSS_SAMPLES="6", PROBE_ALERT_RSS_MIN_MB="150", PROBE_ALERT_RSS_RISE="0.05")
     try:
-        ranks = _stepping_and_watched(run, output)
         with open(control, "w") as handle:
             handle.write("grow 1\n")
         memory = _until(lambda: receiver.of("/hook", "memory"), 60, "the memory alert")

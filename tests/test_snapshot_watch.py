@@ -49,6 +49,23 @@ def _torchrun(tmp_path, name: str, run: str, **env: str) -> Tuple[subprocess.Pop
     return launcher, Proc(launcher, "torchrun (%s)" % name)
 
 
+def _torchrun_stepping(tmp_path, name: str, run: str, **env: str) -> Tuple[subprocess.Popen, Proc, Dict[int, int]]:
+    """:func:`_torchrun`, then :func:`_stepping_and_watched`; once more, on fresh ports, where the launcher
+    died at its rendezvous because another process took the free port it was given in between (EADDRINUSE:
+    the suite runs on two workers)."""
+    for attempt in (1, 2):
+        launcher, output = _torchrun(tmp_path, name, run, **env)
+        try:
+            return launcher, output, _stepping_and_watched(run, output)
+        except AssertionError:
+            stop_launcher(launcher)
+            with open(str(tmp_path / name / "stderr"), "rb") as handle:
+                clash = b"EADDRINUSE" in handle.read()
+            if attempt == 2 or launcher.poll() is None or not clash:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _ranks(output: Proc) -> Dict[int, int]:
     return {int(words[2]): int(words[1]) for words in ready_lines(output, 2, time.monotonic() + scaled(90))}
 
