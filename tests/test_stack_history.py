@@ -6,10 +6,10 @@ where it is. A real 2-rank torchrun gloo job on the CPU in which rank 1 waits in
 
 import json
 import os
-import time
 
 from procs import run_cli, running, scaled
 from test_cluster import needs_torchrun, torchrun_job
+from test_snapshot_watch import _until
 
 PER_RANK = """SELECT rank, count(*) AS samples, count(DISTINCT stack_id) AS stacks, arg_max(source, time) AS source,
   bool_or(frames LIKE '%load_next_batch%') AS in_loader,
@@ -20,16 +20,6 @@ PER_RANK = """SELECT rank, count(*) AS samples, count(DISTINCT stack_id) AS stac
 def _rows(result) -> list:
     assert result.code == 0, result.out + result.err
     return json.loads(result.out)
-
-
-def _until(check, timeout: float, what: str):
-    deadline = time.monotonic() + scaled(timeout)
-    while True:
-        value = check()
-        if value:
-            return value
-        assert time.monotonic() < deadline, "timed out waiting for %s" % what
-        time.sleep(0.2)
 
 
 def _sampled(target: str, samples: int):
