@@ -50,10 +50,10 @@ def test_the_growth_is_said_to_be_in_the_largest_holder_that_grows(example, monk
 
 
 def test_a_largest_holder_that_grows_is_named_even_where_rss_grows_faster(target_factory):
-    """leak_mixed.py: the kept graphs grow the tensors by about an eighth of RSS's growth (the rest is bytes);
+    """leak_graphs.py mixed: the kept graphs grow the tensors by about an eighth of RSS's growth (the rest is bytes);
     the largest holder of tensors grows between the looks, so the verdict says so, and never that the growth
     is not in the tensors."""
-    proc = target_factory("leak_mixed.py", env=target_env(PROBE_SQL_IN_AGENT=""))
+    proc = target_factory("leak_graphs.py", "mixed", env=target_env(PROBE_SQL_IN_AGENT=""))
     verdicts = _memory_verdicts(proc.pid)
     for verdict in verdicts:
         texts = [verdict["summary"]] + [e["text"] for e in verdict["evidence"]]
