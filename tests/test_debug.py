@@ -9,6 +9,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from other_user import NOBODY, run_as
 from procs import REPO, pyenv_python, run_cli, scaled, target_env
 
 import probe
@@ -205,29 +206,8 @@ def test_after_an_ide_session_and_a_stop_an_interrupted_snippet_leaves_the_agent
 
 
 def _as_nobody(port: int) -> bytes:
-    """What a process of user nobody gets from debugpy's port: a forked child drops to uid 65534 and
-    sends DAP's first request."""
-    "x".encode("idna")  # the codec is imported here: after the drop nobody may read root's files
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(read)
-            os.setgid(65534)
-            os.setuid(65534)
-            os.write(write, _first_answer(port))
-        finally:
-            os._exit(0)
-    os.close(write)
-    got = b""
-    while True:
-        chunk = os.read(read, 4096)
-        if not chunk:
-            break
-        got += chunk
-    os.close(read)
-    os.waitpid(child, 0)
-    return got
+    """What a process of user nobody gets from debugpy's port: DAP's first request, sent as uid 65534."""
+    return run_as(NOBODY, lambda: _first_answer(port))
 
 
 def _first_answer(port: int) -> bytes:

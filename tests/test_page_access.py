@@ -12,6 +12,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from other_user import NOBODY, run_as
 from procs import scaled, target_env
 from test_page import _browser, _chromium, _end, _post, _serve, _until
 
@@ -52,27 +53,9 @@ def _every_route(port, token):
 
 
 def _as_nobody(port, token):
-    """_every_route, asked by a forked child that runs as uid 65534."""
-    "x".encode("idna")  # codecs imported here: after the drop nobody may read root's files
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(read)
-            os.setgid(65534)
-            os.setuid(65534)
-            os.write(write, json.dumps(_every_route(port, token)).encode())
-        finally:
-            os._exit(0)
-    os.close(write)
-    got = b""
-    while True:
-        chunk = os.read(read, 65536)
-        if not chunk:
-            break
-        got += chunk
-    os.close(read)
-    os.waitpid(child, 0)
+    """_every_route, asked as uid 65534."""
+    got = run_as(NOBODY, lambda: json.dumps(_every_route(port, token)).encode())
+    assert not got.startswith(b"child failed"), got
     return [tuple(row) for row in json.loads(got)]
 
 

@@ -11,6 +11,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import pytest
 import hmac_auth
+from other_user import run_as
 from procs import Proc, run_cli, running, target_env
 
 import probe
@@ -86,48 +87,21 @@ def test_socket_and_its_directory_are_owner_only(idle_target):
 
 
 def _connect_as(uid: int, path: str, timeout: float = 10.0) -> str:
-    """From a forked child running as ``uid``: what asking ``path`` for its health gives (one line)."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # pragma: no cover - runs in the child
-        outcome = "?"
+    """As user ``uid``: what asking ``path`` for its health gives (one line)."""
+
+    def ask() -> bytes:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5.0)
         try:
-            os.close(read_end)
-            os.setgid(uid)
-            os.setuid(uid)
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(5.0)
-            try:
-                sock.connect(path)
-                status, body = _http(sock, "GET", "/v1/health")
-                outcome = "answered %d %s" % (status, json.dumps(body))
-            except OSError as exc:
-                outcome = "refused %s" % type(exc).__name__
-        except BaseException as exc:
-            outcome = "child failed %s: %s" % (type(exc).__name__, exc)
+            sock.connect(path)
+            status, body = _http(sock, "GET", "/v1/health")
+            return ("answered %d %s" % (status, json.dumps(body))).encode("utf-8", "replace")[:4000]
+        except OSError as exc:
+            return ("refused %s" % type(exc).__name__).encode()
         finally:
-            os.write(write_end, outcome.encode("utf-8", "replace")[:4000])
-            os._exit(0)
-    os.close(write_end)
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            done, _ = os.waitpid(child, os.WNOHANG)
-            if done:
-                break
-            if time.monotonic() > deadline:
-                os.kill(child, 9)
-                os.waitpid(child, 0)
-                raise TimeoutError("the uid-%d child did not finish within %.1f s" % (uid, timeout))
-            time.sleep(0.01)
-        with os.fdopen(read_end, "rb") as handle:
-            return handle.read().decode("utf-8", "replace")
-    except BaseException:
-        try:
-            os.close(read_end)
-        except OSError:
-            pass
-        raise
+            sock.close()
+
+    return run_as(uid, ask, timeout).decode("utf-8", "replace")
 
 
 NOBODY = 65534
