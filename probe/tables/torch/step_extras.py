@@ -137,7 +137,8 @@ def _wrap_loader() -> None:
 # -- the refresh (training thread, at a step boundary) ------------------------------------------------
 
 _totals: Dict[int, int] = {}  # CUDA device -> its total memory (read once)
-_failed = {"collective": False, "cuda": False}  # a call that raised once is not tried again
+RETRY_S = 60.0  # a read that raised (a backend without sequence numbers, an allocator without stats) rests so long
+_resting = {"collective": 0.0, "cuda": 0.0}  # time.monotonic() until which it rests
 
 
 def _lr(optimizer: Any) -> Optional[float]:
@@ -154,7 +155,7 @@ def _cuda() -> Optional[Tuple[int, int, int, int]]:
     """(allocated, reserved, device total, device) of the current device, where the program initialised
     CUDA; never initialises it."""
     cuda = sys.modules.get("torch.cuda")
-    if cuda is None or _failed["cuda"] or not cuda.is_initialized():
+    if cuda is None or _resting["cuda"] > time.monotonic() or not cuda.is_initialized():
         return None
     try:
         device = int(cuda.current_device())
@@ -167,22 +168,22 @@ def _cuda() -> Optional[Tuple[int, int, int, int]]:
         if device not in _totals:
             _totals[device] = int(cuda.get_device_properties(device).total_memory)
         return int(allocated), int(reserved), _totals[device], device
-    except Exception:  # noqa: BLE001 -- an allocator without these stats: left out from now on
-        _failed["cuda"] = True
+    except Exception:  # noqa: BLE001 -- an allocator without these stats: left out a while
+        _resting["cuda"] = time.monotonic() + RETRY_S
         return None
 
 
 def _collective() -> Optional[int]:
     dist = sys.modules.get("torch.distributed")
-    if dist is None or _failed["collective"]:
+    if dist is None or _resting["collective"] > time.monotonic():
         return None
     try:
         if not dist.is_available() or not dist.is_initialized():
             return None
         c10d = sys.modules["torch.distributed.distributed_c10d"]
         return int(c10d._get_default_group()._get_sequence_number_for_group())
-    except Exception:  # noqa: BLE001 -- a backend without sequence numbers: left out from now on
-        _failed["collective"] = True
+    except Exception:  # noqa: BLE001 -- a backend without sequence numbers (or none yet): left out a while
+        _resting["collective"] = time.monotonic() + RETRY_S
         return None
 
 
