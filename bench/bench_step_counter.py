@@ -18,7 +18,7 @@ The step extras (``probe.tables.torch.step_extras``: lr, CUDA memory, collective
 refreshed at a step at most once a second), in a 1-rank gloo group (so the sequence number is read) with
 batches from a DataLoader: ``--rounds`` rounds of blocks of ``--steps`` steps, the extras on and off
 interleaved (A B B A; off: the refresh never due and DataLoader's ``__next__`` unwrapped), each step's CPU
-time; the hook alone with and without them (ns a call, interleaved); one refresh (us); one batch through
+time; the hook alone with and without them (ns a call, 10 runs of ``--calls`` each, A B B A); one refresh (us); one batch through
 what timing a batch's ``__next__`` adds (ns, interleaved: around a ``__next__`` that does nothing,
 and that one alone).
 """
@@ -204,8 +204,8 @@ def _extras(torch: Any, args: Any) -> None:
         off += got["off"]
         on += got["on"]
     hook = {"off": [], "on": []}  # type: dict
-    for i in range(10):
-        what = "on" if i % 2 == 0 else "off"
+    for i in range(20):
+        what = ("on", "off", "off", "on")[i % 4]  # A B B A: a drift of the machine's load falls on both
         extras(what == "on")
         start = time.perf_counter()
         for _ in range(args.calls):
@@ -249,7 +249,7 @@ def _extras(torch: Any, args: Any) -> None:
     step = figure("median step (CPU) with a DataLoader, step extras on", on, peer="step extras off", peer_values=off,
                   unit="us", scale=1e6, ratio=r.median)
     step["per_round_ratio"] = spread(r)
-    print("the hook alone: %.0f ns a call with the extras (median of 5; min %.0f), %.0f without (min %.0f)"
+    print("the hook alone: %.0f ns a call with the extras (median of 10; min %.0f), %.0f without (min %.0f)"
           % (statistics.median(hook["on"]) * 1e9, min(hook["on"]) * 1e9, statistics.median(hook["off"]) * 1e9,
              min(hook["off"]) * 1e9))
     figure("the hook alone, step extras on", hook["on"], peer="step extras off", peer_values=hook["off"], unit="ns",
