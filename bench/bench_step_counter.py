@@ -18,8 +18,8 @@ The step extras (``probe.tables.torch.step_extras``: lr, CUDA memory, collective
 refreshed at a step at most once a second), in a 1-rank gloo group (so the sequence number is read) with
 batches from a DataLoader: ``--rounds`` rounds of blocks of ``--steps`` steps, the extras on and off
 interleaved (A B B A; off: the refresh never due and DataLoader's ``__next__`` unwrapped), each step's CPU
-time; the hook alone with and without them (ns a call, 10 runs of ``--calls`` each, A B B A); one refresh (us); one batch through
-what timing a batch's ``__next__`` adds (ns, interleaved: around a ``__next__`` that does nothing,
+time; the hook alone with and without them (ns a call, 10 runs of ``--calls`` each, A B B A); one refresh
+(us); what timing a batch's ``__next__`` adds (ns, interleaved: around a ``__next__`` that does nothing,
 and that one alone).
 """
 

@@ -99,7 +99,8 @@ def _fire(alerts: Any, watch: Any, rank: Any, extras: Any, fraction: float, even
                                     100.0 * extras.cuda_reserved / extras.cuda_total, 100.0 * fraction,
                                     extras.cuda_allocated / gib))
     fields: Dict[str, Any] = {
-        "host": node_host() or socket.gethostname(), "probe_port": watch.helper.base_port, "node": watch.helper.members.node_key(),
+        "host": node_host() or socket.gethostname(), "probe_port": watch.helper.base_port,
+        "node": watch.helper.members.node_key(),
         "time": time.time(), "rule": "cuda_memory", "summary": text, "culprits": [rank.rank], "pid": rank.pid,
         "cuda_device": extras.cuda_device, "cuda_reserved_bytes": extras.cuda_reserved,
         "cuda_allocated_bytes": extras.cuda_allocated, "cuda_total_bytes": extras.cuda_total}

@@ -33,7 +33,7 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from probe.host import alert_memory
+import probe.host.alert_memory as alert_memory
 
 __all__ = ["Alerts", "Hook", "parse_hooks", "masked", "COOLDOWN_S"]
 

@@ -37,8 +37,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
-__all__ = ["EVERY_S", "SECTION", "OFFSET", "Extras", "wanted", "refresh", "read_extras", "LR", "CUDA", "COLLECTIVE",
-           "DATA"]
+__all__ = ["EVERY_S", "SECTION", "OFFSET", "MAGIC", "VERSION", "Extras", "wanted", "refresh", "read_extras", "LR",
+           "CUDA", "COLLECTIVE", "DATA"]
 
 EVERY_S = 1.0  # a refresh at a step boundary at most this often
 OFFSET = 64  # after the step counter's head (steps.PROGRESS)
@@ -77,7 +77,7 @@ def wanted() -> bool:
 
 # -- data wait: DataLoader iterators' __next__, timed on the thread that steps ---------------------------
 
-_stepper: Optional[int] = None  # the ident of the thread that steps (known at the first refresh)
+_stepper: Optional[int] = None  # the ident of the thread that stepped at the last refresh (None before one)
 _inside = False  # the stepping thread is in a timed __next__ now (a nested one is not timed again)
 _waited = 0.0  # seconds in timed __next__ calls, in all
 _batches = 0

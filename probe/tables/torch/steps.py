@@ -27,8 +27,8 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import probe.tables.torch.step_extras as step_extras
 from probe.errors import BadRequest, ProbeError, Timeout, TorchNotLoaded
-from probe.tables.torch import step_extras
 from probe.tables.spec import Column
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "count", "steps_seen", "watch", "arm", "RING", "MAX_OPTIMIZERS",
