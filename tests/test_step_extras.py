@@ -3,12 +3,12 @@ and the node helper serves at /metrics. A real 2-rank torchrun gloo job that tak
 DataLoader (tests/targets/dist_loader_steps.py), its helper scraped: the optimizer's lr, the collective
 sequence number advancing, data wait; no CUDA series on the CPU. Single processes: PROBE_STEP_EXTRAS=0 leaves
 the file at its 64 bytes; a torch program that steps no optimizer is left as it was (no file, its DataLoader
-untouched). The CUDA-memory alert's rule on a live process's progress file written as a rank on a GPU would
+untouched); a loop whose epochs end in StopIteration and whose dataset raises goes on as it did, timed. The CUDA-memory alert's rule on a live process's progress file written as a rank on a GPU would
 write it (this machine has none: bench/gpu_check.sh checks the real thing)."""
 
+import ast
 import os
 import signal
-import struct
 import subprocess
 import time
 from typing import Any, Dict, Iterator, List
@@ -185,3 +185,23 @@ def test_the_cuda_memory_rule_fires_once_a_crossing_over_the_fraction(monkeypatc
     assert posts[0]["culprits"] == [3] and posts[0]["pid"] == proc.pid, posts
     assert posts[0]["summary"].startswith("rank 3's CUDA memory reserved is 77.0 GiB of its device's 80.0 GiB"), posts
     assert not alert_memory.over(None, 0.95) and not lines, lines
+
+
+def test_the_timed_next_passes_stop_iteration_and_the_datasets_errors_through() -> None:
+    with running("loader_epochs.py") as proc:
+        pid = str(proc.pid)
+        code = ("import sys, __main__; m = sys.modules['torch.utils.data.dataloader']; "
+                "(m._BaseDataLoaderIter.__next__.__name__, __main__.ended, __main__.caught)")
+
+        def state() -> Any:
+            answer = run_cli(pid, "eval", code)
+            assert answer.code == 0, answer
+            return ast.literal_eval(answer.out.strip())
+
+        wrapped = _until(lambda: (lambda s: s if s[0] == "_timed_next" else None)(state()), scaled(30),
+                         "DataLoader's __next__ timed (after the step counter's first refresh)")
+        later = _until(lambda: (lambda s: s if s[1] >= wrapped[1] + 2 and s[2] >= wrapped[2] + 2 else None)(state()),
+                       scaled(60), "epochs ending in StopIteration and errors caught, timed")
+        assert proc.alive(), later
+        extras = step_extras.read_extras(_paths.progress_path(proc.pid))
+        assert extras is not None and extras.batches and extras.data_wait_total > 0, extras
