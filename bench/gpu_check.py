@@ -22,7 +22,7 @@ REPO = os.path.dirname(HERE)
 JOB = os.path.join(HERE, "targets", "gpu_job.py")
 GPU_ONLY = ("blocked", "profile")
 SKIPPED = ("needs a GPU", "not built yet")  # said, not failed
-CHECKS = ("trace", "checkpoint", "blocked", "flight_recorder", "profile", "compile")
+CHECKS = ("trace", "checkpoint", "blocked", "flight_recorder", "profile", "compile", "step_extras")
 WHAT = {
     "trace": "training traced (PROBE_TORCH_TRACE=1, then trace start): python.torch_trace memory columns",
     "checkpoint": "probe PID checkpoint of device tensors, torch.load'ed back and compared",
@@ -30,6 +30,7 @@ WHAT = {
     "flight_recorder": "1-rank process group (NCCL; gloo on CPU): torch.flight_recorder entries",
     "profile": "probe PID profile with CUDA activities",
     "compile": "torch.compile with the trace: Dynamo's graph breaks with and without PROBE_TORCH_TRACE=1",
+    "step_extras": "PROBE_METRICS_PORT: probe_cuda_memory_* of a training job, and its cuda_memory alert",
 }
 
 
@@ -329,6 +330,73 @@ def check_compile(device: str, work: str) -> str:
         backend, device, with_trace["graph_breaks"], with_trace["graphs"], with_trace["forward_versions"], spans)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def check_step_extras(device: str, work: str) -> str:
+    """A training job alone under PROBE_PORT with PROBE_METRICS_PORT: its node helper serves the step extras
+    (CUDA memory on a GPU; none on the CPU), and with PROBE_ALERT_CUDA_FRACTION set near 0 the helper's
+    cuda_memory alert reaches a webhook served here."""
+    import threading
+    import urllib.request
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    posts: List[Dict[str, Any]] = []
+
+    class Hook(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 -- http.server's name
+            posts.append(json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0))))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    metrics = _free_port()
+    extra = {"PROBE_PORT": "127.0.0.1:%d" % _free_port(), "PROBE_METRICS_PORT": str(metrics),
+             "PROBE_ALERT_WEBHOOK": "http://127.0.0.1:%d/hook" % server.server_address[1],
+             "PROBE_ALERT_CUDA_FRACTION": "0.000001", "PROBE_ALERT_CUDA_EVERY_S": "1"}
+
+    def served() -> Dict[str, float]:
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d/metrics" % metrics, timeout=10) as answer:
+                text = answer.read().decode("utf-8")
+        except OSError:
+            return {}
+        found = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
+                 if line.startswith("probe_") and "{" in line}
+        return found if "probe_lr" in found and (device != "cuda" or "probe_cuda_memory_reserved_bytes" in found) else {}
+
+    try:
+        with targets((["train", device], 20, extra)):
+            found = wait_until(served, 15, "probe_lr (and on a GPU probe_cuda_memory_*) at /metrics")
+            if device == "cuda":
+                wait_until(lambda: [p for p in posts if p.get("rule") == "cuda_memory"], 10, "the cuda_memory alert")
+    finally:
+        server.shutdown()
+        server.server_close()
+    cuda = {k: v for k, v in found.items() if k.startswith("probe_cuda_")}
+    if device != "cuda":
+        if cuda or posts:
+            raise Failed("from a job on the CPU: CUDA series %s, alerts %s" % (cuda, posts))
+        return "probe_lr %g; no probe_cuda_* series (no CUDA), no alert" % found["probe_lr"]
+    allocated, reserved = cuda["probe_cuda_memory_allocated_bytes"], cuda["probe_cuda_memory_reserved_bytes"]
+    total = cuda["probe_cuda_memory_total_bytes"]
+    if not 0 < allocated <= reserved < total:
+        raise Failed("allocated %d, reserved %d, total %d" % (allocated, reserved, total))
+    alert = [p for p in posts if p.get("rule") == "cuda_memory"][0]
+    return "allocated %.1f MiB, reserved %.1f MiB of %.1f GiB; lr %g; alert: %s" % (
+        allocated / 2 ** 20, reserved / 2 ** 20, total / 2 ** 30, found["probe_lr"], alert.get("summary", "")[:120])
+
+
 def run_check(name: str, device: str, work: str) -> Tuple[str, str]:
     LOGS[0] = work
     if name == "profile":
@@ -348,6 +416,7 @@ def run_check(name: str, device: str, work: str) -> Tuple[str, str]:
 CHECK_FUNCTIONS: Dict[str, Callable[[str, str], str]] = {
     "trace": check_trace, "checkpoint": check_checkpoint, "blocked": check_blocked,
     "flight_recorder": check_flight_recorder, "profile": check_profile, "compile": check_compile,
+    "step_extras": check_step_extras,
 }
 
 

@@ -12,6 +12,7 @@
 #   flight_recorder  a 1-rank NCCL group's entries in torch.flight_recorder (TORCH_FR_BUFFER_SIZE)
 #   profile          probe PID profile with CUDA activities ("not built yet" while the command is missing)
 #   compile          torch.compile (inductor) with the trace: graph breaks as without it
+#   step_extras      PROBE_METRICS_PORT: probe_cuda_memory_* of a training job; its cuda_memory alert
 # Without a GPU (nvidia-smi lists none; GPU_CHECK_DEVICE=cpu forces it) the checks that make sense on the CPU
 # run there (gloo for the Flight Recorder) and the others say "needs a GPU". Exit 0 unless a check failed
 # or ran out of time. Each check runs under `timeout` in its own process group, with its own
@@ -63,7 +64,7 @@ else
 fi
 
 # check name and its bound in seconds on a GPU machine: 7.5 minutes in all, 8 with every KILL's 5 s after TERM.
-CHECKS="trace:55 checkpoint:45 blocked:80 flight_recorder:45 profile:60 compile:165"
+CHECKS="trace:55 checkpoint:45 blocked:80 flight_recorder:45 profile:60 compile:165 step_extras:30"
 RESULTS="$WORK/results.tsv"
 : > "$RESULTS"
 for entry in $CHECKS; do

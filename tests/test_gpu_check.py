@@ -21,7 +21,7 @@ pytest.importorskip("torch")
 
 SCRIPT = os.path.join(REPO, "bench", "gpu_check.sh")
 MARK = "GPU_CHECK_TEST_MARK"
-CPU_CHECKS = ("trace", "checkpoint", "flight_recorder", "compile")
+CPU_CHECKS = ("trace", "checkpoint", "flight_recorder", "compile", "step_extras")
 GPU_ONLY = ("blocked", "profile")
 
 
@@ -115,6 +115,7 @@ def test_on_a_cpu_the_cpu_checks_pass_and_the_gpu_ones_say_they_need_a_gpu(tmp_p
         assert rows[name][0] == "needs a GPU", out
     assert "gloo:all_reduce" in " ".join(rows["flight_recorder"]), out
     assert "graph breaks 0 with and without the trace" in " ".join(rows["compile"]), out
+    assert "no probe_cuda_* series (no CUDA), no alert" in " ".join(rows["step_extras"]), out
     (record,) = glob.glob(str(tmp_path / "results" / "*_gpu_check.json"))
     with open(record, encoding="utf-8") as handle:
         saved = json.load(handle)

@@ -7,11 +7,15 @@ directory and ``/proc`` and nothing else. No request goes to any rank's agent: a
 holds, or that is stopped, is scraped like any other. A custom collector reads the state at each scrape,
 so nothing runs between scrapes.
 
+The same file carries the rank's step extras, refreshed at a step at most once a second
+(``probe.tables.torch.step_extras``): the learning rate its optimizer holds, CUDA memory allocated, reserved
+and the device's total, the default process group's collective sequence number, and the time its training
+thread waited for the DataLoader; served by ``probe.host.metrics_extras``, each only where known.
+
 The one thing here that asks a rank: the framework's logged loss, read from each answering rank's agent at most every ``PROBE_METRICS_EVERY`` seconds (default 15;
 ``0``: never) and only while scrapes come, by a background thread, never in a scrape; each read's time
-is served too (``probe_framework_read_seconds``). What is not here (said in docs/metrics.md): CUDA memory,
-the last collective's sequence number, data-wait time, the grad norm and the learning rate (``torch.optimizers``
-took half a second a read of a small job: too dear to ask every 15 s). A silent rank
+is served too (``probe_framework_read_seconds``). What is not here (said in docs/metrics.md): the grad norm
+(``torch.parameters`` computes it over every parameter). A silent rank
 (agent not run for 2 s) is shown ``gil_held`` once a background read from outside (ptrace, at most every
 ``HELD_EVERY_S`` a silent rank, never in a scrape) found a C call keeping its GIL.
 """
@@ -280,7 +284,10 @@ class NodeCollector:
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+        from probe import _paths
         from probe.host.members import node_host
+        from probe.host.metrics_extras import ExtrasFamilies
+        from probe.tables.torch.step_extras import read_extras
 
         helper = self.helper
         members = helper.members.scan()
@@ -309,6 +316,7 @@ class NodeCollector:
                                  labels=_RANK_LABELS)
         restarts = GaugeMetricFamily("probe_rank_restarts", "Restarts of the rank (torchelastic's count).",
                                      labels=_RANK_LABELS)
+        extras = ExtrasFamilies(_RANK_LABELS)
         seen: set = set()
         states: List[str] = []
         stepped = False
@@ -340,11 +348,13 @@ class NodeCollector:
                 age.add_metric(labels, max(0.0, now - found.last))
             if found.step_time > 0:
                 took.add_metric(labels, found.step_time)
+            extras.add(read_extras(_paths.progress_path(member.pid)), labels, now)
         self.holders.ask([m.pid for m in members if m.state == "silent"])
         for known in (self._ticks, self._ended):
             for pid in [p for p in known if p not in seen]:
                 del known[pid]
         yield from (steps, age, took, state, rss, beat, restarts)
+        yield from extras.families()
         yield from self._framework_families(members, job, node, host)
 
         labels = [job, node, host]

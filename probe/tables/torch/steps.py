@@ -15,6 +15,8 @@ Runs in the target: stdlib only, never raises into the training loop.
 The progress file: each step also goes into ``<runtime dir>/progress-<pid>.bin`` (``PROGRESS``: 64 bytes,
 made on the first step, mode 0600, mapped into memory and written in place: no syscall a step; removed by
 the agent at exit), which the node helper's watch (``probe.host.watch``) reads without this process's GIL.
+Its step extras (the optimizer's learning rate, CUDA memory, the collective sequence number, data wait)
+follow the 64 bytes, refreshed at a step at most once a second: ``probe.tables.torch.step_extras``.
 """
 
 import os
@@ -25,6 +27,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
+import probe.tables.torch.step_extras as step_extras
 from probe.errors import BadRequest, ProbeError, Timeout, TorchNotLoaded
 from probe.tables.spec import Column
 
@@ -104,8 +107,10 @@ def count(optimizer: Any) -> None:
         _total += 1
         if _progress:
             _write_step(_progress, 16, _total, now, took)
+            if now >= _extras_next:
+                _extras(optimizer, now)
         elif _progress is None:
-            _open_progress(now, took)
+            _open_progress(optimizer, now, took)
     except BaseException:
         pass
 
@@ -133,7 +138,9 @@ def _new(optimizer: Any, key: int, now: float) -> _Counter:
 # (i64), when the last step ended (f64, time.monotonic(): CLOCK_MONOTONIC, one clock for every process of
 # the host), that step's time (f64, from the same optimizer's step before; 0 for its first), when the
 # first step ended (f64, monotonic), the process's start time in clock ticks (u64: with the pid, which
-# process wrote it), 8 bytes reserved. A step writes bytes 16-40 in place.
+# process wrote it), 8 bytes reserved. A step writes bytes 16-40 in place. The step extras' section
+# follows (step_extras.SECTION, its own magic and version): the head stays version 1, read as before by a
+# reader that knows nothing of them.
 
 PROGRESS = struct.Struct("<8sIIqdddQ8x")
 PROGRESS_MAGIC = b"probeprg"
@@ -141,6 +148,7 @@ PROGRESS_VERSION = 1
 _write_step = struct.Struct("<qdd").pack_into
 _total = 0
 _progress: Any = None  # the mapped file; None before the first step; False where there is none (cannot be, off)
+_extras_next = float("inf")  # when the step extras are refreshed next (at a step): never until the file has them
 
 
 class Progress(NamedTuple):
@@ -154,7 +162,7 @@ class Progress(NamedTuple):
     start_ticks: int
 
 
-def _open_progress(now: float, took: float) -> None:
+def _open_progress(optimizer: Any, now: float, took: float) -> None:
     """Make this process's progress file (on its first step; once: a failure leaves it off)."""
     global _progress
     _progress = False
@@ -168,10 +176,12 @@ def _open_progress(now: float, took: float) -> None:
     except (OSError, ValueError):
         ticks = 0
     path = _paths.progress_path(pid)
+    extras = step_extras.wanted()
+    size = step_extras.OFFSET + step_extras.SECTION.size if extras else PROGRESS.size
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        os.ftruncate(fd, PROGRESS.size)
-        mapped = mmap.mmap(fd, PROGRESS.size)
+        os.ftruncate(fd, size)
+        mapped = mmap.mmap(fd, size)
     finally:
         os.close(fd)
     PROGRESS.pack_into(mapped, 0, PROGRESS_MAGIC, PROGRESS_VERSION, pid, _total, now, took, now, ticks)
@@ -179,6 +189,19 @@ def _open_progress(now: float, took: float) -> None:
     _where[0], _where[1] = path, pid
     if hasattr(os, "register_at_fork"):
         os.register_at_fork(after_in_child=_forget_progress)
+    if extras:
+        _extras(optimizer, now)
+
+
+def _extras(optimizer: Any, now: float) -> None:
+    """Refresh the step extras (a step's end, at most every ``step_extras.EVERY_S``; PROBE_STEP_EXTRAS=0: never)."""
+    global _extras_next
+    _extras_next = now + step_extras.EVERY_S
+    step_extras.refresh(_progress, optimizer, _total, now, _steps_now)
+
+
+def _steps_now() -> int:
+    return _total
 
 
 _where: List[Any] = [None, 0]  # the file's path and the pid that made it
