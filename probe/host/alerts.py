@@ -1,5 +1,6 @@
 """Alerts from the node helper's watch to webhooks (issue 36 item 2): a stall recorded, with its verdict; a
-rank's death, with its signal; a NaN or Inf the stall's verdict found; a rank's RSS that keeps rising.
+rank's death, with its signal; a NaN or Inf the stall's verdict found; a rank's RSS that keeps rising; a
+straggler that persists.
 
 Why here: the watch already knows when progress stopped and when a rank died, and the record it writes
 already holds what ``diagnose`` reads. Nobody gets that verdict unless someone types the command; a
@@ -12,10 +13,10 @@ other the generic body, one JSON object with every field. ``slack+https://...`` 
 chooses for one URL, ``PROBE_ALERT_FORMAT=slack|json`` for all of them.
 
 This module is the front the watch calls, and where each rule's events are counted: each rule fires once
-for one event (its key: the record, the process) and then rests for
+for one event (its key: the record, the process, the straggler's episode) and then rests for
 ``PROBE_ALERT_COOLDOWN`` seconds (600). The parts: the sending (queues, threads, retries, masked URLs) is
 ``probe.host.alert_post``; the bodies ``probe.host.alert_body``; the rules the look runs itself
-``probe.host.alert_rules``. Nothing may slow the
+``probe.host.alert_rules``; the persistent straggler ``probe.host.alert_straggler``. Nothing may slow the
 watch: the watch hands an event over (a few dict operations) and the alerts' thread does the rest.
 """
 
@@ -24,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from probe.host import alert_body, alert_rules
+from probe.host import alert_body, alert_rules, alert_straggler
 from probe.host.alert_post import Hook, Poster, masked, parse_hooks, TIMEOUT_S, TRIES
 from probe.host.alert_rules import number
 
@@ -48,6 +49,7 @@ class Alerts:
         self._keys: Dict[Tuple[str, str], None] = {}  # (rule, event key) already fired, oldest first
         self._lock = threading.Lock()
         self.rss = alert_rules.RssRise()
+        self.straggler = alert_straggler.Straggler()
         if self.hooks:
             atexit.register(self.drain, EXIT_WAIT_S)  # before the watch's own exit hook: runs after it
 
@@ -93,11 +95,12 @@ class Alerts:
 
     def look(self, watch: Any, live: Sequence[Any]) -> None:
         """Each look of the watch: each rule's look, microseconds where it has nothing to do (the RSS
-        every ``PROBE_ALERT_RSS_EVERY_S``)."""
+        every ``PROBE_ALERT_RSS_EVERY_S``, the straggler at each new sample of the stack history)."""
         if not self.hooks:
             return
         now = time.monotonic()
         self.rss.look(self, watch, live, now)
+        self.straggler.look(self, watch, live, now)
 
     def died(self, watch: Any, member: Any, how: Optional[str]) -> None:
         """A rank of a recorded stall died since (the watchdog, the launcher's SIGTERM)."""
@@ -128,15 +131,6 @@ class Alerts:
                 return False
             self._fired[rule] = now
         return self.poster.put(rule, key, fields)
-
-    def later(self, rule: str, work: Callable[[], None]) -> bool:
-        """Run a rule's ``work`` on the alerts' thread (it calls :meth:`fire` where it finds an event);
-        whether it was queued (the queue full: the next look tries again)."""
-        def run() -> None:
-            work()
-            return None
-
-        return self.poster.put(rule, "its evaluation", run)
 
     def drain(self, wait: float) -> bool:
         """Wait up to ``wait`` s for the queued alerts to be sent (at the helper's exit); whether they were."""
