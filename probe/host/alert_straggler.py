@@ -40,11 +40,12 @@ Frame = Tuple[str, str, int, str]
 
 
 class Straggler:
-    """The rule's state: the sample last judged, each stack's phase, the episode under way."""
+    """The rule's state: each rank's window of samples and their counts by phase, each stack's phase, the
+    episode under way."""
 
     def __init__(self) -> None:
         self.judged = 0  # judgements made (for the bench and the tests)
-        self.seconds = 0.0  # spent judging, on the alerts' thread
+        self.seconds = 0.0  # spent judging, on the history's thread
         self.judged_whole = False  # a whole window was judged once (said in the log)
         self.failed = 0
         self._listening = False  # judging after each sample of the helper's history (or off)
@@ -70,7 +71,7 @@ class Straggler:
         self._listening = True
         minutes = number("PROBE_ALERT_STRAGGLER_MINUTES", MINUTES)
         if minutes:
-            history.listeners.append(lambda kept: self._judge(alerts, watch, kept, minutes * 60.0))
+            history.listeners.append(lambda sampled: self._judge(alerts, watch, sampled, minutes * 60.0))
 
     def _judge(self, alerts: Any, watch: Any, history: Any, span: float) -> None:
         started = time.monotonic()
