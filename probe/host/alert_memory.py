@@ -9,11 +9,12 @@ One alert when a rank passes the line; it may fire again once it has fallen belo
 (and the rule's cooldown, ``PROBE_ALERT_COOLDOWN``, is over), as the RSS-rise rule of ``probe.host.alerts``.
 """
 
-import os
 import socket
 import time
 import weakref
 from typing import Any, Dict, Optional, Sequence
+
+from probe.host.alert_rules import number
 
 __all__ = ["look", "over", "FRACTION", "EVERY_S"]
 
@@ -31,14 +32,6 @@ class _State:
 
 
 _states: "weakref.WeakKeyDictionary[Any, _State]" = weakref.WeakKeyDictionary()
-
-
-def _number(name: str, default: float) -> float:
-    try:
-        value = float(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
-    return value if 0 <= value < float("inf") else default
 
 
 def over(extras: Any, fraction: float) -> bool:
@@ -61,8 +54,8 @@ def look(alerts: Any, watch: Any, live: Sequence[Any]) -> None:
         now = time.monotonic()
         if now < state.next:
             return
-        state.next = now + _number("PROBE_ALERT_CUDA_EVERY_S", EVERY_S)  # 0: at each look
-        fraction = _number("PROBE_ALERT_CUDA_FRACTION", FRACTION)
+        state.next = now + number("PROBE_ALERT_CUDA_EVERY_S", EVERY_S)  # 0: at each look
+        fraction = number("PROBE_ALERT_CUDA_FRACTION", FRACTION)
         pids = {rank.pid for rank in live}
         for pid in [p for p in state.over if p not in pids]:
             del state.over[pid]

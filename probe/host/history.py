@@ -22,7 +22,7 @@ import math
 import os
 import threading
 import time
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from probe._stderr import say as _say
 
@@ -52,6 +52,7 @@ class History:
         self._stacks: Dict[str, Tuple[str, str, int]] = {}  # id -> (innermost func, frames' JSON, rows naming it)
         self._lock = threading.Lock()
         self._complained = False
+        self.listeners: List[Callable[["History"], None]] = []  # called after each sample, on this thread
 
     # -- sampling ---------------------------------------------------------------------------------
 
@@ -64,6 +65,8 @@ class History:
             time.sleep(self.every)
             try:
                 self.sample()
+                for listener in list(self.listeners):  # a rule over the samples (probe.host.alert_straggler)
+                    listener(self)
             except BaseException as exc:  # noqa: BLE001 -- the history never takes its helper down
                 if not self._complained:
                     self._complained = True
@@ -131,6 +134,22 @@ class History:
             self._drop_oldest()
 
     # -- reading ----------------------------------------------------------------------------------
+
+    def window(self, since: float, thread: str = "MainThread") -> Tuple[Optional[float], List[_Row], Dict[str, str]]:
+        """(the oldest sample kept, the rows of ``thread`` at ``since`` or later oldest first, the frames' JSON
+        of each stack they name): what a rule over the last minutes reads (the straggler's alert), a copy of
+        that window alone."""
+        out: List[_Row] = []
+        with self._lock:
+            for row in reversed(self._rows):
+                if row[0] < since:
+                    break
+                if row[3] == thread:
+                    out.append(row)
+            oldest = self._rows[0][0] if self._rows else None
+            stacks = {r[4]: self._stacks[r[4]][1] for r in out}
+        out.reverse()
+        return oldest, out, stacks
 
     def answer(self, current: bool = False) -> Dict[str, Any]:
         """``GET /v1/stack_history``'s body: the rows, and each stack they name once."""
