@@ -33,6 +33,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from probe.host import alert_loss
+
 __all__ = ["Alerts", "Hook", "parse_hooks", "masked", "COOLDOWN_S"]
 
 COOLDOWN_S = 600.0
@@ -160,6 +162,7 @@ class Alerts:
         no word to the rank); a rank whose RSS rose or held at ``RSS_SAMPLES`` readings in a row, by
         ``RSS_RISE`` of the first and ``RSS_MIN_MB`` at least, is an alert (then a new window begins). From a
         rank's first step on: before it, a start-up's imports and loading rise as steadily."""
+        alert_loss.look(self, watch, live, _where)  # the logged loss's spike and NaN: probe.host.alert_loss
         now = time.monotonic()
         if not self.hooks or now < self._rss_next:
             return
