@@ -113,18 +113,18 @@ class FrameworkReader:
         client = Client(parse_target(str(pid)), None, READ_TIMEOUT_S)
         start = time.perf_counter()
         try:
-            rows = client.table_rows("torch.trainer", 8, COLUMNS).rows
+            got = client.table_rows("torch.trainer", 8, COLUMNS)
         except Exception:  # noqa: BLE001 -- no torch there, an older agent, no answer: nothing to show
             return None
         took = time.perf_counter() - start
-        row = next((r for r in rows if _number(r[0]) is not None), rows[0] if rows else None)
-        out: Dict[str, Any] = {"loss": None, "lr": None, "grad_norm": None, "step": None, "loss_from": None,
-                               "took": took, "at": time.time()}
-        if row is not None:
-            out.update(loss=_number(row[0]), lr=_number(row[1]), grad_norm=_number(row[2]),
-                       step=row[3] if isinstance(row[3], int) else None,
-                       loss_from=row[4] if isinstance(row[4], str) else None)
-        return out
+        names = [c[0] for c in got.columns]  # the table's order, not the order asked in
+        rows = [dict(zip(names, r)) for r in got.rows]
+        row = next((r for r in rows if _number(r.get("loss")) is not None), rows[0] if rows else {})
+        step = row.get("logged_step")
+        where = row.get("loss_from")
+        return {"loss": _number(row.get("loss")), "lr": _number(row.get("lr")),
+                "grad_norm": _number(row.get("grad_norm")), "step": step if isinstance(step, int) else None,
+                "loss_from": where if isinstance(where, str) else None, "took": took, "at": time.time()}
 
     def _note(self, pid: int, step: Optional[int], loss: float) -> None:
         """A point of the rank's loss history: the same logged value read again (its step, or with no step
