@@ -153,3 +153,24 @@ def test_lightning_lr_from_its_learning_rate_monitor_and_its_logged_grad_norm_ar
         assert launcher.poll() is None, _stderr(tmp_path)
     finally:
         stop_launcher(launcher)
+
+
+def test_a_nan_loss_lightning_logs_step_after_step_is_one_nan_alert(tmp_path, receiver):
+    """tests/targets/lightning_nan_loss.py logs train_loss nan at every step (3 s steps) and keeps stepping:
+    no stall, so only the logged loss can tell; one nan alert, not one a step (no cooldown to hide them)."""
+    launcher, output, pid, url, env = _job(tmp_path, "lightning_nan_loss.py", [],
+                                           PROBE_ALERT_WEBHOOK="http://127.0.0.1:%d/hook" % receiver.port,
+                                           PROBE_ALERT_COOLDOWN="0")
+    try:
+        alerts = _until(lambda: receiver.of("/hook", "nan"), 60, "the nan alert")
+        step = alerts[0]["step"]
+        _until(lambda: _values(url).get("probe_framework_logged_step", 0) >= step + 3, 60,
+               "three more steps logged, each read")
+        assert launcher.poll() is None, _stderr(tmp_path)
+    finally:
+        stop_launcher(launcher)
+    assert len(receiver.of("/hook", "nan")) == 1 and not receiver.of("/hook", "loss_spike"), receiver.posts
+    alert = alerts[0]
+    assert alert["culprits"] == [0] and alert["pid"] == pid and alert["loss"] == "nan", alert
+    assert "callback_metrics['train_loss']" in alert["loss_from"], alert
+    assert alert["summary"].startswith("rank 0's framework logged a loss of nan at step "), alert

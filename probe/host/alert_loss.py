@@ -56,7 +56,7 @@ class LossRule:
         self.spiking &= pids
         self.bad &= pids
         for rank in live:
-            history = list(reader.history.get(rank.pid) or ())
+            history = reader.points(rank.pid)
             if not history or self.judged.get(rank.pid) == history[-1]:
                 continue
             self.judged[rank.pid] = history[-1]

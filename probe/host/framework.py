@@ -63,6 +63,12 @@ class FrameworkReader:
         self.busy = False
         self._asked: Dict[int, float] = {}  # pid -> when someone last asked for it
         self._lock = threading.Lock()
+        self._points = threading.Lock()  # the histories: appended on the reader's thread, copied on the watch's
+
+    def points(self, pid: int) -> List[Tuple[Optional[int], float]]:
+        """The rank's logged losses kept, oldest first: (step or None, loss)."""
+        with self._points:
+            return list(self.history.get(pid) or ())
 
     def ask(self, pids: Sequence[int]) -> None:
         """Someone wants these ranks' values: a round of reads starts where ``every`` has passed since the
@@ -74,8 +80,9 @@ class FrameworkReader:
             self._asked[pid] = now
         forget = max(3 * self.every, _FORGET_S)
         for pid in [p for p, at in list(self._asked.items()) if now - at > forget]:
-            for kept in (self._asked, self.values, self.history):
-                kept.pop(pid, None)
+            with self._points:
+                for kept in (self._asked, self.values, self.history):
+                    kept.pop(pid, None)
         if not self._asked or now - self.last < self.every:
             return
         with self._lock:
@@ -129,7 +136,11 @@ class FrameworkReader:
     def _note(self, pid: int, step: Optional[int], loss: float) -> None:
         """A point of the rank's loss history: the same logged value read again (its step, or with no step
         its value, unchanged) is the one point it was."""
-        kept = self.history.setdefault(pid, collections.deque(maxlen=HISTORY_KEPT))
+        with self._points:
+            self._add(self.history.setdefault(pid, collections.deque(maxlen=HISTORY_KEPT)), step, loss)
+
+    @staticmethod
+    def _add(kept: Deque[Tuple[Optional[int], float]], step: Optional[int], loss: float) -> None:
         if kept:
             last_step, last_loss = kept[-1]
             if step is not None and last_step is not None and step == last_step:
