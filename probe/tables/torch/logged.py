@@ -11,7 +11,9 @@ Where each value is looked for, first found wins:
 - Hugging Face ``Trainer``: the newest of the last 16 entries of ``state.log_history`` that has a ``loss``
   (its ``step`` is the step); ``learning_rate`` and ``grad_norm`` from that entry, else from the newest of
   those 16 that has them.
-- Lightning ``Trainer``: ``callback_metrics`` then ``logged_metrics``, by key (``LOSS_KEYS``, ``LR_KEYS``,
+- Lightning ``Trainer``: ``callback_metrics`` then ``logged_metrics`` (the dicts those properties return,
+  which Lightning refreshes at each batch's end, read as they are: the properties would compute the
+  metrics again from the step's results, on this thread, and update the dicts), by key (``LOSS_KEYS``, ``LR_KEYS``,
   ``GRAD_NORM_KEYS``, then any key that names one: ``*loss*`` not of validation, ``lr-*`` / ``*/lr`` /
   ``*learning_rate*``, ``*grad_norm*`` / ``grad_<p>_norm_total``); the lr, where no key holds it, from a
   ``LearningRateMonitor`` callback's ``lrs`` (it sends its values to the loggers, not to the metrics, and
@@ -131,7 +133,11 @@ def _lightning(torch: Any, name: str, trainer: Any) -> Logged:
     step = _int(_get(trainer, "global_step"))
     out: Dict[str, Any] = {"step": step}
     for attribute in ("callback_metrics", "logged_metrics"):
-        metrics = _get(trainer, attribute)
+        if all(column + "_from" in out for column in ("loss", "lr", "grad_norm")):
+            break
+        metrics = _get(trainer, "_logger_connector", "_" + attribute)  # what the property returns, as is
+        if not isinstance(metrics, dict):
+            metrics = _get(trainer, attribute)  # a Lightning that keeps them elsewhere: the property
         if not isinstance(metrics, dict):
             continue
         for column, exact, named in (("loss", LOSS_KEYS, _is_loss), ("lr", LR_KEYS, _is_lr),
