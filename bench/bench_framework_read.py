@@ -12,7 +12,8 @@ loss and grad norm logged each step). Each is read ``--reads`` times by ``probe.
 unix socket, a new client a read), interleaved with its peer, the read the helper made before (the loss
 alone, a new client a read too; the agent's table computes every column either way). Figures: the
 wall time of one read (what it holds the rank's agent, GIL included), the CPU the rank's own threads spent
-on it (its agent's threads, ``probe-*``, from /proc: clock ticks, summed over the reads), and the share
+on it (its agent's threads, ``probe-*``, from /proc: clock ticks, over blocks of reads back to back, the
+two kinds in A B B A order), and the share
 of the rank's time at one read in 15 s.
 """
 
@@ -30,10 +31,11 @@ _RUN = tempfile.mkdtemp(prefix="probe-bench-framework-")
 os.chmod(_RUN, 0o700)
 os.environ["PROBE_RUNTIME_DIR"] = _RUN  # before probe is imported: the ranks' sockets are found here
 
-from _common import REPO, Summary, clean_env, figure, header, interleave, table  # noqa: E402
+from _common import REPO, Summary, clean_env, figure, header, table  # noqa: E402
 
 TESTS_TARGETS = os.path.join(REPO, "tests", "targets")
 _TICK = os.sysconf("SC_CLK_TCK")
+BLOCKS = 4
 
 
 def _agent_cpu(pid: int) -> float:
@@ -82,26 +84,28 @@ def measure(name: str, pid: int, reads: int) -> List[List[str]]:
     from probe.host.framework import FrameworkReader
 
     reader = FrameworkReader(15.0)
-    cpu: Dict[str, float] = {"now": 0.0, "before": 0.0}
     got: Dict[str, object] = {}
 
-    def now() -> float:
-        used, start = _agent_cpu(pid), time.perf_counter()
+    def now() -> None:
         got["values"] = reader.read(pid)
-        took = time.perf_counter() - start
-        cpu["now"] += _agent_cpu(pid) - used
-        time.sleep(0.05)
-        return took
 
-    def before() -> float:
-        used, start = _agent_cpu(pid), time.perf_counter()
+    def before() -> None:
         Client(parse_target(str(pid)), None, 10.0).table_rows("torch.trainer", 8, ["loss"])  # a client a read, as before
-        took = time.perf_counter() - start
-        cpu["before"] += _agent_cpu(pid) - used
-        time.sleep(0.05)
-        return took
 
-    results = interleave({"now": now, "before": before}, reads, warmup=2)
+    runners = {"now": now, "before": before}
+    results: Dict[str, List[float]] = {"now": [], "before": []}
+    cpu: Dict[str, float] = {"now": 0.0, "before": 0.0}
+    for warm in runners.values():
+        warm()
+    for block in range(BLOCKS):  # A B B A: each kind in blocks of reads back to back, its CPU by block
+        for kind in (("now", "before") if block % 2 == 0 else ("before", "now")):
+            used = _agent_cpu(pid)
+            for _ in range(reads // BLOCKS):
+                start = time.perf_counter()
+                runners[kind]()
+                results[kind].append(time.perf_counter() - start)
+            cpu[kind] += _agent_cpu(pid) - used
+    reads = len(results["now"])
     values = got.get("values") or {}
     print("%s: the last values read: %s" % (name, {k: v for k, v in dict(values).items() if k != "at"}))  # type: ignore
     s, p = Summary.of(results["now"]), Summary.of(results["before"])
@@ -120,11 +124,11 @@ def measure(name: str, pid: int, reads: int) -> List[List[str]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reads", type=int, default=40)
+    parser.add_argument("--reads", type=int, default=200)
     args = parser.parse_args()
     header("The framework reader's read of a rank (issue 36): HF Trainer and Lightning, training on the CPU", [
-        "each rank read %d times by probe.host.framework.FrameworkReader.read, interleaved with the loss-only "
-        "read it replaced" % args.reads])
+        "each rank read %d times by probe.host.framework.FrameworkReader.read, and as often by the loss-only "
+        "read it replaced, in blocks (A B B A)" % args.reads])
     rows: List[List[str]] = []
     for name, argv in (("HF Trainer", [os.path.join(TESTS_TARGETS, "hf_loss_spike.py"), "--spike-steps", "0",
                                        "--sleep", "0.05"]),
