@@ -2,7 +2,7 @@
 ``PROBE_METRICS_EVERY`` seconds (default 15) for ``probe_loss``, ``probe_framework_lr``, ``probe_grad_norm`` and
 the loss-spike alert.
 
-    python bench/bench_framework_read.py [--reads 40]
+    python bench/bench_framework_read.py [--reads 200] [--pause 0.05]
 
 Two real training ranks, each with probe's agent (``PROBE=1``), training on the CPU while they are read:
 a Hugging Face Trainer (tests/targets/hf_loss_spike.py: a tiny GPT-2, logging every step, so its log history
@@ -78,7 +78,7 @@ def _stop(popen: subprocess.Popen) -> None:
         popen.stdout.close()
 
 
-def measure(name: str, pid: int, reads: int) -> List[List[str]]:
+def measure(name: str, pid: int, reads: int, pause: float) -> List[List[str]]:
     from probe.client.client import Client
     from probe.client.targets import parse_target
     from probe.host.framework import FrameworkReader
@@ -104,6 +104,7 @@ def measure(name: str, pid: int, reads: int) -> List[List[str]]:
                 start = time.perf_counter()
                 runners[kind]()
                 results[kind].append(time.perf_counter() - start)
+                time.sleep(pause)
             cpu[kind] += _agent_cpu(pid) - used
     reads = len(results["now"])
     values = got.get("values") or {}
@@ -125,10 +126,12 @@ def measure(name: str, pid: int, reads: int) -> List[List[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reads", type=int, default=200)
+    parser.add_argument("--pause", type=float, default=0.05, help="seconds between two reads: each lands at "
+                        "another point of the rank's step (0: back to back)")
     args = parser.parse_args()
     header("The framework reader's read of a rank (issue 36): HF Trainer and Lightning, training on the CPU", [
         "each rank read %d times by probe.host.framework.FrameworkReader.read, and as often by the loss-only "
-        "read it replaced, in blocks (A B B A)" % args.reads])
+        "read it replaced, in blocks (A B B A), %g s apart" % (args.reads, args.pause)])
     rows: List[List[str]] = []
     for name, argv in (("HF Trainer", [os.path.join(TESTS_TARGETS, "hf_loss_spike.py"), "--spike-steps", "0",
                                        "--sleep", "0.05"]),
@@ -136,7 +139,7 @@ def main() -> None:
                                       "--sleep", "0.05"])):
         popen = _start(argv)
         try:
-            rows += measure(name, popen.pid, args.reads)
+            rows += measure(name, popen.pid, args.reads, args.pause)
         finally:
             _stop(popen)
     print()
