@@ -33,7 +33,7 @@ __all__ = ["Logged", "read", "LOSS_KEYS", "LR_KEYS", "GRAD_NORM_KEYS"]
 HISTORY = 16  # HF log_history entries looked at, newest first: an evaluation's entries have no loss
 KEYS_LOOKED = 64  # keys of a Lightning metrics dict looked at for a name
 LOSS_KEYS = ("loss", "train_loss", "train/loss", "training_loss")
-LR_KEYS = ("lr", "learning_rate", "train/lr", "train_lr", "train/learning_rate", "lr-0")
+LR_KEYS = ("lr", "learning_rate", "train/lr", "train_lr", "train/learning_rate")
 GRAD_NORM_KEYS = ("grad_norm", "train/grad_norm", "grad_norm_total", "grad_2.0_norm_total")
 
 
