@@ -298,7 +298,7 @@ def rank_cost(rounds: int, window: float, rate: float) -> None:
 
 
 def _framework_reads(pid: int, run: str, count: int) -> List[float]:
-    """Wall time of the framework reader's table read (``probe.host.metrics._Framework``) from the rank,
+    """Wall time of the framework reader's table read (``probe.host.framework``; the loss alone) from the rank,
     ``count`` times: what it asks of the rank every ``PROBE_METRICS_EVERY`` seconds."""
     from probe.client.client import Client
     from probe.client.targets import parse_target

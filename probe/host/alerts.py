@@ -25,9 +25,10 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from probe.host import alert_body, alert_memory, alert_rules, alert_straggler
+from probe.host import alert_body, alert_loss, alert_memory, alert_rules, alert_straggler
 from probe.host.alert_post import Hook, Poster, masked, parse_hooks, TIMEOUT_S, TRIES
 from probe.host.alert_rules import number
+
 
 __all__ = ["Alerts", "Hook", "parse_hooks", "masked", "COOLDOWN_S"]
 
@@ -96,13 +97,14 @@ class Alerts:
     def look(self, watch: Any, live: Sequence[Any]) -> None:
         """Each look of the watch: each rule's look, microseconds where it has nothing to do (the RSS
         every ``PROBE_ALERT_RSS_EVERY_S``, CUDA memory every ``PROBE_ALERT_CUDA_EVERY_S``, the straggler at each
-        new sample of the stack history)."""
+        new sample of the stack history, the logged loss at each new read of the framework's values)."""
         if not self.hooks:
             return
         now = time.monotonic()
         self.rss.look(self, watch, live, now)
         self.straggler.look(self, watch, live, now)
         alert_memory.look(self, watch, live)  # CUDA reserved near the device's total
+        alert_loss.look(self, watch, live, alert_body.where)  # the logged loss's spike and NaN
 
     def died(self, watch: Any, member: Any, how: Optional[str]) -> None:
         """A rank of a recorded stall died since (the watchdog, the launcher's SIGTERM)."""

@@ -12,10 +12,10 @@ The same file carries the rank's step extras, refreshed at a step at most once a
 and the device's total, the default process group's collective sequence number, and the time its training
 thread waited for the DataLoader; served by ``probe.host.metrics_extras``, each only where known.
 
-The one thing here that asks a rank: the framework's logged loss, read from each answering rank's agent at most every ``PROBE_METRICS_EVERY`` seconds (default 15;
-``0``: never) and only while scrapes come, by a background thread, never in a scrape; each read's time
-is served too (``probe_framework_read_seconds``). What is not here (said in docs/metrics.md): the grad norm
-(``torch.parameters`` computes it over every parameter). A silent rank
+The one thing here that asks a rank: what its framework logged (loss, learning rate, grad norm, their step),
+read by ``probe.host.framework``'s reader from each answering rank's agent at most every ``PROBE_METRICS_EVERY``
+seconds (default 15; ``0``: never), on a background thread, never in a scrape; a scrape asks for a read when one
+is due, and serves the last values and each read's time (``probe_framework_read_seconds``). A silent rank
 (agent not run for 2 s) is shown ``gil_held`` once a background read from outside (ptrace, at most every
 ``HELD_EVERY_S`` a silent rank, never in a scrape) found a C call keeping its GIL.
 """
@@ -27,6 +27,7 @@ import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe._stderr import say as _say
+from probe.host import framework
 
 __all__ = ["start", "NodeCollector", "STATES", "VERDICTS", "metrics_port"]
 
@@ -36,8 +37,6 @@ _RANK_LABELS = ("job", "node", "host", "rank", "local_rank")
 _NODE_LABELS = ("job", "node", "host")
 RETRY_S = 2.0  # the metrics port taken at start: tried again this often
 RETRY_FOR_S = 300.0  # for this long (a helper of the job before lingers PROBE_HELPER_LINGER_S, 30 s)
-EVERY_S = 15.0  # the framework's values are read at most this often ($PROBE_METRICS_EVERY)
-READ_TIMEOUT_S = 5.0  # one rank's read of them
 HELD_EVERY_S = 30.0  # a silent rank is read from outside at most this often, to tell gil_held
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -122,63 +121,6 @@ class _Holders:
             self.busy = False
 
 
-def _every() -> Optional[float]:
-    """``PROBE_METRICS_EVERY`` in seconds (default ``EVERY_S``); None where it is 0 (never read)."""
-    raw = os.environ.get("PROBE_METRICS_EVERY", "").strip()
-    try:
-        value = float(raw) if raw else EVERY_S
-    except ValueError:
-        value = EVERY_S
-    return value if value > 0 and value == value else None
-
-
-class _Framework:
-    """The loss each answering rank's framework logged last (``torch.trainer``: HF Trainer's log history,
-    Lightning's logged metrics), read by one background thread from the rank's agent, at most every
-    ``every`` seconds, and only when a scrape asks (an unscraped helper asks nothing). Each read's wall time
-    is kept: what it cost the rank's agent, GIL included."""
-
-    def __init__(self, every: Optional[float]) -> None:
-        self.every = every
-        self.values: Dict[int, Dict[str, Any]] = {}  # pid -> {"loss": float or None, "took": s}
-        self.last = float("-inf")
-        self.busy = False
-        self._lock = threading.Lock()
-
-    def ask(self, pids: List[int]) -> None:
-        for pid in [p for p in list(self.values) if p not in pids]:
-            self.values.pop(pid, None)
-        now = time.monotonic()
-        if self.every is None or not pids or now - self.last < self.every:
-            return
-        with self._lock:
-            if self.busy:
-                return
-            self.busy, self.last = True, now
-        try:
-            threading.Thread(target=self._read, args=(pids,), name="probe-metrics-framework", daemon=True).start()
-        except RuntimeError:
-            self.busy = False
-
-    def _read(self, pids: List[int]) -> None:
-        from probe.client.client import Client
-        from probe.client.targets import parse_target
-
-        try:
-            for pid in pids:
-                client = Client(parse_target(str(pid)), None, READ_TIMEOUT_S)
-                start = time.perf_counter()
-                try:
-                    losses = client.table_rows("torch.trainer", 8, ["loss"]).rows
-                except Exception:  # noqa: BLE001 -- no torch there, an older agent, no answer: nothing to show
-                    self.values.pop(pid, None)
-                    continue
-                loss = next((row[0] for row in losses if isinstance(row[0], (int, float))), None)
-                self.values[pid] = {"loss": loss, "took": time.perf_counter() - start}
-        finally:
-            self.busy = False
-
-
 def verdict_code(watch: Any, states: List[str], stepped: bool) -> Optional[int]:
     """The node's verdict as the stall watch holds it (``VERDICTS``' index); None without a watch. Read off
     the watch's fields, without its lock: a scrape never waits on a look or a record being written.
@@ -205,7 +147,7 @@ class NodeCollector:
         self._jobs: Dict[Tuple[int, ...], str] = {}  # the ranks' pids -> the job's id (read from /proc once)
         self._ticks: Dict[int, int] = {}  # pid -> start ticks: a progress file of an earlier process is not its
         self.holders = _Holders()
-        self.framework = _Framework(_every())
+        self.framework = framework.reader_of(helper)  # shared with the loss-spike alert: probe.host.framework
         self._ended: Dict[int, str] = {}  # pid -> "dead" (a crash record: a signal, an exception) or "exited"
 
     def describe(self) -> List[Any]:
@@ -230,26 +172,10 @@ class NodeCollector:
 
     def _framework_families(self, members: List[Any], job: str, node: str, host: str) -> Iterator[Any]:
         """What the framework reader holds of the ranks running now; asks it for a newer read when due."""
-        from prometheus_client.core import GaugeMetricFamily
-
         running = [m for m in members if m.state == "running"]
         self.framework.ask([m.pid for m in running])
-        if self.framework.every is None:
-            return
-        loss = GaugeMetricFamily("probe_loss", "The last training loss the framework logged (HF Trainer's log "
-                                 "history, Lightning's logged metrics), read every PROBE_METRICS_EVERY s.",
-                                 labels=_RANK_LABELS)
-        took = GaugeMetricFamily("probe_framework_read_seconds", "Wall time of the last read of the framework's "
-                                 "loss from the rank's agent: what it cost the rank.", labels=_RANK_LABELS)
-        for member in running:
-            got = self.framework.values.get(member.pid)
-            if got is None:
-                continue
-            labels = _labels(member, job, node, host)
-            took.add_metric(labels, got["took"])
-            if got["loss"] is not None:
-                loss.add_metric(labels, float(got["loss"]))
-        yield from (loss, took)
+        yield from framework.families(self.framework, [(m.pid, _labels(m, job, node, host)) for m in running],
+                                      _RANK_LABELS)
 
     def _ended_how(self, pid: int) -> str:
         """``dead`` where the rank left a crash record (a signal, an uncaught exception, SIGKILL: the record

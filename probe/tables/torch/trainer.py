@@ -1,12 +1,13 @@
 """``torch.trainer``: each training framework object found (a Hugging Face ``Trainer``, a Lightning
 ``Trainer``, an ``accelerate.Accelerator``) and where it stands: step, epoch, limits, gradient
-accumulation, precision, callbacks, the last logged loss. Read by attribute, never importing the framework."""
+accumulation, precision, callbacks, the last logged loss, learning rate and grad norm (``probe.tables.torch.logged``
+says where each is looked for). Read by attribute, never importing the framework."""
 
 from typing import Any, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
-from probe.tables.torch import steps
-from probe.tables.torch._common import number, torch_or_raise
+from probe.tables.torch import logged, steps
+from probe.tables.torch._common import torch_or_raise
 from probe.tables.torch.discovery import found, trainer_objects
 
 __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "accelerate_step", "logged_loss"]
@@ -14,7 +15,8 @@ __all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "accelerate_step
 NAME = "torch.trainer"
 DESCRIPTION = ("Each training framework object found (Hugging Face Trainer, Lightning Trainer, accelerate "
                "Accelerator; wherever it lives, a local of main() included): global step, epoch, limits, gradient "
-               "accumulation, precision, callbacks, and the names of the model, optimizers and schedulers it drives.")
+               "accumulation, precision, callbacks, the names of the model, optimizers and schedulers it drives, and "
+               "the loss, learning rate and grad norm it logged last.")
 COLUMNS = (
     Column("trainer", "VARCHAR", "The expression that reaches it (trainer, model.trainer), or its class name when "
                                  "only the garbage collector found it."),
@@ -36,8 +38,20 @@ COLUMNS = (
     Column("schedulers", "VARCHAR", "Its LR schedulers, by name."),
     Column("loss", "DOUBLE", "The last training loss the framework logged, NaN and Inf as they are (HF: the newest "
                              "of the last 16 entries of state.log_history with a loss; Lightning: callback_metrics' "
-                             "loss, train_loss or another key naming a loss; a CUDA tensor is not read: NULL)."),
+                             "loss, train_loss or another key naming a loss; a CUDA tensor is not read: NULL; "
+                             "accelerate keeps none)."),
     Column("loss_from", "VARCHAR", "Where that loss was read, with its step where the framework says it."),
+    Column("lr", "DOUBLE", "The learning rate the framework logged last (HF: log_history's learning_rate; Lightning: "
+                           "a logged lr, lr-<optimizer> or learning_rate key, else a LearningRateMonitor's last "
+                           "value); where none was logged (accelerate's trackers keep no values), the first "
+                           "parameter group's lr of its first optimizer now."),
+    Column("lr_from", "VARCHAR", "Where that lr was read, with its step."),
+    Column("grad_norm", "DOUBLE", "The gradient norm the framework logged last (HF: log_history's grad_norm; "
+                                  "Lightning: a logged grad_norm or grad_<p>_norm_total key); NULL where none was "
+                                  "logged (accelerate keeps none; probe never computes one here)."),
+    Column("grad_norm_from", "VARCHAR", "Where that grad norm was read, with its step."),
+    Column("logged_step", "BIGINT", "The step the logged loss belongs to (HF: its log entry's step; Lightning: "
+                                    "global_step when read); NULL where no loss was logged."),
 )
 EXAMPLE = "SELECT trainer, global_step, epoch, max_steps, grad_accumulation FROM torch.trainer"
 
@@ -52,7 +66,7 @@ def rows() -> Iterator[Tuple[Any, ...]]:
         cls = type(trainer)
         yield ((name, kind, "%s.%s" % (cls.__module__, cls.__qualname__)) + values
                + (_names(held.models[:1], names), _names(held.optimizers, names), _names(held.schedulers, names))
-               + logged_loss(torch, name, kind, trainer))
+               + _logged(torch, name, kind, trainer))
 
 
 def _names(items: List[Tuple[str, Any]], names: dict) -> Optional[str]:
@@ -109,34 +123,17 @@ def _read(kind: str, trainer: Any) -> Tuple[Any, ...]:
             _text(_get(trainer, "mixed_precision")), _int(_get(trainer, "num_processes")), None)
 
 
-_HISTORY = 16  # HF log_history entries looked at, newest first: an evaluation's entries have no loss
-_LOSS_KEYS = ("loss", "train_loss", "train/loss", "training_loss")
+def _logged(torch: Any, name: str, kind: str, trainer: Any) -> Tuple[Any, ...]:
+    """loss, loss_from, lr, lr_from, grad_norm, grad_norm_from, logged_step."""
+    found = logged.read(torch, name, kind, trainer)
+    return (found.loss, found.loss_from, found.lr, found.lr_from, found.grad_norm, found.grad_norm_from,
+            found.step if found.loss_from else None)
 
 
 def logged_loss(torch: Any, name: str, kind: str, trainer: Any) -> Tuple[Optional[float], Optional[str]]:
     """The framework's last logged training loss and where it was read (see the ``loss`` column)."""
-    try:
-        if kind == "transformers":
-            history = _get(trainer, "state", "log_history")
-            if isinstance(history, list):
-                for back, entry in enumerate(reversed(history[-_HISTORY:]), 1):
-                    if isinstance(entry, dict) and isinstance(entry.get("loss"), (int, float)):
-                        return (float(entry["loss"]), "%s.state.log_history[-%d]['loss'] at step %s"
-                                % (name, back, entry.get("step")))
-        elif kind == "lightning":
-            for attribute in ("callback_metrics", "logged_metrics"):
-                metrics = _get(trainer, attribute)
-                if not isinstance(metrics, dict):
-                    continue
-                keys = [k for k in _LOSS_KEYS if k in metrics] + sorted(
-                    k for k in list(metrics)[:64] if isinstance(k, str) and "loss" in k and k not in _LOSS_KEYS
-                    and not k.startswith("val"))
-                for key in keys[:1]:
-                    return (number(torch, metrics[key]), "%s.%s[%r] at global step %s"
-                            % (name, attribute, key, _get(trainer, "global_step")))
-    except Exception:
-        pass
-    return None, None
+    found = logged.read(torch, name, kind, trainer)
+    return found.loss, found.loss_from
 
 
 _STATE_ENTRIES = 8  # parameters' state entries looked at for a step count: every entry of one step holds the same
