@@ -166,6 +166,105 @@ def test_the_fast_way_knows_every_global_option_of_the_click_group():
         assert fast.parse(["--target", "1", "health"]) is not None
 
 
+_QUICK_AT_EXIT = """
+import atexit, sys
+OUT = sys.argv[1]
+import probe.client.connection as connection
+handed = []
+def write():
+    with open(OUT, "w") as handle:
+        handle.write("\\n".join(sorted(sys.modules) + ["HANDED %d" % len(handed)]))
+atexit.register(write)
+sys.argv = ["probe"] + sys.argv[2:]
+from probe.cli import main
+if "--spy" in sys.argv:  # counts the hand-overs, calling through to the real one
+    sys.argv.remove("--spy")
+    real = connection.hand_over
+    connection.hand_over = lambda *a: (handed.append(a[1:]), real(*a))
+main()
+"""
+
+QUICK_NEVER = ("typing", "threading", "socket", "subprocess", "probe.client", "probe.cli.fast", "probe.cli.app",
+               "probe.cli.output", "click")
+"""What ``probe PID backtrace`` answered by ``probe.cli.quick`` does without."""
+
+
+def _quick_modules(tmp_path, *args, spy=False):
+    """The modules of ``python -S`` (no site: this machine's .pth files import typing) running ``probe ARGS``,
+    how many requests it handed over, and its result."""
+    out = tmp_path / "modules.txt"
+    code = _QUICK_AT_EXIT.replace("import probe.client.connection as connection\n", "") if not spy else _QUICK_AT_EXIT
+    done = subprocess.run([sys.executable, "-S", "-c", code, str(out), *args, *(["--spy"] if spy else [])],
+                          capture_output=True, text=True, timeout=60, env=target_env(probe=False), cwd=REPO)
+    lines = out.read_text().split()
+    return set(lines[:-2]), int(lines[-1]), done
+
+
+def test_a_plain_backtrace_is_answered_before_the_rest_of_the_client_is_imported(idle, tmp_path):
+    """``probe PID backtrace`` is what people time against py-spy: answered by probe.cli.quick, with the
+    standard library's C modules and three small modules of probe's, printing what the usual path prints."""
+    usual = run_cli(str(idle.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert usual.code == 0 and "Thread" in usual.out, usual.err
+    for _ in range(3):  # an agent whose heartbeat is late (a loaded machine) is left to the usual path
+        modules, handed, done = _quick_modules(tmp_path, str(idle.pid), "backtrace")
+        assert (done.returncode, done.stdout, done.stderr) == (0, usual.out, usual.err)
+        if "probe.client" not in modules:
+            break
+    assert "probe.cli.quick" in modules and "probe._paths" in modules
+    assert sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in QUICK_NEVER)) == []
+
+
+def test_the_quick_backtrace_leaves_every_other_command_line_to_the_usual_path(idle, tmp_path):
+    """An option, another command, a variable the CLI reads, or PROBE_CLI_FAST=0: probe.cli.quick sends nothing."""
+    from probe.cli import quick
+
+    pid = str(idle.pid)
+    for args in ([pid, "backtrace", "--json"], ["-t", pid, "backtrace"], [pid, "health"], ["backtrace", pid],
+                 ["+%s" % pid, "backtrace"], ["\u0661", "backtrace"]):
+        assert quick.run(args) is None, args
+    for variable in quick.ENVIRONMENT + ("PROBE_CLI_FAST",):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(variable, "0")
+            assert quick.run([pid, "health"]) is None
+            assert quick.run([pid, "backtrace"]) is None, variable
+
+
+def test_the_quick_backtrace_knows_every_variable_the_cli_reads():
+    """With one of the group's variables set (a token, TLS, --via), the usual path reads the command line."""
+    from probe.cli import quick
+    from probe.cli.spec import GLOBAL_PARAMS
+
+    assert set(quick.ENVIRONMENT) == {p.envvar for p in GLOBAL_PARAMS if p.envvar}
+
+
+def test_a_request_the_agent_does_not_answer_at_once_is_handed_to_the_usual_watch(target_factory, tmp_path):
+    """Where the agent cannot answer within the grace time (a C call keeps the GIL), the request
+    probe.cli.quick sent goes on in the usual path: the process is watched, its stacks read from outside."""
+    proc = target_factory("hung.py", "gil")
+    deadline = time.monotonic() + scaled(10)
+    while not _in_sleep(proc.pid):
+        assert time.monotonic() < deadline, "the target never entered its sleep"
+        time.sleep(0.01)
+    modules, handed, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+    assert done.returncode == 0, done.stderr
+    assert "hold_gil" in done.stdout and "holds the GIL in hold_gil" in done.stderr, done.stderr
+    assert "probe.client.outside" in modules
+    # Handed over where its heartbeat was fresh at the quick look (within 0.45 s of the hold's start;
+    # on a loaded machine it may not be: the usual path then decided before connecting at all).
+    assert handed in (0, 1)
+    if handed:
+        again = run_cli(str(proc.pid), "backtrace")
+        assert again.code == 0 and "hold_gil" in again.out, again.err
+
+
+def _in_sleep(pid):
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as handle:
+            return handle.read().split()[0] in ("35", "230")
+    except (OSError, IndexError):
+        return False
+
+
 def _sample(command, param):
     """A value that click takes for ``param`` (tried in turn), as a command line's word."""
     import click

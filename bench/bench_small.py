@@ -1,0 +1,104 @@
+"""The small case (issue 37 item 5): ``probe PID backtrace`` of a process of one to a few threads, next to
+``py-spy dump --pid PID``, with the agent answering and read from outside.
+
+    python bench/bench_small.py [--runs 15] [--threads 1,3] [--work sleep,spin] [--no-site]
+
+Targets: bench/targets/nested.py, shaped like py-spy's own test scripts (each thread loops over three nested
+calls that sleep 10 ms, ``sleep``, or count in Python, ``spin``), in pairs: one with an agent (``PROBE=1``)
+and one without, which probe reads from outside (no agent answers: the client reads its stacks with py-spy,
+and says so on stderr). Each (threads, work) group runs alone, its two targets started for it and killed
+after; within a group every command runs once a round, interleaved (A B C ... C B A), after a warm-up round:
+
+* ``probe PID backtrace`` against each target, by a ``probe`` console script in a virtual environment
+  without this machine's ``.pth`` start-up hooks (``bench_cli_speed.CleanSite``: the sandbox this was
+  written on imports certifi at every Python start, some 20 ms a user's machine does not pay), and,
+  unless ``--no-site``, by the one installed here;
+* ``py-spy dump --pid PID`` against the same two targets;
+* ``python -c pass`` of the clean site: the interpreter's own start, which no Python tool avoids.
+
+Medians, IQR and min-max of the wall time from spawn to exit; ratios of the medians to py-spy's on the
+same target, and the spread of the per-round ratios. Goal: <= 2x py-spy (clean site), with the agent and
+from outside. The load average is printed before and after each group (the machine is shared).
+"""
+
+import argparse
+import contextlib
+import os
+import sys
+from typing import Callable, Dict, List
+
+from _common import REPO, Summary, Target, figure, header, interleave, summary_table, time_command, tool, verdict
+from bench_cli_speed import CleanSite
+
+GOAL = 2.0
+
+
+def _load() -> str:
+    return " ".join("%.2f" % x for x in os.getloadavg())
+
+
+def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) -> Dict[str, List[float]]:
+    pyspy = tool("py-spy")
+    args = ("--threads", str(threads), "--work", work)
+    with contextlib.ExitStack() as stack:
+        agent = str(stack.enter_context(Target("nested.py", *args)).pid)
+        plain = str(stack.enter_context(Target("nested.py", *args, probe=False)).pid)
+        runners: Dict[str, Callable[[], float]] = {
+            "probe PID backtrace, agent": lambda: time_command([clean.probe, agent, "backtrace"]),
+            "py-spy dump, agent's target": lambda: time_command([pyspy, "dump", "--pid", agent]),
+            "probe PID backtrace, outside": lambda: time_command([clean.probe, plain, "backtrace"]),
+            "py-spy dump, target without agent": lambda: time_command([pyspy, "dump", "--pid", plain]),
+            "python -c pass": lambda: time_command([clean.python, "-c", "pass"]),
+        }
+        if site:
+            probe = tool("probe")
+            runners["this site: probe PID backtrace, agent"] = lambda: time_command([probe, agent, "backtrace"])
+            runners["this site: probe PID backtrace, outside"] = lambda: time_command([probe, plain, "backtrace"])
+        return interleave(runners, runs)
+
+
+def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
+    print(summary_table(results))
+    group = "%d thread%s, %s" % (threads, "" if threads == 1 else "s", work)
+    for mode, peer in (("agent", "py-spy dump, agent's target"), ("outside", "py-spy dump, target without agent")):
+        for prefix in ("", "this site: "):
+            name = "%sprobe PID backtrace, %s" % (prefix, mode)
+            if name not in results:
+                continue
+            ratio = Summary.of(results[name]).median / Summary.of(results[peer]).median
+            paired = Summary.of(a / b for a, b in zip(results[name], results[peer]))
+            goal = not prefix  # the clean site's is the figure held to the goal
+            figure("%s: %s" % (group, name), results[name], peer=peer, peer_values=results[peer],
+                   goal="<= %gx" % GOAL if goal else None, met=(ratio <= GOAL) if goal else None)
+            print("  %s / py-spy: %.2fx (medians); per round %.2fx, IQR %.2f-%.2fx, min-max %.2f-%.2fx%s"
+                  % (name, ratio, paired.median, paired.q1, paired.q3, paired.low, paired.high,
+                     "; goal <= %gx: %s" % (GOAL, verdict(ratio <= GOAL)) if goal else ""))
+    start = Summary.of(results["python -c pass"]).median
+    print("  the interpreter's own start (python -c pass, clean site): %.1f ms" % (start * 1000))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--threads", default="1,3")
+    parser.add_argument("--work", default="sleep,spin")
+    parser.add_argument("--no-site", action="store_true", help="leave out the probe installed on this machine")
+    args = parser.parse_args()
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+    header("The small case: probe PID backtrace vs py-spy dump, with the agent and from outside",
+           ["%d rounds a group, interleaved, after a warm-up round; whole commands, spawn to exit" % args.runs,
+            "targets: bench/targets/nested.py (%s threads; work %s); goal <= %gx py-spy (clean site)"
+            % (args.threads, args.work, GOAL)])
+    with CleanSite() as clean:
+        for threads in [int(t) for t in args.threads.split(",")]:
+            for work in args.work.split(","):
+                print("--- %d thread%s, %s (load average %s) ---" % (threads, "" if threads == 1 else "s", work, _load()))
+                results = measure(threads, work, args.runs, clean, not args.no_site)
+                report(threads, work, results)
+                print("  load average after: %s" % _load())
+                print()
+                sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
