@@ -14,7 +14,14 @@ after; within a group every command runs once a round, interleaved (A B C ... C 
   written on imports certifi at every Python start, some 20 ms a user's machine does not pay), and,
   unless ``--no-site``, by the one installed here;
 * ``py-spy dump --pid PID`` against the same two targets;
-* ``python -c pass`` of the clean site: the interpreter's own start, which no Python tool avoids.
+* ``python -c pass`` of the clean site: the interpreter's own start, which no Python tool avoids;
+* ``probe PID backtrace`` (agent) by a script that does what pip's does but for its ``import re`` (some 5 ms
+  of start-up here that no code of probe's can avoid), for what is left to probe.
+
+py-spy is linked into the clean site's bin, where ``pip install`` puts it (else the client would find this
+machine's pyenv shim on PATH, a shell script that costs tens of ms). After each group, the imports of each
+probe command (``python -X importtime``, best of ``--importtime`` runs: the self time of every module
+imported after ``site``, summed), for where the time goes.
 
 Medians, IQR and min-max of the wall time from spawn to exit; ratios of the medians to py-spy's on the
 same target, and the spread of the per-round ratios. Goal: <= 2x py-spy (clean site), with the agent and
@@ -27,8 +34,9 @@ import os
 import sys
 from typing import Callable, Dict, List
 
-from _common import REPO, Summary, Target, figure, header, interleave, summary_table, time_command, tool, verdict
-from bench_cli_speed import CleanSite
+from _common import (REPO, Summary, Target, clean_env, figure, header, interleave, summary_table, time_command, tool,
+                     verdict)
+from bench_cli_speed import CleanSite, imports
 
 GOAL = 2.0
 
@@ -37,8 +45,21 @@ def _load() -> str:
     return " ".join("%.2f" % x for x in os.getloadavg())
 
 
+BARE = "probe PID backtrace, agent (script without import re)"
+
+
+def bare_script(clean: CleanSite) -> str:
+    """A ``probe`` console script in the clean site like pip's, less its ``import re``."""
+    path = os.path.join(os.path.dirname(clean.python), "probe-bare")
+    with open(path, "w") as handle:
+        handle.write("#!%s\nimport sys\nfrom probe.cli import main\nif __name__ == '__main__':\n    sys.exit(main())\n"
+                     % clean.python)
+    os.chmod(path, 0o755)
+    return path
+
+
 def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) -> Dict[str, List[float]]:
-    pyspy = tool("py-spy")
+    pyspy, bare = tool("py-spy"), bare_script(clean)
     args = ("--threads", str(threads), "--work", work)
     with contextlib.ExitStack() as stack:
         agent = str(stack.enter_context(Target("nested.py", *args)).pid)
@@ -49,6 +70,7 @@ def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) ->
             "probe PID backtrace, outside": lambda: time_command([clean.probe, plain, "backtrace"]),
             "py-spy dump, target without agent": lambda: time_command([pyspy, "dump", "--pid", plain]),
             "python -c pass": lambda: time_command([clean.python, "-c", "pass"]),
+            BARE: lambda: time_command([bare, agent, "backtrace"]),
         }
         if site:
             probe = tool("probe")
@@ -75,6 +97,22 @@ def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
                      "; goal <= %gx: %s" % (GOAL, verdict(ratio <= GOAL)) if goal else ""))
     start = Summary.of(results["python -c pass"]).median
     print("  the interpreter's own start (python -c pass, clean site): %.1f ms" % (start * 1000))
+    over = Summary.of(a - b for a, b in zip(results[BARE], results["python -c pass"]))
+    print("  %s over python -c pass in the same round: median %.1f ms, IQR %.1f-%.1f ms; / py-spy: %.2fx"
+          % (BARE, over.median * 1000, over.q1 * 1000, over.q3 * 1000,
+             Summary.of(results[BARE]).median / Summary.of(results["py-spy dump, agent's target"]).median))
+
+
+def where(threads: int, work: str, clean: CleanSite, runs: int) -> None:
+    """The imports of each probe command (clean site), against fresh targets of the group."""
+    args = ("--threads", str(threads), "--work", work)
+    with contextlib.ExitStack() as stack:
+        agent = str(stack.enter_context(Target("nested.py", *args)).pid)
+        plain = str(stack.enter_context(Target("nested.py", *args, probe=False)).pid)
+        for mode, pid in (("agent", agent), ("outside", plain)):
+            seconds, heavy = imports(clean.python, [pid, "backtrace"], clean_env(), runs)
+            print("  imports of probe PID backtrace, %s (python -X importtime -m probe, best of %d): %.1f ms%s"
+                  % (mode, runs, seconds * 1000, "; loads " + ", ".join(heavy) if heavy else ""))
 
 
 def main() -> None:
@@ -83,6 +121,7 @@ def main() -> None:
     parser.add_argument("--threads", default="1,3")
     parser.add_argument("--work", default="sleep,spin")
     parser.add_argument("--no-site", action="store_true", help="leave out the probe installed on this machine")
+    parser.add_argument("--importtime", type=int, default=5)
     args = parser.parse_args()
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     header("The small case: probe PID backtrace vs py-spy dump, with the agent and from outside",
@@ -90,11 +129,14 @@ def main() -> None:
             "targets: bench/targets/nested.py (%s threads; work %s); goal <= %gx py-spy (clean site)"
             % (args.threads, args.work, GOAL)])
     with CleanSite() as clean:
+        os.symlink(tool("py-spy"), os.path.join(os.path.dirname(clean.python), "py-spy"))
         for threads in [int(t) for t in args.threads.split(",")]:
             for work in args.work.split(","):
                 print("--- %d thread%s, %s (load average %s) ---" % (threads, "" if threads == 1 else "s", work, _load()))
                 results = measure(threads, work, args.runs, clean, not args.no_site)
                 report(threads, work, results)
+                if args.importtime:
+                    where(threads, work, clean, args.importtime)
                 print("  load average after: %s" % _load())
                 print()
                 sys.stdout.flush()

@@ -17,10 +17,8 @@ import os
 import stat
 import time
 
-from probe.errors import UsageError
-
 TYPE_CHECKING = False
-if TYPE_CHECKING:  # typing and socket load only where needed: ``probe PID backtrace`` imports this (probe.cli.quick)
+if TYPE_CHECKING:  # typing, socket and the errors load where needed: ``probe PID backtrace`` imports this (probe.cli.quick)
     from typing import Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback",
@@ -176,6 +174,8 @@ def ensure_runtime_dir() -> str:
     Raises :class:`UsageError` (message and fix) when it cannot be created, or exists and is not a
     directory of ours closed to others; its mode is never changed.
     """
+    from probe.errors import UsageError
+
     path = runtime_dir()
     if not os.environ.get("PROBE_RUNTIME_DIR") and taken_by_another(path):
         path = _make_fallback(path)
@@ -199,6 +199,8 @@ def _make_fallback(default: str) -> str:
     try:
         os.mkdir(name, 0o700)
     except OSError as exc:
+        from probe.errors import UsageError
+
         raise UsageError("the probe runtime directory %s is taken by someone else, and no private one could be made "
                          "beside it: %s" % (default, exc.strerror or exc), hint=_ELSEWHERE) from None
     found = fallback_dirs(default)

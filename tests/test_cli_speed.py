@@ -5,6 +5,7 @@ a command line read without click prints the same bytes, with the same exit code
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -169,18 +170,25 @@ def test_the_fast_way_knows_every_global_option_of_the_click_group():
 _QUICK_AT_EXIT = """
 import atexit, sys
 OUT = sys.argv[1]
-import probe.client.connection as connection
-handed = []
+calls = {"hand_over": 0, "start": 0, "taken": 0}
 def write():
     with open(OUT, "w") as handle:
-        handle.write("\\n".join(sorted(sys.modules) + ["HANDED %d" % len(handed)]))
+        handle.write("\\n".join(sorted(sys.modules) + ["%s=%d" % item for item in sorted(calls.items())]))
 atexit.register(write)
 sys.argv = ["probe"] + sys.argv[2:]
-from probe.cli import main
-if "--spy" in sys.argv:  # counts the hand-overs, calling through to the real one
+if "--spy" in sys.argv:  # counts hand-overs and reads ahead, each calling through to the real one
     sys.argv.remove("--spy")
-    real = connection.hand_over
-    connection.hand_over = lambda *a: (handed.append(a[1:]), real(*a))
+    import probe.client.connection as connection, probe.reader.ahead as ahead
+    def counted(name, real, count=lambda result: True):
+        def call(*args):
+            result = real(*args)
+            calls[name] += bool(count(result))
+            return result
+        return call
+    connection.hand_over = counted("hand_over", connection.hand_over)
+    ahead.start = counted("start", ahead.start)
+    ahead.take = counted("taken", ahead.take, lambda result: result is not None)
+from probe.cli import main
 main()
 """
 
@@ -190,14 +198,14 @@ QUICK_NEVER = ("typing", "threading", "socket", "subprocess", "probe.client", "p
 
 
 def _quick_modules(tmp_path, *args, spy=False):
-    """The modules of ``python -S`` (no site: this machine's .pth files import typing) running ``probe ARGS``,
-    how many requests it handed over, and its result."""
+    """The modules of ``python -S`` (no site: this machine's .pth files import typing) running ``probe ARGS``;
+    with ``spy``, how often it handed a request over, started a read ahead and took one; and its result."""
     out = tmp_path / "modules.txt"
-    code = _QUICK_AT_EXIT.replace("import probe.client.connection as connection\n", "") if not spy else _QUICK_AT_EXIT
-    done = subprocess.run([sys.executable, "-S", "-c", code, str(out), *args, *(["--spy"] if spy else [])],
+    done = subprocess.run([sys.executable, "-S", "-c", _QUICK_AT_EXIT, str(out), *args, *(["--spy"] if spy else [])],
                           capture_output=True, text=True, timeout=60, env=target_env(probe=False), cwd=REPO)
     lines = out.read_text().split()
-    return set(lines[:-2]), int(lines[-1]), done
+    calls = dict((k, int(v)) for k, _, v in (line.partition("=") for line in lines[-3:]))
+    return set(lines[:-3]), calls, done
 
 
 def test_a_plain_backtrace_is_answered_before_the_rest_of_the_client_is_imported(idle, tmp_path):
@@ -206,7 +214,7 @@ def test_a_plain_backtrace_is_answered_before_the_rest_of_the_client_is_imported
     usual = run_cli(str(idle.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
     assert usual.code == 0 and "Thread" in usual.out, usual.err
     for _ in range(3):  # an agent whose heartbeat is late (a loaded machine) is left to the usual path
-        modules, handed, done = _quick_modules(tmp_path, str(idle.pid), "backtrace")
+        modules, _, done = _quick_modules(tmp_path, str(idle.pid), "backtrace")
         assert (done.returncode, done.stdout, done.stderr) == (0, usual.out, usual.err)
         if "probe.client" not in modules:
             break
@@ -245,16 +253,39 @@ def test_a_request_the_agent_does_not_answer_at_once_is_handed_to_the_usual_watc
     while not _in_sleep(proc.pid):
         assert time.monotonic() < deadline, "the target never entered its sleep"
         time.sleep(0.01)
-    modules, handed, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+    modules, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
     assert done.returncode == 0, done.stderr
     assert "hold_gil" in done.stdout and "holds the GIL in hold_gil" in done.stderr, done.stderr
     assert "probe.client.outside" in modules
     # Handed over where its heartbeat was fresh at the quick look (within 0.45 s of the hold's start;
     # on a loaded machine it may not be: the usual path then decided before connecting at all).
-    assert handed in (0, 1)
-    if handed:
+    assert calls["hand_over"] in (0, 1) and calls["start"] == 0
+    if calls["hand_over"]:
         again = run_cli(str(proc.pid), "backtrace")
         assert again.code == 0 and "hold_gil" in again.out, again.err
+
+
+def test_a_process_without_agent_is_read_by_the_py_spy_run_started_ahead(target_factory, tmp_path):
+    """No agent: probe.cli.quick starts py-spy's read at once, and the usual path, having said why no agent
+    answers, takes that read instead of starting another: the same words and stacks as without it."""
+    from probe.reader import pyspy_source
+
+    if pyspy_source.binary() is None:
+        pytest.skip("py-spy is not installed")
+    proc = target_factory("idle.py", probe=False, wait_socket=False)
+    modules, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+    usual = run_cli(str(proc.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
+    assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
+    assert (calls["start"], calls["taken"], calls["hand_over"]) == (1, 1, 0)
+    assert "subprocess" not in modules
+    stopped = target_factory("idle.py", probe=False, wait_socket=False)
+    os.kill(stopped.pid, signal.SIGSTOP)  # read as it is, by a command of its own: none is started ahead
+    try:
+        _, calls, done = _quick_modules(tmp_path, str(stopped.pid), "backtrace", spy=True)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert calls["start"] == 0 and done.returncode == 0, done.stderr
 
 
 def _in_sleep(pid):

@@ -75,8 +75,11 @@ def run(args: List[str]) -> Optional[int]:
     _paths.remove_stale_files(keep=(pid,))  # as every command given a pid does
     try:
         age = time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        _read_ahead(pid)  # no agent: the usual path reads the process from outside, and says why
+        return None
     except OSError:
-        return None  # no agent: the usual path reads the process from outside, and says why
+        return None
     if age > STALE_S:
         return None
     sock = _send(path)
@@ -108,6 +111,28 @@ def run(args: List[str]) -> Optional[int]:
         return None  # not an agent's answer: the usual path asks again, and says so
     _say(text)
     return 0
+
+
+def _read_ahead(pid: int) -> None:
+    """Start py-spy's read of ``pid`` now, which the usual path would start once it has imported what it needs
+    to say why no agent answers (``probe.reader.ahead``): only for a running Python process of this user, whose
+    read the usual path certainly makes, and as it makes it (``pyspy_source``, the process not stopped)."""
+    from probe.reader import ahead
+
+    try:
+        if os.stat("/proc/%d" % pid).st_uid != os.geteuid():
+            return
+        if not os.path.basename(os.readlink("/proc/%d/exe" % pid)).startswith("python"):
+            return
+        with open("/proc/%d/stat" % pid, "rb") as handle:
+            stat = handle.read()
+        if stat[stat.rindex(b")") + 2:][:1] not in (b"R", b"S", b"D"):  # stopped, traced, dying: left to it
+            return
+        exe = ahead.which("py-spy")
+        if exe is not None:
+            ahead.start(ahead.dump_argv(exe, pid))
+    except (OSError, ValueError):
+        return
 
 
 def _send(path: str) -> Any:
@@ -163,13 +188,41 @@ def _answer(sock: Any) -> Any:
         return None
     finally:
         sock.close()
-    import json
-
     try:
-        raw = json.loads(body.decode("utf-8"))
-    except ValueError:
+        raw = _loads(body.decode("utf-8"))
+    except Exception:  # not JSON (ValueError, StopIteration from the scanner, RecursionError): not an agent's
         return None
     return raw if isinstance(raw, dict) else None
+
+
+class _Decoding:
+    """What ``json.loads`` gives the C scanner: its settings, none changed."""
+
+    strict = True
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+
+    @staticmethod
+    def parse_constant(name: str) -> float:
+        return {"-Infinity": float("-inf"), "Infinity": float("inf"), "NaN": float("nan")}[name]
+
+
+def _loads(text: str) -> Any:
+    """``json.loads(text)`` by the C scanner it runs on, without importing the json package (its encoder and
+    decoder modules cost some 2 ms); by ``json.loads`` itself where the interpreter has no such scanner."""
+    try:
+        from _json import make_scanner
+    except ImportError:
+        import json
+
+        return json.loads(text)
+    blank = " \t\n\r"
+    value, end = make_scanner(_Decoding)(text, len(text) - len(text.lstrip(blank)))
+    if text[end:].strip(blank):
+        raise ValueError("extra data after the JSON value")
+    return value
 
 
 def _recv(sock: Any, size: int, deadline: float) -> bytes:
