@@ -115,7 +115,7 @@ def test_help_still_lists_every_command_with_its_summary(tmp_path):
     ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],
     ["query", "SELECT 1 AS a", "--merge", "SELECT * FROM result"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv"],
     ["query", "SELECT 1 AS a", "-o", "/"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv", "-F", "json"],
-    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "0", "PID", "backtrace"],
+    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "5", "PID", "backtrace"],
     ["999999", "backtrace"], ["999999", "query", "SELECT 1"], ["unix:/nonexistent", "health"], ["PID", "nosuch"],
 ])
 def test_read_without_click_or_through_it_the_same_bytes(idle, args):
@@ -266,8 +266,9 @@ def test_a_request_the_agent_does_not_answer_at_once_is_handed_to_the_usual_watc
 
 
 def test_a_process_without_agent_is_read_by_the_py_spy_run_started_ahead(target_factory, tmp_path):
-    """No agent: probe.cli.quick starts py-spy's read at once, and the usual path, having said why no agent
-    answers, takes that read instead of starting another: the same words and stacks as without it."""
+    """No agent: probe.cli.quick starts py-spy's read at once, says why no agent answers as the client does
+    (probe.client.explain) and takes that read instead of starting another: the same words and stacks as the
+    usual path, without the rest of the CLI and the client."""
     from probe.reader import pyspy_source
 
     if pyspy_source.binary() is None:
@@ -278,7 +279,8 @@ def test_a_process_without_agent_is_read_by_the_py_spy_run_started_ahead(target_
     assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
     assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
     assert (calls["start"], calls["taken"], calls["hand_over"]) == (1, 1, 0)
-    assert "subprocess" not in modules
+    left_out = ("subprocess", "probe.cli.fast", "probe.cli.output", "probe.client.client")  # (--spy imports connection)
+    assert [m for m in left_out if m in modules] == []
     stopped = target_factory("idle.py", probe=False, wait_socket=False)
     os.kill(stopped.pid, signal.SIGSTOP)  # read as it is, by a command of its own: none is started ahead
     try:

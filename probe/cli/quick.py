@@ -9,8 +9,12 @@ the CLI reads), is tried here first, with the standard library's C modules and t
 probe's own (``probe._paths``, ``probe.errors``, ``probe.cli.render_stack``):
 
 * the agent's socket is found, and its stale neighbours cleared, as the client does (``probe._paths``);
-* a socket whose heartbeat is late, a missing one, a full backlog, or any failure to connect: nothing was
-  sent, and the usual path runs (which reads from outside, explains, waits);
+* no socket: py-spy's read of the process starts at once (``probe.reader.ahead``), and the client's own
+  words for a failed connect (``probe.client.explain``, without the rest of the client) say why no agent
+  answers; where they mark a live process without agent, its stacks, read from outside, are printed with
+  them (the usual path's output, byte for byte), else the usual path runs;
+* a socket whose heartbeat is late, a full backlog, or any failure to connect: nothing was sent, and the
+  usual path runs (which reads from outside, explains, waits);
 * the request sent is the one the client sends; an answer within the client's grace time (``GRACE_S``)
   that is a 200 with a bounded body is printed as the usual path prints it (``render_stack``, the same
   bytes: tests compare both);
@@ -76,8 +80,8 @@ def run(args: List[str]) -> Optional[int]:
     try:
         age = time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
-        _read_ahead(pid)  # no agent: the usual path reads the process from outside, and says why
-        return None
+        _read_ahead(pid)  # no agent: its stacks are read from outside, and a line says why
+        return _outside(pid, args[0], path)
     except OSError:
         return None
     if age > STALE_S:
@@ -133,6 +137,41 @@ def _read_ahead(pid: int) -> None:
             ahead.start(ahead.dump_argv(exe, pid))
     except (OSError, ValueError):
         return
+
+
+def _outside(pid: int, label: str, path: str) -> Optional[int]:
+    """``probe PID backtrace`` of a process with no agent socket, as the usual path runs it (the client's
+    ``backtrace``, its connect failing): the error the client makes of the failed connect
+    (``probe.client.explain``), and where that marks a live process that runs no agent, its stacks read from
+    outside and printed with the note on stderr. Anything else (another error, no stacks) is left to the usual
+    path, which says it in its words."""
+    from probe.client.explain import explain
+    from probe.client.fallback import frames_of, note_for, outside_stacks
+    from probe.client.targets import Target
+    from probe.client.transport import UnixAddress
+    from probe.errors import ConnectError
+
+    address = UnixAddress(path)
+    try:
+        try:
+            os.stat(path)
+        except FileNotFoundError:  # as transport's failed connect: the ConnectError's context is this
+            raise ConnectError("no agent at %s (no such socket)" % (address,)) from None
+    except ConnectError as refused:
+        error = explain(Target(label, address, pid), refused)
+    else:
+        return None  # an agent's socket since: the usual path asks it
+    if getattr(error, "agentless_pid", None) is None:
+        return None
+    stacks = outside_stacks(error, agentless=True)
+    if stacks is None:
+        return None
+    from probe.cli.render_stack import render_backtrace
+
+    text = "\n".join(render_backtrace(frames_of(stacks)))
+    _say("probe: " + str(note_for(error, stacks)), err=True)
+    _say(text)
+    return 0
 
 
 def _send(path: str) -> Any:
@@ -233,10 +272,10 @@ def _recv(sock: Any, size: int, deadline: float) -> bytes:
     return bytes(sock.recv(size))
 
 
-def _say(text: str) -> None:
-    """``probe.cli.output.say(text)``: control characters made visible, and written as it is on a plain text
-    stream whose encoding is no ASCII; anything else is left to ``say`` itself (which leaves it to click)."""
-    stream = sys.stdout
+def _say(text: str, err: bool = False) -> None:
+    """``probe.cli.output.say(text, err)``: control characters made visible, and written as it is on a plain
+    text stream whose encoding is no ASCII; anything else is left to ``say`` itself (which leaves it to click)."""
+    stream = sys.stderr if err else sys.stdout
     if stream is not None and type(stream) is io.TextIOWrapper and not _ascii(stream.encoding):
         from probe.cli.render_stack import visible
 
@@ -245,7 +284,7 @@ def _say(text: str) -> None:
         return
     from probe.cli.output import say
 
-    say(text)
+    say(text, err=err)
 
 
 def _ascii(encoding: Optional[str]) -> bool:

@@ -31,14 +31,18 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     made during the read. A process stopped already (SIGSTOP) is read without ``stop``: py-spy fails to
     stop it again, and nothing in it moves."""
     exe = binary()
-    stopped = proc.state(pid) in ("T", "t")
-    stop = (stop or native) and not stopped
     if exe is None:
         raise ReaderError("reading a process from outside needs py-spy, which is not installed here",
                           hint="pip install py-spy")
+    # The read probe.cli.quick started where it saw no agent, of a process that was not stopped then: that read
+    # stops it now (state t), which must not pass for a stop of the user's.
+    running = ahead.take(ahead.dump_argv(exe, pid)) if stop and not native else None
+    stopped = running is None and proc.state(pid) in ("T", "t")
+    stop = (stop or native) and not stopped
     argv = ahead.dump_argv(exe, pid, native, stop)
-    try:  # started already by probe.cli.quick where it saw no agent, else now
-        running = ahead.take(argv) or ahead.Pending(argv)
+    try:
+        if running is None:
+            running = ahead.Pending(argv)
         code, out, err = running.result(TIMEOUT_S)
     except TimeoutError:
         raise ReaderError("py-spy did not read process %d within %.0f s" % (pid, TIMEOUT_S)) from None
