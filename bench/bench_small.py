@@ -22,7 +22,8 @@ group every command runs once a round, interleaved (A B C ... C B A), after a wa
 py-spy is linked into the clean site's bin, where ``pip install`` puts it (else the client would find this
 machine's pyenv shim on PATH, a shell script that costs tens of ms). Medians, IQR and min-max of the wall
 time from spawn to exit; ratios of the medians to py-spy's on the same target, and the spread of the
-per-round ratios. Goal: <= 2x py-spy, with the agent and from outside. The load average is printed before
+per-round ratios; and of the same runs' CPU time (user and system, the command's and its children's, from
+``wait4``), the work done, which a machine loaded by others stretches far less than the wall time. Goal: <= 2x py-spy, with the agent and from outside. The load average is printed before
 and after each group (the machine is shared). After each group, the imports of each probe command
 (``python -X importtime -m probe``, best of ``--importtime`` runs: the self time of every module imported
 after ``site``, summed), for where the time goes.
@@ -31,11 +32,12 @@ after ``site``, summed), for where the time goes.
 import argparse
 import contextlib
 import os
+import subprocess
 import sys
-from typing import Callable, Dict, List
+import time
+from typing import Callable, Dict, List, Sequence
 
-from _common import (REPO, Summary, Target, clean_env, figure, header, interleave, summary_table, time_command, tool,
-                     verdict)
+from _common import REPO, Summary, Target, clean_env, figure, header, interleave, summary_table, tool, verdict
 from bench_cli_speed import CleanSite, imports
 
 GOAL = 2.0
@@ -68,30 +70,60 @@ def current_script(clean: CleanSite) -> str:
     return path
 
 
+CPU: Dict[str, List[float]] = {}
+"""The CPU time (user and system, the command and its children: py-spy's, where probe runs it) of each run of
+the last :func:`timed` commands, by the runner's name: work done, which a loaded machine stretches far less
+than the wall time."""
+
+
+def timed(argv: Sequence[str], name: str = "") -> float:
+    """Wall time in seconds of one whole command (spawn to exit), as ``_common.time_command`` times it; its CPU
+    time goes to ``CPU[name]``. Raises where the command fails."""
+    start = time.perf_counter()
+    child = subprocess.Popen(list(argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert child.stderr is not None
+    errors = child.stderr.read()
+    _, status, usage = os.wait4(child.pid, 0)
+    elapsed = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    child.stderr.close()
+    if child.returncode != 0:
+        raise RuntimeError("%s failed (rc %d): %s" % (" ".join(argv), child.returncode, errors.decode(errors="replace")[-500:]))
+    CPU.setdefault(name, []).append(usage.ru_utime + usage.ru_stime)
+    return elapsed
+
+
 def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) -> Dict[str, List[float]]:
     pyspy, current = tool("py-spy"), current_script(clean)
     args = ("--threads", str(threads), "--work", work)
     with contextlib.ExitStack() as stack:
         agent = str(stack.enter_context(Target("nested.py", *args)).pid)
         plain = str(stack.enter_context(Target("nested.py", *args, probe=False)).pid)
-        runners: Dict[str, Callable[[], float]] = {
-            "probe PID backtrace, agent": lambda: time_command([current, agent, "backtrace"]),
-            "py-spy dump, agent's target": lambda: time_command([pyspy, "dump", "--pid", agent]),
-            "probe PID backtrace, outside": lambda: time_command([current, plain, "backtrace"]),
-            "py-spy dump, target without agent": lambda: time_command([pyspy, "dump", "--pid", plain]),
-            "python -c pass": lambda: time_command([clean.python, "-c", "pass"]),
-            OLD + "probe PID backtrace, agent": lambda: time_command([clean.probe, agent, "backtrace"]),
-            OLD + "probe PID backtrace, outside": lambda: time_command([clean.probe, plain, "backtrace"]),
+        commands = {
+            "probe PID backtrace, agent": [current, agent, "backtrace"],
+            "py-spy dump, agent's target": [pyspy, "dump", "--pid", agent],
+            "probe PID backtrace, outside": [current, plain, "backtrace"],
+            "py-spy dump, target without agent": [pyspy, "dump", "--pid", plain],
+            "python -c pass": [clean.python, "-c", "pass"],
+            OLD + "probe PID backtrace, agent": [clean.probe, agent, "backtrace"],
+            OLD + "probe PID backtrace, outside": [clean.probe, plain, "backtrace"],
         }
         if site:
-            probe = tool("probe")
-            runners["this site: probe PID backtrace, agent"] = lambda: time_command([probe, agent, "backtrace"])
-            runners["this site: probe PID backtrace, outside"] = lambda: time_command([probe, plain, "backtrace"])
-        return interleave(runners, runs)
+            commands["this site: probe PID backtrace, agent"] = [tool("probe"), agent, "backtrace"]
+            commands["this site: probe PID backtrace, outside"] = [tool("probe"), plain, "backtrace"]
+        runners: Dict[str, Callable[[], float]] = {
+            name: (lambda argv=argv, name=name: timed(argv, name)) for name, argv in commands.items()}
+        CPU.clear()
+        results = interleave(runners, runs)
+        for name in CPU:  # the warm-up round's are not figures
+            CPU[name] = CPU[name][-runs:]
+        return results
 
 
 def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
     print(summary_table(results))
+    print("CPU time (user + system, with children), the same runs:")
+    print(summary_table({"CPU: " + name: values for name, values in CPU.items()}))
     group = "%d thread%s, %s" % (threads, "" if threads == 1 else "s", work)
     for mode, peer in (("agent", "py-spy dump, agent's target"), ("outside", "py-spy dump, target without agent")):
         for prefix in ("", OLD, "this site: "):
@@ -106,6 +138,10 @@ def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
             print("  %s / py-spy: %.2fx (medians); per round %.2fx, IQR %.2f-%.2fx, min-max %.2f-%.2fx%s"
                   % (name, ratio, paired.median, paired.q1, paired.q3, paired.low, paired.high,
                      "; goal <= %gx: %s" % (GOAL, verdict(ratio <= GOAL)) if goal else ""))
+            cpu = Summary.of(CPU[name]).median / Summary.of(CPU[peer]).median
+            figure("%s: CPU time of %s" % (group, name), CPU[name], peer=peer, peer_values=CPU[peer])
+            print("    CPU time: %.1f ms vs py-spy's %.1f ms (medians): %.2fx"
+                  % (Summary.of(CPU[name]).median * 1000, Summary.of(CPU[peer]).median * 1000, cpu))
     start = Summary.of(results["python -c pass"]).median
     print("  the interpreter's own start (python -c pass, clean site): %.1f ms" % (start * 1000))
     for name in ("probe PID backtrace, agent", OLD + "probe PID backtrace, agent", "probe PID backtrace, outside"):

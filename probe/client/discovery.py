@@ -1,7 +1,6 @@
 """Agents running on this host, found by their sockets in the runtime directory, and the files dead ones
 left there (the token of one reached at HOST:PORT: ``probe.client.local_token``)."""
 
-import os
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from probe import _paths
