@@ -6,7 +6,11 @@
 imported on first use so that ``import probe`` inside a target costs next to nothing.
 """
 
-from typing import Any
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is for the checker alone: importing it costs every command some 4 ms
+    from typing import Any
 
 __version__ = "0.1.0"
 # The distribution's name on the package index: `probe` there is another project (and so are torchprobe and

@@ -10,19 +10,22 @@ the client looks there too; a ``PROBE_RUNTIME_DIR`` the user named is never repl
 stdlib only, Python 3.9+.
 """
 
+from __future__ import annotations
+
 import errno
 import os
-import socket
 import stat
 import time
-from typing import Dict, List, Optional, Tuple
 
-from probe.errors import UsageError
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing, socket and the errors load where needed: ``probe PID backtrace`` imports this (probe.cli.quick)
+    from typing import Dict, Iterable, List, Optional, Tuple
 
 __all__ = ["runtime_dir", "default_runtime_dir", "taken_by_another", "fallback_dirs", "runtime_dir_fallback",
            "runtime_dir_note", "agent_dirs", "find_socket_path", "runtime_dir_problem", "ensure_runtime_dir",
            "socket_path", "token_path",
            "pid_from_socket_name", "process_start_ticks", "crash_record_path", "socket_state", "is_stale_socket",
+           "remove_stale_files",
            "open_parent_dir", "job_token_path", "helper_socket_path", "node_socket_path", "node_lock_path",
            "node_log_path", "progress_path"]
 
@@ -171,6 +174,8 @@ def ensure_runtime_dir() -> str:
     Raises :class:`UsageError` (message and fix) when it cannot be created, or exists and is not a
     directory of ours closed to others; its mode is never changed.
     """
+    from probe.errors import UsageError
+
     path = runtime_dir()
     if not os.environ.get("PROBE_RUNTIME_DIR") and taken_by_another(path):
         path = _make_fallback(path)
@@ -194,6 +199,8 @@ def _make_fallback(default: str) -> str:
     try:
         os.mkdir(name, 0o700)
     except OSError as exc:
+        from probe.errors import UsageError
+
         raise UsageError("the probe runtime directory %s is taken by someone else, and no private one could be made "
                          "beside it: %s" % (default, exc.strerror or exc), hint=_ELSEWHERE) from None
     found = fallback_dirs(default)
@@ -287,6 +294,8 @@ def socket_state(path: str, timeout: float = 1.0) -> str:
         return "not_socket"
     if _listed_as_listening(path):
         return "listening"  # told without connecting: an agent that cannot run would keep that connection queued
+    import socket
+
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)
@@ -341,6 +350,43 @@ def is_stale_socket(path: str) -> bool:
     if not stat.S_ISSOCK(info.st_mode) or time.time() - info.st_mtime < STALE_AFTER_S:
         return False
     return socket_state(path) == "refused"
+
+
+def remove_stale_files(keep: Iterable[int] = ()) -> int:
+    """Remove the files of agents (and host helpers) that provably died without their exit hooks (SIGTERM,
+    SIGKILL, os._exit): a socket not touched for 2 s that refuses connections, and its token file. A
+    live agent touches its socket every 0.25 s, so it is never even connected to; one whose GIL a C call
+    holds still accepts, and keeps its files. ``keep``: pids whose files stay (the command's own targets,
+    so that their error can say what became of them). Returns how many sockets went; never raises."""
+    directory = runtime_dir()
+    if runtime_dir_problem(directory):
+        return 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    kept = set(keep)
+    removed = 0
+    for name in names:
+        helper = name.startswith("host-")
+        pid = pid_from_socket_name(name[5:] if helper else name)
+        if pid is None or pid in kept:
+            continue
+        path = os.path.join(directory, name)
+        if is_stale_socket(path):
+            _remove_stale(pid, path, with_token=not helper)
+            removed += 1
+    return removed
+
+
+def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
+    directory = os.path.dirname(path)  # the runtime directory, or the fallback the agent used
+    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid))
+    for stale in (path,) + extra if with_token else (path,):
+        try:
+            os.unlink(stale)
+        except OSError:
+            pass
 
 
 _MAX_LINKS = 40

@@ -6,7 +6,11 @@ an instance may carry a ``hint`` that tells the user what to do next. Code decid
 code, never on message text. Stdlib only: the agent imports this inside the target.
 """
 
-from typing import Dict, Optional, Type
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is for the checker alone: ``probe PID backtrace`` imports this (probe.cli.quick)
+    from typing import Dict, Optional, Type
 
 __all__ = [
     "ProbeError", "BadRequest", "SQLError", "SQLUnavailable", "EvalError", "EvalDisabled", "Unauthorized", "Forbidden",

@@ -5,6 +5,7 @@ a command line read without click prints the same bytes, with the same exit code
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -114,7 +115,7 @@ def test_help_still_lists_every_command_with_its_summary(tmp_path):
     ["query", "SELECT 1", "-F", "json", "--json", "-f", "csv"],
     ["query", "SELECT 1 AS a", "--merge", "SELECT * FROM result"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv"],
     ["query", "SELECT 1 AS a", "-o", "/"], ["query", "SELECT 1 AS a", "-o", "/nonexistent/a.csv", "-F", "json"],
-    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "0", "PID", "backtrace"],
+    ["--via", "direct", "PID", "health"], ["--via", "sideways", "PID", "health"], ["--wait", "5", "PID", "backtrace"],
     ["999999", "backtrace"], ["999999", "query", "SELECT 1"], ["unix:/nonexistent", "health"], ["PID", "nosuch"],
 ])
 def test_read_without_click_or_through_it_the_same_bytes(idle, args):
@@ -164,6 +165,137 @@ def test_the_fast_way_knows_every_global_option_of_the_click_group():
         assert fast.parse(["--target", "1", "health"]) is None
         patch.delenv(cacert.envvar)
         assert fast.parse(["--target", "1", "health"]) is not None
+
+
+_QUICK_AT_EXIT = """
+import atexit, sys
+OUT = sys.argv[1]
+calls = {"hand_over": 0, "start": 0, "taken": 0}
+def write():
+    with open(OUT, "w") as handle:
+        handle.write("\\n".join(sorted(sys.modules) + ["%s=%d" % item for item in sorted(calls.items())]))
+atexit.register(write)
+sys.argv = ["probe"] + sys.argv[2:]
+if "--spy" in sys.argv:  # counts hand-overs and reads ahead, each calling through to the real one
+    sys.argv.remove("--spy")
+    import probe.client.connection as connection, probe.reader.ahead as ahead
+    def counted(name, real, count=lambda result: True):
+        def call(*args):
+            result = real(*args)
+            calls[name] += bool(count(result))
+            return result
+        return call
+    connection.hand_over = counted("hand_over", connection.hand_over)
+    ahead.start = counted("start", ahead.start)
+    ahead.take = counted("taken", ahead.take, lambda result: result is not None)
+from probe.cli import main
+main()
+"""
+
+QUICK_NEVER = ("typing", "threading", "socket", "subprocess", "probe.client", "probe.cli.fast", "probe.cli.app",
+               "probe.cli.output", "click")
+"""What ``probe PID backtrace`` answered by ``probe.cli.quick`` does without."""
+
+
+def _quick_modules(tmp_path, *args, spy=False):
+    """The modules of ``python -S`` (no site: this machine's .pth files import typing) running ``probe ARGS``;
+    with ``spy``, how often it handed a request over, started a read ahead and took one; and its result."""
+    out = tmp_path / "modules.txt"
+    done = subprocess.run([sys.executable, "-S", "-c", _QUICK_AT_EXIT, str(out), *args, *(["--spy"] if spy else [])],
+                          capture_output=True, text=True, timeout=60, env=target_env(probe=False), cwd=REPO)
+    lines = out.read_text().split()
+    calls = dict((k, int(v)) for k, _, v in (line.partition("=") for line in lines[-3:]))
+    return set(lines[:-3]), calls, done
+
+
+def test_a_plain_backtrace_is_answered_before_the_rest_of_the_client_is_imported(idle, tmp_path):
+    """``probe PID backtrace`` is what people time against py-spy: answered by probe.cli.quick, with the
+    standard library's C modules and three small modules of probe's, printing what the usual path prints."""
+    usual = run_cli(str(idle.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert usual.code == 0 and "Thread" in usual.out, usual.err
+    for _ in range(3):  # an agent whose heartbeat is late (a loaded machine) is left to the usual path
+        modules, _, done = _quick_modules(tmp_path, str(idle.pid), "backtrace")
+        assert (done.returncode, done.stdout, done.stderr) == (0, usual.out, usual.err)
+        if "probe.client" not in modules:
+            break
+    assert "probe.cli.quick" in modules and "probe._paths" in modules
+    assert sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in QUICK_NEVER)) == []
+
+
+def test_the_quick_backtrace_leaves_every_other_command_line_to_the_usual_path(idle, tmp_path):
+    """An option, another command, a variable the CLI reads, or PROBE_CLI_FAST=0: probe.cli.quick sends nothing."""
+    from probe.cli import quick
+
+    pid = str(idle.pid)
+    for args in ([pid, "backtrace", "--json"], ["-t", pid, "backtrace"], [pid, "health"], ["backtrace", pid],
+                 ["+%s" % pid, "backtrace"], ["\u0661", "backtrace"]):
+        assert quick.run(args) is None, args
+    for variable in quick.ENVIRONMENT + ("PROBE_CLI_FAST",):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(variable, "0")
+            assert quick.run([pid, "health"]) is None
+            assert quick.run([pid, "backtrace"]) is None, variable
+
+
+def test_the_quick_backtrace_knows_every_variable_the_cli_reads():
+    """With one of the group's variables set (a token, TLS, --via), the usual path reads the command line."""
+    from probe.cli import quick
+    from probe.cli.spec import GLOBAL_PARAMS
+
+    assert set(quick.ENVIRONMENT) == {p.envvar for p in GLOBAL_PARAMS if p.envvar}
+
+
+def test_a_request_the_agent_does_not_answer_at_once_is_handed_to_the_usual_watch(target_factory, tmp_path):
+    """Where the agent cannot answer within the grace time (a C call keeps the GIL), the request
+    probe.cli.quick sent goes on in the usual path: the process is watched, its stacks read from outside."""
+    proc = target_factory("hung.py", "gil")
+    deadline = time.monotonic() + scaled(10)
+    while not _in_sleep(proc.pid):
+        assert time.monotonic() < deadline, "the target never entered its sleep"
+        time.sleep(0.01)
+    modules, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+    assert done.returncode == 0, done.stderr
+    assert "hold_gil" in done.stdout and "holds the GIL in hold_gil" in done.stderr, done.stderr
+    assert "probe.client.outside" in modules
+    # Handed over where its heartbeat was fresh at the quick look (within 0.45 s of the hold's start;
+    # on a loaded machine it may not be: the usual path then decided before connecting at all).
+    assert calls["hand_over"] in (0, 1) and calls["start"] == 0
+    if calls["hand_over"]:
+        again = run_cli(str(proc.pid), "backtrace")
+        assert again.code == 0 and "hold_gil" in again.out, again.err
+
+
+def test_a_process_without_agent_is_read_by_the_py_spy_run_started_ahead(target_factory, tmp_path):
+    """No agent: probe.cli.quick starts py-spy's read at once, says why no agent answers as the client does
+    (probe.client.explain) and takes that read instead of starting another: the same words and stacks as the
+    usual path, without the rest of the CLI and the client."""
+    from probe.reader import pyspy_source
+
+    if pyspy_source.binary() is None:
+        pytest.skip("py-spy is not installed")
+    proc = target_factory("idle.py", probe=False, wait_socket=False)
+    modules, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+    usual = run_cli(str(proc.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
+    assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
+    assert (calls["start"], calls["taken"], calls["hand_over"]) == (1, 1, 0)
+    left_out = ("subprocess", "probe.cli.fast", "probe.cli.output", "probe.client.client")  # (--spy imports connection)
+    assert [m for m in left_out if m in modules] == []
+    stopped = target_factory("idle.py", probe=False, wait_socket=False)
+    os.kill(stopped.pid, signal.SIGSTOP)  # read as it is, by a command of its own: none is started ahead
+    try:
+        _, calls, done = _quick_modules(tmp_path, str(stopped.pid), "backtrace", spy=True)
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+    assert calls["start"] == 0 and done.returncode == 0, done.stderr
+
+
+def _in_sleep(pid):
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as handle:
+            return handle.read().split()[0] in ("35", "230")
+    except (OSError, IndexError):
+        return False
 
 
 def _sample(command, param):

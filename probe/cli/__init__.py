@@ -1,8 +1,13 @@
 """The ``probe`` command. ``main()`` is the console script; it turns probe errors into one-line messages."""
 
+from __future__ import annotations
+
 import os
 import sys
-from typing import List, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is for the checker alone: ``probe PID backtrace`` must not pay for it (probe.cli.quick)
+    from typing import List, Optional
 
 __all__ = ["main", "INTERRUPTED"]
 
@@ -10,6 +15,11 @@ INTERRUPTED = 130  # the shell's code for a command ended by Ctrl-C (128 + SIGIN
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    if argv is None:  # the command itself: its plain backtrace is answered before the rest is imported
+        code = _quick(sys.argv[1:])
+        if code is not None:
+            _exit(code, quick=True)
+            return code
     from probe.cli.app import normalise_argv
     from probe.cli.output import say
     from probe.errors import ProbeError
@@ -50,6 +60,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     return code
 
 
+def _quick(args: List[str]) -> Optional[int]:
+    """``probe.cli.quick``'s exit code, with the usual words for Ctrl-C and a closed pipe; None where the usual
+    path runs the command line."""
+    try:
+        from probe.cli import quick
+
+        return quick.run(args)
+    except KeyboardInterrupt as exc:
+        return _interrupted(exc)
+    except BrokenPipeError:
+        return 0
+
+
 def _one_target(args: List[str]) -> Optional[str]:
     """The one target of a normalised command line (``--target X``), which hints then name; None for several."""
     found = [args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-t", "--target")]
@@ -82,16 +105,20 @@ def _interrupted(exc: BaseException) -> int:
     return INTERRUPTED
 
 
-def _exit(code: int) -> None:
+def _exit(code: int, quick: bool = False) -> None:
     """Exit with ``code``, skipping the interpreter's teardown where it has nothing to do that matters.
     Exit handlers still run, and output is flushed; threads that are no daemons are waited for as always.
 
     * A command run without click (``probe.cli.fast``: the ones people run in loops) leaves no file open
       and nothing to tear down but its own modules, which takes the interpreter some 5 ms.
+    * ``quick``: ``probe.cli.quick`` answered, which starts no thread and imports not even threading.
     * Where fan-out threads still wait on targets that never answered (they are daemons, left to their
       socket timeouts), the teardown would destroy what they still hold, such as a DuckDB connection of
       the client's, and DuckDB's bindings print a page of "leaked instance" lines on the user's terminal.
     """
+    if quick:
+        _exit_now(code, True)
+        return
     import threading
 
     from probe.cli import fast
@@ -101,6 +128,11 @@ def _exit(code: int) -> None:
         sys.exit(code)
     if not fast.ran and not any(t.name == "probe-fanout" for t in others):
         sys.exit(code)
+    _exit_now(code, fast.ran)
+
+
+def _exit_now(code: int, ran_here: bool) -> None:
+    """Run the exit handlers, flush, and end the process without the interpreter's teardown."""
     import atexit
 
     try:
@@ -108,6 +140,6 @@ def _exit(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
     except BaseException:
-        if fast.ran:
+        if ran_here:
             sys.exit(code)  # as Python would have it: its words, and its exit status, for output it cannot flush
     os._exit(code)

@@ -137,7 +137,7 @@ class CliContext:
                                                      "use -t, or set PROBE_TARGET")
         pids = [int(t) for t in targets if t.isdigit()]
         if pids:  # this command looks at the runtime directory: clear what dead agents left there
-            from probe.client.discovery import remove_stale_files
+            from probe._paths import remove_stale_files
 
             remove_stale_files(keep=pids)
         open_kinds(targets)

@@ -3,10 +3,10 @@
 import io
 import json
 import math
-import re
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterable, Iterator, List, Optional
 
-from probe.client.results import EvalResult, Frame, Rows, TableInfo
+from probe.cli.render_stack import _pattern, render_backtrace, visible  # noqa: F401 (re-exported)
+from probe.client.results import EvalResult, Rows, TableInfo
 
 __all__ = ["visible", "render_rows", "render_table", "render_vertical", "fit_widths", "text_width", "terminal_width", "plain",
            "render_json", "render_csv", "render_backtrace", "render_tables",
@@ -15,38 +15,6 @@ __all__ = ["visible", "render_rows", "render_table", "render_vertical", "fit_wid
 FORMATS = ("table", "json", "csv")
 _MAX_CELL = 80  # a cell's width when the table is not fitted to a terminal (output piped)
 _MIN_COLUMN = 6  # a column is never fitted narrower than this (or its header, if shorter)
-
-
-# Characters a terminal acts on rather than shows: C0 controls (ESC starts CSI and OSC sequences: OSC 52
-# writes the clipboard, CSI moves the cursor and erases lines), DEL, C1 controls (0x9b is a one-byte CSI on
-# some terminals), the line and paragraph separators, the bidirectional overrides and isolates that make a
-# line read in another order than it is, and lone surrogates (undecodable bytes, which no terminal can show).
-_CONTROLS = "\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff"
-_PATTERNS: Dict[bool, "re.Pattern[str]"] = {}  # lines -> the pattern, compiled on first need (~0.4 ms each)
-
-
-def _pattern(lines: bool) -> "re.Pattern[str]":
-    """The characters :func:`visible` escapes: every control above, and (``lines`` False) newlines and tabs."""
-    if lines not in _PATTERNS:
-        _PATTERNS[lines] = re.compile(("[%s]" if lines else "[%s\t\n]") % _CONTROLS)
-    return _PATTERNS[lines]
-_NAMED = {"\n": "\\n", "\t": "\\t", "\r": "\\r"}
-
-
-def _escape(match: "re.Match[str]") -> str:
-    char = match.group()
-    code = ord(char)
-    return _NAMED.get(char) or ("\\x%02x" % code if code < 0x100 else "\\u%04x" % code)
-
-
-def visible(text: str, lines: bool = False) -> str:
-    """``text`` from a target, safe to show on a terminal: every control character written out as an
-    escape (ESC as ``\\x1b``, a carriage return as ``\\r``), so that no sequence in a thread name, a
-    file name or a snippet's output can reach the terminal and act there. ``lines``: newlines and tabs
-    are kept (text laid out in lines); else they are escaped too (one field, one line)."""
-    if text.isprintable() or (lines and text.replace("\n", " ").replace("\t", " ").isprintable()):
-        return text  # no control character at all (every one above is Cc, Cf, Cs, Zl or Zp): as it is
-    return _pattern(lines).sub(_escape, text)
 
 
 def text_width(text: str) -> int:
@@ -285,31 +253,6 @@ def terminal_width() -> Optional[int]:
         return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def render_backtrace(frames: Sequence[Frame]) -> Iterator[str]:
-    """One block per thread (main thread first), innermost frame first, with the source line."""
-    threads: Dict[int, List[Frame]] = {}
-    for frame in frames:
-        threads.setdefault(frame.thread_id, []).append(frame)
-    order = sorted(threads.values(), key=lambda fs: (not fs[0].is_main, fs[0].thread_name or "", fs[0].thread_id))
-    for i, stack in enumerate(order):
-        first = stack[0]
-        if i:
-            yield ""
-        tags = ["native %s" % first.native_id] if first.native_id is not None else []
-        if first.is_main:
-            tags.append("main")
-        yield 'Thread %d "%s"%s' % (first.thread_id, visible(first.thread_name or "?"),
-                                    " (%s)" % ", ".join(tags) if tags else "")
-        for frame in sorted(stack, key=lambda f: f.depth):
-            func, file = visible(str(frame.func)), visible(str(frame.file))
-            if frame.frame_type == "native":
-                yield "    [C] %s (%s)" % (func, "%s:%d" % (file, frame.lineno) if frame.lineno else file)
-                continue
-            yield "    %s (%s:%d)" % (func, file, frame.lineno)
-            if frame.code:
-                yield "        %s" % visible(frame.code)
 
 
 _STATE_WORDS = {"gil_held": "alive", "no_answer": "alive", "stopped": "stopped", "dead": "dead",

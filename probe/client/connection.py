@@ -11,13 +11,13 @@ operations on top.
 import json
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import probe.client.transport as transport
 from probe.client.targets import Target
 from probe.errors import AgentBlocked, ProbeError, ProcessDead, UsageError, error_from_code
 
-__all__ = ["Connection", "DEFAULT_TIMEOUT", "read_token"]
+__all__ = ["Connection", "DEFAULT_TIMEOUT", "read_token", "hand_over"]
 
 DEFAULT_TIMEOUT = 30.0
 _GRACE_S = 0.05  # how long a local agent may take before the client looks at its process (= outside.GRACE_S)
@@ -112,17 +112,24 @@ class Connection:
         # A backtrace (the command's, not diagnose's evidence, which names a rank's state) is as good
         # read from outside: the quick rule decides it (probe.client.outside, step 3).
         quick = self._quick and method == "GET" and path == "/v1/backtrace"
+        handed = _take_handed(socket_path, method, path, payload, headers)
         age = _heartbeat_age(socket_path)
-        if self.wait is None and age > _STALE_S:  # its accept thread missed a beat: look before connecting
-            import probe.client.outside as outside
+        if self.wait is None and age > _STALE_S and handed is None:  # its accept thread missed a beat: look
+            import probe.client.outside as outside  # before connecting
 
             early = (outside.known_at_once(pid, socket_path) if age > outside.STALE_HEARTBEAT_S
                      else outside.diagnose_now(pid, socket_path, quick))
             if early is not None and early.state in ("gil_held", "stopped"):
                 raise _blocked(early)  # nothing sent, so nothing left queued in the agent
-        sock = self._connect_watched(method, path, payload, headers, timeout, quick)
+        if handed is not None:
+            sock, sent = handed
+            sock.settimeout(timeout)
+            grace = max(0.0, _GRACE_S - (time.monotonic() - sent))
+        else:
+            sock = self._connect_watched(method, path, payload, headers, timeout, quick)
+            grace = _GRACE_S
         try:
-            readable, _, _ = select.select([sock], [], [], _GRACE_S if self.wait is None else 0)
+            readable, _, _ = select.select([sock], [], [], grace if self.wait is None else 0)
             if readable:  # the usual case: nothing more to import or look at
                 return transport.read_response(sock, self.target.address, timeout)
             import probe.client.outside as outside
@@ -268,6 +275,34 @@ def _with_target(exc: ProbeError, label: str) -> ProbeError:
         exc.hint = exc.hint.replace("probe TARGET ", "probe %s " % label)
     exc.args = (exc.message,)
     return exc
+
+
+_handed: List[Tuple[str, str, str, Any, float]] = []
+"""A request ``probe.cli.quick`` sent and got no answer to within its grace time: (socket path, method, path,
+the socket, when it was sent), for the request of this command to the same agent to go on from."""
+
+
+def hand_over(sock: Any, socket_path: str, method: str, path: str) -> None:
+    """Leave the request ``method path`` (no body, no header of the caller's), sent on ``sock`` (a connected
+    ``_socket.socket``) to the agent at ``socket_path``, to this command's request of the same: its watch of
+    the process, and the reading of its answer, go on from there, as if it had sent it."""
+    import socket
+
+    _handed.append((socket_path, method, path, socket.socket(fileno=sock.detach()), time.monotonic()))
+
+
+def _take_handed(socket_path: str, method: str, path: str, payload: Optional[bytes],
+                 headers: Dict[str, str]) -> Optional[Tuple[Any, float]]:
+    """The socket handed over for this very request, and when it was sent; None where there is none (any
+    other socket handed over is closed: the agent sees nobody waits, and runs nothing for it)."""
+    found = None
+    while _handed:
+        where, verb, what, sock, sent = _handed.pop()
+        if found is None and (where, verb, what) == (socket_path, method, path) and not payload and not headers:
+            found = (sock, sent)
+        else:
+            sock.close()
+    return found
 
 
 def _heartbeat_age(socket_path: str) -> float:

@@ -1,10 +1,10 @@
 """Agents running on this host, found by their sockets in the runtime directory, and the files dead ones
 left there (the token of one reached at HOST:PORT: ``probe.client.local_token``)."""
 
-import os
-from typing import Any, Dict, Iterable, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
 from probe import _paths
+from probe._paths import _remove_stale, remove_stale_files  # noqa: F401 (re-exported)
 from probe.client.client import Client
 from probe.client.targets import parse_target
 from probe.client.local_token import agent_sockets as _sockets
@@ -52,33 +52,6 @@ def local_agents(timeout: float = 1.0) -> List[LocalAgent]:
     return found
 
 
-def remove_stale_files(keep: Iterable[int] = ()) -> int:
-    """Remove the files of agents (and host helpers) that provably died without their exit hooks (SIGTERM,
-    SIGKILL, os._exit): a socket not touched for 2 s that refuses connections, and its token file. A
-    live agent touches its socket every 0.25 s, so it is never even connected to; one whose GIL a C call
-    holds still accepts, and keeps its files. ``keep``: pids whose files stay (the command's own targets,
-    so that their error can say what became of them). Returns how many sockets went; never raises."""
-    directory = _paths.runtime_dir()
-    if _paths.runtime_dir_problem(directory):
-        return 0
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return 0
-    kept = set(keep)
-    removed = 0
-    for name in names:
-        helper = name.startswith("host-")
-        pid = _paths.pid_from_socket_name(name[5:] if helper else name)
-        if pid is None or pid in kept:
-            continue
-        path = os.path.join(directory, name)
-        if _paths.is_stale_socket(path):
-            _remove_stale(pid, path, with_token=not helper)
-            removed += 1
-    return removed
-
-
 def _short_reason(exc: AgentBlocked) -> str:
     """A few words for a table cell: "GIL held in f (x.py:3)", "stopped (SIGSTOP)", "no answer in 1.0 s"."""
     diagnosis = getattr(exc, "diagnosis", None)
@@ -89,13 +62,3 @@ def _short_reason(exc: AgentBlocked) -> str:
     if diagnosis.state == "stopped":
         return "stopped"
     return "agent silent"
-
-
-def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
-    directory = os.path.dirname(path)  # the runtime directory, or the fallback the agent used
-    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid))
-    for stale in (path,) + extra if with_token else (path,):
-        try:
-            os.unlink(stale)
-        except OSError:
-            pass

@@ -361,12 +361,10 @@ def _frozen(stacks: "Optional[Stacks]") -> "Optional[Stacks]":
     stack in it is torn. Said so in their source."""
     if stacks is None or not stacks.may_be_torn:
         return stacks
-    import dataclasses
-
     from probe.reader.stacks import TORN_WORDS
 
     source = stacks.source.replace("(%s)" % TORN_WORDS, "(the GIL stayed held in C meanwhile: no Python frame moved)")
-    return dataclasses.replace(stacks, source=source, facts=dict(stacks.facts, consistent=True))
+    return stacks._replace(source=source, facts=dict(stacks.facts, consistent=True))
 
 
 def _held_record(socket_path: str) -> Optional[str]:

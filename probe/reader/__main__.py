@@ -30,7 +30,7 @@ def main() -> int:
     names = [c.name for c in COLUMNS]
     holder = stacks.gil_holder()
     print(json.dumps({"pid": stacks.pid, "source": stacks.source, "python": stacks.python_version,
-                      "gil_holder": holder.native_id if holder else None, "facts": stacks.facts,
+                      "gil_holder": holder.native_id if holder else None, "facts": dict(stacks.facts),
                       "rows": [dict(zip(names, row)) for row in stacks.rows()]}, default=str))
     return 0
 

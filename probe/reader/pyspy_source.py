@@ -8,14 +8,10 @@ which pystack reads. py-spy is a static binary, found next to this Python or on 
 """
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 from typing import Any, Dict, List, Optional
 
 from probe.errors import ReaderError
-from probe.reader import proc
+from probe.reader import ahead, proc
 from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack, how_read
 
 __all__ = ["read_live", "binary"]
@@ -25,10 +21,7 @@ TIMEOUT_S = 20.0
 
 def binary() -> Optional[str]:
     """The py-spy executable: beside this interpreter (a venv's bin) or on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
-    if os.access(beside, os.X_OK):
-        return beside
-    return shutil.which("py-spy")
+    return ahead.which("py-spy")
 
 
 def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
@@ -38,22 +31,27 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     made during the read. A process stopped already (SIGSTOP) is read without ``stop``: py-spy fails to
     stop it again, and nothing in it moves."""
     exe = binary()
-    stopped = proc.state(pid) in ("T", "t")
-    stop = (stop or native) and not stopped
     if exe is None:
         raise ReaderError("reading a process from outside needs py-spy, which is not installed here",
                           hint="pip install py-spy")
-    argv = [exe, "dump", "--pid", str(pid), "--json"] + (["--native"] if native else []) + ([] if stop else ["--nonblocking"])
+    # The read probe.cli.quick started where it saw no agent, of a process that was not stopped then: that read
+    # stops it now (state t), which must not pass for a stop of the user's.
+    running = ahead.take(ahead.dump_argv(exe, pid)) if stop and not native else None
+    stopped = running is None and proc.state(pid) in ("T", "t")
+    stop = (stop or native) and not stopped
+    argv = ahead.dump_argv(exe, pid, native, stop)
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+        if running is None:
+            running = ahead.Pending(argv)
+        code, out, err = running.result(TIMEOUT_S)
+    except TimeoutError:
         raise ReaderError("py-spy did not read process %d within %.0f s" % (pid, TIMEOUT_S)) from None
     except OSError as exc:
         raise ReaderError("cannot run %s: %s" % (exe, exc.strerror or exc)) from None
-    if done.returncode != 0:
-        raise _explain(pid, done.stderr)
+    if code != 0:
+        raise _explain(pid, err)
     try:
-        raw = json.loads(done.stdout)
+        raw = json.loads(out)
     except ValueError:
         raise ReaderError("py-spy gave an answer that is not JSON for process %d" % pid) from None
     threads = tuple(_thread(t, pid) for t in raw if isinstance(t, dict))

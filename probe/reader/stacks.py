@@ -1,19 +1,20 @@
 """Stacks read from outside a process: what every source (a live process, a core file, a crash record)
 produces, and its rows of ``python.backtrace``.
 
-Stdlib only: a crash record is read with nothing else installed.
+Stdlib only: a crash record is read with nothing else installed. NamedTuples, not frozen dataclasses: a
+process with no agent is read on the path of ``probe PID backtrace``, and the dataclasses module (it imports
+inspect) with three classes made by it took some 4 ms of that command's start-up.
 """
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import Any, List, Mapping, NamedTuple, Optional, Tuple
 
 __all__ = ["OutsideFrame", "ThreadStack", "Stacks", "how_read", "TORN_WORDS"]
 
 TORN_WORDS = "a thread that ran Python meanwhile may show a stack torn by a call or return made during the read"
 
 
-@dataclass(frozen=True)
-class OutsideFrame:
+class OutsideFrame(NamedTuple):
     func: str
     file: str
     lineno: int
@@ -21,8 +22,7 @@ class OutsideFrame:
     library: Optional[str] = None  # the shared object of a native frame
 
 
-@dataclass(frozen=True)
-class ThreadStack:
+class ThreadStack(NamedTuple):
     """One thread, innermost frame first. ``thread_id`` is the Python ident where the source knows it
     (a crash record), else None; ``holds_gil`` is None where the source cannot tell."""
 
@@ -52,15 +52,17 @@ class ThreadStack:
                           '"%s"' % self.name if self.name else "")
 
 
-@dataclass(frozen=True)
-class Stacks:
+_NO_FACTS: Mapping[str, Any] = MappingProxyType({})
+
+
+class Stacks(NamedTuple):
     """Every thread of one process as read from outside it, and where the reading came from."""
 
     pid: Optional[int]
     source: str  # for people: "read from outside the live process by pystack", "core file ./core.1", ...
     threads: Tuple[ThreadStack, ...]
     python_version: Optional[str] = None
-    facts: Dict[str, Any] = field(default_factory=dict)  # source-specific: signal, executable, cause, ...
+    facts: Mapping[str, Any] = _NO_FACTS  # source-specific: signal, executable, cause, ... (read only)
 
     @property
     def may_be_torn(self) -> bool:
