@@ -33,6 +33,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from probe.host import webhook
+
 __all__ = ["Alerts", "Hook", "parse_hooks", "masked", "COOLDOWN_S"]
 
 COOLDOWN_S = 600.0
@@ -277,8 +279,7 @@ class Alerts:
             try:
                 request = urllib.request.Request(hook.url, data, {"Content-Type": "application/json",
                                                                   "User-Agent": "probe-alerts"})
-                with urllib.request.urlopen(request, timeout=self.timeout) as answer:  # noqa: S310 -- http(s) only
-                    answer.read(4096)
+                webhook.post(request, self.timeout)  # the whole post within the timeout, not each read
                 self.sent += 1
                 return
             except urllib.error.HTTPError as exc:
