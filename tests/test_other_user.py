@@ -256,20 +256,17 @@ def test_the_metrics_port_shows_another_user_numbers_only_and_serves_only_metric
     assert all("/" not in value for _, value in labels), labels
 
 
-@as_root
-@needs_client
-def test_another_user_s_half_sent_requests_hold_no_thread_a_connection(job: Dict[str, Any]) -> None:
-    """A thousand connections that never finish their request (as many as nobody's descriptors allow) cost the
-    helper a bounded number of threads, and a scrape and the helper's own port are answered meanwhile."""
-    before = _threads(job["helper"])
+def _while_another_user_floods(ports: List[int], per_port: int, look: Callable[[], Any]) -> Tuple[int, Any]:
+    """(connections held, what ``look()`` gave) while uid nobody holds up to ``per_port`` connections to each
+    port that each sent half a request and never the rest."""
     go_read, go_write = os.pipe()
     said_read, said_write = os.pipe()
     result: List[str] = []
 
     def flood() -> str:
         socks = []
-        for port in (job["metrics"], job["helper_port"]):
-            for _ in range(450):
+        for port in ports:
+            for _ in range(per_port):
                 try:
                     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
                     sock.settimeout(10)
@@ -288,24 +285,64 @@ def test_another_user_s_half_sent_requests_hold_no_thread_a_connection(job: Dict
         ready, _, _ = select.select([said_read], [], [], scaled(120))
         assert ready, "the flood did not start"
         held = int(os.read(said_read, 64).split()[0])
-        assert held >= 200, held
-        during = _threads(job["helper"])
-        status, text = _http(job["metrics"], "GET", "/metrics", timeout=scaled(60))
-        assert status == 200 and b"probe_ranks{" in text
-        status, _ = _http(job["helper_port"], "GET", "/v1/health", timeout=scaled(60))
-        assert status == 401  # answered (no token here): the port is not held by the flood
-        after = _threads(job["helper"])
+        seen = look()
     finally:
         os.write(go_write, b"go")
         child.join(scaled(240))
         for fd in (go_read, go_write, said_read, said_write):
             os.close(fd)
-    assert result and result[0].startswith("held "), result
+    assert result and result[0] == "held %d" % held, result
+    return held, seen
+
+
+@as_root
+@needs_client
+def test_another_user_s_half_sent_requests_hold_no_thread_a_connection(job: Dict[str, Any]) -> None:
+    """Nine hundred connections that never finish their request cost the helper a bounded number of threads,
+    and a scrape and the helper's own port are answered meanwhile."""
+    before = _threads(job["helper"])
+
+    def look() -> Tuple[int, int]:
+        during = _threads(job["helper"])
+        status, text = _http(job["metrics"], "GET", "/metrics", timeout=scaled(60))
+        assert status == 200 and b"probe_ranks{" in text
+        status, _ = _http(job["helper_port"], "GET", "/v1/health", timeout=scaled(60))
+        assert status == 401  # answered (no token here): the port is not held by the flood
+        return during, _threads(job["helper"])
+
+    held, (during, after) = _while_another_user_floods([job["metrics"], job["helper_port"]], 450, look)
+    assert held >= 200, held
     # Each listener works a bounded number of connections at once (probe.agent.listener.MAX_CONNECTIONS): the
     # metrics port's and the helper's, whatever the flood.
     from probe.agent.listener import MAX_CONNECTIONS
 
     assert max(during, after) <= before + 2 * MAX_CONNECTIONS + 8, (before, during, after, held)
+
+
+@as_root
+def test_another_user_s_connections_to_a_page_take_a_few_threads_at_most(target_factory) -> None:
+    """``probe PID page`` refuses other users; their connections, however many, get a few threads of its
+    process (which count against its user's process limit, as the job's do), and its owner is served. (Each
+    connection past the first few costs a read of the kernel's TCP table: slow where it lists thousands.)"""
+    from probe.page.server import REFUSALS_AT_ONCE, UNCHECKED
+    from test_page import _end, _get, _serve
+
+    target = target_factory("idle.py")
+    proc, url = _serve(str(target.pid), "page", "--refresh", "5")
+    try:
+        port = int(url.split(":")[2].split("/")[0])
+        before = _threads(proc.pid)
+
+        def look() -> Tuple[int, Any]:
+            during = _threads(proc.pid)
+            return during, _get(url, "/api/about")
+
+        held, (during, about) = _while_another_user_floods([port], 150, look)
+        assert held >= 100, held
+        assert isinstance(about, dict) and about, about
+        assert during <= before + UNCHECKED + REFUSALS_AT_ONCE + 4, (before, during, held)
+    finally:
+        _end(proc)
 
 
 # -- hostile bytes from a token holder ---------------------------------------------------------------------
