@@ -377,8 +377,8 @@ def test_hostile_bytes_on_the_helper_s_routes_keep_it_serving(job: Dict[str, Any
 
 class _Hook:
     """A webhook on 127.0.0.1 that answers as ``mode`` says: ``trickle`` (its status line, then a byte every
-    0.2 s, never the end of its headers) or ``huge`` (a 200 with a 64 MB body); it keeps each request's path and
-    Authorization header."""
+    0.2 s, never the end of its headers), ``huge`` (a 200 with a 64 MB body) or ``redirect`` (a 302 to
+    ``/elsewhere``); it keeps each request's path and Authorization header, a GET's too."""
 
     def __init__(self, mode: str) -> None:
         seen: List[Tuple[str, Optional[str]]] = []
@@ -391,7 +391,12 @@ class _Hook:
                 self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 seen.append((self.path, self.headers.get("Authorization")))
                 try:
-                    if mode == "trickle":
+                    if mode == "redirect":
+                        self.send_response(302)
+                        self.send_header("Location", "/elsewhere")
+                        self.send_header("Content-Length", "0")
+                        self.end_headers()
+                    elif mode == "trickle":
                         self.wfile.write(b"HTTP/1.1 200 OK\r\n")
                         while not stop.wait(0.2):
                             self.wfile.write(b"X")
@@ -405,6 +410,12 @@ class _Hook:
                             self.wfile.write(chunk)
                 except OSError:
                     pass  # the post went: as it should
+
+            def do_GET(self) -> None:  # noqa: N802 -- where a redirect followed would go
+                seen.append((self.path, self.headers.get("Authorization")))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, *args: Any) -> None:
                 pass
@@ -455,4 +466,15 @@ def test_a_huge_answer_is_not_read_and_a_password_in_the_url_goes_as_basic_auth(
     path, authorization = hook.seen[0]
     assert path == "/hook?token=%s" % SECRET
     assert authorization and base64.b64decode(authorization.split()[1]).decode() == "al@ice:%s" % SECRET
+    assert not any(SECRET in line for line in log), log
+
+
+def test_a_webhook_that_redirects_is_not_followed() -> None:
+    hook = _Hook("redirect")
+    try:
+        alerts, log = _post_one("http://user:%s@127.0.0.1:%d/hook" % (SECRET, hook.port), 5.0)
+    finally:
+        hook.close()
+    assert [path for path, _ in hook.seen] == ["/hook"], hook.seen  # nothing asked of /elsewhere
+    assert alerts.failed == 1 and any("HTTP 302" in line for line in log), log
     assert not any(SECRET in line for line in log), log

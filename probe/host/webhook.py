@@ -4,11 +4,13 @@
 second (a header line of 64 KB, a hundred of them, then a body) keeps a post going for a day, and with it
 every later alert to that webhook. Here each connection the post opens is remembered, and at the deadline
 it is shut down, whatever it is doing (connecting, the TLS handshake, reading headers or the body), which
-ends the post with an error. The opener is urllib's own otherwise: proxies from the environment
-(``https_proxy``), redirects as urllib follows them, TLS checked against the system's CAs. The answer's
+ends the post with an error. The opener is urllib's own otherwise (proxies from the environment,
+``https_proxy``; TLS checked against the system's CAs) but for redirects, which are not followed: urllib turns
+a redirected POST into a GET without its body, which delivers no alert, and a webhook that answers one should
+not make the helper ask a URL of its choosing on the node's network; a 3xx is a failed post. The answer's
 body is read up to ``MAX_ANSWER_BYTES`` and dropped. A URL's ``user:password@`` (which urllib takes for
 part of the host name: every post to it failed) is sent as HTTP basic authentication instead, to that host
-alone (not along a redirect).
+alone.
 """
 
 import base64
@@ -99,6 +101,11 @@ class _Https(urllib.request.HTTPSHandler):
         return self.do_open(_watched(http.client.HTTPSConnection, self.watch), req, context=self._context)
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # urllib raises the 3xx as an HTTPError
+
+
 def post(request: urllib.request.Request, deadline_s: float) -> int:
     """Send ``request`` and read (at most ``MAX_ANSWER_BYTES`` of) its answer within ``deadline_s`` in all; its
     HTTP status. Raises as ``urlopen`` does (``HTTPError`` for a status of 400 or more), and ``Expired`` where
@@ -107,7 +114,7 @@ def post(request: urllib.request.Request, deadline_s: float) -> int:
     watch = _Watch()
     timer = threading.Timer(deadline_s, watch.expire)
     timer.daemon = True
-    opener = urllib.request.build_opener(_Http(watch), _Https(watch))
+    opener = urllib.request.build_opener(_Http(watch), _Https(watch), _NoRedirect())
     timer.start()
     try:
         with opener.open(request, timeout=deadline_s) as answer:
