@@ -20,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -109,8 +110,8 @@ def _threads(pid: int) -> int:
         return int(next(line.split()[1] for line in handle if line.startswith("Threads:")))
 
 
-@pytest.fixture(scope="module")
-def job() -> Iterator[Dict[str, Any]]:
+@contextmanager
+def _job(wait_metrics: bool = True, **extra: str) -> Iterator[Dict[str, Any]]:
     """One rank as srun would start it, with PROBE_PORT, PROBE_METRICS_PORT, a read token and an alert webhook
     whose URL holds secrets; its node helper serves all of them. The runtime directory's parent may be
     crossed by others (0711), so that a test can open the directory itself to them and see each file refuse."""
@@ -123,6 +124,8 @@ def job() -> Iterator[Dict[str, Any]]:
     env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
                      PROBE_METRICS_PORT=str(metrics), PROBE_READ_TOKEN=READ_TOKEN, PROBE_ALERT_WEBHOOK=hook,
                      PROBE_STACK_EVERY="1", SLURM_NTASKS="1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0")
+    env.update(extra)
+    metrics = int(env["PROBE_METRICS_PORT"])
     popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, "rank_states.py")], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=env)
     rank = Proc(popen, "rank_states.py")
@@ -137,7 +140,8 @@ def job() -> Iterator[Dict[str, Any]]:
             except OSError:
                 return False
 
-        _until(metrics_served, 60, "the metrics port")
+        if wait_metrics:
+            _until(metrics_served, 60, "the metrics port")
         with open(os.path.join(runtime, "job-%d.token" % port)) as handle:
             token = handle.read().strip()
         yield {"port": port, "helper_port": port - 1, "metrics": metrics, "runtime": runtime, "rank": rank,
@@ -151,6 +155,12 @@ def job() -> Iterator[Dict[str, Any]]:
                 if _alive(helper):
                     os.kill(helper, signal.SIGKILL)
         shutil.rmtree(parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[Dict[str, Any]]:
+    with _job() as started:
+        yield started
 
 
 # -- another user, no token --------------------------------------------------------------------------------
@@ -259,11 +269,8 @@ def test_the_metrics_port_shows_another_user_numbers_only_and_serves_only_metric
 def _while_another_user_floods(ports: List[int], per_port: int, look: Callable[[], Any]) -> Tuple[int, Any]:
     """(connections held, what ``look()`` gave) while uid nobody holds up to ``per_port`` connections to each
     port that each sent half a request and never the rest."""
-    go_read, go_write = os.pipe()
-    said_read, said_write = os.pipe()
-    result: List[str] = []
 
-    def flood() -> str:
+    def flood() -> List[socket.socket]:
         socks = []
         for port in ports:
             for _ in range(per_port):
@@ -275,11 +282,24 @@ def _while_another_user_floods(ports: List[int], per_port: int, look: Callable[[
                     socks.append(sock)
                 except OSError:
                     break
+        return socks
+
+    return _while_another_user_holds(flood, look)
+
+
+def _while_another_user_holds(make: Callable[[], List[socket.socket]], look: Callable[[], Any]) -> Tuple[int, Any]:
+    """(sockets held, what ``look()`` gave) while uid nobody holds the sockets ``make()`` opened."""
+    go_read, go_write = os.pipe()
+    said_read, said_write = os.pipe()
+    result: List[str] = []
+
+    def hold() -> str:
+        socks = make()
         os.write(said_write, b"%d\n" % len(socks))
         select.select([go_read], [], [], scaled(120))  # held until the test has looked
         return "held %d" % len(socks)
 
-    child = threading.Thread(target=lambda: result.append(as_user(NOBODY, flood, timeout=240)), daemon=True)
+    child = threading.Thread(target=lambda: result.append(as_user(NOBODY, hold, timeout=240)), daemon=True)
     child.start()
     try:
         ready, _, _ = select.select([said_read], [], [], scaled(120))
@@ -343,6 +363,36 @@ def test_another_user_s_connections_to_a_page_take_a_few_threads_at_most(target_
         assert during <= before + UNCHECKED + REFUSALS_AT_ONCE + 4, (before, during, held)
     finally:
         _end(proc)
+
+
+@as_root
+def test_a_metrics_port_another_user_holds_is_named_with_its_uid() -> None:
+    """Another user who binds the metrics port first would be scraped instead: the helper's log says whose the
+    port is (and it binds it once it is free)."""
+    port = _free_ports(1)
+
+    def squat() -> List[socket.socket]:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(4)
+        return [sock]
+
+    def look() -> str:
+        with _job(wait_metrics=False, PROBE_METRICS_PORT=str(port)) as started:
+            log = os.path.join(started["runtime"], "node-%d.log" % started["port"])
+
+            def said() -> str:
+                try:
+                    with open(log) as handle:
+                        return next((line for line in handle if "no metrics on" in line), "")
+                except OSError:
+                    return ""
+
+            return _until(said, 60, "the helper's line about the metrics port")
+
+    held, line = _while_another_user_holds(squat, look)
+    assert held == 1
+    assert "port %d taken by uid %d;" % (port, NOBODY) in line and "tried again every" in line, line
 
 
 # -- hostile bytes from a token holder ---------------------------------------------------------------------

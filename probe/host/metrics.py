@@ -399,8 +399,10 @@ def start(helper: Any, host: str) -> Optional[Any]:
         if exc.errno != errno.EADDRINUSE:
             _say("probe: no metrics on %s:%d: %s" % (host, port, exc.strerror or exc))
             return None
-        _say("probe: no metrics on %s:%d yet: the port is taken (a helper of the job before, lingering?); "
-             "tried again every %.0f s for %.0f s" % (host, port, RETRY_S, RETRY_FOR_S))
+        from probe.agent.port_holder import taken_note  # another user's process there would be scraped instead
+
+        _say("probe: no metrics on %s:%d yet: %s; tried again every %.0f s for %.0f s"
+             % (host, port, taken_note(port), RETRY_S, RETRY_FOR_S))
         try:
             threading.Thread(target=_retry, args=(serve, port, bind, registry, host),
                              name="probe-metrics-bind", daemon=True).start()
