@@ -111,27 +111,33 @@ def _threads(pid: int) -> int:
 
 
 @contextmanager
-def _job(wait_metrics: bool = True, **extra: str) -> Iterator[Dict[str, Any]]:
-    """One rank as srun would start it, with PROBE_PORT, PROBE_METRICS_PORT, a read token and an alert webhook
-    whose URL holds secrets; its node helper serves all of them. The runtime directory's parent may be
-    crossed by others (0711), so that a test can open the directory itself to them and see each file refuse."""
+def _job(script: str = "dist_steps.py", wait_metrics: bool = True, **extra: str) -> Iterator[Dict[str, Any]]:
+    """One rank as srun would start it (``dist_steps.py``: a gloo job of one rank that steps, so that its
+    progress file, audit trail and stall record are there too), with PROBE_PORT, PROBE_METRICS_PORT, a read
+    token and an alert webhook whose URL holds secrets; its node helper serves all of them. The runtime
+    directory's parent may be crossed by others (0711), so that a test can open the directory itself to them
+    and see each file refuse."""
     parent = tempfile.mkdtemp(prefix="probe-other-")
     os.chmod(parent, 0o711)
     runtime = os.path.join(parent, "run")
     os.mkdir(runtime, 0o700)
+    control = os.path.join(parent, "control")
     port, metrics = _free_ports(1), _free_ports(1)
     hook = "http://user:%s@127.0.0.1:9/hook/%s?token=%s" % (SECRET, SECRET, SECRET)  # the discard port: refused
     env = target_env(PROBE_PORT="127.0.0.1:%d" % port, PROBE_RUNTIME_DIR=runtime, PROBE_HELPER_LINGER_S="2",
                      PROBE_METRICS_PORT=str(metrics), PROBE_READ_TOKEN=READ_TOKEN, PROBE_ALERT_WEBHOOK=hook,
-                     PROBE_STACK_EVERY="1", SLURM_NTASKS="1", SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0")
+                     PROBE_STACK_EVERY="1", PROBE_HANG_AFTER="3", PROBE_AUDIT_READS="1", SLURM_NTASKS="1",
+                     SLURM_NODEID="0", SLURM_PROCID="0", SLURM_LOCALID="0", RANK="0", LOCAL_RANK="0",
+                     WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_ports(1)),
+                     DIAG_CONTROL=control, STEP_SLEEP="0.05")
     env.update(extra)
     metrics = int(env["PROBE_METRICS_PORT"])
-    popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, "rank_states.py")], stdout=subprocess.PIPE,
+    popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, script)], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=env)
-    rank = Proc(popen, "rank_states.py")
+    rank = Proc(popen, script)
     helper = None
     try:
-        assert rank.read_line(scaled(60)).startswith("READY")
+        assert rank.read_line(scaled(90)).startswith("READY")
         helper = _until(lambda: _helper_pid(runtime, port), 60, "the node helper")
 
         def metrics_served() -> bool:
@@ -145,7 +151,7 @@ def _job(wait_metrics: bool = True, **extra: str) -> Iterator[Dict[str, Any]]:
         with open(os.path.join(runtime, "job-%d.token" % port)) as handle:
             token = handle.read().strip()
         yield {"port": port, "helper_port": port - 1, "metrics": metrics, "runtime": runtime, "rank": rank,
-               "helper": helper, "token": token}
+               "helper": helper, "token": token, "control": control}
     finally:
         rank.kill()
         if helper is not None:
@@ -169,8 +175,25 @@ def job() -> Iterator[Dict[str, Any]]:
 @as_root
 def test_another_user_can_open_none_of_the_helper_s_runtime_files(job: Dict[str, Any]) -> None:
     runtime = job["runtime"]
-    names = sorted(os.listdir(runtime))
-    assert {"job-%d.token" % job["port"], "node-%d.log" % job["port"], "node-%d.sock" % job["port"]} <= set(names), names
+    # A stall, recorded by the node's watch: its record is among the files (runtime/snapshots/ID/...).
+    with open(job["control"], "w") as handle:
+        handle.write("nap 0\n")
+    try:
+        _until(lambda: any(name.startswith("meta-") for _, _, files in os.walk(os.path.join(runtime, "snapshots"))
+                           for name in files), 90, "the stall recorded")
+    finally:
+        with open(job["control"], "w"):
+            pass
+    paths = sorted(os.path.join(top, name) for top, dirs, files in os.walk(runtime) for name in dirs + files)
+    names = {os.path.basename(p) for p in paths}
+    pid = job["rank"].pid
+    for expected in ("job-%d.token" % job["port"], "node-%d.log" % job["port"], "node-%d.sock" % job["port"],
+                     "progress-%d.bin" % pid, "%d.sock" % pid, "rank-00000.json"):
+        assert any(n == expected or n.startswith(expected) for n in names), (expected, sorted(names))
+    assert any(n.startswith("audit-%d-" % pid) for n in names), sorted(names)
+    with open(os.path.join(runtime, "node-%d.log" % job["port"])) as handle:
+        log = handle.read()
+    assert "alerts go to http://127.0.0.1:9/…" in log and SECRET not in log, log  # the webhook's URL, masked
 
     def listing() -> str:
         try:
@@ -179,18 +202,17 @@ def test_another_user_can_open_none_of_the_helper_s_runtime_files(job: Dict[str,
             return type(exc).__name__
 
     assert as_user(NOBODY, listing) == "PermissionError"
-    # Opened to others on purpose (as a careless chmod would), each file still refuses them on its own.
+    # Opened to others on purpose (as a careless chmod would), each file and directory still refuses them.
     os.chmod(runtime, 0o711)
     try:
-        for name in names:
-            info = os.lstat(os.path.join(runtime, name))
-            if stat.S_ISREG(info.st_mode) or stat.S_ISSOCK(info.st_mode):
-                assert stat.S_IMODE(info.st_mode) & 0o077 == 0, (name, oct(info.st_mode))
+        for path in paths:
+            info = os.lstat(path)
+            assert stat.S_IMODE(info.st_mode) & 0o077 == 0, (path, oct(info.st_mode))
 
         def opened() -> str:
             out = []
-            for name in names:
-                path = os.path.join(runtime, name)
+            for path in paths:
+                name = os.path.relpath(path, runtime)
                 try:
                     if stat.S_ISSOCK(os.lstat(path).st_mode):
                         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -209,7 +231,7 @@ def test_another_user_can_open_none_of_the_helper_s_runtime_files(job: Dict[str,
         outcome = as_user(NOBODY, opened).splitlines()
     finally:
         os.chmod(runtime, 0o700)
-    assert outcome and all(line.endswith("PermissionError") for line in outcome), outcome
+    assert len(outcome) == len(paths) and all(line.endswith("PermissionError") for line in outcome), outcome
 
 
 @as_root
@@ -378,7 +400,7 @@ def test_a_metrics_port_another_user_holds_is_named_with_its_uid() -> None:
         return [sock]
 
     def look() -> str:
-        with _job(wait_metrics=False, PROBE_METRICS_PORT=str(port)) as started:
+        with _job("rank_states.py", wait_metrics=False, PROBE_METRICS_PORT=str(port)) as started:
             log = os.path.join(started["runtime"], "node-%d.log" % started["port"])
 
             def said() -> str:
