@@ -289,21 +289,25 @@ def test_the_metrics_port_shows_another_user_numbers_only_and_serves_only_metric
 
 
 def _while_another_user_floods(ports: List[int], per_port: int, look: Callable[[], Any]) -> Tuple[int, Any]:
-    """(connections held, what ``look()`` gave) while uid nobody holds up to ``per_port`` connections to each
-    port that each sent half a request and never the rest."""
+    """(connections made, what ``look()`` gave) while uid nobody holds up to ``per_port`` connections to each
+    port that each sent half a request and never the rest (those the server has not closed)."""
 
     def flood() -> List[socket.socket]:
         socks = []
         for port in ports:
             for _ in range(per_port):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock.settimeout(10)
                 try:
-                    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                    sock.settimeout(10)
                     sock.connect(("127.0.0.1", port))
-                    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
-                    socks.append(sock)
                 except OSError:
+                    sock.close()
                     break
+                socks.append(sock)
+                try:
+                    sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+                except OSError:
+                    pass  # closed by the server already (a refused peer past the bound): it was made all the same
         return socks
 
     return _while_another_user_holds(flood, look)
