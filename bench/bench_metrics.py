@@ -110,8 +110,7 @@ class Node:
 
     def close(self) -> None:
         if self.server is not None:
-            self.server.shutdown()
-            self.server.server_close()
+            self.server.close()
         for proc in self.procs:
             proc.kill()
             proc.wait(10)

@@ -83,6 +83,11 @@ ROUTES = [
     ("POST", "/v1/torch/trace", {"action": "start"}, "control"),
     ("POST", "/v1/torch/trace", {"action": "stop"}, "control"),
     ("POST", "/v1/torch/trace", {"action": "export"}, "control"),
+    ("POST", "/v1/torch/profile", {"action": "status"}, "read"),
+    ("POST", "/v1/torch/profile", {"action": "start", "steps": 1}, "control"),  # no torch in idle.py: refused after
+    ("POST", "/v1/torch/profile", {"action": "stop"}, "control"),
+    ("POST", "/v1/torch/profile", {"action": "fetch"}, "control"),
+    ("POST", "/v1/torch/profile", {"action": "nonsense"}, "control"),
     ("POST", "/v1/torch/checkpoint", {"path": "/nonexistent/dir/x.pt"}, "control"),
     ("POST", "/v1/torch/checkpoint", {"path": "/nonexistent/dir/x.pt", "models": ["__import__('os')"]}, "eval"),
     ("POST", "/v1/torch/checkpoint", {"path": "/nonexistent/dir/x.pt", "optimizers": ["opt"]}, "eval"),

@@ -16,6 +16,8 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from probe.host import webhook
+
 __all__ = ["Hook", "Poster", "masked", "parse_hooks", "TIMEOUT_S", "TRIES", "QUEUE_MAX"]
 
 TIMEOUT_S = 5.0
@@ -152,8 +154,7 @@ class Poster:
             try:
                 request = urllib.request.Request(hook.url, data, {"Content-Type": "application/json",
                                                                   "User-Agent": "probe-alerts"})
-                with urllib.request.urlopen(request, timeout=self.timeout) as answer:  # noqa: S310 -- http(s) only
-                    answer.read(4096)
+                webhook.post(request, self.timeout)  # the whole post within the timeout, not each read
                 self.sent += 1
                 return
             except urllib.error.HTTPError as exc:

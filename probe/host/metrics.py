@@ -319,7 +319,7 @@ def start(helper: Any, host: str) -> Optional[Any]:
             _say("probe: PROBE_METRICS_PORT=%r is not a port; no metrics" % os.environ["PROBE_METRICS_PORT"][:40])
         return None
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
     except ImportError:
         _say("probe: PROBE_METRICS_PORT is set but prometheus_client is not installed (pip install "
              "'rankprobe[metrics]'); no metrics")
@@ -327,16 +327,20 @@ def start(helper: Any, host: str) -> Optional[Any]:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(helper))
     bind = host.strip("[]")
+    from probe.host.metrics_http import serve  # bounded, /metrics only: any local user may reach this port
+
     try:
-        server, _ = start_http_server(port, addr=bind, registry=registry)
+        server = serve(bind, port, registry)
     except OSError as exc:
         if exc.errno != errno.EADDRINUSE:
             _say("probe: no metrics on %s:%d: %s" % (host, port, exc.strerror or exc))
             return None
-        _say("probe: no metrics on %s:%d yet: the port is taken (a helper of the job before, lingering?); "
-             "tried again every %.0f s for %.0f s" % (host, port, RETRY_S, RETRY_FOR_S))
+        from probe.agent.port_holder import taken_note  # another user's process there would be scraped instead
+
+        _say("probe: no metrics on %s:%d yet: %s; tried again every %.0f s for %.0f s"
+             % (host, port, taken_note(port), RETRY_S, RETRY_FOR_S))
         try:
-            threading.Thread(target=_retry, args=(start_http_server, port, bind, registry, host),
+            threading.Thread(target=_retry, args=(serve, port, bind, registry, host),
                              name="probe-metrics-bind", daemon=True).start()
         except RuntimeError:
             pass
@@ -354,7 +358,7 @@ def _retry(serve: Any, port: int, bind: str, registry: Any, host: str) -> None:
     while time.monotonic() < deadline:
         time.sleep(RETRY_S)
         try:
-            serve(port, addr=bind, registry=registry)
+            serve(bind, port, registry)
         except OSError:
             continue
         except Exception as exc:  # noqa: BLE001

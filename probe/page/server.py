@@ -4,7 +4,9 @@ A ``ThreadingHTTPServer`` in the CLI process, bound to 127.0.0.1 unless asked ot
 token never leaves this process. Every request, the HTML included, passes probe.page.access first: the
 peer must run as the page's owner (its uid read from the kernel, as ``debug`` reads it) and carry the
 page token (random, new each start: in the printed URL, then a cookie), and a POST must show it was sent
-by the page itself (no cross-site request forgery).
+by the page itself (no cross-site request forgery). Another user's connections, refused, get a few
+threads of this process at most, however many they open (``_Server``); an idle connection goes after
+``IDLE_S``.
 
 Each gathering runs at most once at a time, whatever the number of tabs: a request that finds one
 under way waits for it and takes its answer, and an answer younger than the refresh interval is given
@@ -66,6 +68,55 @@ class _Once:
         return self.value
 
 
+UNCHECKED = 16
+"""Connections given a thread before their peer's uid is known (the handler checks it, as for every request)."""
+REFUSALS_AT_ONCE = 8
+"""Beyond those, connections of refused peers (another user of the machine) answered at once; more are closed."""
+IDLE_S = 30.0
+"""A connection that sends nothing, or takes nothing of an answer, for this long is closed."""
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread a connection, as ``ThreadingHTTPServer``, but another local user's connections get at most
+    ``UNCHECKED + REFUSALS_AT_ONCE`` threads, however many they open: the threads of this process count
+    against its user's process limit, which the job's ranks may share. While fewer than ``UNCHECKED``
+    connections are open, each is given its thread at once; past that, the peer's uid is read on the accept
+    thread (the kernel's TCP table) before a thread is started, and the gate's refusals are counted apart."""
+
+    daemon_threads = True
+    gate: Optional[Gate] = None
+
+    def __init__(self, address: Tuple[str, int], handler: Any) -> None:
+        super().__init__(address, handler)
+        self._kinds: Dict[int, Tuple[str, Any]] = {}  # id(request) -> (how it was let in, the request)
+        self._counts = {"unchecked": 0, "refused": 0, "owner": 0}
+        self._lock = threading.Lock()
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        with self._lock:
+            if self._counts["unchecked"] < UNCHECKED:
+                return self._take(request, "unchecked")
+        kind = "owner" if self.gate is None or self.gate.peer(peer_uid(request)) is None else "refused"
+        with self._lock:
+            if kind == "refused" and self._counts["refused"] >= REFUSALS_AT_ONCE:
+                return False  # closed unanswered: enough of them are being answered
+            return self._take(request, kind)
+
+    def _take(self, request: Any, kind: str) -> bool:
+        self._kinds[id(request)] = (kind, request)
+        self._counts[kind] += 1
+        return True
+
+    def shutdown_request(self, request: Any) -> None:
+        try:
+            super().shutdown_request(request)
+        finally:
+            with self._lock:
+                kind, _ = self._kinds.pop(id(request), ("", None))
+                if kind:
+                    self._counts[kind] -= 1
+
+
 class PageServer:
     """Serves ``source`` (a probe.page.data JobSource or ProcessSource) on ``host:port`` (0: a free port)."""
 
@@ -84,11 +135,10 @@ class PageServer:
         self._metrics = _Once(lambda: self.source.metrics(self.history), ttl)
         self._sql_lock = threading.Semaphore(2)  # SQL from the page: two at a time at most
         self._export_lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _Server((host, port), self._handler())
         self.port = self.httpd.server_address[1]
         self.host = host
-        self.gate = Gate(host, self.port, self.token)
+        self.gate = self.httpd.gate = Gate(host, self.port, self.token)
 
     # -- what is gathered ------------------------------------------------------------------------
 
@@ -202,6 +252,7 @@ class PageServer:
         class Handler(BaseHTTPRequestHandler):
             server_version = "probe-page"
             protocol_version = "HTTP/1.1"
+            timeout = IDLE_S  # each read and write of the connection: an idle one goes, its thread with it
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet: the terminal is the user's
                 return
