@@ -293,6 +293,7 @@ def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[st
     ``fetch`` (the trace events) or ``stop`` (cancel). ``start`` changes what the training step runs, so a
     read-only agent refuses it, as it refuses ``trace start``."""
     action = body.get("action")
+    torch_or_raise()  # every action: a process without torch has no capture, and no rank to say
     if action == "start":
         if not eval_enabled:
             raise Forbidden("this agent is read-only (--no-eval / PROBE_EVAL=0), and a profile changes what the "
