@@ -65,7 +65,8 @@ def _profiled(address: str, out: str, optimizer: str, after: str = "") -> None:
             (rank, _optimizer_steps(events, rank))
         if after:
             assert _after_the_step(events, rank, after) == [True] * STEPS, (rank, after)
-    table = run_cli(address, "--all-ranks", "query",
+    # The first query of a rank starts its SQL worker: seconds on a loaded box, past the default 10 s deadline.
+    table = run_cli(address, "--all-ranks", "--deadline", "%.0f" % scaled(60), "query",
                     "SELECT rank, COUNT(DISTINCT step) AS steps, MIN(step) AS first, MAX(step) AS last, "
                     "SUM(calls) AS calls FROM torch.profile GROUP BY rank", "--json", timeout=scaled(90))
     assert table.code == 0, (table.out, table.err)
