@@ -26,7 +26,7 @@ PARAMS = [
           help="Seconds to wait for the steps to be captured; past them the captures are cancelled."),
     Param("--max-events", dest="max_events", kind=count(1), default=200_000, show_default=True,
           help="Trace events kept per rank, the earliest; the file says how many each rank cut."),
-] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, rows and what was cut")
+] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, what was cut, rows (null while being summed)")
 
 
 def _command() -> Any:
@@ -127,10 +127,11 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
         cli.exit_code = cli.exit_code or 7
     if not answers:
         return
-    rows = sum(int(a.get("rows", 0)) for _, a in answers)
+    counted = [a for _, a in answers if a.get("rows") is not None]
+    rows = sum(int(a["rows"]) for a in counted) if len(counted) == len(answers) else None  # else being summed
     captured = [float(s.get("captured_s") or 0.0) for s in statuses.values() if s.get("state") == "done"]
     summary: Dict[str, Any] = {"ranks": [key for key, _ in answers], "steps": steps, "output": output,
-                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut", 0)) for _, a in answers),
+                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut") or 0) for _, a in answers),
                                "captured_s": max(captured) if captured else None}
     lines = []
     if output:
@@ -144,9 +145,13 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
             summary["events"], len(answers), "" if len(answers) == 1 else "s", output, summary["merge_s"],
             "; cut past --max-events or the agent's result size: %s" % ", ".join(
                 "rank %s: %d events" % kv for kv in cuts.items()) if cuts else ""))
-    lines.append("torch.profile holds %d rows in %d rank%s%s" % (
-        rows, len(answers), "" if len(answers) == 1 else "s",
-        "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
+    if rows is None:
+        lines.append("torch.profile: the ops of %d rank%s, summed per step in each agent now (a query waits for them)"
+                     % (len(answers), "" if len(answers) == 1 else "s"))
+    else:
+        lines.append("torch.profile holds %d rows in %d rank%s%s" % (
+            rows, len(answers), "" if len(answers) == 1 else "s",
+            "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
     if fmt == "json":
         emit(json.dumps(summary))
     else:

@@ -6,8 +6,9 @@ post-step hook (``probe.tables.torch.steps.after_each_step``); right after the n
 profiler on the thread that stepped (the profiler follows that thread, and the autograd threads it
 hands work to), and right after the Nth step from there it stops it and takes itself out. So nothing
 of it runs while no capture does. Under DeepSpeed the optimizer's step is part of the engine's (ZeRO steps
-it once per parameter group, then gathers the weights): there the boundary is the engine's next forward. The stop keeps the profiler's raw results; the rows and the trace
-events are built on the agent's thread when first asked for (``probe.tables.torch.profile_events``).
+it once per parameter group, then gathers the weights): there the boundary is the engine's next forward. The stop keeps the profiler's raw results; the trace events are built on
+the agent's thread when first fetched, the rows then on a thread of their own (or when first read)
+(``probe.tables.torch.profile_events``).
 
 One capture per process; a new start replaces a finished one. Nothing here imports torch before the
 target has: ``torch.profiler`` is imported from the target's own torch. No collective is run: each rank
@@ -72,6 +73,7 @@ class _Capture:
         self.error: Optional[str] = None
         self.rows: Optional[Tuple[List[Tuple[Any, ...]], int]] = None
         self.trace: Optional[Dict[str, Any]] = None
+        self.rows_asked = False  # their build is under way (``_rows_later``)
         self.engine_hook: Any = None  # a DeepSpeed engine's forward pre-hook, while its step's end is awaited
 
 
@@ -266,8 +268,29 @@ def fetch(max_bytes: int, max_events: int = MAX_EVENTS) -> Dict[str, Any]:
             capture.trace = trace_events(capture.profiler, _rank(), capture.wall_us, max_events, max_bytes)
             capture.trace["max_events"] = max_events
     answer = dict(capture.trace)
-    answer.update(status=status(), rows=len(_rows_of(capture)[0]), rows_cut=_rows_of(capture)[1])
+    rows = capture.rows
+    answer.update(status=status(), rows=None if rows is None else len(rows[0]), rows_cut=None if rows is None else rows[1])
+    if rows is None:
+        _rows_later(capture)
     return answer
+
+
+def _rows_later(capture: _Capture) -> None:
+    """Sum the rows on a thread of their own, once: the trace goes back without waiting for them (they take
+    a few times as long as the trace: torch's ``events()``), and a query of ``torch.profile`` waits for the
+    lock where they are not ready yet."""
+    if capture.rows_asked:
+        return
+    capture.rows_asked = True
+    from probe._threads import daemon_thread
+
+    def build() -> None:
+        try:
+            _rows_of(capture)
+        except Exception:  # the table's read builds them again and says what went wrong
+            pass
+
+    daemon_thread(build, "probe-profile-rows").start()
 
 
 def _rows_of(capture: _Capture) -> Tuple[List[Tuple[Any, ...]], int]:
