@@ -26,7 +26,8 @@ PARAMS = [
           help="Seconds to wait for the steps to be captured; past them the captures are cancelled."),
     Param("--max-events", dest="max_events", kind=count(1), default=200_000, show_default=True,
           help="Trace events kept per rank, the earliest; the file says how many each rank cut."),
-] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, what was cut, rows (null while being summed)")
+] + output_params(*TEXT_FORMATS,
+                  json_help="what was captured: the file, ranks, events, what was cut, rows (null while being summed)")
 
 
 def _command() -> Any:
@@ -171,12 +172,15 @@ def _every_one_can_run(cli: CliContext) -> bool:
 
         ranks = [_member_key(cli, client, answer) for client, answer in answered]
         failures = cli.cluster().failures if cli.is_cluster else []
-        named = ranks_word([f.rank for f in failures]) if failures else "a target"
-        others = ranks_word(ranks) if all(isinstance(r, int) for r in ranks) else "the others"
-        say("probe: error: no profile started: %s cannot run now (above), and %s would wait for %s in the "
-            "collectives of their steps -- profile %s alone with --ranks %s, or again once %s runs" % (
-                named, others, "it" if len(failures) < 2 else "them", others,
-                others.split(" ", 1)[-1], named), err=True)
+        if failures and all(isinstance(r, int) for r in ranks):
+            named, others = ranks_word([f.rank for f in failures]), ranks_word(ranks)
+            hint = "profile %s alone with --ranks %s, or again once %s can run" % (
+                others, others.split(" ", 1)[1], named)
+        else:
+            named, others = "a target", "the others"
+            hint = "profile the others alone (without it), or again once it can run"
+        say("probe: error: no profile started: %s cannot run now (above), and %s may wait for %s where their "
+            "steps meet in a collective -- %s" % (named, others, "them" if len(failures) > 1 else "it", hint), err=True)
         cli.exit_code = failures[0].exit_code if failures else cli.exit_code
     cli.exit_code = cli.exit_code or 1
     return False

@@ -5,9 +5,10 @@ A capture starts and stops at step boundaries: ``start`` puts a callable after p
 post-step hook (``probe.tables.torch.steps.after_each_step``); right after the next step it starts the
 profiler on the thread that stepped (the profiler follows that thread, and the autograd threads it
 hands work to), and right after the Nth step from there it stops it and takes itself out. So nothing
-of it runs while no capture does. Under DeepSpeed the optimizer's step is part of the engine's (ZeRO steps
-it once per parameter group, then gathers the weights): there the boundary is the engine's next forward. The stop keeps the profiler's raw results; the trace events are built on
-the agent's thread when first fetched, the rows then on a thread of their own (or when first read)
+of it runs while no capture does. Under DeepSpeed the optimizer's step is part of the engine's (ZeRO
+steps it once per parameter group, then gathers the weights): there the boundary is the engine's next
+forward. The stop keeps the profiler's raw results; the trace events are built on the agent's thread
+when first fetched, the rows then on a thread of their own (or when first read)
 (``probe.tables.torch.profile_events``).
 
 One capture per process; a new start replaces a finished one. Nothing here imports torch before the
@@ -269,7 +270,8 @@ def fetch(max_bytes: int, max_events: int = MAX_EVENTS) -> Dict[str, Any]:
             capture.trace["max_events"] = max_events
     answer = dict(capture.trace)
     rows = capture.rows
-    answer.update(status=status(), rows=None if rows is None else len(rows[0]), rows_cut=None if rows is None else rows[1])
+    answer.update(status=status(), rows=None if rows is None else len(rows[0]),
+                  rows_cut=None if rows is None else rows[1])
     if rows is None:
         _rows_later(capture)
     return answer
