@@ -1,6 +1,6 @@
 """``probe ... profile``: torch.profiler on every rank of a real torchrun job (gloo, CPU) for N steps, one
 merged trace with a process per rank, and the ops as ``torch.profile`` across ranks; one process alone,
-and the refusal of a process that cannot run (stopped)."""
+and the refusal of a process that cannot run (stopped, GIL held) or has no torch."""
 
 import json
 import os
@@ -58,7 +58,7 @@ def test_profile_one_process_with_shapes_and_a_stopped_one_refused(tmp_path):
         done = run_cli(pid, "profile", "--steps", "2", "--shapes", "-o", out, "--json", timeout=scaled(90))
         assert done.code == 0, (done.code, done.out, done.err)
         summary = json.loads(done.out)
-        assert summary["ranks"] == [0] and summary["events"] > 0 and summary["rows"] > 0, summary
+        assert summary["ranks"] == [0] and summary["events"] > 0, summary  # its rows are summed meanwhile
         with open(out) as handle:
             events = json.load(handle)["traceEvents"]
         assert {e["pid"] for e in events} == {0}
@@ -78,3 +78,16 @@ def test_profile_one_process_with_shapes_and_a_stopped_one_refused(tmp_path):
         assert refused.code == 5, (refused.code, refused.out, refused.err)
         assert "stopped" in refused.err, refused.err
         assert not os.path.exists(str(tmp_path / "no.json"))
+
+
+def test_profile_refuses_a_process_holding_its_gil_and_one_without_torch_in_words(tmp_path):
+    """Asked first for its capture's status, a process that holds its GIL in a C call is named with why
+    (exit 5) at once, not after --timeout; one that never imported torch has nothing to profile (exit 2)."""
+    out = str(tmp_path / "no.json")
+    with running("gil_sleep.py", timeout=scaled(60)) as proc:
+        held = run_cli(str(proc.pid), "profile", "--steps", "1", "-o", out, "--timeout", "600", timeout=scaled(120))
+    assert held.code == 5 and "holds the GIL" in held.err and "capturing" not in held.err, (held.code, held.err)
+    with running("idle.py", timeout=scaled(60)) as proc:
+        plain = run_cli(str(proc.pid), "profile", "--steps", "1", "-o", out, timeout=scaled(60))
+    assert plain.code == 2 and "torch is not loaded" in plain.err, (plain.code, plain.err)
+    assert not os.path.exists(out)

@@ -3,7 +3,9 @@ backward, an all_reduce of the loss, an optimizer step), one intra-op thread.
 
     torchrun --nproc-per-node N bench/targets/watch_train.py
 
-``STEP_SLEEP`` (seconds, default 0) is slept in each step. Prints ``READY <pid> <rank> <local_rank>``
+``STEP_SLEEP`` (seconds, default 0) is slept in each step. ``TORCH_DEBUG_PORT``: torch's own debug server
+(``torch.distributed.debug.start_debug_server``, its frontend on that port on rank 0, a worker server on
+every rank) is started after ``init_process_group``, for the peers' side of ``bench_profile.py``. Prints ``READY <pid> <rank> <local_rank>``
 after 3 steps. Reads ``WATCH_CONTROL`` (a file) before each step, one order a line:
 
 - ``skip R``: rank R calls no collective any more (the others wait in all_reduce: a hang);
@@ -42,6 +44,10 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if os.environ.get("TORCH_DEBUG_PORT"):
+        from torch.distributed.debug import start_debug_server
+
+        start_debug_server(port=int(os.environ["TORCH_DEBUG_PORT"]))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.ReLU(), torch.nn.Linear(128, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)

@@ -9,31 +9,52 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.errors import Timeout
 
-__all__ = ["wait_for_steps", "merge_traces", "POLL_S"]
+__all__ = ["wait_for_steps", "poll_interval", "merge_traces", "POLL_S", "MIN_POLL_S"]
 
 POLL_S = 0.25
+MIN_POLL_S = 0.02
 _ENDED = ("done", "failed", "cancelled", "off")
 
 
 def wait_for_steps(poll: Callable[[], Dict[Any, Dict[str, Any]]], timeout: float,
                    progress: Optional[Callable[[Dict[Any, Dict[str, Any]]], None]] = None) -> Dict[Any, Dict[str, Any]]:
     """Poll every capture's status (``poll()``: key -> status) until each has ended, within ``timeout``
-    seconds; ``Timeout`` names the ones still capturing and how far they got."""
+    seconds; ``Timeout`` names the ones still capturing and how far they got. Polls every ``POLL_S`` until
+    a step has been seen captured, then every quarter of the shortest step seen (so that the end is seen
+    soon after it comes), no more often than ``MIN_POLL_S`` and a little less often the more targets."""
     deadline = time.monotonic() + timeout
+    seen: Dict[Any, Tuple[int, float]] = {}  # key -> (steps done, when first seen so)
+    step_s: Optional[float] = None
     while True:
         statuses = poll()
+        now = time.monotonic()
+        for key, status in statuses.items():
+            done, before = int(status.get("steps_done") or 0), seen.get(key)
+            if before is None or done != before[0]:
+                if before is not None and done > before[0]:
+                    took = (now - before[1]) / (done - before[0])
+                    step_s = took if step_s is None else min(step_s, took)
+                seen[key] = (done, now)
         if progress is not None:
             progress(statuses)
         if all(s.get("state") in _ENDED for s in statuses.values()):
             return statuses
-        if time.monotonic() >= deadline:
+        if now >= deadline:
             behind = ["%s: %s, %s of %s steps" % (key, s.get("state"), s.get("steps_done"), s.get("steps"))
                       for key, s in sorted(statuses.items(), key=lambda kv: str(kv[0]))
                       if s.get("state") not in _ENDED]
             raise Timeout("the profile was not captured within %g s (%s)" % (timeout, "; ".join(behind[:8])),
                           hint="a capture waits for the job's optimizer steps: give --timeout more time, or "
                                "fewer --steps; the captures still running were cancelled")
-        time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
+        time.sleep(min(poll_interval(step_s, len(statuses)), max(0.0, deadline - time.monotonic())))
+
+
+def poll_interval(step_s: Optional[float], targets: int) -> float:
+    """Seconds until the next poll: a quarter of a step once one is known, within ``MIN_POLL_S`` (plus half
+    a millisecond a target: 1,000 ranks are polled every ``POLL_S``) and ``POLL_S``."""
+    if step_s is None:
+        return POLL_S
+    return min(POLL_S, max(MIN_POLL_S + 0.0005 * targets, step_s / 4))
 
 
 def merge_traces(answers: Sequence[Tuple[int, Dict[str, Any]]]) -> Dict[str, Any]:

@@ -26,7 +26,8 @@ PARAMS = [
           help="Seconds to wait for the steps to be captured; past them the captures are cancelled."),
     Param("--max-events", dest="max_events", kind=count(1), default=200_000, show_default=True,
           help="Trace events kept per rank, the earliest; the file says how many each rank cut."),
-] + output_params(*TEXT_FORMATS, json_help="what was captured: the file, ranks, events, rows and what was cut")
+] + output_params(*TEXT_FORMATS,
+                  json_help="what was captured: the file, ranks, events, what was cut, rows (null while being summed)")
 
 
 def _command() -> Any:
@@ -48,8 +49,9 @@ def _command() -> Any:
           probe MASTER:PORT --all-ranks query "SELECT op, kind, SUM(self_cpu_s) AS s FROM torch.profile
               GROUP BY ALL ORDER BY s DESC LIMIT 5"               top ops of each rank
 
-        Nothing runs in the ranks before or after the capture. A rank that cannot run Python now (GIL held,
-        stopped) is named with why, and the others are profiled (exit 7).
+        Nothing runs in the ranks before or after the capture. Where a rank cannot run Python now (GIL held,
+        stopped), it is named with why and no capture starts (its exit code): the others' steps would wait
+        for it in their collectives. --ranks without it profiles the others.
         """
         run(cli, steps, output, ranks, shapes, stacks, wait_s, max_events, fmt)
 
@@ -69,11 +71,12 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
         cli.ranks = ranks
     if not cli.is_cluster and not cli.hosts:
         cli.try_job_at_master()
+    if not _every_one_can_run(cli):
+        return
     started: List[Tuple[Any, Any]] = []  # (client, key: its rank, or its label where it has none)
     for client, answer in each_target(cli, lambda c: c.profile("start", steps=steps, shapes=shapes or None,
                                                                 stacks=stacks or None)):
-        member = cli.cluster_member(client)
-        started.append((client, member.rank if member is not None else _key(client, answer)))
+        started.append((client, _member_key(cli, client, answer)))
     if not started:
         return
     clients = [client for client, _ in started]
@@ -125,9 +128,12 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
         cli.exit_code = cli.exit_code or 7
     if not answers:
         return
-    rows = sum(int(a.get("rows", 0)) for _, a in answers)
+    counted = [a for _, a in answers if a.get("rows") is not None]
+    rows = sum(int(a["rows"]) for a in counted) if len(counted) == len(answers) else None  # else being summed
+    captured = [float(s.get("captured_s") or 0.0) for s in statuses.values() if s.get("state") == "done"]
     summary: Dict[str, Any] = {"ranks": [key for key, _ in answers], "steps": steps, "output": output,
-                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut", 0)) for _, a in answers)}
+                               "rows": rows, "rows_cut": sum(int(a.get("rows_cut") or 0) for _, a in answers),
+                               "captured_s": max(captured) if captured else None}
     lines = []
     if output:
         merged = merge_traces(answers)
@@ -140,14 +146,49 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
             summary["events"], len(answers), "" if len(answers) == 1 else "s", output, summary["merge_s"],
             "; cut past --max-events or the agent's result size: %s" % ", ".join(
                 "rank %s: %d events" % kv for kv in cuts.items()) if cuts else ""))
-    lines.append("torch.profile holds %d rows in %d rank%s%s" % (
-        rows, len(answers), "" if len(answers) == 1 else "s",
-        "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
+    if rows is None:
+        lines.append("torch.profile: the ops of %d rank%s, summed per step in each agent now (a query waits for them)"
+                     % (len(answers), "" if len(answers) == 1 else "s"))
+    else:
+        lines.append("torch.profile holds %d rows in %d rank%s%s" % (
+            rows, len(answers), "" if len(answers) == 1 else "s",
+            "; %d rarer ops cut (500 a step kept)" % summary["rows_cut"] if summary["rows_cut"] else ""))
     if fmt == "json":
         emit(json.dumps(summary))
     else:
         for line in lines:
             say(line)
+
+
+def _every_one_can_run(cli: CliContext) -> bool:
+    """Ask every target for its capture's status before starting any: where one cannot run Python now
+    (stopped, GIL held, gone) the errors name it and why, and no capture starts, since the others' steps
+    would wait for it wherever they meet in a collective; ``--ranks`` without it profiles the others."""
+    answered = [(client, answer) for client, answer in each_target(cli, lambda c: c.profile("status"))]
+    if not cli.failures:
+        return True
+    if answered:
+        from probe.cli.render_cluster import ranks_word
+
+        ranks = [_member_key(cli, client, answer) for client, answer in answered]
+        failures = cli.cluster().failures if cli.is_cluster else []
+        if failures and all(isinstance(r, int) for r in ranks):
+            named, others = ranks_word([f.rank for f in failures]), ranks_word(ranks)
+            hint = "profile %s alone with --ranks %s, or again once %s can run" % (
+                others, others.split(" ", 1)[1], named)
+        else:
+            named, others = "a target", "the others"
+            hint = "profile the others alone (without it), or again once it can run"
+        say("probe: error: no profile started: %s cannot run now (above), and %s may wait for %s where their "
+            "steps meet in a collective -- %s" % (named, others, "them" if len(failures) > 1 else "it", hint), err=True)
+        cli.exit_code = failures[0].exit_code if failures else cli.exit_code
+    cli.exit_code = cli.exit_code or 1
+    return False
+
+
+def _member_key(cli: CliContext, client: Any, answer: Dict[str, Any]) -> Any:
+    member = cli.cluster_member(client)
+    return member.rank if member is not None else _key(client, answer)
 
 
 def _key(client: Any, answer: Dict[str, Any]) -> Any:

@@ -5,14 +5,18 @@ A capture starts and stops at step boundaries: ``start`` puts a callable after p
 post-step hook (``probe.tables.torch.steps.after_each_step``); right after the next step it starts the
 profiler on the thread that stepped (the profiler follows that thread, and the autograd threads it
 hands work to), and right after the Nth step from there it stops it and takes itself out. So nothing
-of it runs while no capture does. The stop keeps the profiler's raw results; the rows and the trace
-events are built on the agent's thread when first asked for (``probe.tables.torch.profile_events``).
+of it runs while no capture does. Under DeepSpeed the optimizer's step is part of the engine's (ZeRO
+steps it once per parameter group, then gathers the weights): there the boundary is the engine's next
+forward. The stop keeps the profiler's raw results; the trace events are built on the agent's thread
+when first fetched, the rows then on a thread of their own (or when first read)
+(``probe.tables.torch.profile_events``).
 
 One capture per process; a new start replaces a finished one. Nothing here imports torch before the
 target has: ``torch.profiler`` is imported from the target's own torch. No collective is run: each rank
 captures its own steps, and the client lines the ranks up by their wall clocks.
 """
 
+import functools
 import sys
 import threading
 import time
@@ -48,6 +52,7 @@ MAX_STEPS = 1000
 MAX_EVENTS = 200_000
 """Trace events one rank sends at most (also bounded by the agent's result bytes); the cut are counted."""
 _KEY = "profile"
+_ENGINE_DEPTH = 24  # frames from the optimizer's post-step hook up to DeepSpeed's engine.step, at most
 
 _lock = threading.Lock()
 
@@ -69,6 +74,8 @@ class _Capture:
         self.error: Optional[str] = None
         self.rows: Optional[Tuple[List[Tuple[Any, ...]], int]] = None
         self.trace: Optional[Dict[str, Any]] = None
+        self.rows_asked = False  # their build is under way (``_rows_later``)
+        self.engine_hook: Any = None  # a DeepSpeed engine's forward pre-hook, while its step's end is awaited
 
 
 _capture: Optional[_Capture] = None
@@ -87,11 +94,56 @@ def _total_steps() -> int:
 
 
 def _on_step() -> None:
-    """Right after each optimizer step, on the thread that made it, while a capture wants steps."""
+    """Right after each optimizer step, on the thread that made it, while a capture wants steps. Inside a
+    DeepSpeed engine's step the boundary waits for the engine's next forward (``_engine_stepping``)."""
     capture = _capture
     if capture is None or capture.state not in ("waiting", "capturing", "cancelling"):
         _done_with_steps()
         return
+    if capture.engine_hook is not None:
+        return  # the engine's step goes on (ZeRO steps its optimizer once per parameter group)
+    engine = _engine_stepping()
+    if engine is not None:
+        try:
+            capture.engine_hook = engine.register_forward_pre_hook(functools.partial(_at_engine_forward, capture))
+            return
+        except Exception:  # an engine that takes no hook: the optimizer's step is the boundary
+            capture.engine_hook = None
+    _boundary(capture)
+
+
+def _engine_stepping() -> Any:
+    """The DeepSpeed engine whose ``step()`` this optimizer step runs in, or None. Its step goes on after the
+    optimizer's: ZeRO steps it once per parameter group, then gathers the updated weights and steps the
+    scheduler, so the engine's step ends at its next forward. Read from the frames (a capture's few steps)."""
+    if "deepspeed" not in sys.modules:
+        return None
+    frame: Any = sys._getframe(2)
+    for _ in range(_ENGINE_DEPTH):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "step" and frame.f_globals.get("__name__") == "deepspeed.runtime.engine":
+            engine = frame.f_locals.get("self")
+            return engine if callable(getattr(engine, "register_forward_pre_hook", None)) else None
+        frame = frame.f_back
+    return None
+
+
+def _at_engine_forward(capture: "_Capture", module: Any, args: Any) -> None:
+    """The engine's forward pre-hook: its step has ended, so this is the boundary; the hook goes at once
+    (torch calls the hooks from a copy of its dict)."""
+    handle, capture.engine_hook = capture.engine_hook, None
+    try:
+        if handle is not None:
+            handle.remove()
+    except Exception:
+        pass
+    if capture is _capture and capture.state in ("waiting", "capturing", "cancelling"):
+        _boundary(capture)
+
+
+def _boundary(capture: "_Capture") -> None:
+    """A step boundary while ``capture`` wants one: begin, count a step, stop, or cancel."""
     try:
         if capture.state == "cancelling":
             if capture.profiler is not None:
@@ -217,8 +269,30 @@ def fetch(max_bytes: int, max_events: int = MAX_EVENTS) -> Dict[str, Any]:
             capture.trace = trace_events(capture.profiler, _rank(), capture.wall_us, max_events, max_bytes)
             capture.trace["max_events"] = max_events
     answer = dict(capture.trace)
-    answer.update(status=status(), rows=len(_rows_of(capture)[0]), rows_cut=_rows_of(capture)[1])
+    rows = capture.rows
+    answer.update(status=status(), rows=None if rows is None else len(rows[0]),
+                  rows_cut=None if rows is None else rows[1])
+    if rows is None:
+        _rows_later(capture)
     return answer
+
+
+def _rows_later(capture: _Capture) -> None:
+    """Sum the rows on a thread of their own, once: the trace goes back without waiting for them (they take
+    a few times as long as the trace: torch's ``events()``), and a query of ``torch.profile`` waits for the
+    lock where they are not ready yet."""
+    if capture.rows_asked:
+        return
+    capture.rows_asked = True
+    from probe._threads import daemon_thread
+
+    def build() -> None:
+        try:
+            _rows_of(capture)
+        except Exception:  # the table's read builds them again and says what went wrong
+            pass
+
+    daemon_thread(build, "probe-profile-rows").start()
 
 
 def _rows_of(capture: _Capture) -> Tuple[List[Tuple[Any, ...]], int]:
@@ -244,6 +318,7 @@ def control(body: Dict[str, Any], eval_enabled: bool, max_bytes: int) -> Dict[st
     ``fetch`` (the trace events) or ``stop`` (cancel). ``start`` changes what the training step runs, so a
     read-only agent refuses it, as it refuses ``trace start``."""
     action = body.get("action")
+    torch_or_raise()  # every action: a process without torch has no capture, and no rank to say
     if action == "start":
         if not eval_enabled:
             raise Forbidden("this agent is read-only (--no-eval / PROBE_EVAL=0), and a profile changes what the "
