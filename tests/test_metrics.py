@@ -113,7 +113,8 @@ def job() -> Iterator[Dict[str, Any]]:
                                 stderr=subprocess.PIPE, start_new_session=True,
                                 env=target_env(probe=False, PROBE_PORT="127.0.0.1:%d" % port,
                                                PROBE_METRICS_PORT=str(metrics), STEP_SLEEP="0.05",
-                                               PROBE_AUDIT_READS="1", PROBE_METRICS_EVERY="2"))
+                                               PROBE_AUDIT_READS="1", PROBE_METRICS_EVERY="2",
+                                               PROBE_STACK_EVERY="0"))  # the stack history asks ranks too
     output = Proc(launcher, "torchrun dist_steps.py")
     try:
         ranks = {int(w[2]): int(w[1]) for w in ready_lines(output, 2, time.monotonic() + scaled(90))}
