@@ -165,8 +165,8 @@ def _attach(ev: RankEvidence, client: Any, why: str) -> None:
                          if off is not None and off.strip() in ("0", "") else
                          "its Flight Recorder held no collective when last copied" if header.get("copied_at")
                          else "no dump was copied yet (one is taken when a collective number moves)")
-        ev.fr_why = "%s; its copy holds no entry: %s%s" % (why, reason, "; only its collective numbers were kept"
-                                                           if header["marks"] else "")
+        ev.fr_copy["why"] = "%s%s" % (reason, "; only its collective numbers were kept" if header["marks"] else "")
+        ev.fr_why = "%s; its copy holds no entry: %s" % (why, ev.fr_copy["why"])
     else:
         ev.fr_why = None
 
@@ -263,12 +263,13 @@ def where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
             elif waiting and top <= at:
                 text += "; %s wait%s in #%d, which it had issued" % (who(waiting), "s" if len(waiting) == 1 else "", top)
         found.append(text)
+    unread = " (its entries: none, %s)" % copy["why"] if copy.get("why") else ""
     if not found:
-        return "", "%s: no collective in it" % copy_words(ev)
+        return "", "%s: no collective in it%s" % (copy_words(ev), unread)
     looked = float(copy.get("looked_at") or 0)
     summary = "; by its Flight Recorder's copy (as of %s, %.1f s before this look) it is at %s" % (
         _clock(looked), max(0.0, float(copy.get("read_at") or time.time()) - looked), found[0])
-    return summary, "%s: %s" % (copy_words(ev), "; ".join(found[:4]))
+    return summary, "%s: %s%s" % (copy_words(ev), "; ".join(found[:4]), unread)
 
 
 def _ops(row: Optional[Dict[str, Any]]) -> Dict[int, str]:

@@ -312,7 +312,9 @@ def entries_of(body: bytes) -> Tuple[List[Dict[str, Any]], Optional[str]]:
         data = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         return [], "its entries are not JSON (cut short, or not written by the agent)"
-    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return [], "it holds no entries list"
+    entries = data.get("entries", [])  # a recorder that is off (a buffer of 0) dumps no entries at all
     if not isinstance(entries, list):
         return [], "it holds no entries list"
     return [e for e in entries if isinstance(e, dict)], None

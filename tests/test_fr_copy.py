@@ -1,0 +1,131 @@
+"""The Flight Recorder of a rank that cannot run (issue 37, item 2): the copy its agent keeps in
+``fr-<pid>.json`` (``probe.tables.torch.fr_copy``), read by ``diagnose`` (directly and through the node
+helper) for a rank that a C call keeps the GIL of or that is stopped, shown as a copy with its age; a job
+without the recorder says why; a file at that name that is not a copy is refused in a line."""
+
+import json
+import os
+import re
+import signal
+
+from probe import _paths
+from probe.tables.torch.fr_copy import HEADER, MAX_BODY, parse_header
+from procs import run_cli
+from test_cluster import needs_torchrun, torchrun_job
+from test_diagnose import DEGRADED, HEALTHY, STUCK, _diagnose, _expect, _until
+
+_AT = re.compile(r"by its Flight Recorder's copy \(as of [0-9:.]+, [0-9.]+ s before this look\) it is at "
+                 r"(gloo:all_reduce|collective) #(\d+) of group 0(?: \(past its copied entries, which end at "
+                 r"#\d+\))?; rank 0 waits in gloo:all_reduce #(\d+)")
+
+
+def _header(pid):
+    """The header of process ``pid``'s copy, or None while there is none."""
+    try:
+        with open(os.path.join(_paths.runtime_dir(), "fr-%d.json" % pid), "rb") as handle:
+            return parse_header(handle.read(HEADER))[0]
+    except OSError:
+        return None
+
+
+def _copied(pid):
+    header = _header(pid)
+    return header if header is not None and header.get("copied_at") and header["marks"].get("0") else None
+
+
+@needs_torchrun
+def test_a_stopped_rank_and_one_whose_gil_is_held_are_placed_by_the_copy_of_their_flight_recorder(tmp_path):
+    control = tmp_path / "control"
+    control.write_text("")
+    with torchrun_job("dist_diagnose.py", 2, timeout=180, extra=("--monitor-interval=60",), DIAG_CONTROL=str(control),
+                      TORCH_FR_BUFFER_SIZE="2000", PROBE_FR_COPY_EVERY="0.5") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        header = _until(lambda: _copied(pids[1]), 30, "rank 1's copy with its entries")
+        assert header["pid"] == pids[1] and header["every"] == 0.5 and header["why"] is None, header
+        assert os.stat(os.path.join(_paths.runtime_dir(), "fr-%d.json" % pids[1])).st_mode & 0o777 == 0o600
+
+        # Stopped: the copy says where it was, against the collective rank 0 waits in.
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            result = _expect(master, STUCK, "rank 1 is stopped", "by its Flight Recorder's copy")
+            found = _AT.search(result.out)
+            assert found, result.out
+            # it did not issue the one rank 0 waits in; it may have issued the one before since its last look
+            assert int(found.group(3)) - 2 <= int(found.group(2)) < int(found.group(3)), found.group(0)
+            assert "numbers as of its agent's last look at" in result.out, result.out
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        _expect(master, HEALTHY, "HEALTHY")
+
+        # A C call keeps the GIL, taken between two steps: the numbers at the step's end are exact.
+        control.write_text("gil 1\n")
+        result = _expect(master, STUCK, "rank 1 cannot answer", "by its Flight Recorder's copy")
+        found = _AT.search(result.out)
+        assert found and int(found.group(2)) + 1 == int(found.group(3)), result.out
+        # the same through the node helper (torchrun's launcher here), which reads the copy on its host
+        via = run_cli(master, "--via", "helpers", "diagnose", timeout=90)
+        assert via.code == STUCK and _AT.search(via.out), (via.out, via.err)
+        report = json.loads(run_cli(master, "--via", "helpers", "diagnose", "--json", timeout=90).out)
+        verdict = next(v for v in report["verdicts"] if v["kind"] == "gil_held")
+        line = next(e for e in verdict["evidence"] if e["text"].startswith("its Flight Recorder's copy"))
+        assert line["rows"] and line["rows"][0]["pg"] == "0" and line["rows"][0]["last_op"] == "gloo:all_reduce", line
+
+
+@needs_torchrun
+def test_a_job_without_the_flight_recorder_says_so_for_the_rank_that_cannot_run(tmp_path):
+    control = tmp_path / "control"
+    control.write_text("")
+    with torchrun_job("dist_diagnose.py", 2, timeout=180, extra=("--monitor-interval=60",), DIAG_CONTROL=str(control),
+                      TORCH_FR_BUFFER_SIZE="0", PROBE_FR_COPY_EVERY="0.5") as (port, pids):
+        master = "127.0.0.1:%d" % port
+        _until(lambda: _copied(pids[1]), 30, "rank 1's copy")
+        control.write_text("gil 1\n")
+        result = _expect(master, STUCK, "rank 1 cannot answer", "its Flight Recorder is off (TORCH_FR_BUFFER_SIZE=0")
+        assert "only its collective numbers were kept" in result.out and "collective #" in result.out, result.out
+
+
+def test_a_file_at_the_copy_s_name_that_is_not_a_copy_is_refused_in_a_line(target_factory, tmp_path):
+    """A process whose GIL a C call keeps (no torch): where its copy would be, a link, garbage, a file too big,
+    a header whose entries are cut short or are not JSON, one left by another process; each is refused with
+    a line saying why, and diagnose still gives its verdict."""
+    proc = target_factory("gil_sleep.py")
+    path = os.path.join(_paths.runtime_dir(), "fr-%d.json" % proc.pid)
+    head = {"format": "probe-fr-copy", "version": 1, "pid": proc.pid, "ticks": 0, "every": 2.0, "interval": 2.0,
+            "looked_at": 1.0, "marks": {"0": 3}, "marks_cut": 0, "copied_at": 1.0, "copy_s": 0.01,
+            "copy_seq": {"0": 3}, "body": 1000, "why": None}
+
+    def header(**changes):
+        raw = json.dumps(dict(head, **changes)).encode()
+        return raw + b" " * (HEADER - 1 - len(raw)) + b"\n"
+
+    cases = [
+        ("link", "it is a symbolic link"),
+        (b"\x80\x04garbage" * 1000, "its header is not JSON"),
+        ("huge", "more than a copy holds"),
+        (header(), "is cut short: 0 of its 1000 bytes"),
+        (header(body=10) + b"{not json!", "its entries are not JSON"),
+        (header(pid=1), "it names process 1"),
+        (header(ticks=1), "left by an earlier process %d" % proc.pid),
+        (header(marks={"0": "x"}), "its header's marks are not numbers"),
+    ]
+    try:
+        for content, words in cases:
+            if os.path.lexists(path):
+                os.unlink(path)
+            if content == "link":
+                os.symlink("/etc/passwd", path)
+            elif content == "huge":
+                with open(path, "wb") as handle:
+                    handle.truncate(HEADER + MAX_BODY + 1)
+            else:
+                with open(path, "wb") as handle:
+                    handle.write(content)
+                os.chmod(path, 0o600)
+            result = _diagnose(str(proc.pid))
+            assert result.code in (STUCK, DEGRADED) and "Traceback" not in result.err, (words, result)
+            assert words in result.out, (words, result.out)
+    finally:
+        if os.path.lexists(path):
+            os.unlink(path)
+    result = _diagnose(str(proc.pid))
+    assert "its agent kept no copy of its Flight Recorder" in result.out, result.out
