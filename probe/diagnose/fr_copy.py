@@ -11,6 +11,7 @@ The file may be anyone's doing: a link, another user's file, one that is too big
 with a line that says so, never followed or read whole.
 """
 
+import errno
 import os
 import stat
 import time
@@ -18,13 +19,13 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.diagnose.evidence import RankEvidence, fr_by_pg
 
-__all__ = ["attach", "read", "rows_of", "summary", "where_it_is", "copy_words", "path_of"]
+__all__ = ["attach", "read", "rows_of", "summary", "where_it_is", "copy_words", "path_of", "kept_rows"]
 
 
 def _limits() -> Tuple[int, int]:
-    from probe.tables.torch.fr_copy import HEADER, MAX_BODY
+    from probe.tables.torch.fr_copy import BODY_AT, MAX_BODY
 
-    return HEADER, MAX_BODY
+    return BODY_AT, MAX_BODY
 
 
 def path_of(pid: int) -> str:
@@ -36,16 +37,16 @@ def path_of(pid: int) -> str:
 def read(pid: int) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Optional[str]]:
     """(header, entries, why): the copy of process ``pid`` on this host. ``header`` None: no copy or a
     refused file, ``why`` says which. Entries empty with a header: ``why`` says why (or None: none kept)."""
-    from probe.tables.torch.fr_copy import entries_of, parse_header
+    from probe.tables.torch.fr_copy import HEADER, MARKS, MARKS_AT, entries_of, parse_header, parse_marks
 
-    header_size, max_body = _limits()
+    body_at, max_body = _limits()
     path = path_of(pid)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return None, [], None
     except OSError as exc:
-        if exc.errno == 40:  # ELOOP: a link where the copy should be
+        if exc.errno == errno.ELOOP:
             return None, [], "%s is refused: it is a symbolic link, not the copy its agent writes" % path
         return None, [], "%s cannot be read: %s" % (path, exc.strerror or exc)
     try:
@@ -54,10 +55,10 @@ def read(pid: int) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Opti
             return None, [], "%s is refused: not a regular file" % path
         if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o022:
             return None, [], "%s is refused: another user's, or writable by others (the agent writes it 0600)" % path
-        if info.st_size > header_size + max_body:
+        if info.st_size > body_at + max_body:
             return None, [], "%s is refused: %d MB, more than a copy holds (%d MB)" % (
-                path, info.st_size >> 20, (header_size + max_body) >> 20)
-        header, bad = parse_header(os.pread(fd, header_size, 0))
+                path, info.st_size >> 20, (body_at + max_body) >> 20)
+        header, bad = parse_header(os.pread(fd, HEADER, 0))
         if header is None:
             return None, [], "%s is refused: %s" % (path, bad)
         if header["pid"] != pid:
@@ -65,9 +66,16 @@ def read(pid: int) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Opti
         ticks = _start_ticks(pid)
         if ticks is not None and isinstance(header.get("ticks"), int) and header["ticks"] and header["ticks"] != ticks:
             return None, [], "%s was left by an earlier process %d, not this one" % (path, pid)
+        for _ in range(20):  # a page being written (a step's end) is read again
+            looked_at, marks, bad = parse_marks(os.pread(fd, MARKS.size, MARKS_AT), header["groups"])
+            if bad != "its numbers were being written":
+                break
+        if looked_at is None:
+            return None, [], "%s is refused: %s" % (path, bad)
+        header = dict(header, looked_at=looked_at, marks=marks)
         if not header["body"]:
             return header, [], header.get("why")
-        body = os.pread(fd, header["body"], header_size)
+        body = os.pread(fd, header["body"], body_at)
         if len(body) < header["body"]:
             return header, [], "%s is cut short: %d of its %d bytes of entries" % (path, len(body), header["body"])
         entries, bad = entries_of(body)
@@ -150,8 +158,21 @@ def _attach(ev: RankEvidence, client: Any, why: str) -> None:
                      "helper (--via helpers), or run probe on that host" % (why, ev.host))
         return
     header, entries, bad = read(pid)
+    dumped = _torch_dump(pid, header)
+    if dumped is not None and not isinstance(dumped, str):
+        path, when, dump_entries = dumped
+        now = time.time()
+        ev.fr = summary(rows_of(dump_entries), now) or None
+        ev.fr_copy = {"pid": pid, "source": "torch", "path": path, "looked_at": when, "copied_at": when,
+                      "marks": dict(list((header or {}).get("marks", {}).items())[:64]), "copy_seq": {},
+                      "entries": len(dump_entries), "read_at": now}
+        ev.fr_why = None if ev.fr else "%s; torch's dump %s holds no collective" % (why, path)
+        if ev.fr is None:
+            ev.fr_copy["why"] = "torch's dump %s holds no collective" % path
+        return
     if header is None:
-        ev.fr_why = "%s; %s" % (why, bad or _no_copy(pid, ev.state))
+        ev.fr_why = "%s; %s%s" % (why, bad or _no_copy(pid, ev.state),
+                                  "; %s" % dumped if isinstance(dumped, str) else "")
         return
     now = time.time()
     rows = rows_of(entries)
@@ -169,6 +190,60 @@ def _attach(ev: RankEvidence, client: Any, why: str) -> None:
         ev.fr_why = "%s; its copy holds no entry: %s" % (why, ev.fr_copy["why"])
     else:
         ev.fr_why = None
+
+
+def kept_rows(ev: RankEvidence) -> Tuple[List[Tuple[Any, ...]], Optional[str]]:
+    """The rows of ``torch.flight_recorder`` that ``ev.fr`` was made from (its agent's copy or torch's dump,
+    read again: the evidence keeps only the summary), or why none."""
+    copy = ev.fr_copy if isinstance(ev.fr_copy, dict) else {}
+    pid = copy.get("pid")
+    if not isinstance(pid, int):
+        return [], None
+    if copy.get("source") == "torch":
+        dumped = _torch_dump(pid, None)
+        if isinstance(dumped, tuple):
+            return rows_of(dumped[2]), None
+        return [], dumped
+    _, entries, bad = read(pid)
+    return rows_of(entries), bad
+
+
+def _torch_dump(pid: int, header: Optional[Dict[str, Any]]) -> Any:
+    """torch's own dump of the process (``$TORCH_FR_DUMP_TEMP_FILE<rank>``: NCCL's watchdog writes it on a
+    collective's timeout, without the GIL) where it is newer than the agent's copy: (path, when, entries);
+    else why not (text), or None where the job never named one."""
+    from probe.errors import UsageError
+    from probe.reader.fr_dump import MAX_ENTRIES, load_dump, rank_dump
+
+    env = _environ(pid)
+    path, why = rank_dump(pid, env, _started(pid))
+    if path is None:
+        named = "TORCH_FR_DUMP_TEMP_FILE" in env or "TORCH_NCCL_DEBUG_INFO_TEMP_FILE" in env
+        return why if named or (why or "").endswith("another user's") else None
+    when = os.stat(path).st_mtime
+    if header is not None and header.get("looked_at", 0) >= when:
+        return "torch's dump %s is older than its agent's copy" % path
+    try:
+        dump = load_dump(path)
+    except UsageError as exc:
+        return exc.message
+    entries = [dict(e, process_group=list(e["process_group"])[:2] if isinstance(e.get("process_group"), (list, tuple))
+                    else [e.get("process_group"), None])
+               for e in (dump.get("entries") or [])[-MAX_ENTRIES:] if isinstance(e, dict)]
+    return path, when, entries
+
+
+def _started(pid: int) -> Optional[float]:
+    """When process ``pid`` started (time.time()), from its start ticks and the boot time; None if gone."""
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return None
+    try:
+        with open("/proc/stat", "rb") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith(b"btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
 
 
 def _local_pid(ev: RankEvidence, client: Any) -> Optional[int]:
@@ -192,7 +267,7 @@ def _environ(pid: int) -> Dict[str, str]:
     out = {}
     for item in raw.split(b"\0"):
         key, sep, value = item.partition(b"=")
-        if sep and key.startswith((b"TORCH_", b"PROBE_")):
+        if sep and (key.startswith((b"TORCH_", b"PROBE_")) or key in (b"RANK", b"HOME", b"XDG_CACHE_HOME")):
             out[key.decode("ascii", "replace")] = value.decode("utf-8", "replace")[:200]
     return out
 
@@ -221,6 +296,9 @@ def copy_words(ev: RankEvidence) -> str:
     copy = ev.fr_copy or {}
     looked = float(copy.get("looked_at") or 0)
     read_at = float(copy.get("read_at") or time.time())
+    if copy.get("source") == "torch":
+        return "torch's own Flight Recorder dump (%s, written at %s, %.1f s before this look)" % (
+            copy.get("path"), _clock(looked), max(0.0, read_at - looked))
     parts = []
     if copy.get("copied_at"):
         parts.append("entries as of %s" % _clock(float(copy["copied_at"])))
@@ -267,7 +345,8 @@ def where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
     if not found:
         return "", "%s: no collective in it%s" % (copy_words(ev), unread)
     looked = float(copy.get("looked_at") or 0)
-    summary = "; by its Flight Recorder's copy (as of %s, %.1f s before this look) it is at %s" % (
+    summary = "; by %s (as of %s, %.1f s before this look) it is at %s" % (
+        "torch's own Flight Recorder dump" if copy.get("source") == "torch" else "its Flight Recorder's copy",
         _clock(looked), max(0.0, float(copy.get("read_at") or time.time()) - looked), found[0])
     return summary, "%s: %s%s" % (copy_words(ev), "; ".join(found[:4]), unread)
 

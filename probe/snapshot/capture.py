@@ -141,11 +141,11 @@ def _copied_recorder(last: Any, tables: Dict[str, Any], missing: Dict[str, Any])
         if last.fr_why:
             missing["torch.flight_recorder"] = last.fr_why
         return
-    from probe.diagnose.fr_copy import copy_words, read, rows_of
+    from probe.diagnose.fr_copy import copy_words, kept_rows
     from probe.tables.torch.flight_recorder import COLUMNS
 
-    _, entries, bad = read(copy["pid"])
-    rows = [list(r) for r in rows_of(entries)[-4000:]]
+    kept, bad = kept_rows(last)
+    rows = [list(r) for r in kept[-4000:]]
     if rows:
         tables["torch.flight_recorder"] = _bounded([[c.name, c.type] for c in COLUMNS], rows, False,
                                                    "torch.flight_recorder")

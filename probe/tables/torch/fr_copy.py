@@ -5,16 +5,18 @@ The live table (``torch.flight_recorder``) needs the agent, and so the GIL; torc
 recorder in C++, probe reads files. Each process with the agent and an initialised ``torch.distributed``
 keeps ``<runtime dir>/fr-<pid>.json`` (mode 0600), read by the CLI or the node helper of its host:
 
-* a header (the first ``HEADER`` bytes, JSON padded with spaces): every process group's collective number
-  (``marks``: ``_get_sequence_number_for_group``, 0.2 us a group, the same numbers as the recorder's
-  ``collective_seq_id``) and when it was read (``looked_at``). The agent's accept thread reads them at each
-  wake (every 0.25 s) and the optimizer step hook after each step, and writes the header in place (one
-  ``pwrite``) when they changed; a look that finds them unchanged writes only every ``every`` seconds.
-* the recorder's entries as ``_dump_fr_trace_json`` gives them (``copied_at``, ``copy_seq``), dumped by a
-  daemon thread when a group's number moved since the last dump, at most every ``every`` seconds
-  (``PROBE_FR_COPY_EVERY``, default 2; 0 turns the copy off) and never more than ``MAX_SHARE`` of the time
-  (a dump holds the GIL: 2000 entries take ~30 ms; ``bench/bench_fr_copy.py``). Written whole to a hidden
-  temporary file and renamed over the old one.
+* a header (its first ``HEADER`` bytes: JSON padded with spaces): the process groups' names, what the last
+  dump was and when, or why there is none (``why``);
+* a page of numbers (``MARKS_AT``, mapped into memory and written in place: no syscall): every group's
+  collective number (``_get_sequence_number_for_group``, 0.2 us a group; the recorder's
+  ``collective_seq_id``) and when they were read (``looked_at``), by the agent's accept thread at each wake
+  (every 0.25 s) and by the optimizer step hook after each step, so that a rank that stops between two
+  steps has its exact numbers (they need no recorder: with it off, they are what is kept);
+* from ``BODY_AT``, the recorder's entries as ``_dump_fr_trace_json`` gives them (``copied_at``,
+  ``copy_seq``), dumped by a daemon thread when a number moved since the last dump, at most every
+  ``every`` seconds (``PROBE_FR_COPY_EVERY``, default 2; 0 turns the copy off) and never more than
+  ``MAX_SHARE`` of the time (a dump keeps the GIL: 2000 entries take 30-60 ms; ``bench/bench_fr_copy.py``),
+  written whole to a hidden temporary file and renamed over the old one.
 
 A rank that cannot run has not looked since it stopped: ``looked_at`` bounds when (the next look was due a
 quarter of a second later), and what it issued after its last look is in no copy. A process that ends
@@ -24,20 +26,29 @@ never imports torch, never raises into the program.
 
 import json
 import os
+import struct
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["HEADER", "FORMAT", "MAX_BODY", "MAX_MARKS", "MAX_SHARE", "look", "at_step", "remove", "parse_header",
-           "every"]
+__all__ = ["HEADER", "MARKS_AT", "BODY_AT", "FORMAT", "MAX_BODY", "MAX_MARKS", "MAX_SHARE", "look", "at_step",
+           "remove", "parse_header", "parse_marks", "entries_of", "every"]
 
 FORMAT = "probe-fr-copy"
 VERSION = 1
 HEADER = 4096
-"""Bytes of the header at the start of the file; the recorder's entries follow."""
+"""Bytes of the JSON header at the start of the file."""
+MARKS_AT = 4096
+"""Where the numbers' page begins (mapped into memory: written in place, no syscall a step)."""
+BODY_AT = 8192
+"""Where the recorder's entries begin."""
 MAX_MARKS = 64
-"""Process groups whose number the header keeps at most (a job of many subgroups: the first ones)."""
+"""Process groups whose number is kept at most (a job of many subgroups: the first ones)."""
+MARKS = struct.Struct("<8sQdI4x%dq" % MAX_MARKS)
+"""The numbers' page: magic, a generation (odd while being written), when they were read (time.time()),
+how many, and the numbers in the order of the header's ``groups``."""
+MARKS_MAGIC = b"probefrm"
 MAX_BODY = 32 << 20
 """A dump bigger than this is not copied (2000 entries without stacks take ~1 MB)."""
 MAX_SHARE = 0.01
@@ -48,11 +59,10 @@ _lock = threading.Lock()
 _wake = threading.Event()
 _state: Dict[str, Any] = {
     "off": None,  # None: not decided yet; True: PROBE_FR_COPY_EVERY=0, or a failure that leaves it off
-    "fd": None,  # the file's descriptor, for the header's pwrite; None before it exists
-    "pid": 0, "ticks": 0, "path": None,
-    "marks": {}, "cut": 0, "looked_at": 0.0, "written_at": 0.0,
+    "fd": None, "map": None,  # the file's descriptor (the header's pwrite) and its numbers' page
+    "pid": 0, "ticks": 0, "path": None, "gen": 0, "every": DEFAULT_EVERY,
+    "groups": [], "marks": [], "cut": 0,
     "copied_at": None, "copied_mono": 0.0, "copy_s": None, "copy_seq": {}, "body": 0, "why": None,
-    "thread": None, "every": DEFAULT_EVERY,
 }
 
 
@@ -66,45 +76,45 @@ def every() -> float:
 
 
 def look() -> None:
-    """The accept thread's wake: once ``torch.distributed`` is initialised, read every group's number and
-    keep the header current; ask for a dump where one is due. A few dict lookups before that; never raises."""
+    """The accept thread's wake: once ``torch.distributed`` is initialised, read every group's number into
+    the file; ask for a dump where one is due. A few dict lookups before that; never raises."""
     try:
         if _state["off"] is True or "torch.distributed" not in sys.modules:
             return
-        _look("look")
+        _look(True)
     except BaseException:
         pass
 
 
 def at_step() -> None:
     """After each optimizer step (``probe.tables.torch.steps.after_each_step``): the numbers as the step
-    ended, so that a rank that stops between two steps has its exact numbers in the header."""
+    ended, so that a rank that stops between two steps has its exact numbers in the file (a few us)."""
     try:
-        if _state["fd"] is not None:
-            _look("step")
+        if _state["map"] is not None:
+            _look(False)
     except BaseException:
         pass
 
 
-def _look(by: str) -> None:
+def _look(asks: bool) -> None:
     dist = sys.modules.get("torch.distributed")
     initialised = getattr(dist, "is_initialized", None)
     if initialised is None or not initialised():
         return
     if _state["off"] is None and not _start():
         return
-    marks, cut = _marks(dist)
-    now = time.time()
-    changed = marks != _state["marks"]
+    groups, marks, cut = _marks(dist)
     with _lock:
-        _state["marks"], _state["cut"], _state["looked_at"] = marks, cut, now
-        if changed or now - _state["written_at"] >= _state["every"] or _state["fd"] is None:
-            try:
+        try:
+            if groups != _state["groups"] or _state["map"] is None:
+                _state["groups"], _state["cut"] = groups, cut
                 _write_header()
-            except OSError:  # the runtime directory went, or the disk is full: no copy from here on
-                _state["off"] = True
-                return
-    if _state["why"] is None and marks != _state["copy_seq"] and \
+            _state["marks"] = marks
+            _write_marks()
+        except (OSError, ValueError):  # the runtime directory went, or the disk is full: no copy from here on
+            _state["off"] = True
+            return
+    if asks and _state["why"] is None and _state["copy_seq"] != dict(zip(groups, marks)) and \
             time.monotonic() - _state["copied_mono"] >= _interval():
         _wake.set()
 
@@ -146,18 +156,20 @@ def _forget() -> None:
     _state["off"], _state["fd"] = True, None
 
 
-def _marks(dist: Any) -> Tuple[Dict[str, int], int]:
-    """Each process group's collective number, by its name (the recorder's ``process_group[0]``)."""
+def _marks(dist: Any) -> Tuple[List[str], List[int], int]:
+    """Each process group's name (the recorder's ``process_group[0]``) and collective number."""
     world = getattr(getattr(dist, "distributed_c10d", None), "_world", None)
     names = getattr(world, "pg_names", None) or {}
-    out: Dict[str, int] = {}
+    groups: List[str] = []
+    marks: List[int] = []
     items = list(names.items())
     for group, name in items[:MAX_MARKS]:
         try:
-            out[str(name)[:64]] = int(group._get_sequence_number_for_group())
+            marks.append(int(group._get_sequence_number_for_group()))
         except Exception:  # a group without numbers (a fake backend): left out
             continue
-    return out, max(0, len(items) - MAX_MARKS)
+        groups.append(str(name)[:64])
+    return groups, marks, max(0, len(items) - MAX_MARKS)
 
 
 def _interval() -> float:
@@ -167,36 +179,50 @@ def _interval() -> float:
 
 def _header_bytes() -> bytes:
     header = {"format": FORMAT, "version": VERSION, "pid": _state["pid"], "ticks": _state["ticks"],
-              "every": _state["every"], "interval": round(_interval(), 3), "looked_at": _state["looked_at"],
-              "marks": _state["marks"], "marks_cut": _state["cut"], "copied_at": _state["copied_at"],
-              "copy_s": _state["copy_s"], "copy_seq": _state["copy_seq"], "body": _state["body"],
-              "why": _state["why"]}
+              "every": _state["every"], "interval": round(_interval(), 3), "groups": _state["groups"],
+              "groups_cut": _state["cut"], "copied_at": _state["copied_at"], "copy_s": _state["copy_s"],
+              "copy_seq": _state["copy_seq"], "body": _state["body"], "why": _state["why"]}
     raw = json.dumps(header, separators=(",", ":")).encode()
-    if len(raw) > HEADER - 1:  # many long names: the marks go, the rest stays
-        header["marks"], header["marks_cut"] = {}, len(_state["marks"]) + _state["cut"]
+    if len(raw) > HEADER - 1:  # many long names: they go, the rest stays
+        header["groups"], header["groups_cut"] = [], len(_state["groups"]) + _state["cut"]
+        header["copy_seq"] = {}
         raw = json.dumps(header, separators=(",", ":")).encode()
     return raw + b" " * (HEADER - 1 - len(raw)) + b"\n"
 
 
 def _write_header() -> None:
     """Under ``_lock``: the header in place, or the file itself where there is none yet."""
-    _state["written_at"] = time.time()
     if _state["fd"] is None:
         _replace(b"")
         return
     os.pwrite(_state["fd"], _header_bytes(), 0)
 
 
+def _write_marks() -> None:
+    """Under ``_lock``: the numbers into the mapped page, the generation odd while they are written."""
+    mapped = _state["map"]
+    gen = _state["gen"] + 1
+    struct.pack_into("<Q", mapped, 8, gen)
+    marks = _state["marks"] if len(_state["groups"]) == len(_state["marks"]) else []
+    MARKS.pack_into(mapped, 0, MARKS_MAGIC, gen, time.time(), len(marks), *(marks + [0] * (MAX_MARKS - len(marks))))
+    struct.pack_into("<Q", mapped, 8, gen + 1)
+    _state["gen"] = gen + 1
+
+
 def _replace(body: bytes) -> None:
-    """Under ``_lock``: a new file (header and ``body``) renamed over the old; its descriptor kept."""
+    """Under ``_lock``: a new file (header, numbers, ``body``) renamed over the old; its descriptor and
+    its numbers' page kept."""
+    import mmap
+
     path = _state["path"]
     directory, name = os.path.split(path)
     temp = os.path.join(directory, ".%s.%s.tmp" % (name, os.urandom(4).hex()))
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        data = memoryview(_header_bytes() + body)
+        data = memoryview(_header_bytes() + b"\0" * (BODY_AT - HEADER) + body)
         while data:
             data = data[os.write(fd, data):]
+        mapped = mmap.mmap(fd, BODY_AT - MARKS_AT, offset=MARKS_AT)
         os.rename(temp, path)
     except BaseException:
         os.close(fd)
@@ -206,8 +232,12 @@ def _replace(body: bytes) -> None:
             pass
         raise
     old, _state["fd"] = _state["fd"], fd
+    old_map, _state["map"] = _state["map"], mapped
+    _write_marks()
     if old is not None:
         os.close(old)
+    if old_map is not None:
+        old_map.close()
 
 
 def _keep() -> None:
@@ -236,7 +266,8 @@ def _copy() -> None:
     dump = getattr(c10d, "_dump_fr_trace_json", None)
     if dist is None or dump is None:
         return
-    seq, _ = _marks(dist)  # read before the dump: the entries hold at least these
+    groups, marks, _ = _marks(dist)  # read before the dump: the entries hold at least these
+    seq = dict(zip(groups, marks))
     start = time.monotonic()
     wall = time.time()
     raw = dump(True, False)
@@ -261,7 +292,13 @@ def remove() -> None:
     _wake.set()
     with _lock:
         fd, _state["fd"] = _state["fd"], None
+        mapped, _state["map"] = _state["map"], None
         path = _state["path"]
+    if mapped is not None:
+        try:
+            mapped.close()
+        except (BufferError, ValueError, OSError):
+            pass
     if fd is not None:
         try:
             os.close(fd)
@@ -288,22 +325,38 @@ def parse_header(raw: bytes) -> Tuple[Optional[Dict[str, Any]], Optional[str]]:
     if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("version") != VERSION:
         return None, "not a copy of this version (format %s)" % str(header.get("format") if isinstance(
             header, dict) else type(header).__name__)[:40]
-    numbers = ("every", "interval", "looked_at")
+    numbers = ("every", "interval")
     if not all(isinstance(header.get(k), (int, float)) and not isinstance(header.get(k), bool) for k in numbers) \
             or not isinstance(header.get("pid"), int) or not isinstance(header.get("body"), int) \
             or not 0 <= header["body"] <= MAX_BODY:
         return None, "its header's fields are not what a copy holds"
-    for key in ("marks", "copy_seq"):
-        value = header.get(key)
-        if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                  for v in value.values()):
-            return None, "its header's %s are not numbers" % key
+    groups = header.get("groups")
+    if not isinstance(groups, list) or len(groups) > MAX_MARKS or not all(isinstance(g, str) for g in groups):
+        return None, "its header's groups are not names"
+    value = header.get("copy_seq")
+    if not isinstance(value, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value.values()):
+        return None, "its header's copy_seq are not numbers"
     for key in ("copied_at", "copy_s"):
         if header.get(key) is not None and not isinstance(header.get(key), (int, float)):
             return None, "its header's %s is not a time" % key
     if header.get("why") is not None and not isinstance(header.get("why"), str):
         return None, "its header's why is not text"
     return header, None
+
+
+def parse_marks(raw: bytes, groups: List[str]) -> Tuple[Optional[float], Dict[str, int], Optional[str]]:
+    """(when they were read, group -> number, None) from the numbers' page, or (None, {}, why not). A page
+    being written (its generation odd) is said so: read again."""
+    if len(raw) < MARKS.size:
+        return None, {}, "its numbers' page is cut short"
+    magic, gen, looked_at, count, *marks = MARKS.unpack_from(raw, 0)
+    if magic != MARKS_MAGIC:
+        return None, {}, "its numbers' page is not one"
+    if gen % 2:
+        return None, {}, "its numbers were being written"
+    if not 0 <= count <= min(MAX_MARKS, len(groups)) or looked_at != looked_at:
+        return None, {}, "its numbers' page does not match its header"
+    return float(looked_at), dict(zip(groups[:count], marks[:count])), None
 
 
 def entries_of(body: bytes) -> Tuple[List[Dict[str, Any]], Optional[str]]:
