@@ -18,6 +18,11 @@ keeps ``<runtime dir>/fr-<pid>.json`` (mode 0600), read by the CLI or the node h
   ``MAX_SHARE`` of the time (a dump keeps the GIL: 2000 entries take 30-60 ms; ``bench/bench_fr_copy.py``),
   written whole to a hidden temporary file and renamed over the old one.
 
+Why the dump is not taken at each step mark: it costs some 30 ms at 2000 entries (a step of many
+collectives would pay it every step), and for a rank that hangs mid-step the entries that matter are the
+ones issued after the last mark. The numbers are cheap enough for both marks and every wake; the dump
+follows them at a bounded rate from a thread of its own, and is as fresh as the last look allowed.
+
 A rank that cannot run has not looked since it stopped: ``looked_at`` bounds when (the next look was due a
 quarter of a second later), and what it issued after its last look is in no copy. A process that ends
 cleanly removes its file; one killed leaves it, to be read for a dead rank. Runs in the target: stdlib only,
@@ -59,7 +64,7 @@ _lock = threading.Lock()
 _wake = threading.Event()
 _state: Dict[str, Any] = {
     "off": None,  # None: not decided yet; True: PROBE_FR_COPY_EVERY=0, or a failure that leaves it off
-    "fd": None, "map": None,  # the file's descriptor (the header's pwrite) and its numbers' page
+    "file": None, "map": None,  # (st_dev, st_ino) of the file made last, and its numbers' page (mapped)
     "pid": 0, "ticks": 0, "path": None, "gen": 0, "every": DEFAULT_EVERY,
     "groups": [], "marks": [], "cut": 0,
     "copied_at": None, "copied_mono": 0.0, "copy_s": None, "copy_seq": {}, "body": 0, "why": None,
@@ -154,7 +159,7 @@ def _start() -> bool:
 
 def _forget() -> None:
     """In a forked child (a DataLoader worker): the parent's file and thread are not its own."""
-    _state["off"], _state["fd"] = True, None
+    _state["off"], _state["file"], _state["map"] = True, None, None
 
 
 def _marks(dist: Any) -> Tuple[List[str], List[int], int]:
@@ -192,16 +197,31 @@ def _header_bytes() -> bytes:
 
 
 def _write_header() -> None:
-    """Under ``_lock``: the header in place, or the file itself where there is none yet."""
-    if _state["fd"] is None:
+    """Under ``_lock``: the header in place, or the file itself where there is none yet. No descriptor is
+    kept between writes (the program may close numbers it did not open, and reuse them for its own
+    files): the file is opened by name, and written only where it is still the one made here."""
+    if _state["file"] is None:
         _replace(b"")
         return
-    os.pwrite(_state["fd"], _header_bytes(), 0)
+    try:
+        fd = os.open(_state["path"], os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        _replace(b"")  # gone (removed by someone): made again, without entries until the next dump
+        return
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) == _state["file"]:
+            os.pwrite(fd, _header_bytes(), 0)
+            return
+    finally:
+        os.close(fd)
+    _replace(b"")  # another file at the name: ours replaces it (renamed over, never written into)
 
 
-def _write_marks() -> None:
-    """Under ``_lock``: the numbers into the mapped page, the generation odd while they are written."""
-    mapped = _state["map"]
+def _write_marks(mapped: Any = None) -> None:
+    """Under ``_lock``: the numbers into the mapped page (``mapped``, else the current file's), the
+    generation odd while they are written."""
+    mapped = _state["map"] if mapped is None else mapped
     gen = _state["gen"] + 1
     struct.pack_into("<Q", mapped, 8, gen)
     marks = _state["marks"] if len(_state["groups"]) == len(_state["marks"]) else []
@@ -211,32 +231,35 @@ def _write_marks() -> None:
 
 
 def _replace(body: bytes) -> None:
-    """Under ``_lock``: a new file (header, numbers, ``body``) renamed over the old; its descriptor and
-    its numbers' page kept."""
+    """Under ``_lock``: a new file (header, numbers, ``body``) renamed over the old, whole; its numbers'
+    page kept mapped (its descriptor closed)."""
     import mmap
 
     path = _state["path"]
     directory, name = os.path.split(path)
     temp = os.path.join(directory, ".%s.%s.tmp" % (name, os.urandom(4).hex()))
     fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    mapped = None
     try:
         data = memoryview(_header_bytes() + b"\0" * (BODY_AT - HEADER) + body)
         while data:
             data = data[os.write(fd, data):]
         mapped = mmap.mmap(fd, BODY_AT - MARKS_AT, offset=MARKS_AT)
+        _write_marks(mapped)  # before the rename: a reader never sees the page empty
+        info = os.fstat(fd)
         os.rename(temp, path)
     except BaseException:
-        os.close(fd)
+        if mapped is not None:
+            mapped.close()
         try:
             os.unlink(temp)
         except OSError:
             pass
         raise
-    old, _state["fd"] = _state["fd"], fd
+    finally:
+        os.close(fd)  # the mapping stays without it
+    _state["file"] = (info.st_dev, info.st_ino)
     old_map, _state["map"] = _state["map"], mapped
-    _write_marks()
-    if old is not None:
-        os.close(old)
     if old_map is not None:
         old_map.close()
 
@@ -295,7 +318,7 @@ def remove() -> None:
     _state["off"] = True
     _wake.set()
     with _lock:
-        fd, _state["fd"] = _state["fd"], None
+        made, _state["file"] = _state["file"], None
         mapped, _state["map"] = _state["map"], None
         path = _state["path"]
     if mapped is not None:
@@ -303,15 +326,12 @@ def remove() -> None:
             mapped.close()
         except (BufferError, ValueError, OSError):
             pass
-    if fd is not None:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-        try:
+    try:
+        info = os.lstat(path) if made is not None else None
+        if info is not None and (info.st_dev, info.st_ino) == made:  # only the file made here
             os.unlink(path)
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 # -- reading ---------------------------------------------------------------------------------------------
