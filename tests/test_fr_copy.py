@@ -196,3 +196,30 @@ def test_the_stall_record_of_a_stopped_rank_holds_its_flight_recorder_from_the_c
                       "SELECT count(*) AS n, max(collective_seq_id) AS top FROM torch.flight_recorder",
                       env=target_env(probe=False, PROBE_RUNTIME_DIR=run))
     assert queried.code == 0 and re.search(r"\b[1-9]\d*\b", queried.out), queried
+
+
+def test_rules_place_a_silent_rank_by_its_copy_and_a_recorded_copy_that_is_junk_costs_only_its_line():
+    """The rules alone, on evidence made by hand: rank 1 (GIL held) at #6 by its copy, rank 0 waiting in #7;
+    then the same copy's fields made junk, as a hostile record may hold them: the verdict stands."""
+    from probe.diagnose.evidence import RankEvidence, Sample
+    from probe.diagnose.rules import judge
+    from test_diagnose import _cmd, _in_all_reduce, _rank
+
+    def fr(seq, done):
+        return [{"pg": "0", "pg_desc": "default_pg", "last_seq": seq, "last_op": "gloo:all_reduce", "last_done": done,
+                 "last_age": 5.0, "period": 0.05, "recent": "%d\tgloo:all_reduce\t[[1]]\t[\"Float\"]" % seq}]
+
+    def look(copy, at):
+        silent = RankEvidence(1, "h", 101, state="gil_held", why="GIL held", source="outside", fr=fr(5, True),
+                              fr_copy=copy, at=at)
+        return Sample({0: _rank(0, _in_all_reduce(), 1.0, fr(7, False), at=at), 1: silent}, 2, at=at)
+
+    copy = {"pid": 101, "looked_at": 1000.0, "copied_at": 999.0, "marks": {"0": 6}, "read_at": 1004.0}
+    verdict = judge(look(copy, 0.0), look(copy, 1.0), _cmd).verdicts[0]
+    assert verdict.kind == "gil_held" and verdict.culprits == [1], verdict
+    assert "by its Flight Recorder's copy (as of " in verdict.summary and ", 4.0 s before this look) it is at " \
+           "collective #6 of group 0 (past its copied entries, which end at #5); rank 0 waits in gloo:all_reduce #7" \
+           in verdict.summary, verdict.summary
+    junk = {"pid": "x", "looked_at": "soon", "copied_at": [1], "marks": {"0": "six", "1": 2 ** 70}, "why": {"a": 1}}
+    verdict = judge(look(junk, 0.0), look(junk, 1.0), _cmd).verdicts[0]
+    assert verdict.kind == "gil_held" and verdict.culprits == [1], verdict

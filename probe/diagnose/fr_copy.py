@@ -286,6 +286,11 @@ def _no_copy(pid: int, state: str) -> str:
             "torch.distributed (it had not, when it stopped running, or its agent is older than the copy)")
 
 
+def _time(value: Any) -> float:
+    """A time from the evidence (a record's, a helper's: checked), or 0."""
+    return float(value) if type(value) in (int, float) and 0 <= value < 1e11 else 0.0
+
+
 def _clock(wall: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(wall)) + (".%d" % int(wall % 1 * 10))
 
@@ -294,14 +299,14 @@ def copy_words(ev: RankEvidence) -> str:
     """"its Flight Recorder's copy (entries as of 12:03:09.4, numbers as of its agent's last look at
     12:03:10.2, 4.2 s before this look)"."""
     copy = ev.fr_copy or {}
-    looked = float(copy.get("looked_at") or 0)
-    read_at = float(copy.get("read_at") or time.time())
+    looked = _time(copy.get("looked_at"))
+    read_at = _time(copy.get("read_at")) or time.time()
     if copy.get("source") == "torch":
         return "torch's own Flight Recorder dump (%s, written at %s, %.1f s before this look)" % (
-            copy.get("path"), _clock(looked), max(0.0, read_at - looked))
+            str(copy.get("path"))[:300], _clock(looked), max(0.0, read_at - looked))
     parts = []
-    if copy.get("copied_at"):
-        parts.append("entries as of %s" % _clock(float(copy["copied_at"])))
+    if _time(copy.get("copied_at")):
+        parts.append("entries as of %s" % _clock(_time(copy["copied_at"])))
     parts.append("numbers as of its agent's last look at %s, %.1f s before this look" % (
         _clock(looked), max(0.0, read_at - looked)))
     return "its Flight Recorder's copy (%s; what it issued after is in no copy)" % ", ".join(parts)
@@ -312,11 +317,20 @@ def where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
     """(the summary's words, the evidence's line) on which collective a rank that cannot answer is at, by its
     copy, against the answering ranks' recorders: "rank 1 is at gloo:all_reduce #41 of group 0; rank 0
     waits in #42". ('', why) where its copy has nothing to say."""
+    try:
+        return _where_it_is(ev, ranks, who)
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError) as exc:  # a record is anyone's
+        return "", "its Flight Recorder's copy, as recorded, cannot be read (%s)" % type(exc).__name__
+
+
+def _where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
+                 who: Callable[[Sequence[int]], str]) -> Tuple[str, Optional[str]]:
     copy = ev.fr_copy if isinstance(ev.fr_copy, dict) else None
     if copy is None:
         return "", "its Flight Recorder: none (%s)" % (ev.fr_why or "not read") if ev.fr_why else None
     mine = fr_by_pg(ev)
-    marks = {str(k): v for k, v in (copy.get("marks") or {}).items() if isinstance(v, int)}
+    marks = {str(k): v for k, v in (copy.get("marks") if isinstance(copy.get("marks"), dict) else {}).items()
+             if type(v) is int}
     others: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for r, other in ranks.items():
         if r != ev.rank and other.state == "answering":
@@ -341,13 +355,13 @@ def where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
             elif waiting and top <= at:
                 text += "; %s wait%s in #%d, which it had issued" % (who(waiting), "s" if len(waiting) == 1 else "", top)
         found.append(text)
-    unread = " (its entries: none, %s)" % copy["why"] if copy.get("why") else ""
+    unread = " (its entries: none, %s)" % str(copy["why"])[:400] if copy.get("why") else ""
     if not found:
         return "", "%s: no collective in it%s" % (copy_words(ev), unread)
-    looked = float(copy.get("looked_at") or 0)
+    looked = _time(copy.get("looked_at"))
     summary = "; by %s (as of %s, %.1f s before this look) it is at %s" % (
         "torch's own Flight Recorder dump" if copy.get("source") == "torch" else "its Flight Recorder's copy",
-        _clock(looked), max(0.0, float(copy.get("read_at") or time.time()) - looked), found[0])
+        _clock(looked), max(0.0, (_time(copy.get("read_at")) or time.time()) - looked), found[0])
     return summary, "%s: %s%s" % (copy_words(ev), "; ".join(found[:4]), unread)
 
 
