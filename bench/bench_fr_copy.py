@@ -115,7 +115,7 @@ def main() -> None:
                      "%.0f" % (len(raw) / 1024), "%.2f" % (r.median * 1e3), "%.1f" % (100 * cc.median / 2.0),
                      "%.1f" % max(2.0, cc.median / fr_copy.MAX_SHARE)])
         figure("dump of %d entries (_dump_fr_trace_json)" % size, dumps)
-        figure("copy of %d entries (dump + write)" % size, copies, goal="reported")
+        figure("copy of %d entries (dump + write)" % size, copies)
         figure("copy of %d entries, its CPU (what the 1 %% cap counts)" % size, copies_cpu)
         figure("read of a copy of %d entries (rows + summary)" % size, reads)
     print(table(rows, ["entries", "dump ms", "IQR", "copy ms", "copy CPU ms", "GIL kept", "KiB", "read ms",
