@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe.diagnose.evidence import RankEvidence, fr_by_pg
 
-__all__ = ["attach", "read", "rows_of", "summary", "where_it_is", "copy_words", "path_of", "kept_rows"]
+__all__ = ["attach", "numbers", "read", "rows_of", "summary", "where_it_is", "copy_words", "path_of", "kept_rows"]
 
 
 def _limits() -> Tuple[int, int]:
@@ -34,7 +34,7 @@ def path_of(pid: int) -> str:
     return os.path.join(_paths.runtime_dir(), "fr-%d.json" % pid)
 
 
-def read(pid: int) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Optional[str]]:
+def read(pid: int, entries: bool = True) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Optional[str]]:
     """(header, entries, why): the copy of process ``pid`` on this host. ``header`` None: no copy or a
     refused file, ``why`` says which. Entries empty with a header: ``why`` says why (or None: none kept)."""
     from probe.tables.torch.fr_copy import HEADER, MARKS, MARKS_AT, entries_of, parse_header, parse_marks
@@ -73,7 +73,7 @@ def read(pid: int) -> Tuple[Optional[Dict[str, Any]], List[Dict[str, Any]], Opti
         if looked_at is None:
             return None, [], "%s is refused: %s" % (path, bad)
         header = dict(header, looked_at=looked_at, marks=marks)
-        if not header["body"]:
+        if not header["body"] or not entries:
             return header, [], header.get("why")
         body = os.pread(fd, header["body"], body_at)
         if len(body) < header["body"]:
@@ -246,6 +246,20 @@ def _started(pid: int) -> Optional[float]:
         return None
 
 
+def numbers(ev: RankEvidence, client: Any) -> None:
+    """An answering rank whose recorder holds nothing (off): its groups' collective numbers from its
+    agent's file (``fr_copy`` with ``live``), so that a rank that cannot answer is placed against it. Never
+    raises; nothing where there is no file."""
+    try:
+        pid = _local_pid(ev, client)
+        header = read(pid, entries=False)[0] if pid is not None else None
+    except Exception:  # a file that is anyone's: no numbers, as with none
+        return
+    if header is not None and header["marks"]:
+        ev.fr_copy = {"pid": pid, "live": True, "looked_at": header["looked_at"], "read_at": time.time(),
+                      "marks": dict(list(header["marks"].items())[:64])}
+
+
 def _local_pid(ev: RankEvidence, client: Any) -> Optional[int]:
     target = getattr(client, "target", None)
     if target is not None and target.is_local:
@@ -344,6 +358,16 @@ def _where_it_is(ev: RankEvidence, ranks: Dict[int, RankEvidence],
         if at not in recent and mine.get(pg):
             text += " (past its copied entries, which end at #%s)" % mine[pg].get("last_seq")
         rows = others.get(pg) or {}
+        peers = {r: o.fr_copy["marks"][pg] for r, o in ranks.items() if r != ev.rank and o.state == "answering"
+                 and isinstance(o.fr_copy, dict) and o.fr_copy.get("live") and isinstance(o.fr_copy.get("marks"), dict)
+                 and type(o.fr_copy["marks"].get(pg)) is int}
+        if not rows and peers:  # their recorders are off: their numbers, from their agents' files
+            ahead = sorted(r for r, n in peers.items() if n > at)
+            if ahead:
+                one = len(ahead) == 1
+                text += "; %s %s at #%s (%s recorder%s off: the numbers alone)" % (
+                    who(ahead), "is" if one else "are", ",".join(str(n) for n in sorted({peers[r] for r in ahead})),
+                    "its" if one else "their", " is" if one else "s are")
         if rows:
             top = max(int(r["last_seq"]) for r in rows.values())
             waiting = sorted(r for r, row in rows.items() if int(row["last_seq"]) == top and not row.get("last_done"))

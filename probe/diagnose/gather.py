@@ -183,6 +183,9 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
             ev.fr = _query(client, FR_SQL)
             if not ev.fr:
                 ev.fr_why = "it holds no collective (off unless the job starts with TORCH_FR_BUFFER_SIZE=N)"
+                from probe.diagnose import fr_copy
+
+                fr_copy.numbers(ev, client)  # its groups' numbers, kept without the recorder: a silent rank's peer
         except TorchNotLoaded:
             ev.fr_why = "torch is not loaded"
         except ProbeError as exc:
