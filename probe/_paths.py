@@ -381,7 +381,8 @@ def remove_stale_files(keep: Iterable[int] = ()) -> int:
 
 def _remove_stale(pid: int, path: str, with_token: bool = True) -> None:
     directory = os.path.dirname(path)  # the runtime directory, or the fallback the agent used
-    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid))
+    extra = (os.path.join(directory, "%d.token" % pid), os.path.join(directory, "progress-%d.bin" % pid),
+             os.path.join(directory, "fr-%d.json" % pid))
     for stale in (path,) + extra if with_token else (path,):
         try:
             os.unlink(stale)

@@ -121,6 +121,7 @@ class Agent:
             unix.add_check(crash.check)
         _offer_step_boundary()
         _count_steps(unix)
+        _keep_fr_copy(unix)
         unix.add_check(self.release_idle_engine)
         return self
 
@@ -383,14 +384,27 @@ def _count_steps(listener: Any) -> None:
         pass
 
 
-def _remove_progress() -> None:
-    """The step counter's progress file (made on the first optimizer step) goes with the socket."""
-    steps = sys.modules.get("probe.tables.torch.steps")
+def _keep_fr_copy(listener: Any) -> None:
+    """Keep a copy of the Flight Recorder for when this process cannot run (probe.tables.torch.fr_copy):
+    the accept thread looks at each wake, once the program has initialised torch.distributed."""
     try:
-        if steps is not None:
-            steps.remove_progress()
+        from probe.tables.torch import fr_copy
+
+        listener.add_check(fr_copy.look)
     except Exception:
         pass
+
+
+def _remove_progress() -> None:
+    """The step counter's progress file (made on the first optimizer step) and the Flight Recorder's copy
+    go with the socket."""
+    for name, remove in (("probe.tables.torch.steps", "remove_progress"), ("probe.tables.torch.fr_copy", "remove")):
+        module = sys.modules.get(name)
+        try:
+            if module is not None:
+                getattr(module, remove)()
+        except Exception:
+            pass
 
 
 def _run_between_steps(work: Any, timeout: float) -> Any:

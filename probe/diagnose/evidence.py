@@ -74,6 +74,7 @@ class RankEvidence:
     threads_why: Optional[str] = None
     fr: Optional[List[Dict[str, Any]]] = None
     fr_why: Optional[str] = None
+    fr_copy: Optional[Dict[str, Any]] = None  # where ``fr`` is its agent's copy, not live (probe.diagnose.fr_copy)
     trace: Optional[Dict[str, Any]] = None
     trace_why: Optional[str] = None
     training: Optional[Dict[str, Any]] = None  # data loader workers, NaN/Inf (probe.diagnose.training)
@@ -176,7 +177,7 @@ class RankEvidence:
                 "stacks": {name: [{"func": f, "file": p, "line": n} for f, p, n, _ in key[:12]]
                            for name, key in self.stacks().items()} if self.frames is not None else None,
                 "threads": self.threads, "threads_why": self.threads_why, "flight_recorder": self.fr,
-                "flight_recorder_why": self.fr_why, "trace": self.trace, "trace_why": self.trace_why,
+                "flight_recorder_why": self.fr_why, "flight_recorder_copy": self.fr_copy, "trace": self.trace, "trace_why": self.trace_why,
                 "steps": self.steps, "steps_why": self.steps_why, "paths": self.paths,
                 "training": self.training, "memory": self.memory}
 

@@ -10,7 +10,8 @@ For each rank (or the one process), within the fan-out's deadline:
   why (``gil_held``, ``stopped``, ``dead``, ``no_answer``, ``unreachable``);
 * only from an agent that answered: its threads' CPU time (``python.threads``), the Flight Recorder's
   last collective of each process group and the trace's steps (one query over ``torch.flight_recorder``
-  and ``python.torch_trace``).
+  and ``python.torch_trace``); for a rank that cannot answer, its recorder from the copy its agent kept
+  while it ran (:mod:`probe.diagnose.fr_copy`), marked as a copy, with its age.
 
 Only reads: no eval, no collective, no device synchronisation (the tables promise as much). What could
 not be had is kept with why (``*_why``), never filled in.
@@ -182,6 +183,9 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
             ev.fr = _query(client, FR_SQL)
             if not ev.fr:
                 ev.fr_why = "it holds no collective (off unless the job starts with TORCH_FR_BUFFER_SIZE=N)"
+                from probe.diagnose import fr_copy
+
+                fr_copy.numbers(ev, client)  # its groups' numbers, kept without the recorder: a silent rank's peer
         except TorchNotLoaded:
             ev.fr_why = "torch is not loaded"
         except ProbeError as exc:
@@ -202,6 +206,10 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     else:
         why = "its agent cannot answer (%s)" % ev.state.replace("_", " ")
         ev.threads_why = ev.fr_why = ev.trace_why = ev.steps_why = why
+        if client.target.core is None:
+            from probe.diagnose import fr_copy
+
+            fr_copy.attach(ev, client, why)  # the recorder from the copy its agent kept while it ran
     from probe.diagnose import memory, training
 
     if ev.state == "answering":

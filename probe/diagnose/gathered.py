@@ -32,11 +32,11 @@ costs 8-13 requests a rank directly, so the helpers pay off far sooner than for 
 _MAX_TEXT = 4096
 _MAX_FRAMES = 4096
 _FIELDS = ("pid", "state", "why", "source", "holder", "holder_id", "threads", "threads_why", "fr", "fr_why",
-           "trace", "trace_why", "training", "memory", "steps", "steps_why", "paths", "locks", "seconds")
+           "fr_copy", "trace", "trace_why", "training", "memory", "steps", "steps_why", "paths", "locks", "seconds")
 _TYPES: Dict[str, Tuple[type, ...]] = {
     "pid": (int, type(None)), "state": (str,), "why": (str,), "source": (str,), "holder": (str, type(None)),
     "holder_id": (int, type(None)), "threads": (list, type(None)), "threads_why": (str, type(None)),
-    "fr": (list, type(None)), "fr_why": (str, type(None)), "trace": (dict, type(None)),
+    "fr": (list, type(None)), "fr_why": (str, type(None)), "fr_copy": (dict, type(None)), "trace": (dict, type(None)),
     "trace_why": (str, type(None)), "training": (dict, type(None)), "memory": (dict, type(None)),
     "steps": (list, type(None)), "steps_why": (str, type(None)), "paths": (list, type(None)),
     "locks": (list, type(None)), "seconds": (int, float)}

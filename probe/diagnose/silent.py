@@ -110,6 +110,12 @@ def cannot_answer(ev: RankEvidence, name: str, in_collective: Dict[int, Any], ra
         else:
             evidence.append(Evidence(ev.why or "no answer, and its stacks could not be read", None, [ev.rank]))
         nexts.append("look again, with more time: %s" % command([ev.rank], "--deadline 30 backtrace"))
+    from probe.diagnose.fr_copy import where_it_is
+
+    said, line = where_it_is(ev, ranks, who)  # its recorder, from the copy its agent kept while it ran
+    summary += "" if single else said
+    if line and (ev.fr_copy is not None or ev.state in ("gil_held", "stopped")):
+        evidence.append(Evidence(line, None, [ev.rank], list(ev.fr or ())))
     for group in (inside, still):
         if group:
             op, vthread, vkey = in_collective[group[0]]

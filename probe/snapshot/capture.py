@@ -107,6 +107,7 @@ def _tables(client: Any, last: Any, record: Dict[str, Any]) -> None:
         why = "its agent cannot answer (%s)" % last.state.replace("_", " ")
         for name, _, _ in TABLES:
             missing[name] = why
+        _copied_recorder(last, tables, missing)
         return
     torch_missing: Optional[str] = "torch is not loaded" if last.fr_why == "torch is not loaded" else None
     for name, sql, max_rows in TABLES:
@@ -130,6 +131,28 @@ def _tables(client: Any, last: Any, record: Dict[str, Any]) -> None:
         elif name == "process.info":  # masked by the agent, unless it was told to show secrets: not on disk
             rows = _masked_column(answer.columns, rows, "cmdline")
         tables[name] = _bounded([[n, t] for n, t in answer.columns], rows, bool(answer.truncated), name)
+
+
+def _copied_recorder(last: Any, tables: Dict[str, Any], missing: Dict[str, Any]) -> None:
+    """A rank that cannot answer: ``torch.flight_recorder`` from the copy its agent kept while it ran, the
+    record saying that it is a copy and of when (``missing`` holds the words, ``fr_copy`` the times)."""
+    copy = last.fr_copy if isinstance(last.fr_copy, dict) else None
+    if copy is None or not isinstance(copy.get("pid"), int):
+        if last.fr_why:
+            missing["torch.flight_recorder"] = last.fr_why
+        return
+    from probe.diagnose.fr_copy import copy_words, kept_rows
+    from probe.tables.torch.flight_recorder import COLUMNS
+
+    kept, bad = kept_rows(last)
+    rows = [list(r) for r in kept[-4000:]]
+    if rows:
+        tables["torch.flight_recorder"] = _bounded([[c.name, c.type] for c in COLUMNS], rows, False,
+                                                   "torch.flight_recorder")
+        missing["torch.flight_recorder"] = "live rows missing: %s; these are %s" % (
+            missing.get("torch.flight_recorder"), copy_words(last))
+    elif bad or last.fr_why:
+        missing["torch.flight_recorder"] = bad or last.fr_why
 
 
 def _masked_locals(columns: Sequence[Tuple[str, str]], rows: List[List[Any]]) -> List[List[Any]]:

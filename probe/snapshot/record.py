@@ -247,7 +247,7 @@ def _load(path: str, what: str) -> Any:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise UsageError("%s is not a %s: cut short or not JSON (%s)" % (path, what, exc),
                          hint="a record is written whole or not at all: this file was not written by probe") from None
-    from probe.snapshot.bounded import check
+    from probe.reader.bounded import check
 
     too_much = check(raw)
     if too_much is not None:

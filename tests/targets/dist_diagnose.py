@@ -7,6 +7,8 @@ reads ``DIAG_CONTROL`` (a file; absent or empty: nothing to do) for orders, one 
 
 - ``straggle R``: rank R sleeps ``STRAGGLE_S`` more inside ``Block.forward`` every step;
 - ``gil R``: rank R calls libc's sleep through ctypes.PyDLL (a C call that keeps the GIL) for 600 s;
+- ``dumpgil R``: rank R first writes its Flight Recorder's dump where torch would
+  (``$TORCH_FR_DUMP_TEMP_FILE<rank>``, as NCCL's watchdog does on a timeout), then does as ``gil R``;
 - ``skip R``: rank R calls no collective and waits in ``load_next_batch`` while the order stands;
 - ``slow 0``: every rank's step takes ``SLOW_S`` (a merely slow job).
 """
@@ -92,7 +94,10 @@ def main() -> None:
     step = 0
     while True:
         order = read_orders(rank) if CONTROL else ""
-        if order == "gil":
+        if order == "dumpgil":
+            with open(os.environ["TORCH_FR_DUMP_TEMP_FILE"] + str(rank), "wb") as handle:
+                handle.write(torch._C._distributed_c10d._dump_fr_trace())
+        if order in ("gil", "dumpgil"):
             hold_the_gil()
         elif order == "skip":
             load_next_batch(rank)
