@@ -261,8 +261,9 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
             failures = chosen.failures
     finally:
         chosen.deadline = saved
+    by_rank = {m.rank: m for m in chosen.members} if failures else {}
     for failure in failures:
-        member = next((m for m in chosen.members if m.rank == failure.rank), None)
+        member = by_rank.get(failure.rank)
         ranks[failure.rank] = RankEvidence(failure.rank, failure.host, member.pid if member else None,
                                            state="dead" if member is not None and member.state == "dead"
                                            else "no_answer", why=failure.reason, source="none",
