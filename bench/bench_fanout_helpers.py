@@ -322,11 +322,12 @@ def _one_node_gathers(gather: Any) -> None:
     machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's request,
     answer and encoding, the client's reading of every rank's evidence and its rules. Each gather asks its
     ranks one at a time (they answer from memory): a runner a node, not 8 (16,384 threads here)."""
+    import copy
     import dataclasses
     import threading
 
     real, fan_out = gather._evidence, gather._fan_out
-    kept: Dict[str, Any] = {"at": -1.0, "evs": {}}
+    kept: Dict[str, Any] = {"last": -1.0, "evs": {}}
     lock = threading.Lock()
 
     def collect_node(members: List[Dict[str, Any]], asked: Any, budget: Any) -> Dict[int, Any]:
@@ -347,13 +348,18 @@ def _one_node_gathers(gather: Any) -> None:
 
     def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
         with lock:
-            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come
-            # within a moment of each other: another since_s, or 0.8 s past, is the next look.
-            if time.monotonic() - kept["at"] > 0.8 or kept.get("since") != asked.since_s:
-                kept["at"], kept["since"] = time.monotonic(), asked.since_s
+            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come one
+            # after another while it lasts (at 16k ranks, seconds): another since_s, or a pause of 0.6 s
+            # without a request, is the next look.
+            if time.monotonic() - kept["last"] > 0.6 or kept.get("since") != asked.since_s:
+                kept["since"] = asked.since_s
                 local = [m for m in SIM_NODES[0].local_members()]
-                kept["evs"] = collect_node(local, asked, budget)
+                base = member["rank"] - member["local_rank"]  # the asking node's ranks that sample ahead, here
+                mine = copy.copy(asked)
+                mine.ahead = frozenset(m["rank"] for m in local if base + m["local_rank"] in getattr(asked, "ahead", ()))
+                kept["evs"] = collect_node(local, mine, budget)
             ev = kept["evs"].get(member["local_rank"] % max(1, len(kept["evs"])))
+            kept["last"] = time.monotonic()
         return dataclasses.replace(ev, rank=member["rank"], pid=member.get("pid"))
 
     gather._evidence = shared
@@ -412,7 +418,36 @@ def role_helpers(spec_path: str) -> None:
         SIM_NODES.append(sim)
         print("HELPER %d %d" % (node["node"], listener.port), flush=True)
     print("READY", flush=True)
+    if os.environ.get("PROBE_BENCH_PROFILE") and spec["nodes"][0]["node"] == int(os.environ.get("PROBE_BENCH_PROFILE_NODE", "0")):
+        _profile_until_signal(os.environ["PROBE_BENCH_PROFILE"])
     sys.stdin.read()  # until the bench closes our stdin (or dies)
+
+
+def _profile_until_signal(path: str) -> None:
+    """A cProfile of this helper process's threads (each its own profiler, merged), written to ``path``
+    at SIGUSR1 (bench_diagnose.py --profile: where a helper's time goes in a look)."""
+    import cProfile
+    import pstats
+    import signal
+    import threading
+
+    profs: List[cProfile.Profile] = []
+
+    def start_in_thread(*_: object) -> None:
+        prof = cProfile.Profile(time.thread_time)  # CPU time: a thread waiting costs nothing
+        profs.append(prof)
+        prof.enable()
+
+    def dump(*_: object) -> None:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        with open(path, "w") as out:
+            stats = pstats.Stats(*profs, stream=out) if profs else None
+            if stats is not None:
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(40)
+
+    threading.setprofile(start_in_thread)
+    signal.signal(signal.SIGUSR1, dump)
 
 
 # -- the bench ------------------------------------------------------------------------------------
