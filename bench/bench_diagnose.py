@@ -234,7 +234,10 @@ def page_refresh(job: "fleet.Job", runs: int) -> List[float]:
         def run(*paths: Any) -> None:
             try:
                 for path, body in paths:
+                    begun = time.perf_counter()
                     ask(path, body)
+                    if counted:
+                        parts.setdefault(path, []).append(time.perf_counter() - begun)
             except Exception as exc:  # said below, and the refresh counts as it took
                 errors.append(str(exc)[:300])
 
@@ -251,14 +254,19 @@ def page_refresh(job: "fleet.Job", runs: int) -> List[float]:
             print("  page refresh: %s" % "; ".join(errors), flush=True)
         return took
 
+    parts: Dict[str, List[float]] = {}  # each route's own time, over the refreshes counted
+    counted = False
     try:
         out = []
         for i in range(runs + 1):
             job.report()
             time.sleep(max(1.5, 2.5 * (out[-1] if out else 2.0)))  # the answers before have expired (_Once)
+            counted = i > 0
             took = refresh()
             if i:
                 out.append(took)
+        print("  page routes, median s: %s" % ", ".join("%s %.2f" % (path, Summary.of(v).median)
+                                                       for path, v in sorted(parts.items())), flush=True)
         return out
     finally:
         server.httpd.shutdown()

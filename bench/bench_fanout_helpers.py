@@ -474,11 +474,14 @@ class Job:
             nodes = [{"node": n, "ranks": [[r, ports[r]] for r in range(n * per_node, min(world, (n + 1) * per_node))],
                       "master": n == 0} for n in range(-(-world // per_node))]
             self.helpers: Dict[int, int] = {}
-            step = -(-len(nodes) // helper_procs)
-            for at in range(0, len(nodes), step):
+            # Node k in process k % helper_procs: the client asks the nodes in order, many at once, and those
+            # in flight together are spread over the processes (nodes work at once, each on its own cores)
+            # rather than all waiting on one process's GIL.
+            procs = min(helper_procs, len(nodes))
+            for at in range(procs):
                 path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
                 with open(path, "w") as handle:
-                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step],
+                    json.dump({"canned": canned, "world": world, "nodes": nodes[at::procs],
                                "live": float(live_args[0]) if live_args else None, "one_node": one_node}, handle)
                 proc = self._start(["helpers", path], env, stdin=True)
                 for line in proc.stdout:  # type: ignore[union-attr]

@@ -236,9 +236,7 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     """Every rank's evidence through the fan-out, within ``deadline`` seconds. ``only``: the ranks to ask
     again (the others keep their evidence from ``previous``: a rank that cannot answer is not read from
     outside a second time)."""
-    from probe.diagnose import gathered
-
-    from probe.diagnose import straggler
+    from probe.diagnose import gathered, straggler
 
     start = time.monotonic()
     history = _history_meanwhile(cluster) if previous is None else None
