@@ -85,9 +85,17 @@ class Live:
 
         self.t0 = t0
         self.stacks = [[json.dumps(_stack(tail, 100 + k)).encode() for k in range(4)] for tail in ("recv", "straggler")]
+        from probe.page import data
+
         self.by_sql = {evidence.THREADS_SQL: self.threads, evidence.FR_SQL: self.fr, evidence.TRACE_SQL: self.trace,
                        progress.STEPS_SQL: self.steps, training.ANOMALIES_SQL: self.anomalies,
-                       memory.RSS_SQL: self.rss}
+                       memory.RSS_SQL: self.rss,
+                       # the page's metrics (its default 50 steps): the trace off, the step counter, RSS
+                       data.TRACE_SQL.format(n=50): lambda rank, age: ([("step", "BIGINT"), ("step_s", "DOUBLE"),
+                                                                        ("memory_mb", "DOUBLE")], []),
+                       data.COUNTER_SQL: lambda rank, age: ([("steps", "BIGINT"), ("step_s", "DOUBLE")],
+                                                            [[int(age / self.STEP_S), self.STEP_S]]),
+                       data.MEMORY_SQL: lambda rank, age: ([("memory_mb", "DOUBLE")], [[2147.5 + rank * 0.004]])}
 
     def backtrace(self, rank: int) -> bytes:
         return self.stacks[rank % 64 == 7][int((time.time() - self.t0) / self.STEP_S) % 4]
@@ -295,6 +303,14 @@ class _CannedLive(_Canned):
             return Rows((("threads", "BIGINT"),), [[3]])
         columns, rows = make(self.rank, time.time() - self.live.t0)
         return Rows(tuple(columns), rows)
+
+    def _json(self, method: str, path: str, body: Any = None, timeout: Any = None) -> Dict[str, Any]:
+        """A gathered query (the page's metrics) answered as ``Live`` answers that SQL."""
+        make = self.live.by_sql.get(json.loads(body)["sql"]) if path == "/v1/query" and body else None
+        if make is None:
+            return super()._json(method, path, body, timeout)
+        columns, rows = make(self.rank, time.time() - self.live.t0)
+        return {"columns": [{"name": n, "type": t} for n, t in columns], "rows": rows, "truncated": False}
 
     def table_rows(self, name: str, max_rows: Any = None, columns: Any = None) -> Any:
         from probe.errors import NotFound
