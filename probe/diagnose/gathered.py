@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from probe.client.fanout import MAX_OPEN
 from probe.client.results import Frame
 
-__all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample"]
+__all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample", "Frames"]
 
 AUTO_ABOVE = 32
 """``--via auto`` gathers diagnose's evidence through the node helpers for more ranks than this: a look
@@ -113,7 +113,7 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
 
 
 _TEXTS: Dict[Tuple[Any, ...], str] = {}  # a stack's frames -> its JSON text (encode)
-_MAX_TEXTS = 4096
+_MAX_TEXTS = 1024
 
 
 def _as_lists(key: Tuple[Any, ...]) -> List[List[Any]]:
