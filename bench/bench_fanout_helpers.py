@@ -85,9 +85,17 @@ class Live:
 
         self.t0 = t0
         self.stacks = [[json.dumps(_stack(tail, 100 + k)).encode() for k in range(4)] for tail in ("recv", "straggler")]
+        from probe.page import data
+
         self.by_sql = {evidence.THREADS_SQL: self.threads, evidence.FR_SQL: self.fr, evidence.TRACE_SQL: self.trace,
                        progress.STEPS_SQL: self.steps, training.ANOMALIES_SQL: self.anomalies,
-                       memory.RSS_SQL: self.rss}
+                       memory.RSS_SQL: self.rss,
+                       # the page's metrics (its default 50 steps): the trace off, the step counter, RSS
+                       data.TRACE_SQL.format(n=50): lambda rank, age: ([("step", "BIGINT"), ("step_s", "DOUBLE"),
+                                                                        ("memory_mb", "DOUBLE")], []),
+                       data.COUNTER_SQL: lambda rank, age: ([("steps", "BIGINT"), ("step_s", "DOUBLE")],
+                                                            [[int(age / self.STEP_S), self.STEP_S]]),
+                       data.MEMORY_SQL: lambda rank, age: ([("memory_mb", "DOUBLE")], [[2147.5 + rank * 0.004]])}
 
     def backtrace(self, rank: int) -> bytes:
         return self.stacks[rank % 64 == 7][int((time.time() - self.t0) / self.STEP_S) % 4]
@@ -296,6 +304,14 @@ class _CannedLive(_Canned):
         columns, rows = make(self.rank, time.time() - self.live.t0)
         return Rows(tuple(columns), rows)
 
+    def _json(self, method: str, path: str, body: Any = None, timeout: Any = None) -> Dict[str, Any]:
+        """A gathered query (the page's metrics) answered as ``Live`` answers that SQL."""
+        make = self.live.by_sql.get(json.loads(body)["sql"]) if path == "/v1/query" and body else None
+        if make is None:
+            return super()._json(method, path, body, timeout)
+        columns, rows = make(self.rank, time.time() - self.live.t0)
+        return {"columns": [{"name": n, "type": t} for n, t in columns], "rows": rows, "truncated": False}
+
     def table_rows(self, name: str, max_rows: Any = None, columns: Any = None) -> Any:
         from probe.errors import NotFound
 
@@ -322,11 +338,12 @@ def _one_node_gathers(gather: Any) -> None:
     machine cannot run 2,048 nodes' work at once); everything else runs as it would: every node's request,
     answer and encoding, the client's reading of every rank's evidence and its rules. Each gather asks its
     ranks one at a time (they answer from memory): a runner a node, not 8 (16,384 threads here)."""
+    import copy
     import dataclasses
     import threading
 
     real, fan_out = gather._evidence, gather._fan_out
-    kept: Dict[str, Any] = {"at": -1.0, "evs": {}}
+    kept: Dict[str, Any] = {"last": -1.0, "evs": {}}
     lock = threading.Lock()
 
     def collect_node(members: List[Dict[str, Any]], asked: Any, budget: Any) -> Dict[int, Any]:
@@ -347,13 +364,18 @@ def _one_node_gathers(gather: Any) -> None:
 
     def shared(member: Dict[str, Any], asked: Any, budget: Any) -> Any:
         with lock:
-            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come
-            # within a moment of each other: another since_s, or 0.8 s past, is the next look.
-            if time.monotonic() - kept["at"] > 0.8 or kept.get("since") != asked.since_s:
-                kept["at"], kept["since"] = time.monotonic(), asked.since_s
+            # A look's requests carry one since_s (0 at a first look, then the seconds since it) and come one
+            # after another while it lasts (at 16k ranks, seconds): another since_s, or a pause of 0.6 s
+            # without a request, is the next look.
+            if time.monotonic() - kept["last"] > 0.6 or kept.get("since") != asked.since_s:
+                kept["since"] = asked.since_s
                 local = [m for m in SIM_NODES[0].local_members()]
-                kept["evs"] = collect_node(local, asked, budget)
+                base = member["rank"] - member["local_rank"]  # the asking node's ranks that sample ahead, here
+                mine = copy.copy(asked)
+                mine.ahead = frozenset(m["rank"] for m in local if base + m["local_rank"] in getattr(asked, "ahead", ()))
+                kept["evs"] = collect_node(local, mine, budget)
             ev = kept["evs"].get(member["local_rank"] % max(1, len(kept["evs"])))
+            kept["last"] = time.monotonic()
         return dataclasses.replace(ev, rank=member["rank"], pid=member.get("pid"))
 
     gather._evidence = shared
@@ -412,7 +434,36 @@ def role_helpers(spec_path: str) -> None:
         SIM_NODES.append(sim)
         print("HELPER %d %d" % (node["node"], listener.port), flush=True)
     print("READY", flush=True)
+    if os.environ.get("PROBE_BENCH_PROFILE") and spec["nodes"][0]["node"] == int(os.environ.get("PROBE_BENCH_PROFILE_NODE", "0")):
+        _profile_until_signal(os.environ["PROBE_BENCH_PROFILE"])
     sys.stdin.read()  # until the bench closes our stdin (or dies)
+
+
+def _profile_until_signal(path: str) -> None:
+    """A cProfile of this helper process's threads (each its own profiler, merged), written to ``path``
+    at SIGUSR1 (bench_diagnose.py --profile: where a helper's time goes in a look)."""
+    import cProfile
+    import pstats
+    import signal
+    import threading
+
+    profs: List[cProfile.Profile] = []
+
+    def start_in_thread(*_: object) -> None:
+        prof = cProfile.Profile(time.thread_time)  # CPU time: a thread waiting costs nothing
+        profs.append(prof)
+        prof.enable()
+
+    def dump(*_: object) -> None:
+        threading.setprofile(None)  # type: ignore[arg-type]
+        with open(path, "w") as out:
+            stats = pstats.Stats(*profs, stream=out) if profs else None
+            if stats is not None:
+                stats.sort_stats("tottime").print_stats(40)
+                stats.sort_stats("cumulative").print_stats(40)
+
+    threading.setprofile(start_in_thread)
+    signal.signal(signal.SIGUSR1, dump)
 
 
 # -- the bench ------------------------------------------------------------------------------------
@@ -439,11 +490,14 @@ class Job:
             nodes = [{"node": n, "ranks": [[r, ports[r]] for r in range(n * per_node, min(world, (n + 1) * per_node))],
                       "master": n == 0} for n in range(-(-world // per_node))]
             self.helpers: Dict[int, int] = {}
-            step = -(-len(nodes) // helper_procs)
-            for at in range(0, len(nodes), step):
+            # Node k in process k % helper_procs: the client asks the nodes in order, many at once, and those
+            # in flight together are spread over the processes (nodes work at once, each on its own cores)
+            # rather than all waiting on one process's GIL.
+            procs = min(helper_procs, len(nodes))
+            for at in range(procs):
                 path = os.path.join(runtime, "spec-%d-%d-%d.json" % (world, per_node, at))
                 with open(path, "w") as handle:
-                    json.dump({"canned": canned, "world": world, "nodes": nodes[at:at + step],
+                    json.dump({"canned": canned, "world": world, "nodes": nodes[at::procs],
                                "live": float(live_args[0]) if live_args else None, "one_node": one_node}, handle)
                 proc = self._start(["helpers", path], env, stdin=True)
                 for line in proc.stdout:  # type: ignore[union-attr]

@@ -21,7 +21,7 @@ named with what was wrong, and the others stand.
 
 import json
 import re
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import probe.client.transport as transport
 from probe.client.fanout import fan_out
@@ -85,10 +85,12 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
     return out
 
 
-def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None,
+            own: Optional[Callable[[List["Member"]], Dict[str, Any]]] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
     and the failures of the ranks of helpers that did not answer in time. ``in_flight``: helpers asked at
-    once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more)."""
+    once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more). ``own``:
+    fields of one helper's request, from its members (what concerns its ranks only)."""
     from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
@@ -98,8 +100,8 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
     def ask(item: Tuple[str, List["Member"]]) -> Any:
         helper, members = item
         address = transport.TcpAddress(_host_of(helper), int(helper.rpartition(":")[2]))
-        body = json.dumps(dict(op, ranks=[m.rank for m in members], deadline=round(inner, 3),
-                               max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
+        body = json.dumps(dict(op, **(own(members) if own else {}), ranks=[m.rank for m in members],
+                               deadline=round(inner, 3), max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
         answer = transport.request(address, "POST", "/v1/gather", body, None, min(cluster.timeout, deadline + 1.0),
                                    token=cluster._token)
         try:

@@ -1,9 +1,12 @@
 """When to look: a first sample, a second a moment later, and a third later still where some rank showed no
 sign of life between the first two (a stuck rank and a slow one look alike for a second)."""
 
+import contextlib
+import gc
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+from probe.diagnose import straggler
 from probe.diagnose.evidence import Sample
 from probe.diagnose.gather import sample_job, sample_one
 from probe.diagnose.rules import judge, needs_longer_look
@@ -21,7 +24,7 @@ Sampler = Callable[[float, Optional[Sequence[int]], Optional[Sample]], Sample]
 
 def sampler_for(target: Any, single: bool) -> Sampler:
     if single:
-        return lambda deadline, only, previous: sample_one(target, deadline)
+        return lambda deadline, only, previous: sample_one(target, deadline, previous)
     return lambda deadline, only, previous: sample_job(target, deadline, only, previous)
 
 
@@ -29,14 +32,36 @@ def diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float = 
              longer: float = LONGER_S) -> Report:
     """Sample, wait, sample again (only the ranks that answered), judge; within about ``deadline`` seconds
     in all (the samples share it: the first takes at most half)."""
+    with _collector_paused():
+        return _diagnose(sampler, deadline, command, gap, longer)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off while a diagnosis runs: the evidence of 16k ranks is millions of objects,
+    none of them in a cycle, and each pass of the collector over them as they grew took seconds a look.
+    What a diagnosis leaves in cycles is collected once it is done."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float, longer: float) -> Report:
     start = time.monotonic()
     first = sampler(max(deadline / 2, min(deadline, 1.0)), None, None)
     answered = [r for r, ev in first.ranks.items() if ev.state == "answering"]
     samples = 1
     last = first
+    # A rank stepping at the first look takes its straggler samples ahead of the next look, in the wait
+    # (probe.diagnose.straggler.ahead): the look is asked that much sooner, its stacks read as late as before.
+    lead = straggler.AHEAD_S if any(straggler.ahead(first.ranks.get(r)) for r in answered) else 0.0
     for target_gap in (gap, longer):
         left = deadline - (time.monotonic() - start)
-        wait = target_gap - (time.monotonic() - first.at)
+        wait = target_gap - lead - (time.monotonic() - first.at)
         if not answered or left - max(wait, 0) < 0.5:
             break
         if wait > 0:

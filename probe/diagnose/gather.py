@@ -152,9 +152,14 @@ def _table(client: Any, name: str) -> List[Dict[str, Any]]:
     return [dict(zip(names, row)) for row in rows.rows]
 
 
-def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed_state: Optional[str] = None) -> RankEvidence:
-    """One rank's evidence; never raises (what failed is kept, with why)."""
+def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed_state: Optional[str] = None,
+            ahead: bool = False) -> RankEvidence:
+    """One rank's evidence; never raises (what failed is kept, with why). ``ahead``: the straggler's samples
+    first, then the look (``probe.diagnose.straggler.ahead``)."""
+    from probe.diagnose import straggler
+
     start = time.monotonic()
+    taken = straggler.sample_main(client) if ahead and client.target.core is None else None
     ev = RankEvidence(rank, host, pid)
     try:
         if client.target.core is not None:
@@ -213,7 +218,7 @@ def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed
     from probe.diagnose import memory, training
 
     if ev.state == "answering":
-        training.gather(client, ev, _query)
+        training.gather(client, ev, _query, taken)
     memory.gather(client, ev, _query)
     ev.seconds = time.monotonic() - start
     return ev
@@ -239,10 +244,12 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     """Every rank's evidence through the fan-out, within ``deadline`` seconds. ``only``: the ranks to ask
     again (the others keep their evidence from ``previous``: a rank that cannot answer is not read from
     outside a second time)."""
-    from probe.diagnose import gathered
+    from probe.diagnose import gathered, straggler
 
     start = time.monotonic()
+    history = _history_meanwhile(cluster) if previous is None else None
     chosen = cluster if only is None else cluster.select(only)
+    early = set() if previous is None else {r for r, ev in previous.ranks.items() if straggler.ahead(ev)}
     chosen.via = getattr(cluster, "via", "auto")
     saved = chosen.deadline
     chosen.deadline = deadline
@@ -250,40 +257,64 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     try:
         if chosen.members and gathered.through_helpers(chosen):  # one request a node (probe.diagnose.gathered)
             got, failures = gathered.sample(chosen, None if previous is None else start - previous.at + 1.0,
-                                            sys.modules[__name__])
+                                            sys.modules[__name__], early)
             ranks.update(got)
         else:
             by_client = {id(c): m for m, c in zip(chosen.members, chosen.clients)}
-            answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)])) if chosen.members else []
+            answers = chosen.map(lambda c: _collect_member(c, by_client[id(c)], early)) if chosen.members else []
             for answer in answers:
                 ranks[answer.member.rank] = answer.value
             failures = chosen.failures
     finally:
         chosen.deadline = saved
+    by_rank = {m.rank: m for m in chosen.members} if failures else {}
     for failure in failures:
-        member = next((m for m in chosen.members if m.rank == failure.rank), None)
+        member = by_rank.get(failure.rank)
         ranks[failure.rank] = RankEvidence(failure.rank, failure.host, member.pid if member else None,
                                            state="dead" if member is not None and member.state == "dead"
                                            else "no_answer", why=failure.reason, source="none",
                                            threads_why="no answer", fr_why="no answer", trace_why="no answer")
+    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
+                  history=history() if history is not None else previous.history if previous is not None else None)
+
+
+def _history_meanwhile(cluster: Any) -> Any:
+    """Each thread's current run from the node helpers (``cluster.stack_history``), asked while the first
+    look runs (a request a node: at 16k ranks as long as a look's): call the result for the rows."""
+    import threading
+
     from probe.client.stack_history import current_or_none
 
-    return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
-                  history=current_or_none(cluster) if previous is None else previous.history)
+    got: List[Any] = [None]
+
+    def run() -> None:
+        got[0] = current_or_none(cluster)  # never raises
+
+    thread = threading.Thread(target=run, name="probe-diagnose-history", daemon=True)
+    thread.start()
+
+    def rows() -> Any:
+        thread.join()
+        return got[0]
+
+    return rows
 
 
-def _collect_member(client: Any, member: Any) -> RankEvidence:
-    return collect(client, member.rank, member.host, member.pid, member.state)
+def _collect_member(client: Any, member: Any, early: Any = ()) -> RankEvidence:
+    return collect(client, member.rank, member.host, member.pid, member.state, member.rank in early)
 
 
-def sample_one(client: Any, deadline: float) -> Sample:
-    """The one process's evidence (rank 0 of a job of one), within about ``deadline`` seconds."""
+def sample_one(client: Any, deadline: float, previous: Optional[Sample] = None) -> Sample:
+    """The one process's evidence (rank 0 of a job of one), within about ``deadline`` seconds (``previous``:
+    the look before, whose stepping has this one take its straggler samples ahead)."""
     from probe.client.fanout import fan_out
+    from probe.diagnose import straggler
 
     start = time.monotonic()
     pid = client.target.pid
     label = "process %d" % pid if pid is not None else client.target.label
-    outcome = fan_out([client], lambda c: collect(c, 0, label, pid), 1, deadline)[0]
+    early = previous is not None and straggler.ahead(previous.ranks.get(0))
+    outcome = fan_out([client], lambda c: collect(c, 0, label, pid, None, early), 1, deadline)[0]
     if outcome.error is not None:
         ev = RankEvidence(0, label, pid, state="no_answer", why=outcome.error.message, source="none",
                           threads_why="no answer", fr_why="no answer", trace_why="no answer")

@@ -17,12 +17,12 @@ came; 0 at a first look).
 
 import json
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from probe.client.fanout import MAX_OPEN
 from probe.client.results import Frame
 
-__all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample"]
+__all__ = ["encode", "decode", "Bad", "AUTO_ABOVE", "through_helpers", "sample", "Frames"]
 
 AUTO_ABOVE = 32
 """``--via auto`` gathers diagnose's evidence through the node helpers for more ranks than this: a look
@@ -70,8 +70,14 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
     now = time.monotonic()
     texts: Dict[str, int] = {}
 
-    def ref(stack: Any) -> int:
-        text = json.dumps(stack, default=str)
+    def ref(key: Tuple[Any, ...], make: Any) -> int:
+        """The index of a stack's text, its text made once per distinct stack (``key``: its frames as
+        tuples) and kept across gathers: a node's ranks show the same stacks, look after look."""
+        text = _TEXTS.get(key)
+        if text is None:
+            if len(_TEXTS) >= _MAX_TEXTS:
+                _TEXTS.clear()
+            text = _TEXTS[key] = json.dumps(make(key), default=str)
         at = texts.get(text)
         if at is None:
             at = texts[text] = len(texts)
@@ -92,11 +98,11 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
                 if stack is None:
                     stack = threads[f.thread_id] = []
                     heads.append([f.thread_id, f.thread_name, f.native_id, f.is_main, stack])
-                stack.append([f.depth, f.func, f.file, f.lineno, f.code, f.frame_type])
-            out["frames"] = [[t, n, native, main, ref(stack)] for t, n, native, main, stack in heads]
+                stack.append(f[4:])  # depth, func, file, line, code, frame_type
+            out["frames"] = [[t, n, native, main, ref(tuple(stack), _as_lists)] for t, n, native, main, stack in heads]
         if isinstance(ev.training, dict) and isinstance(ev.training.get("main_samples"), list):
             out["training"] = dict(ev.training, main_samples=[  # [func, file, line, code] frames, as a stack
-                ref([[depth] + list(f[:4]) + ["python"] for depth, f in enumerate(sample)])
+                ref(("sample",) + tuple(tuple(f[:4]) for f in sample), _sample_lists)
                 for sample in ev.training["main_samples"]])
         if isinstance(ev.memory, dict) and isinstance(ev.memory.get("readings"), list):
             readings = [[round(now - t, 4), rss] for t, rss in ev.memory["readings"]
@@ -104,6 +110,18 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
             out["memory"] = dict(ev.memory, readings=readings)
         ranks.append(out)
     return {"stacks": list(texts), "ranks": ranks}
+
+
+_TEXTS: Dict[Tuple[Any, ...], str] = {}  # a stack's frames -> its JSON text (encode)
+_MAX_TEXTS = 1024
+
+
+def _as_lists(key: Tuple[Any, ...]) -> List[List[Any]]:
+    return [list(f) for f in key]
+
+
+def _sample_lists(key: Tuple[Any, ...]) -> List[List[Any]]:
+    return [[depth] + list(f) + ["python"] for depth, f in enumerate(key[1:])]
 
 
 # -- the client's side ------------------------------------------------------------------------------
@@ -226,12 +244,45 @@ def _sample(stack: Any, known: Dict[Any, Any]) -> Any:
     return got
 
 
-def _frames(raw: Any, stacks: List[Any], rank: int) -> List[Frame]:
+class Frames(Sequence[Frame]):
+    """A rank's frames, made only when read: the rules read each distinct stack's key, made once for every
+    rank (:func:`_named`), so that most ranks' frames (some 40 ``Frame`` a rank, 600,000 a look at 16k
+    ranks) are never made at all. Reads as the list it stands for."""
+
+    __slots__ = ("_threads", "_n", "_made")
+
+    def __init__(self, threads: List[Tuple[Tuple[Any, ...], Tuple[Any, ...]]]) -> None:
+        self._threads = threads  # [(thread_id, name, native_id, is_main), stack's frames], checked
+        self._n = sum(len(stack) for _, stack in threads)
+        self._made: Optional[List[Frame]] = None
+
+    def _list(self) -> List[Frame]:
+        if self._made is None:
+            new = tuple.__new__
+            self._made = [new(Frame, head + f) for head, stack in self._threads for f in stack]
+        return self._made
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._list()[i]
+
+    def __iter__(self) -> Iterator[Frame]:
+        return iter(self._list())
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, (list, Frames)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(self._list())
+
+
+def _frames(raw: Any, stacks: List[Any], rank: int) -> Frames:
     if not isinstance(raw, list):
         raise Bad("rank %d's frames are not a list" % rank)
-    out: List[Frame] = []
+    out: List[Tuple[Tuple[Any, ...], Tuple[Any, ...]]] = []
     ids = set()
-    new = tuple.__new__
     for thread in raw:
         if not (isinstance(thread, list) and len(thread) == 5 and type(thread[0]) is int
                 and (thread[1] is None or isinstance(thread[1], str) and len(thread[1]) <= _MAX_TEXT)
@@ -241,15 +292,15 @@ def _frames(raw: Any, stacks: List[Any], rank: int) -> List[Frame]:
         if thread[0] in ids:
             raise Bad("rank %d has two threads of id %d" % (rank, thread[0]))
         ids.add(thread[0])
-        head = (thread[0], thread[1], thread[2], thread[3])
-        out.extend(new(Frame, head + f) for f in stacks[thread[4]])
-    return out
+        out.append(((thread[0], thread[1], thread[2], thread[3]), stacks[thread[4]]))
+    return Frames(out)
 
 
-def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[int, Any], List[Any]]:
+def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()) -> Tuple[Dict[int, Any], List[Any]]:
     """One look at ``chosen``'s ranks through their node helpers: (rank -> evidence, the failures of the
     ranks that gave none). A helper that cannot gather (an older one) has its ranks looked at directly.
-    ``evidence``: the module ``probe.diagnose.evidence`` (see :func:`decode`)."""
+    ``evidence``: the module ``probe.diagnose.evidence`` (see :func:`decode`). ``early``: the ranks whose
+    straggler samples are taken ahead of the look (``"ahead"``, each helper told of its own)."""
     from probe.client import via_helpers
     from probe.client.members import RankFailure
 
@@ -257,7 +308,11 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[i
     # Every helper's answer takes a while (the straggler rule's samples, 80 ms apart, on each of its ranks):
     # all of them asked at once, up to the fan-out's bound on open requests.
     helpers = len({m.helper for m in chosen.members})
-    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)))
+    def own(members: List[Any]) -> Dict[str, Any]:
+        return {"ahead": [m.rank for m in members if m.rank in early]} if early else {}
+
+    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)),
+                                                         own)
     ranks: Dict[int, Any] = {}
     known: Dict[str, Any] = {}
     for members, raw in answered:
@@ -281,7 +336,8 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any) -> Tuple[Dict[i
         sub = chosen.plain(direct)
         by_client = {id(c): m for m, c in zip(sub.members, sub.clients)}
         for answer in sub.map(lambda c: evidence.collect(c, by_client[id(c)].rank, by_client[id(c)].host,
-                                                         by_client[id(c)].pid, by_client[id(c)].state)):
+                                                         by_client[id(c)].pid, by_client[id(c)].state,
+                                                         by_client[id(c)].rank in early)):
             ranks[answer.member.rank] = answer.value
         failures.extend(sub.failures)
     return ranks, failures

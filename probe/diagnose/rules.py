@@ -69,15 +69,16 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     # Ranks waiting inside a collective, by stacks, stuck over the whole window (victims of whoever is missing).
     in_collective = collectives.waiting_in(first, last, answering, progress)
 
-    # 1-2. Ranks that cannot answer, dead first.
+    # 1-2. Ranks that cannot answer, dead first. Who waits for them is the same for each (once: at 16k ranks
+    # with hundreds silent, asked for each it took minutes).
+    waiting = cannot.waiting(in_collective, first, last, progress) if silent else {}
     for state in ("dead", "gil_held", "stopped", "no_answer", "unreachable"):
         group = [r for r in silent if ranks[r].state == state]
         if state == "dead":  # ranks die of one rank's death (the launcher's SIGTERM, a lost peer): that one first
             group.sort(key=lambda r: cannot.died_of_another(ranks[r]))
             first_deaths = [r for r in group if not cannot.died_of_another(ranks[r])]
         for r in group:
-            verdict = cannot.cannot_answer(ranks[r], who([r]), cannot.waiting(in_collective, first, last, progress),
-                                           ranks, who, command, single, last.recorded)
+            verdict = cannot.cannot_answer(ranks[r], who([r]), waiting, ranks, who, command, single, last.recorded)
             if state == "dead" and first_deaths and cannot.died_of_another(ranks[r]):
                 verdict.summary += ("; most likely of the death of %s (its launcher's SIGTERM to the others, or a "
                                     "collective's lost peer)" % who(first_deaths))

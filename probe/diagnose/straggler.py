@@ -9,7 +9,8 @@ most of the time, the straggler is mostly elsewhere, and where it is names the c
 * :func:`gather`, at each look of a rank that is stepping (its optimizer stepped in the last 2 s; without an
   optimizer counted, a traced span or a recorded collective in the last 2 s):
   ``SAMPLES`` more stacks of the main thread, ``GAP_S`` apart (one ``/v1/backtrace`` each: the agent reads
-  the stacks, a few ms of the GIL), kept as ``training["main_samples"]``;
+  the stacks, a few ms of the GIL), kept as ``training["main_samples"]``; after the first look, of a rank
+  that was stepping at the previous one, taken in the wait before the look (:func:`ahead`), not after it;
 * :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass
   (its own code run inside it, a hook or an autograd Function's backward, apart: under DDP every rank's
   step ends in its backward, the ranks that wait with the engine's frame innermost), the optimizer, a
@@ -34,7 +35,7 @@ from probe.diagnose.evidence import Sample, agent_frames, main_stack
 from probe.diagnose.progress import counter, _step_s as step_of
 from probe.diagnose.verdict import Commands, Evidence, Verdict, where_of
 
-__all__ = ["SAMPLES", "GAP_S", "gather", "judge", "by_trace"]
+__all__ = ["SAMPLES", "GAP_S", "AHEAD_S", "ahead", "sample_main", "gather", "judge", "by_trace"]
 
 SAMPLES = 5
 GAP_S = 0.08
@@ -60,13 +61,22 @@ FROM s"""
 from the step's beginning to its first forward (data loading, zero_grad, the program's own code)."""
 
 
-def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], out: Dict[str, Any]) -> None:
-    """More samples of the main thread's stack into ``out["main_samples"]``, where the rank is stepping;
-    the trace's phases where it runs. Never raises."""
+AHEAD_S = SAMPLES * GAP_S
+"""How long before a look its samples start where they are taken ahead of it (:func:`ahead`)."""
+
+
+def ahead(previous: Any) -> bool:
+    """Whether a rank's next look takes its samples AHEAD of its own stacks (in the wait before it, so the
+    look ends ``AHEAD_S`` sooner): where its previous look found it stepping. The look keeps them only
+    where it finds the rank stepping still (:func:`gather`), as if taken after it."""
+    return previous is not None and previous.state == "answering" and _moving(previous, counter(previous))
+
+
+def sample_main(client: Any) -> List[List[List[Any]]]:
+    """``SAMPLES`` stacks of the main thread, ``GAP_S`` apart (the first ``GAP_S`` from now); fewer where the
+    agent stopped answering. Never raises."""
     from probe.errors import ProbeError
 
-    if not _moving(ev, counter(ev)):
-        return
     samples: List[List[List[Any]]] = []
     for _ in range(SAMPLES):
         time.sleep(GAP_S)
@@ -78,7 +88,19 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
             break
         mains = sorted((f for f in frames if f.is_main and f.frame_type == "python"), key=lambda f: f.depth)
         samples.append([[f.func, f.file, f.lineno, (f.code or "").strip()] for f in mains[:60]])
-    out["main_samples"] = samples
+    return samples
+
+
+def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], out: Dict[str, Any],
+           taken: Optional[List[List[List[Any]]]] = None) -> None:
+    """More samples of the main thread's stack into ``out["main_samples"]``, where the rank is stepping
+    (``taken``: those taken ahead of this look, kept only then); the trace's phases where it runs. Never
+    raises."""
+    from probe.errors import ProbeError
+
+    if not _moving(ev, counter(ev)):
+        return
+    out["main_samples"] = taken if taken is not None else sample_main(client)
     if ev.trace:
         try:
             rows = query(client, PHASES_SQL)

@@ -80,8 +80,9 @@ def _outside_stack(pid: int) -> Tuple[Optional[List[Tuple[str, str, int, str]]],
             for f in sorted((f for f in main if f.thread_id == thread), key=lambda f: f.depth)], None
 
 
-def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]]) -> None:
-    """This look's training evidence into ``ev.training``; never raises."""
+def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], taken: Optional[List[Any]] = None) -> None:
+    """This look's training evidence into ``ev.training`` (``taken``: the straggler's samples taken ahead
+    of it); never raises."""
     from probe.errors import ProbeError, TorchNotLoaded
 
     out: Dict[str, Any] = {}
@@ -127,7 +128,7 @@ def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]
         numerics.gather(client, ev, query, out)  # without the opt-in check: the parameters, once a diagnosis
         from probe.diagnose import straggler
 
-        straggler.gather(client, ev, query, out)  # where the main thread spends a step: more samples of its stack
+        straggler.gather(client, ev, query, out, taken)  # where the main thread spends a step: more samples of its stack
     ev.training = out
 
 

@@ -14,9 +14,10 @@ node; each helper asks its local ranks over their unix sockets (the same HTTP AP
      "max_rows": N, "timeout": S,          [{"rank", "columns", "rows", "truncated", "row_cap"}],
      "query_id": ID}                       "outside": [{"rank", "code", "message", "hint", "note", "stacks"}],
                                            "failed": [...]}
-    {"op": "evidence", "since_s": S}       ``probe diagnose``'s evidence of each rank, its distinct stacks
-                                           sent once: {"evidence": {"stacks": [...], "ranks": [...]},
-                                           "failed": [...]} (``probe.diagnose.gathered``)
+    {"op": "evidence", "since_s": S,       ``probe diagnose``'s evidence of each rank, its distinct stacks
+     "ahead": [RANK, ...]}                 sent once: {"evidence": {"stacks": [...], "ranks": [...]},
+                                           "failed": [...]} (``probe.diagnose.gathered``); the ranks in
+                                           ``ahead`` take their straggler samples before the look
 
 ``ranks`` (a list of rank numbers) asks only those of this node's ranks. A rank that gave no answer is
 in ``failed`` with the error's ``code``, ``message`` and ``hint`` (for a dead rank, how it died, as
@@ -53,7 +54,8 @@ MAX_RANKS = 1 << 16
 RAMP_S = 0.005  # how long one runner asks the ranks alone before the others join (see _fan_out)
 _MARGIN_S = 0.3  # a rank's own socket waits this much past the deadline, so the deadline names it first
 _GATHER_SHAPE = ('{"op": "backtrace" | "query" | "evidence", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
-                 '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "...", "since_s": SECONDS}')
+                 '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "...", "since_s": SECONDS, '
+                 '"ahead": [RANK, ...]}')
 GATHER_SHAPE = _GATHER_SHAPE
 
 _slots_lock = threading.Lock()
@@ -83,6 +85,11 @@ class _Asked:
         self.query_id: Optional[str] = None
         self.scope = "read"
         self.since_s = _seconds(body, "since_s", None, MAX_DEADLINE_S) if body.get("since_s") != 0 else 0.0
+        ahead = body.get("ahead", [])
+        if not (isinstance(ahead, list) and len(ahead) <= MAX_RANKS and all(
+                isinstance(r, int) and not isinstance(r, bool) for r in ahead)):
+            raise BadRequest("a gather's ahead must be a list of rank numbers", hint=_GATHER_SHAPE)
+        self.ahead = frozenset(ahead)
         if op == "query":
             sql = body.get("sql")
             if not isinstance(sql, str) or not sql.strip() or len(sql) > MAX_SQL_CHARS:
@@ -326,7 +333,7 @@ def _evidence(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Any:
     from probe.diagnose.gather import collect
 
     return collect(_client(member, asked), member["rank"], str(member.get("host")), member.get("pid"),
-                   member.get("state"))
+                   member.get("state"), member["rank"] in asked.ahead)
 
 
 def _query(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[str, Any]:
