@@ -272,18 +272,12 @@ def _local_pid(ev: RankEvidence, client: Any) -> Optional[int]:
 
 
 def _environ(pid: int) -> Dict[str, str]:
-    """The variables the process started with (/proc/PID/environ: our own user's processes only); {} unread."""
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as handle:
-            raw = handle.read(1 << 20)
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep and (key.startswith((b"TORCH_", b"PROBE_")) or key in (b"RANK", b"HOME", b"XDG_CACHE_HOME")):
-            out[key.decode("ascii", "replace")] = value.decode("utf-8", "replace")[:200]
-    return out
+    """The variables the process started with that say where torch's dumps go (our own user's processes only);
+    {} unread."""
+    from probe.reader import proc
+
+    raw = proc.environ(pid, (b"RANK", b"HOME", b"XDG_CACHE_HOME"), (b"TORCH_", b"PROBE_"))
+    return {key.decode("ascii", "replace"): value.decode("utf-8", "replace")[:200] for key, value in raw.items()}
 
 
 def _no_copy(pid: int, state: str) -> str:

@@ -48,17 +48,7 @@ def node_host() -> str:
 def process_environ(pid: int, keys: Collection[bytes] = _ENV_KEYS) -> Dict[bytes, bytes]:
     """The variables named in ``keys`` of ``pid``'s environment (as it was at its start), read from /proc;
     empty where it cannot be read (gone, another user's)."""
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as handle:
-            raw = handle.read(1 << 20)
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        name, sep, value = item.partition(b"=")
-        if sep and name in keys:
-            out[name] = value
-    return out
+    return proc.environ(pid, keys)
 
 
 MAX_CANDIDATES = 4096

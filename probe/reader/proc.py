@@ -2,10 +2,10 @@
 context switches, and whether ptrace (which outside reading needs) is allowed. Stdlib only."""
 
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Collection, Dict, List, Optional, Tuple
 
 __all__ = ["state", "comm", "thread_names", "voluntary_switches", "switch_counts", "queued_ns", "ptrace_denied_reason",
-           "children", "STATE_WORDS"]
+           "children", "environ", "STATE_WORDS"]
 
 STATE_WORDS = {"R": "running", "S": "sleeping", "D": "in uninterruptible I/O", "T": "stopped (SIGSTOP)",
                "t": "stopped by a debugger", "Z": "a zombie (exited, not reaped)", "X": "dead", "I": "idle"}
@@ -138,3 +138,19 @@ def children(pid: int) -> List[int]:
             if fields and len(fields) > 1 and fields[1] == str(pid):
                 found.append(int(name))
     return sorted(found)
+
+
+def environ(pid: int, names: Collection[bytes] = (), prefixes: Tuple[bytes, ...] = ()) -> Dict[bytes, bytes]:
+    """The variables of ``pid``'s environment as it was at its start (/proc/PID/environ, the first MiB) that are
+    named in ``names`` or begin with one of ``prefixes``; empty where it cannot be read (gone, another user's)."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as handle:
+            raw = handle.read(1 << 20)
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        name, sep, value = item.partition(b"=")
+        if sep and (name in names or (prefixes and name.startswith(prefixes))):
+            out[name] = value
+    return out

@@ -47,7 +47,8 @@ class Logged(NamedTuple):
     step: Optional[int] = None
 
 
-def _get(obj: Any, *path: str) -> Any:
+def get_path(obj: Any, *path: str) -> Any:
+    """``obj.a.b``, or None where any step fails (a property that raises, an attribute not set yet)."""
     for attribute in path:
         try:
             obj = getattr(obj, attribute)
@@ -58,7 +59,8 @@ def _get(obj: Any, *path: str) -> Any:
     return obj
 
 
-def _float(value: Any) -> Optional[float]:
+def plain_float(value: Any) -> Optional[float]:
+    """A number (not a bool) as a float; None for anything else (a tensor is not read: it may sync a device)."""
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
@@ -85,14 +87,14 @@ def read(torch: Any, name: str, kind: str, trainer: Any) -> Logged:
 
 
 def _hf(name: str, trainer: Any) -> Logged:
-    history = _get(trainer, "state", "log_history")
+    history = get_path(trainer, "state", "log_history")
     if not isinstance(history, list):
         return Logged()
     entries = [e for e in history[-HISTORY:] if isinstance(e, dict)]
     newest: Dict[str, Tuple[int, Dict[str, Any]]] = {}
     for back, entry in enumerate(reversed(entries), 1):
         for key in ("loss", "learning_rate", "grad_norm"):
-            if key not in newest and _float(entry.get(key)) is not None:
+            if key not in newest and plain_float(entry.get(key)) is not None:
                 newest[key] = (back, entry)
     out: Dict[str, Any] = {}
     where = "%s.state.log_history[-%d][%r] at step %s"
@@ -101,7 +103,7 @@ def _hf(name: str, trainer: Any) -> Logged:
         out.update(loss=float(entry["loss"]), loss_from=where % (name, back, "loss", entry.get("step")),
                    step=_int(entry.get("step")))
         for key in ("learning_rate", "grad_norm"):
-            if _float(entry.get(key)) is not None:
+            if plain_float(entry.get(key)) is not None:
                 newest[key] = (back, entry)
     for key, column in (("learning_rate", "lr"), ("grad_norm", "grad_norm")):
         if key in newest:
@@ -130,14 +132,14 @@ def _is_grad_norm(key: str) -> bool:
 
 
 def _lightning(torch: Any, name: str, trainer: Any) -> Logged:
-    step = _int(_get(trainer, "global_step"))
+    step = _int(get_path(trainer, "global_step"))
     out: Dict[str, Any] = {"step": step}
     for attribute in ("callback_metrics", "logged_metrics"):
         if all(column + "_from" in out for column in ("loss", "lr", "grad_norm")):
             break
-        metrics = _get(trainer, "_logger_connector", "_" + attribute)  # what the property returns, as is
+        metrics = get_path(trainer, "_logger_connector", "_" + attribute)  # what the property returns, as is
         if not isinstance(metrics, dict):
-            metrics = _get(trainer, attribute)  # a Lightning that keeps them elsewhere: the property
+            metrics = get_path(trainer, attribute)  # a Lightning that keeps them elsewhere: the property
         if not isinstance(metrics, dict):
             continue
         for column, exact, named in (("loss", LOSS_KEYS, _is_loss), ("lr", LR_KEYS, _is_lr),
@@ -157,7 +159,7 @@ def _lightning(torch: Any, name: str, trainer: Any) -> Logged:
 
 def _monitor_lr(name: str, trainer: Any, step: Optional[int]) -> Tuple[Optional[float], Optional[str]]:
     """The last lr a ``LearningRateMonitor`` callback recorded (its ``lrs``: name -> every value, in order)."""
-    callbacks = _get(trainer, "callbacks")
+    callbacks = get_path(trainer, "callbacks")
     for index, callback in enumerate(list(callbacks or [])[:32]):
         if type(callback).__name__ != "LearningRateMonitor":
             continue
@@ -166,7 +168,7 @@ def _monitor_lr(name: str, trainer: Any, step: Optional[int]) -> Tuple[Optional[
             continue
         for key in list(lrs)[:KEYS_LOOKED]:
             values = lrs.get(key)
-            if isinstance(values, list) and values and _float(values[-1]) is not None:
+            if isinstance(values, list) and values and plain_float(values[-1]) is not None:
                 return float(values[-1]), "%s.callbacks[%d].lrs[%r][-1] (LearningRateMonitor) at global step %s" % (
                     name, index, key, step)
     return None, None
@@ -175,15 +177,15 @@ def _monitor_lr(name: str, trainer: Any, step: Optional[int]) -> Tuple[Optional[
 def _optimizer_lr(torch: Any, name: str, kind: str, trainer: Any) -> Tuple[Optional[float], Optional[str]]:
     """The first parameter group's lr of the trainer's first optimizer, as it is now."""
     if kind == "transformers":
-        path, optimizer = "optimizer", _get(trainer, "optimizer")
+        path, optimizer = "optimizer", get_path(trainer, "optimizer")
     else:
         attribute = "optimizers" if kind == "lightning" else "_optimizers"
-        listed = _get(trainer, attribute)
+        listed = get_path(trainer, attribute)
         if not isinstance(listed, (list, tuple)) or not listed:
             return None, None
         path, optimizer = "%s[0]" % attribute, listed[0]
     inner = getattr(optimizer, "optimizer", None)  # accelerate's and Lightning's wrappers
-    groups = _get(inner if inner is not None else optimizer, "param_groups")
+    groups = get_path(inner if inner is not None else optimizer, "param_groups")
     if not isinstance(groups, list) or not groups or not isinstance(groups[0], dict):
         return None, None
     value = number(torch, groups[0].get("lr"))

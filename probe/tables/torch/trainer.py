@@ -74,24 +74,8 @@ def _names(items: List[Tuple[str, Any]], names: dict) -> Optional[str]:
     return ", ".join(out) or None
 
 
-def _get(obj: Any, *path: str) -> Any:
-    """``obj.a.b``, or None where any step fails (a property that raises, an attribute not set yet)."""
-    for attribute in path:
-        try:
-            obj = getattr(obj, attribute)
-        except Exception:
-            return None
-        if obj is None:
-            return None
-    return obj
-
-
 def _int(value: Any) -> Optional[int]:
     return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> Optional[float]:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _text(value: Any) -> Optional[str]:
@@ -108,19 +92,19 @@ def _callbacks(items: Any) -> Optional[str]:
 def _read(kind: str, trainer: Any) -> Tuple[Any, ...]:
     """global_step, epoch, max_steps, max_epochs, grad_accumulation, precision, world_size, callbacks."""
     if kind == "transformers":
-        return (_int(_get(trainer, "state", "global_step")), _float(_get(trainer, "state", "epoch")),
-                _int(_get(trainer, "state", "max_steps")) or _int(_get(trainer, "args", "max_steps")),
-                _float(_get(trainer, "args", "num_train_epochs")),
-                _int(_get(trainer, "args", "gradient_accumulation_steps")),
-                _text(_get(trainer, "accelerator", "mixed_precision")), _int(_get(trainer, "args", "world_size")),
-                _callbacks(_get(trainer, "callback_handler", "callbacks")))
+        return (_int(logged.get_path(trainer, "state", "global_step")), logged.plain_float(logged.get_path(trainer, "state", "epoch")),
+                _int(logged.get_path(trainer, "state", "max_steps")) or _int(logged.get_path(trainer, "args", "max_steps")),
+                logged.plain_float(logged.get_path(trainer, "args", "num_train_epochs")),
+                _int(logged.get_path(trainer, "args", "gradient_accumulation_steps")),
+                _text(logged.get_path(trainer, "accelerator", "mixed_precision")), _int(logged.get_path(trainer, "args", "world_size")),
+                _callbacks(logged.get_path(trainer, "callback_handler", "callbacks")))
     if kind == "lightning":
-        return (_int(_get(trainer, "global_step")), _float(_get(trainer, "current_epoch")),
-                _int(_get(trainer, "max_steps")), _float(_get(trainer, "max_epochs")),
-                _int(_get(trainer, "accumulate_grad_batches")), _text(_get(trainer, "precision")),
-                _int(_get(trainer, "world_size")), _callbacks(_get(trainer, "callbacks")))
-    return (accelerate_step(trainer)[0], None, None, None, _int(_get(trainer, "gradient_accumulation_steps")),
-            _text(_get(trainer, "mixed_precision")), _int(_get(trainer, "num_processes")), None)
+        return (_int(logged.get_path(trainer, "global_step")), logged.plain_float(logged.get_path(trainer, "current_epoch")),
+                _int(logged.get_path(trainer, "max_steps")), logged.plain_float(logged.get_path(trainer, "max_epochs")),
+                _int(logged.get_path(trainer, "accumulate_grad_batches")), _text(logged.get_path(trainer, "precision")),
+                _int(logged.get_path(trainer, "world_size")), _callbacks(logged.get_path(trainer, "callbacks")))
+    return (accelerate_step(trainer)[0], None, None, None, _int(logged.get_path(trainer, "gradient_accumulation_steps")),
+            _text(logged.get_path(trainer, "mixed_precision")), _int(logged.get_path(trainer, "num_processes")), None)
 
 
 def _logged(torch: Any, name: str, kind: str, trainer: Any) -> Tuple[Any, ...]:
@@ -148,7 +132,7 @@ def accelerate_step(accelerator: Any) -> Tuple[Optional[int], Optional[str]]:
     (counted only when the step really ran). Else the steps probe's own step counter saw (all of them when
     the agent was there from the start). (None, None) where neither is known: never a made-up 0.
     """
-    wrappers = list(_get(accelerator, "_optimizers") or [])
+    wrappers = list(logged.get_path(accelerator, "_optimizers") or [])
     best: Tuple[Optional[int], Optional[str]] = (None, None)
     for index, wrapper in enumerate(wrappers):
         optimizer = getattr(wrapper, "optimizer", wrapper)
