@@ -74,12 +74,12 @@ def _job(tmp_path, script: str, args: List[str], **env: str) -> Tuple[subprocess
             pid = int(ready_lines(output, 1, time.monotonic() + scaled(120))[0][1])
             return launcher, output, pid, "http://127.0.0.1:%d/metrics" % metrics, target_env(
                 probe=False, PROBE_RUNTIME_DIR=run)
-        except AssertionError:
+        except AssertionError as failed:
             stop_launcher(launcher)
             with open(str(tmp_path / "stderr"), "rb") as handle:
-                clash = b"EADDRINUSE" in handle.read()
-            if attempt == 2 or not clash:
-                raise
+                said = handle.read()
+            if attempt == 2 or b"EADDRINUSE" not in said:
+                raise AssertionError("%s; the launcher's stderr ends: %r" % (failed, said[-3000:])) from None
     raise AssertionError("unreachable")
 
 

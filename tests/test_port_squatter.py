@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Dict, Iterator, List
 
@@ -194,6 +195,10 @@ def _job_behind_squatters(tmp_path, mode: str, helper_port_too: bool = True) -> 
 def _nothing_usable(job: Dict[str, object]) -> None:
     """What the squatters received: hellos only (so they were reached), no token, no request MAC."""
     for squatter in job["squatters"]:  # type: ignore[attr-defined]
+        # what the squatter was sent reaches this process through a pipe and a reader thread: wait for it
+        deadline = time.monotonic() + scaled(10)
+        while b"GET /v1/hello" not in squatter.received() and time.monotonic() < deadline:
+            time.sleep(0.05)
         got = squatter.received()
         assert b"GET /v1/hello" in got, (squatter.port, got[:300])
         assert str(job["token"]).encode() not in got

@@ -203,5 +203,7 @@ def test_the_timed_next_passes_stop_iteration_and_the_datasets_errors_through() 
         later = _until(lambda: (lambda s: s if s[1] >= wrapped[1] + 2 and s[2] >= wrapped[2] + 2 else None)(state()),
                        scaled(60), "epochs ending in StopIteration and errors caught, timed")
         assert proc.alive(), later
-        extras = step_extras.read_extras(_paths.progress_path(proc.pid))
-        assert extras is not None and extras.batches and extras.data_wait_total > 0, extras
+        # the extras are written at a step at most once a second: the batches timed show at a later refresh
+        extras = _until(lambda: (lambda e: e if e is not None and e.batches and e.data_wait_total > 0 else None)(
+            step_extras.read_extras(_paths.progress_path(proc.pid))), scaled(60), "the timed batches in the extras")
+        assert proc.alive(), extras

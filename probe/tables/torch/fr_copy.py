@@ -14,7 +14,7 @@ keeps ``<runtime dir>/fr-<pid>.json`` (mode 0600), read by the CLI or the node h
   steps has its exact numbers (they need no recorder: with it off, they are what is kept);
 * from ``BODY_AT``, the recorder's entries as ``_dump_fr_trace_json`` gives them (``copied_at``,
   ``copy_seq``), dumped by a daemon thread when a number moved since the last dump, at most every
-  ``every`` seconds (``PROBE_FR_COPY_EVERY``, default 2; 0 turns the copy off) and never more than
+  ``every`` seconds (``PROBE_FR_COPY_EVERY``, default 10; 0 turns the copy off) and never more than
   ``MAX_SHARE`` of the time (a dump keeps the GIL: 2000 entries take 30-60 ms; ``bench/bench_fr_copy.py``),
   written whole to a hidden temporary file and renamed over the old one.
 
@@ -56,9 +56,9 @@ how many, and the numbers in the order of the header's ``groups``."""
 MARKS_MAGIC = b"probefrm"
 MAX_BODY = 32 << 20
 """A dump bigger than this is not copied (2000 entries without stacks take ~1 MB)."""
-MAX_SHARE = 0.01
+MAX_SHARE = 0.002
 """The copies take at most this share of the time: the interval grows to 100 times a copy's CPU time."""
-DEFAULT_EVERY = 2.0
+DEFAULT_EVERY = 10.0
 
 _lock = threading.Lock()
 _wake = threading.Event()
