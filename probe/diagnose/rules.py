@@ -137,9 +137,14 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     steps.annotate(verdicts, last, answering, progress, who, command)
     from probe.client.stack_history import since_lines  # since when each stuck rank has been where it is
 
-    for verdict in [v for v in verdicts if v.status == "stuck"]:
+    stuck = [v for v in verdicts if v.status == "stuck"]
+    history = last.history
+    if callable(history):  # asked now, of the named ranks' helpers alone (probe.diagnose.gather.sample_job)
+        named = sorted({r for v in stuck for r in (v.culprits or v.victims)[:4]})
+        history = history(named) if named else None
+    for verdict in stuck:
         verdict.evidence += [Evidence(text, command(None, rest), [r])
-                             for r, text, rest in since_lines(last.history, (verdict.culprits or verdict.victims)[:4])]
+                             for r, text, rest in since_lines(history, (verdict.culprits or verdict.victims)[:4])]
     unavailable += steps.unavailable(last, answering, who)
     _cause_first(verdicts, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)
