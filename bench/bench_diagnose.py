@@ -29,9 +29,18 @@ parameter queries) and answers with each distinct stack once. As in bench_fanout
 job, the ranks are not served: each helper asks canned agents in memory (``_CannedLive``), so that the
 helper's own work runs and no rank's. And since 128 or 2,048 nodes cannot all work at once on a 2-core
 machine as they would on their own cores, each helper process does ONE node's collecting a look and its
-other nodes answer with that node's evidence renumbered (``bench_fanout_helpers._one_node_gathers``):
-every node's request, encoding and answer, and the client's reading of every rank's evidence and its rules
-over all of them, run for real. ``--real N``: also N ranks as real simulated agents (sockets, every request)
+other nodes answer with that node's evidence renumbered (``bench_fanout_helpers._one_node_gathers``); and
+the answer's bytes too are built once a look a process, by the real helper code for one node (its gather,
+``gathered.encode``, the JSON), every other node of the process served those bytes with its own ranks, pids
+and ages put in (``bench_fanout_helpers._one_node_answers``). WHAT RUNS FOR REAL, ON THIS MACHINE: the whole
+client (discovery, every node's two connections and token handshake a look, the request, reading and checking
+every node's answer, every rank's evidence, the rules over all of them), and each node's serving side (the
+helper's listener, its handshake, the request's checks: so this machine also carries 2,048 nodes' HTTP
+serving, which a real job spreads over its nodes). WHAT IS SIMULATED: the ranks (canned answers, from
+memory), and the helpers' collecting and encoding, done once a look a process where a real job does it on
+every node at once; a node's time to collect is the one measured, ~0.5 s a look (5 main-thread samples 80 ms
+apart), paid once by the process's first node asked, and by the others as they wait for it, not by each node
+one after another in its own request. ``--real N``: also N ranks as real simulated agents (sockets, every request)
 directly and through the helpers, every node's work on this machine (the peer). ``--profile N``: a
 cProfile of one diagnose at N ranks (the client's functions, fan-out threads included).
 """
@@ -382,8 +391,9 @@ def main() -> None:
 
 
 def profile(job: "fleet.Job", n: int) -> None:
-    """One diagnose under cProfile, the fan-out's worker threads included (a profiler each, merged): the
-    functions by cumulative and by own time, summed over the threads (so over 100 % of the wall time)."""
+    """One diagnose under cProfile, the fan-out's worker threads included (a profiler each, merged), in each
+    thread's CPU time (waiting on the wire costs nothing): the functions by cumulative and by own time,
+    summed over the threads."""
     import cProfile
     import pstats
     import threading
@@ -394,13 +404,13 @@ def profile(job: "fleet.Job", n: int) -> None:
     profs: List[cProfile.Profile] = []
 
     def start_in_thread(*_: object) -> None:  # the first event of a new thread: its own profiler takes over
-        prof = cProfile.Profile()
+        prof = cProfile.Profile(time.thread_time)  # CPU time: a thread waiting on the wire costs nothing
         profs.append(prof)
         prof.enable()
 
     time.sleep(1.0)
     job.report()
-    main = cProfile.Profile()
+    main = cProfile.Profile(time.thread_time)
     threading.setprofile(start_in_thread)
     start = time.perf_counter()
     main.enable()

@@ -21,7 +21,9 @@ ranks given, not children or registrations), and the master's helper gets the ot
 (``POST /v1/nodes``) from this script. For the 16,384-rank job the ranks are not served at all: each
 helper answers for its ranks from the same canned stacks and rows (``probe.host.gather._client`` swapped
 for a canned one, in the helpers' processes only), so what is timed is the client, discovery through
-the master's helper, and the helpers' gathering and answering.
+the master's helper, and the helpers' gathering and answering. (bench_diagnose.py's 16,384-rank job goes
+further: a helper process collects and encodes one node's evidence a look, and serves every other node of
+the process those bytes renumbered: ``_one_node_gathers``, ``_one_node_answers``.)
 
 "client CPU s" is ``time.process_time()`` of this process (the client) over the call.
 """
@@ -380,6 +382,51 @@ def _one_node_gathers(gather: Any) -> None:
 
     gather._evidence = shared
     gather._fan_out = shared_fan_out
+    _one_node_answers(gather)
+
+
+def _one_node_answers(gather: Any) -> None:
+    """A node's answer to a look, as bytes: the first node of this process asked in a look runs the real
+    helper's gather (``probe.host.gather._gather``: its ranks' evidence as above, ``gathered.encode``, the JSON
+    of the answer), and every other node of the process is answered with those bytes, its own ranks, pids and
+    the evidence's ages (as old as they are now) put in. A real node builds its answer on its own cores, at the
+    same time as the others: what this machine runs for each node is what the client's side of the wire
+    sees (its connections, the handshake and the request, served by the real listener and ``gather``'s
+    checks, and the answer's bytes), not 2,048 nodes' encoding on 2 cores."""
+    import re
+    import threading
+
+    real = gather._gather
+    kept: Dict[str, Any] = {"last": -1.0, "since": None, "body": None, "at": 0.0}
+    lock = threading.Lock()
+    item = re.compile(rb'\{"rank": (\d+), "age": ([0-9.e+-]+), "pid": (\d+)')
+    head = re.compile(rb'^\{"op": "evidence", "ranks": \[([\d, ]*)\]')
+
+    def answer(helper: Any, asked: Any) -> Any:
+        if asked.op != "evidence" or asked.ranks is None:
+            return real(helper, asked)
+        with lock:
+            fresh = time.monotonic() - kept["last"] > 0.6 or kept["since"] != asked.since_s
+            if fresh:
+                got = real(helper, asked)
+                if got.status != 200:
+                    return got
+                kept.update(since=asked.since_s, body=bytes(got.body), at=time.monotonic(),
+                            base=min(asked.ranks), n=len(asked.ranks))
+            kept["last"] = time.monotonic()
+            body, at, base = kept["body"], kept["at"], kept["base"]
+        if fresh:
+            return got
+        if len(asked.ranks) != kept["n"]:  # a node of another size: its own answer
+            return real(helper, asked)
+        shift, later = min(asked.ranks) - base, time.monotonic() - at
+        body = head.sub(lambda m: b'{"op": "evidence", "ranks": [%s]' % b", ".join(
+            b"%d" % (int(r) + shift) for r in m.group(1).split(b", ") if r), body, count=1)
+        body = item.sub(lambda m: b'{"rank": %d, "age": %.4f, "pid": %d' % (
+            int(m.group(1)) + shift, float(m.group(2)) + later, int(m.group(3)) + shift), body)
+        return gather.Response(200, body)
+
+    gather._gather = answer
 
 
 SIM_NODES: List[Any] = []  # this process's simulated node helpers

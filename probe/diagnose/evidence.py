@@ -192,7 +192,8 @@ class Sample:
     at: float = field(default_factory=time.monotonic)
     seconds: float = 0.0
     recorded: bool = False  # read back from a snapshot: its processes may be gone, advice that acts on them is not given
-    history: Optional[List[Any]] = None  # cluster.stack_history's current runs (probe.client.stack_history)
+    history: Any = None  # cluster.stack_history's current runs (probe.client.stack_history): rows, or a call
+    # (ranks -> rows) that asks the helpers of those ranks alone, made where a verdict names them
 
 
 def keep_named(ev: RankEvidence, named: List[Tuple[str, int, Tuple[Tuple[str, str, int, str], ...]]]) -> None:

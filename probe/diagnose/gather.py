@@ -247,7 +247,7 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
     from probe.diagnose import gathered, straggler
 
     start = time.monotonic()
-    history = _history_meanwhile(cluster) if previous is None else None
+    history = _history_of(cluster) if previous is None else None
     chosen = cluster if only is None else cluster.select(only)
     early = set() if previous is None else {r for r, ev in previous.ranks.items() if straggler.ahead(ev)}
     chosen.via = getattr(cluster, "via", "auto")
@@ -275,27 +275,26 @@ def sample_job(cluster: Any, deadline: float, only: Optional[Sequence[int]] = No
                                            else "no_answer", why=failure.reason, source="none",
                                            threads_why="no answer", fr_why="no answer", trace_why="no answer")
     return Sample(ranks, len(cluster.members), False, start, time.monotonic() - start,
-                  history=history() if history is not None else previous.history if previous is not None else None)
+                  history=history if history is not None else previous.history if previous is not None else None)
 
 
-def _history_meanwhile(cluster: Any) -> Any:
-    """Each thread's current run from the node helpers (``cluster.stack_history``), asked while the first
-    look runs (a request a node: at 16k ranks as long as a look's): call the result for the rows."""
-    import threading
-
+def _history_of(cluster: Any) -> Any:
+    """Each thread's current run from the node helpers (``cluster.stack_history``), of the ranks a stuck
+    verdict names (``probe.diagnose.rules``), asked of their helpers alone once the looks are done: asked of
+    every helper (at 16k ranks a request each to 2,048 helpers, a third of a diagnosis's requests), it was
+    read for at most a few ranks, and for none on a healthy job. Call the result with the ranks: their rows,
+    or None (never raises)."""
     from probe.client.stack_history import current_or_none
 
-    got: List[Any] = [None]
-
-    def run() -> None:
-        got[0] = current_or_none(cluster)  # never raises
-
-    thread = threading.Thread(target=run, name="probe-diagnose-history", daemon=True)
-    thread.start()
-
-    def rows() -> Any:
-        thread.join()
-        return got[0]
+    def rows(ranks: Sequence[int]) -> Any:
+        known = {m.rank for m in getattr(cluster, "members", ())}
+        wanted = [r for r in ranks if r in known]
+        if not wanted:
+            return None
+        try:
+            return current_or_none(cluster.select(wanted))  # never raises
+        except Exception:  # noqa: BLE001 -- no history: the verdicts say no "since"
+            return None
 
     return rows
 

@@ -138,7 +138,7 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
     if not isinstance(raw, dict) or not isinstance(raw.get("stacks"), list) or not isinstance(raw.get("ranks"), list):
         raise Bad("the evidence has no stacks and ranks")
     stacks = [_stack(text, known) for text in raw["stacks"]]
-    keys = [_key(stack) for stack in stacks]
+    keys = [_key_once(stack, known) for stack in stacks]
     out: List[Any] = []
     seen = set()
     for item in raw["ranks"]:
@@ -207,6 +207,15 @@ def _stack(text: Any, known: Dict[str, Any]) -> Any:
             raise Bad("a frame is not [depth, func, file, line, code, frame_type]")
         frames.append(tuple(f))
     got = known[text] = tuple(frames)
+    return got
+
+
+def _key_once(stack: Any, known: Dict[Any, Any]) -> Any:
+    """:func:`_key` of a stack, made once a look however many nodes send it (``known`` keeps the stack)."""
+    at = ("key", id(stack))
+    got = known.get(at)
+    if got is None:
+        got = known[at] = _key(stack)
     return got
 
 

@@ -37,8 +37,22 @@ def lock_line(code: str) -> Optional[str]:
 
 def lock_wait_of(key: Key, library: Any) -> bool:
     """The innermost frame is the program's own, at a lock's acquire (a wait inside threading or queue, an
-    Event's or a Condition's, is a wait for work, not for a lock)."""
-    return bool(key) and not library.holds(key[0][1]) and lock_line(key[0][3]) is not None
+    Event's or a Condition's, is a wait for work, not for a lock). Kept per innermost frame and library:
+    at 16k ranks the same few frames are asked about 100,000 times a diagnosis."""
+    if not key:
+        return False
+    if not hasattr(library, "roots"):
+        return not library.holds(key[0][1]) and lock_line(key[0][3]) is not None
+    place = (key[0][1], key[0][3], getattr(library, "roots", None), getattr(library, "known", None))
+    got = _SEEN.get(place)
+    if got is None:
+        if len(_SEEN) >= 4096:
+            _SEEN.clear()
+        got = _SEEN[place] = not library.holds(key[0][1]) and lock_line(key[0][3]) is not None
+    return got
+
+
+_SEEN: Dict[Any, bool] = {}  # (file, code, library roots, known) -> lock_wait_of
 
 
 def _not_a_lock(ev: RankEvidence, thread: str, key: Key) -> bool:

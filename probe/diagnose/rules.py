@@ -25,7 +25,7 @@ reverse (what they share is :mod:`probe.diagnose.verdict`). In order of weight:
    threads running and "no optimizer step counted ...: progress unknown".
 """
 
-from typing import Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 from probe.diagnose import collectives, memory, progress as steps, silent as cannot, straggler as sampled, training
 from probe.diagnose.evidence import Sample
@@ -39,16 +39,23 @@ __all__ = ["judge", "needs_longer_look"]
 def needs_longer_look(first: Sample, last: Sample) -> bool:
     """Whether some rank that answers showed no sign of life between the samples: then look longer before
     calling anything stuck."""
+    progress = _progress(first, last)
+    last.__dict__["_progress_of"] = (first, progress)  # the judge's of these two looks, if they settle it
     for rank, b in last.ranks.items():
         a = first.ranks.get(rank)
         if a is None or b.state != "answering":
             continue
-        moved = steps.progress_of(a, b)
+        moved = progress[rank]
         if not moved.get("stepped") and not moved.get("ran"):
             return True
         if lock_waits(a, b):
             return True
     return memory.rising(first, last)
+
+
+def _progress(first: Sample, last: Sample) -> Dict[int, Dict[str, Any]]:
+    """What changed in each rank between the two looks (``progress.progress_of``)."""
+    return {r: steps.progress_of(first.ranks.get(r, ev), ev) for r, ev in last.ranks.items()}
 
 
 def judge(first: Sample, last: Sample, command: Commands) -> Report:
@@ -61,7 +68,8 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     def who(rs: Sequence[int]) -> str:
         return ranks_word(rs, single, pid_of.get(rs[0]) if rs else None)
 
-    progress = {r: steps.progress_of(first.ranks.get(r, ev), ev) for r, ev in ranks.items()}
+    kept = last.__dict__.pop("_progress_of", None)  # needs_longer_look's, of the same two looks: made once
+    progress = kept[1] if kept is not None and kept[0] is first else _progress(first, last)
     verdicts: List[Verdict] = []
     answering = sorted(r for r, ev in ranks.items() if ev.state == "answering")
     silent = sorted(r for r, ev in ranks.items() if ev.state != "answering" and ev.state != "no_agent")
@@ -137,9 +145,14 @@ def judge(first: Sample, last: Sample, command: Commands) -> Report:
     steps.annotate(verdicts, last, answering, progress, who, command)
     from probe.client.stack_history import since_lines  # since when each stuck rank has been where it is
 
-    for verdict in [v for v in verdicts if v.status == "stuck"]:
+    stuck = [v for v in verdicts if v.status == "stuck"]
+    history = last.history
+    if callable(history):  # asked now, of the named ranks' helpers alone (probe.diagnose.gather.sample_job)
+        named = sorted({r for v in stuck for r in (v.culprits or v.victims)[:4]})
+        history = history(named) if named else None
+    for verdict in stuck:
         verdict.evidence += [Evidence(text, command(None, rest), [r])
-                             for r, text, rest in since_lines(last.history, (verdict.culprits or verdict.victims)[:4])]
+                             for r, text, rest in since_lines(history, (verdict.culprits or verdict.victims)[:4])]
     unavailable += steps.unavailable(last, answering, who)
     _cause_first(verdicts, who)
     status = max((v.status for v in verdicts), key=STATUSES.index)

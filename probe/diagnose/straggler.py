@@ -182,10 +182,10 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
         keys[r] = samples
         library = last.ranks[r].library()
         counted: Counter = Counter()
-        for k in samples:
-            phase = phased.get((k, id(library)))
+        for k in samples:  # by identity: the ranks' samples are shared objects, hashing each stack cost more
+            phase = phased.get((id(k), id(library)))
             if phase is None:
-                phase = phased[(k, id(library))] = _phase(k, library)
+                phase = phased[(id(k), id(library))] = _phase(k, library)
             counted[phase] += 1
         phases[r] = counted
     found = _culprit(phases, keys)
