@@ -363,7 +363,8 @@ def check_step_extras(device: str, work: str) -> str:
     metrics = _free_port()
     extra = {"PROBE_PORT": "127.0.0.1:%d" % _free_port(), "PROBE_METRICS_PORT": str(metrics),
              "PROBE_ALERT_WEBHOOK": "http://127.0.0.1:%d/hook" % server.server_address[1],
-             "PROBE_ALERT_CUDA_FRACTION": "0.000001", "PROBE_ALERT_CUDA_EVERY_S": "1"}
+             "PROBE_ALERT_CUDA_FRACTION": "0.000001", "PROBE_ALERT_CUDA_EVERY_S": "1",
+             "PROBE_HELPER_LINGER_S": "0"}  # the job's node helper leaves with its rank: the check leaves nothing
 
     def served() -> Dict[str, float]:
         try:

@@ -43,6 +43,15 @@ def _env(tmp_path, short_tmp: str, mark: str) -> Dict[str, str]:
     return env
 
 
+def _cmdline(pid: int) -> str:
+    """What a process runs, for a failure's message."""
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode("utf-8", "replace")[:300]
+    except OSError:
+        return "(gone)"
+
+
 def _marked(mark: str) -> List[int]:
     """Live processes started by the run marked ``mark`` (zombies have no environment to read)."""
     needle = ("%s=%s" % (MARK, mark)).encode()
@@ -98,7 +107,8 @@ def _assert_nothing_left(short_tmp: str, mark: str) -> None:
     deadline = time.monotonic() + scaled(10)
     while _marked(mark) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _marked(mark) == []
+    left = _marked(mark)
+    assert left == [], [_cmdline(pid) for pid in left]
     # the run's mktemp directory and the runtime directories in it removed (torch may keep its caches there)
     assert [name for name in os.listdir(short_tmp) if name.startswith("probe-gpu-check")] == []
 
