@@ -69,6 +69,10 @@ def test_at_80_columns_each_row_names_its_script_and_one_way_to_reach_it(tmp_pat
 def test_the_dead_of_before_this_session_are_left_out_unless_all(tmp_path):
     tmp_path.chmod(0o700)
     before = die_with_record(str(tmp_path), "hung.py", ["segv"]).pid  # a crash, before the session began
+    # probe list knows the session's start to one clock tick (10 ms): let the session begin a few ticks later
+    later = time.time() + 0.1
+    while time.time() < later:
+        time.sleep(0.02)
     after: List[int] = []
     env = dict(target_env(probe=False, PROBE_RUNTIME_DIR=str(tmp_path)), COLUMNS="100")
     table, rows, every = list_in_a_new_session(
