@@ -114,6 +114,26 @@ def test_plan_main_in_long_c_call_is_reported():
     assert chosen.method == PENDING and "builtin_sum" in chosen.delay
 
 
+@pytest.mark.parametrize("drop", [
+    ["__futex_abstimed_wait_common", "pthread_cond_wait", "drop_gil", "eval_frame_handle_pending",
+     "_PyEval_EvalFrameDefault"],  # 3.11: a forced switch waits until the asking thread has the GIL
+    ["pthread_cond_signal", "drop_gil", "_PyEval_ReleaseLock", "_PyThreadState_Detach", "_Py_HandlePending",
+     "_PyEval_EvalFrameDefault"],  # 3.13's names
+    ["pthread_mutex_lock", "drop_gil", "_PyEval_EvalFrameDefault"]])  # the handler inlined out of sight
+def test_plan_main_handing_the_gil_over_gets_a_pending_call(drop):
+    """Between two bytecodes the busy main thread gives the GIL to a thread that asked for it: no thread
+    holds it, and the main thread is back in bytecode within a switch interval."""
+    chosen = plan([_thread(1, 100, drop, False), _thread(2, 101, EVENT_WAIT, False)], 100)
+    assert chosen.method == PENDING and chosen.delay is None
+
+
+def test_plan_a_c_call_releasing_the_gil_is_no_switch():
+    releasing = ["pthread_cond_signal", "drop_gil", "PyEval_SaveThread", "time_sleep", "cfunction_vectorcall_O",
+                 "_PyEval_EvalFrameDefault"]
+    chosen = plan([_thread(1, 100, releasing, False), _thread(2, 101, EVENT_WAIT, False)], 100)
+    assert chosen.method == GIL_ENSURE and chosen.thread.num == 2
+
+
 def test_plan_does_not_trust_unknown_waits():
     malloc_lock = ["__lll_lock_wait_private", "_int_malloc", "malloc", "some_extension_call"]
     chosen = plan([_thread(1, 100, malloc_lock, False)], 100)
@@ -262,7 +282,9 @@ def test_inject_busy_target_repeatedly_never_crashes(start):
     for _ in range(8):  # the agent runs already: each round attaches, schedules a no-op start, detaches
         session, threads = attach_and_look(info, time.monotonic() + 10)
         chosen = plan(threads, proc.pid)
-        assert chosen.method == PENDING  # the busy main thread holds the GIL: never run re-entrantly
+        if chosen.method != PENDING:  # the busy main thread holds the GIL or hands it over: never re-entrantly
+            session.detach()  # a traced target would outlive the test's SIGKILL until gdb reaped it
+            pytest.fail("%s chosen for %r" % (chosen.method, threads))
         run_plan(session, chosen, code, time.monotonic() + 10)
         assert proc.alive() and _tracer(proc.pid) == 0
     time.sleep(0.3)  # let the last queued no-op start run on the main thread

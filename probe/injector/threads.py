@@ -73,6 +73,10 @@ _CALL_GLUE = ("vectorcall", "Vectorcall", "cfunction_call", "_PyObject_MakeTpCal
 # A Python extension module's file: ``_socket.cpython-311-x86_64-linux-gnu.so``, ``_foo.abi3.so``, ``x.pypy39-pp73.so``.
 _EXTENSION = re.compile(r"\.(cpython-[^./]+|abi3|pypy[^./]*)\.so$|/lib-dynload/[^/]+\.so$")
 _GIL_WAITS = ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread", "_PyThreadState_Attach")
+# Where the evaluation loop hands the GIL to a thread that asked for it: a forced switch waits in ``drop_gil``
+# (a condition variable) until the other thread has taken it, then the loop takes it back (``take_gil``).
+_GIL_DROPS = ("drop_gil", "_PyEval_ReleaseLock", "_PyThreadState_Detach", "detach_thread")
+_PENDING_HANDLERS = ("eval_frame_handle_pending", "_Py_HandlePending", "handle_eval_breaker")
 _GLUE = ("vectorcall", "Vectorcall", "_PyObject_Call", "PyObject_Call", "call_function", "_PyFunction_")
 _C_CALLS = ("vectorcall", "_Call", "call_function", "builtin_", "do_call_core")
 # Data that gdb names when an unwind through a library without symbols (libffi under ctypes) goes astray:
@@ -235,7 +239,24 @@ def is_parked_safely(thread: ThreadState) -> bool:
 
 
 def is_waiting_for_gil(thread: ThreadState) -> bool:
-    return thread.holds_gil is not True and any(f in _GIL_WAITS for f in thread.funcs(8))
+    """Taking the GIL back, or handing it over between two bytecodes: it runs bytecode again within a switch
+    interval, so a pending call will run soon."""
+    return thread.holds_gil is not True and (any(f in _GIL_WAITS for f in thread.funcs(8)) or _is_switching(thread))
+
+
+def _is_switching(thread: ThreadState) -> bool:
+    """In ``drop_gil`` because the evaluation loop was asked for the GIL, not because a C call released it:
+    between the drop and the evaluation loop there is only the pending-request handler."""
+    funcs = thread.funcs(10)
+    drop = next((k for k, f in enumerate(funcs) if f in _GIL_DROPS), None)
+    if drop is None:
+        return False
+    for func in funcs[drop + 1:]:
+        if func.startswith("_PyEval_EvalFrame"):
+            return True
+        if func not in _GIL_DROPS and func not in _PENDING_HANDLERS:
+            return False  # PyEval_SaveThread, a C call's own release: a blocking call, not a switch
+    return False
 
 
 def is_in_bytecode(thread: ThreadState) -> bool:
