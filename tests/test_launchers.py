@@ -167,3 +167,50 @@ def test_a_launcher_under_srun_is_no_rank_and_takes_no_ranks_port(tmp_path):
         assert not _listening(port)
     finally:
         proc.kill()
+
+
+@pytest.mark.parametrize("world", ["2", "1"])
+def test_a_helper_that_fails_to_answer_is_an_error_for_a_rank_of_many_not_that_ranks_verdict(target_factory, world):
+    """The one HOST:PORT is rank 0 of a job of two whose node helper (one port below) accepts and hangs up
+    without an answer, as an overloaded helper may: diagnose must not judge rank 0 alone as if it were the
+    job (it once said "healthy" so). A process that is a job of one is still asked alone."""
+    import threading
+
+    helper_port = _free_port_pair()
+    with socket.socket() as helper:
+        helper.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        helper.bind(("127.0.0.1", helper_port))
+        helper.listen(8)
+        helper.settimeout(0.2)
+        done = threading.Event()
+
+        def hang_up() -> None:
+            while not done.is_set():
+                try:
+                    conn, _ = helper.accept()
+                except OSError:
+                    continue
+                with conn:
+                    conn.settimeout(2)
+                    try:
+                        conn.recv(65536)
+                    except OSError:
+                        pass
+
+        thread = threading.Thread(target=hang_up, daemon=True)
+        thread.start()
+        try:
+            rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % (helper_port + 1),
+                                                            RANK="0", LOCAL_RANK="0", WORLD_SIZE=world))
+            assert _health(rank.pid)["tcp"] == "127.0.0.1:%d" % (helper_port + 1)
+            result = run_cli("127.0.0.1:%d" % (helper_port + 1), "diagnose", "--json", timeout=scaled(60))
+        finally:
+            done.set()
+            thread.join(scaled(5))
+    if world == "2":
+        assert result.code == 3, (result.out, result.err)
+        assert "closed the connection without an answer" in result.err, result.err
+        assert "one rank of a job of several" in result.err and "retry" in result.err, result.err
+        assert result.out == "", result.out
+    else:  # judged alone (on a loaded machine the verdict itself may be that it did not answer in time)
+        assert json.loads(result.out)["single"] is True, (result.out, result.err)

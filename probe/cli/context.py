@@ -6,7 +6,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 from probe.cli.output import say
 from probe.cli.render import visible
 from probe.client import Client, connect
-from probe.errors import ConnectionRefused, ProbeError, UsageError
+from probe.errors import ConnectError, ConnectionRefused, ProbeError, UsageError
 
 __all__ = ["CliContext", "each_target", "open_kinds"]  # and pass_cli, made on first use (below)
 
@@ -115,18 +115,32 @@ class CliContext:
     def try_job_at_master(self) -> bool:
         """Whether the one HOST:PORT target is a job's master with a node helper answering beside it (then
         ``cluster()`` is its ranks); where only one agent answers there, the command goes on for that one."""
-        from probe.errors import ConnectError
-
         if self.master_port() is None:
             return False
         self.all_ranks = True
         try:
             self.cluster()
             return True
-        except (ConnectError, UsageError):
+        except (ConnectError, UsageError) as exc:
             self.all_ranks = False
             self._cluster = None
+            if isinstance(exc, ConnectError) and not getattr(exc, "nothing_listens", False) and self._a_rank_of_many():
+                # a helper is there but failed: one rank's answer would pass for the whole job's
+                raise ConnectError("%s; the agent at %s is one rank of a job of several, and its answer alone would "
+                                   "not speak for the job" % (exc.message, self.targets[0] if self.targets else
+                                                              os.environ.get("PROBE_TARGET", "")),
+                                   hint="retry in a moment (a loaded node's helper may be slow to answer); "
+                                        "`probe list` shows the job's ranks on this host") from None
             return False
+
+    def _a_rank_of_many(self) -> bool:
+        """Whether the agent at the one HOST:PORT target says it is one rank of a job of several."""
+        try:
+            said = self.clients()[0].health(fallback=False)
+        except ProbeError:
+            return False
+        size = said.get("world_size") if isinstance(said, dict) else None
+        return isinstance(size, int) and size > 1
 
     def clients(self) -> List[Client]:
         import os

@@ -11,7 +11,7 @@ import probe.client.transport as transport
 from probe.client.members import MAX_RANKS, Member, _with_port, compact_ranks
 from probe.client.targets import parse_target
 from probe.client.wording import option
-from probe.errors import ConnectError, ProbeError, UsageError
+from probe.errors import ConnectError, ConnectionRefused, ProbeError, UsageError
 
 __all__ = ["Discovered", "discover", "discover_whole", "job_token", "MAX_LISTED", "WHOLE_LIST_S"]
 
@@ -76,6 +76,8 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
                                     "(%s)" % (port, option("-t several times, or --hosts",
                                                            "connect_all([\"HOST:PORT\", ...])")))
         missing.job_address = (host, port)  # type: ignore[attr-defined]  # the CLI looks for a record of a death there
+        # nothing listens there (no helper), not a helper that failed to answer: the CLI may then ask the one agent
+        missing.nothing_listens = isinstance(exc, ConnectionRefused)  # type: ignore[attr-defined]
         raise missing from None
     raw = _json(answer.body)
     if answer.status >= 400:

@@ -4,7 +4,7 @@ thread waits for.
 Found without importing torch: the iterators of torch's multi-process DataLoader (an object of a class
 named ``_MultiProcessingDataLoaderIter``, or derived from one) are looked for on the frames of every
 thread (a thread blocked in ``__next__`` holds its iterator as ``self``), then by the garbage collector
-(at most ``SCAN_BUDGET_S``); the worker processes also from ``multiprocessing``'s own list of the
+(``probe.tables.tracked``); the worker processes also from ``multiprocessing``'s own list of the
 children this process started, by their target (``_worker_loop``). Everything is read from attributes
 as they are (``vars()``), so nothing runs that the program did not write: no property, no
 ``__getattr__``, no ``is_alive()`` (it reaps a child that exited, which is the DataLoader's business).
@@ -18,18 +18,16 @@ travel to the worker through a pipe and stay only there (``probe WORKER_PID inje
 python.locals, reads them).
 """
 
-import gc
 import json
 import sys
 import threading
-import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe.tables.spec import Column
+from probe.tables.tracked import tracked_of
 
-__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "SCAN_BUDGET_S", "ITERATOR_CLASS"]
+__all__ = ["NAME", "DESCRIPTION", "COLUMNS", "EXAMPLE", "rows", "ITERATOR_CLASS"]
 
-SCAN_BUDGET_S = 1.0
 ITERATOR_CLASS = "_MultiProcessingDataLoaderIter"
 _WAIT_FUNCS = frozenset(("__next__", "_next_data", "_get_data", "_try_get_data"))
 _STATES = {"R": "running", "S": "sleeping", "D": "disk sleep", "T": "stopped", "t": "traced", "Z": "zombie",
@@ -138,13 +136,16 @@ def _class_text(obj: Any) -> Optional[str]:
 
 
 def _is_iterator(obj: Any, seen: Optional[Dict[type, bool]] = None) -> bool:
-    cls = type(obj)
+    return _is_iterator_class(type(obj), seen) and "_workers" in _vars(obj)
+
+
+def _is_iterator_class(cls: type, seen: Optional[Dict[type, bool]] = None) -> bool:
     known = seen.get(cls) if seen is not None else None
     if known is None:
         known = any(getattr(base, "__name__", None) == ITERATOR_CLASS for base in getattr(cls, "__mro__", ()))
         if seen is not None:
             seen[cls] = known
-    return known and "_workers" in _vars(obj)
+    return known
 
 
 def _iterators(blocked: Dict[int, Tuple[Any, List[str]]]) -> List[Any]:
@@ -152,17 +153,10 @@ def _iterators(blocked: Dict[int, Tuple[Any, List[str]]]) -> List[Any]:
     found: Dict[int, Any] = {key: it for key, (it, _) in blocked.items()}
     if "torch.utils.data.dataloader" not in sys.modules:
         return list(found.values())
-    deadline = time.monotonic() + SCAN_BUDGET_S
     seen: Dict[type, bool] = {}
-    objects = gc.get_objects()
-    try:
-        for i, obj in enumerate(objects):
-            if i % 4096 == 0 and time.monotonic() > deadline:
-                break
-            if _is_iterator(obj, seen):
-                found.setdefault(id(obj), obj)
-    finally:
-        del objects
+    for obj in tracked_of(lambda cls: _is_iterator_class(cls, seen)):  # the program never runs while we hold all
+        if _is_iterator(obj, seen):
+            found.setdefault(id(obj), obj)
     return list(found.values())
 
 

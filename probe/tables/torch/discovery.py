@@ -11,7 +11,7 @@ Sources, in order of trust:
    over, their objects are reached through the trainer). An object several frames hold is named by
    the outermost of them, the frame that lives longest, so names do not change as the stack moves;
    ``--model EXPR`` is resolved in the innermost frame that defines its first name;
-4. the garbage collector, only when 1 to 3 found nothing of that kind, bounded in time.
+4. the garbage collector, only when 1 to 3 found nothing of that kind (``probe.tables.tracked``).
 
 Training frameworks are recognised by the names of their classes, never by importing them: a
 Hugging Face ``transformers.Trainer`` (and subclasses), a Lightning ``Trainer`` or ``LightningModule``
@@ -34,13 +34,12 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from probe.tables.torch._common import Deadline
+from probe.tables.tracked import tracked_of
 
 __all__ = ["watch", "user_frame_scopes", "unwatch", "find_models", "find_optimizers", "find_schedulers", "find_trainers", "found", "trainer_objects",
            "main_expression", "resolve_expression", "trainer_kind", "unwrap_module", "unwrap_optimizer",
-           "deepspeed_engine", "deepspeed_scheduler", "Found", "GC_BUDGET_S"]
+           "deepspeed_engine", "deepspeed_scheduler", "Found"]
 
-GC_BUDGET_S = 2.0
 _MAX_MEMBERS = 256  # attributes or items looked at in each object of __main__ or of a frame
 _MAX_FRAMES = 200
 
@@ -178,16 +177,19 @@ class _Kinds:
         self.scheduler = getattr(schedulers, "LRScheduler", None) or getattr(schedulers, "_LRScheduler", None)
 
     def of(self, value: Any) -> Optional[str]:
-        cls = type(value)  # type(), not isinstance: no __class__ of proxies runs
+        return self.of_class(type(value))  # type(), not isinstance: no __class__ of proxies runs
+
+    def of_class(self, cls: type) -> Optional[str]:
+        """The kind every instance of ``cls`` is, or None: decided by the class alone."""
         if self.module is not None and issubclass(cls, self.module):
             return "model"
         if self.optimizer is not None and issubclass(cls, self.optimizer):
             return "optimizer"
         if self.scheduler is not None and issubclass(cls, self.scheduler):
             return "scheduler"
-        if _class_named(cls, "AcceleratedScheduler", "accelerate") or deepspeed_scheduler(value) is not None:
+        if _class_named(cls, "AcceleratedScheduler", "accelerate") or deepspeed_scheduler_class(cls) is not None:
             return "scheduler"
-        if trainer_kind(value) is not None:
+        if trainer_class_kind(cls) is not None:
             return "trainer"
         if _class_named(cls, "LightningOptimizer", "lightning", "pytorch_lightning"):
             return "optimizer"
@@ -209,10 +211,14 @@ def _class_named(cls: type, name: str, *packages: str) -> bool:
 def deepspeed_scheduler(value: Any) -> Optional[str]:
     """The name of the DeepSpeed scheduler class ``value`` is (or derives from), else None (by name, from
     ``deepspeed`` only where the target imported it)."""
+    return deepspeed_scheduler_class(type(value))
+
+
+def deepspeed_scheduler_class(cls: type) -> Optional[str]:
     if "deepspeed" not in sys.modules:
         return None
     try:
-        mro = type(value).__mro__
+        mro = cls.__mro__
     except Exception:
         return None
     for base in mro:  # one walk of the bases: this runs on every object the collector holds
@@ -228,7 +234,10 @@ def deepspeed_engine(value: Any) -> bool:
 
 def trainer_kind(value: Any) -> Optional[str]:
     """``transformers``, ``lightning`` or ``accelerate`` for a trainer of that framework, else None."""
-    cls = type(value)
+    return trainer_class_kind(type(value))
+
+
+def trainer_class_kind(cls: type) -> Optional[str]:
     if "transformers" in sys.modules and _class_named(cls, "Trainer", "transformers"):
         return "transformers"
     if ("lightning" in sys.modules or "pytorch_lightning" in sys.modules) and \
@@ -524,23 +533,12 @@ def _in_frames() -> Iterable[Tuple[str, Any]]:
 
 
 def _in_gc(kinds: _Kinds) -> List[Tuple[str, Any]]:
-    """Every object of a kind we look for that the collector tracks, within :data:`GC_BUDGET_S`;
-    trainers first, so that what they hold is named through them."""
-    deadline = Deadline(GC_BUDGET_S)
+    """Every object of a kind we look for that the collector tracks (``probe.tables.tracked``: the program
+    never runs while we hold its every object); trainers first, so that what they hold is named through them."""
     trainers: List[Tuple[str, Any]] = []
     rest: List[Tuple[str, Any]] = []
-    objects = gc.get_objects()
-    try:
-        for i, obj in enumerate(objects):
-            if i % 4096 == 0 and deadline.spent():
-                break
-            kind = kinds.of(obj)
-            if kind == "trainer":
-                trainers.append((type(obj).__name__, obj))
-            elif kind is not None:
-                rest.append((type(obj).__name__, obj))
-    finally:
-        del objects  # a list of every object in the process: let it go at once
+    for obj in tracked_of(lambda cls: kinds.of_class(cls) is not None):
+        (trainers if kinds.of(obj) == "trainer" else rest).append((type(obj).__name__, obj))
     return trainers + rest
 
 

@@ -9,8 +9,7 @@ is imported: torch's and DeepSpeed's classes are told apart by name, the framewo
 
 Where from: what probe's discovery finds (through a trainer: ``trainer.lr_scheduler``), ``__main__``
 and the main thread's frames (innermost first, the training thread's own too), two levels into what
-they hold; then, for optimizers still without one, the garbage collector, within
-:data:`GC_BUDGET_S`. A scheduler drives an optimizer when they share its ``param_groups`` list (so an
+they hold; then, for optimizers still without one, the garbage collector (``probe.tables.tracked``). A scheduler drives an optimizer when they share its ``param_groups`` list (so an
 optimizer wrapper and what it wraps have the same schedulers).
 
 Runs in the target: stdlib only, no torch import, and nothing of the target's code runs but the
@@ -18,20 +17,18 @@ Runs in the target: stdlib only, no torch import, and nothing of the target's co
 """
 
 import gc
-import itertools
 import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from probe.tables.torch import discovery
-from probe.tables.torch._common import Deadline
+from probe.tables.tracked import tracked_of
 
 __all__ = ["Driver", "find_schedulers", "drivers_of", "is_scheduler", "kind_of", "torch_class", "note_for",
            "step_count", "deepspeed_lists",
-           "base_of", "class_text", "attrs_of", "param_groups_of", "GC_BUDGET_S"]
+           "base_of", "class_text", "attrs_of", "param_groups_of"]
 
-GC_BUDGET_S = 2.0
 _MAX_VISITED = 4000  # objects looked at in __main__ and the frames, all levels together
 _MAX_MEMBERS = 256  # attributes or items looked at in each of them
 _DEPTH = 2  # levels below a global or a local: trainer.lr_scheduler, trainer.state.x
@@ -304,36 +301,16 @@ _PACKAGE = __file__.rsplit("/tables/", 1)[0]
 
 
 def _in_gc() -> List[Any]:
-    """Schedulers and scheduler wrappers the collector tracks, within :data:`GC_BUDGET_S`.
-
-    Looked at a chunk at a time, the chunk's classes first (a set, built in C), then only the objects of
-    classes that may be one: a tenth of the time of a Python loop over every object, and the GIL is
-    free to the program between chunks."""
-    deadline = Deadline(GC_BUDGET_S)
+    """Schedulers and scheduler wrappers the collector tracks (``probe.tables.tracked``): the objects of the
+    classes that may be one, then each looked at."""
     kinds: Dict[type, bool] = {}
-    out: List[Any] = []
-    objects = gc.get_objects()
-    try:
-        for start in range(0, len(objects), _CHUNK):
-            if deadline.spent():
-                break
-            chunk = objects[start:start + _CHUNK]
-            classes = set(map(type, chunk))
-            for cls in classes:
-                if cls not in kinds:
-                    kinds[cls] = _may_be_one(cls)
-            wanted = {cls for cls in classes if kinds[cls]}
-            if wanted:
-                for obj in itertools.compress(chunk, map(wanted.__contains__, map(type, chunk))):
-                    if is_scheduler(obj) or is_scheduler(attrs_of(obj).get("scheduler")):
-                        out.append(obj)
-            del chunk
-    finally:
-        del objects
-    return out
 
+    def may_be_one(cls: type) -> bool:
+        if cls not in kinds:
+            kinds[cls] = _may_be_one(cls)
+        return kinds[cls]
 
-_CHUNK = 65536
+    return [obj for obj in tracked_of(may_be_one) if is_scheduler(obj) or is_scheduler(attrs_of(obj).get("scheduler"))]
 
 
 def _may_be_one(cls: type) -> bool:

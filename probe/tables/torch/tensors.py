@@ -1,16 +1,17 @@
 """``torch.tensors``: the live tensors the garbage collector knows, with what each one is (a parameter,
 a gradient, optimizer state, a buffer) where that can be told.
 
-``gc.get_objects()`` lists every tracked object of the process; the scan stops after
-:data:`BUDGET_S` seconds or :data:`MAX_TENSORS` tensors, and then every row says so (``complete``).
+The collector's objects are read by ``probe.tables.tracked`` (the program never runs while we hold its every
+object); the table stops at :data:`MAX_TENSORS` tensors or after :data:`BUDGET_S` seconds of describing
+them, and then every row says so (``complete``).
 """
 
-import gc
 import sys
 import time
 from typing import Any, Dict, List, Tuple
 
 from probe.tables.spec import Column
+from probe.tables.tracked import tracked_of
 from probe.tables.torch._common import (Deadline, at_step_boundary, device_text, dtype_text, grads_outside_backward,
                                         in_backward, is_dtensor, shape_text, torch_or_raise)
 from probe.tables.torch.discovery import find_models, find_optimizers
@@ -109,25 +110,14 @@ def outside_backward(work: Any, deadline: Deadline) -> Any:
 
 
 def scan(torch: Any) -> Tuple[List[Any], bool]:
-    """The tensors the collector tracks, and whether the scan saw them all (within the budgets)."""
-    deadline = Deadline(BUDGET_S)
-    found: List[Any] = []
-    objects = gc.get_objects()
-    complete = True
-    try:
-        tensor_type = torch.Tensor
-        for i, obj in enumerate(objects):
-            if i % 4096 == 0 and deadline.spent():
-                complete = False
-                break
-            if issubclass(type(obj), tensor_type):  # type(), not isinstance: no __class__ of proxies runs
-                if len(found) >= MAX_TENSORS:
-                    complete = False
-                    break
-                found.append(obj)
-    finally:
-        del objects
-    return found, complete
+    """The tensors the collector tracks (``probe.tables.tracked``), and whether all of them are here (at most
+    :data:`MAX_TENSORS`)."""
+    tensor_type = torch.Tensor
+    found = tracked_of(lambda cls: issubclass(cls, tensor_type))  # the class, not isinstance: no proxy's code runs
+    if len(found) > MAX_TENSORS:
+        del found[MAX_TENSORS:]
+        return found, False
+    return found, True
 
 
 def _describe(torch: Any, tensor: Any) -> Tuple[Any, ...]:
