@@ -2,7 +2,7 @@
 ``probe PID backtrace`` makes of a process with no agent, in about a millisecond where running py-spy costs
 about ten (its own start and its reading of the interpreter's symbols, on every call).
 
-Imports only ``os``, ``struct`` and ``time``: the command's start-up is most of its time (``probe.cli.quick``).
+Imports only ``os`` and ``time`` (``struct`` where the symbol offsets are not kept yet): the command's start-up is most of its time (``probe.cli.quick``).
 
 What is read, and how it is trusted:
 
@@ -26,12 +26,12 @@ thread that keeps running) gives None, and the caller reads with py-spy as befor
 from __future__ import annotations
 
 import os
-import struct
+import sys
 import time
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Dict, List, Optional, Tuple
+    from typing import Any, Dict, List, Optional, Tuple
 
     Thread = Tuple[int, int, str, bool, List[Tuple[str, str, int]]]
 
@@ -79,6 +79,11 @@ _DICT_KEYS = 32
 _DICT_VALUES = 40
 
 
+def _int(data: bytes, at: int = 0, size: int = 8, signed: bool = False) -> int:
+    """The little-endian integer of ``size`` bytes at ``at``."""
+    return int.from_bytes(data[at:at + size], "little", signed=signed)
+
+
 class _Unreadable(Exception):
     """Something read is not what CPython 3.11 would have there: the read is given up."""
 
@@ -87,12 +92,14 @@ def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[T
     """Every thread of ``pid`` as (native id, Python ident, name, is main, frames innermost first as
     (function, file, line)), in the interpreter's order (py-spy's); None where this reader cannot tell them
     for certain (the caller reads with py-spy). ``runtime_dir``: where the symbol offsets are kept."""
+    if sys.byteorder != "little" or os.uname().machine != "x86_64":
+        return None  # the offsets are x86-64's (another ABI lays the GIL's mutexes out otherwise)
     try:
         found = _runtime(pid, runtime_dir)
         if found is None:
             return None
         fd = os.open("/proc/%d/mem" % pid, os.O_RDONLY | os.O_CLOEXEC)
-    except (OSError, ValueError, struct.error, _Unreadable):
+    except (OSError, ValueError, _Unreadable):
         return None
     try:
         memory = _Memory(fd)
@@ -108,7 +115,7 @@ def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[T
             if threads is not None and _switches(pid) == before:
                 return threads
         return None
-    except (OSError, ValueError, IndexError, struct.error, _Unreadable, RecursionError):
+    except (OSError, ValueError, IndexError, _Unreadable, RecursionError):
         return None
     finally:
         os.close(fd)
@@ -144,14 +151,17 @@ class _Memory:
         return data
 
     def u64(self, address: int) -> int:
-        return struct.unpack("<Q", self.read(address, 8))[0]
+        return _int(self.read(address, 8))
 
     def u32(self, address: int) -> int:
-        return struct.unpack("<I", self.read(address, 4))[0]
+        return _int(self.read(address, 4))
 
     def type_name(self, obj: int) -> bytes:
         """The ``tp_name`` of the object's type."""
-        kind = self.u64(obj + 8)
+        return self.named(self.u64(obj + 8))
+
+    def named(self, kind: int) -> bytes:
+        """The ``tp_name`` of type ``kind`` (kept: a type outlives the objects read of it)."""
         name = self.type_names.get(kind)
         if name is None:
             name = self.read(self.u64(kind + _TYPE_NAME), 32).split(b"\0", 1)[0]
@@ -164,59 +174,77 @@ class _Memory:
         return obj
 
     def text(self, obj: int) -> str:
-        """A str object's text (compact strings: what the interpreter makes)."""
-        self.expect(obj, b"str")
-        length, _, state = struct.unpack("<qqI", self.read(obj + 16, 20))
+        """A str object's text (compact strings: what the interpreter makes), in one read where it is short."""
+        try:
+            head = self.read(obj, 48 + 64)
+        except (OSError, _Unreadable):  # the object ends close to the end of its mapping
+            head = self.read(obj, 48)
+        kind_of, length, state = _int(head, 8), _int(head, 16, 8, True), _int(head, 32, 4)
+        if self.named(kind_of) != b"str":
+            raise _Unreadable("not a str at %#x" % obj)
         kind, compact, ascii = (state >> 2) & 7, (state >> 5) & 1, (state >> 6) & 1
         if not compact or not 0 <= length <= MAX_TEXT or kind not in (1, 2, 4):
             raise _Unreadable("a str the reader does not take")
-        if ascii:
-            return self.read(obj + 48, length).decode("ascii")
-        data = self.read(obj + 72, length * kind)
-        return data.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind])
+        start, size = (48, length) if ascii else (72, length * kind)
+        data = head[start:start + size] if start + size <= len(head) else self.read(obj + start, size)
+        return data.decode("ascii") if ascii else data.decode({1: "latin-1", 2: "utf-16-le", 4: "utf-32-le"}[kind])
+
+    def is_text(self, obj: int, text: str) -> bool:
+        """Whether ``obj`` is the str ``text`` (ASCII), in one read."""
+        head = self.read(obj, 48 + len(text))
+        kind_of, length, state = _int(head, 8), _int(head, 16, 8, True), _int(head, 32, 4)
+        return (length == len(text) and (state >> 5) & 3 == 3 and self.named(kind_of) == b"str"
+                and head[48:] == text.encode("ascii"))
 
     def bytes_of(self, obj: int) -> bytes:
-        self.expect(obj, b"bytes")
-        size = struct.unpack("<q", self.read(obj + _BYTES_SIZE, 8))[0]
-        if not 0 <= size <= MAX_TEXT * 4:
-            raise _Unreadable("bytes too long")
-        return self.read(obj + _BYTES_DATA, size)
+        """A bytes object's data, in one read where it is short."""
+        try:
+            head = self.read(obj, _BYTES_DATA + 128)
+        except (OSError, _Unreadable):
+            head = self.read(obj, _BYTES_DATA)
+        kind_of, size = _int(head, 8), _int(head, 16, 8, True)
+        if self.named(kind_of) != b"bytes" or not 0 <= size <= MAX_TEXT * 4:
+            raise _Unreadable("not bytes at %#x" % obj)
+        end = _BYTES_DATA + size
+        return head[_BYTES_DATA:end] if end <= len(head) else self.read(obj + _BYTES_DATA, size)
 
     def integer(self, obj: int) -> int:
         self.expect(obj, b"int")
-        size = struct.unpack("<q", self.read(obj + 16, 8))[0]
+        size = _int(self.read(obj + 16, 8), signed=True)
         if not -4 <= size <= 4:
             raise _Unreadable("int too long")
-        digits = struct.unpack("<%dI" % abs(size), self.read(obj + 24, 4 * abs(size)))
+        digits = memoryview(self.read(obj + 24, 4 * abs(size))).cast("I")
         value = sum(digit << (30 * i) for i, digit in enumerate(digits))
         return -value if size < 0 else value
 
     def items(self, obj: int) -> List[Tuple[int, int]]:
         """(key, value) object addresses of a dict (combined or split table)."""
         self.expect(obj, b"dict")
-        keys, values = struct.unpack("<QQ", self.read(obj + _DICT_KEYS, 16))
+        keys, values = memoryview(self.read(obj + _DICT_KEYS, 16)).cast("Q")
         return self._entries(keys, values)
 
     def _entries(self, keys: int, values: int) -> List[Tuple[int, int]]:
-        log2_size, log2_index, kind = struct.unpack("<BBB", self.read(keys + 8, 3))
-        entries = struct.unpack("<q", self.read(keys + 24, 8))[0]
+        head = self.read(keys, 32)
+        log2_size, log2_index, kind, entries = head[8], head[9], head[10], _int(head, 24, 8, True)
         if log2_size > 24 or not 0 <= entries <= min(MAX_ENTRIES, 1 << log2_size) or kind > 2:
             raise _Unreadable("dict keys")
         width = 24 if kind == 0 else 16
         raw = self.read(keys + 32 + (1 << log2_index), entries * width)
         if width == 24:
-            pairs = [(k, v) for _, k, v in struct.iter_unpack("<QQQ", raw)]
+            words = memoryview(raw).cast("Q")
+            pairs = list(zip(words[1::3], words[2::3]))
         else:
-            pairs = list(struct.iter_unpack("<QQ", raw))
+            words = memoryview(raw).cast("Q")
+            pairs = list(zip(words[0::2], words[1::2]))
         if values:
-            found = struct.unpack("<%dQ" % entries, self.read(values, 8 * entries))
+            found = memoryview(self.read(values, 8 * entries)).cast("Q")
             pairs = [(k, v) for (k, _), v in zip(pairs, found)]
         return [(k, v) for k, v in pairs if k and v]
 
     def lookup(self, obj: int, name: str) -> Optional[int]:
         """The value of str key ``name`` in dict ``obj``."""
         for key, value in self.items(obj):
-            if self.type_name(key) == b"str" and self.text(key) == name:
+            if self.is_text(key, name):
                 return value
         return None
 
@@ -233,7 +261,7 @@ class _Memory:
         if not values or not keys:
             return None
         for key, value in self._entries(keys, values):
-            if self.text(key) == name:
+            if self.is_text(key, name):
                 return value
         return None
 
@@ -250,7 +278,7 @@ def _threads(memory: _Memory, runtime: int, pid: int) -> Optional[List[Thread]]:
     while state:
         if len(threads) >= MAX_THREADS or memory.u64(state + _TS_INTERP) != interp:
             raise _Unreadable("thread list")
-        ident, native = struct.unpack("<QQ", memory.read(state + _TS_THREAD_ID, 16))
+        ident, native = memoryview(memory.read(state + _TS_THREAD_ID, 16)).cast("Q")
         name = names.get(ident)
         if name is None:
             return None  # not a thread of threading's: py-spy names it as it does
@@ -283,14 +311,16 @@ def _frames(memory: _Memory, state: int) -> List[Tuple[str, str, int]]:
     while frame:
         if len(frames) >= MAX_DEPTH:
             raise _Unreadable("too deep")
-        code, _, previous, prev_instr = struct.unpack("<QQQQ", memory.read(frame + _FRAME_CODE, 32))
+        code, _, previous, prev_instr = memoryview(memory.read(frame + _FRAME_CODE, 32)).cast("Q")
         known = codes.get((code, prev_instr))
         if known is None:
-            memory.expect(code, b"code")
-            name = memory.text(memory.u64(code + _CODE_QUALNAME))
-            filename = memory.text(memory.u64(code + _CODE_FILENAME))
-            first = struct.unpack("<i", memory.read(code + _CODE_FIRSTLINENO, 4))[0]
-            table = memory.bytes_of(memory.u64(code + _CODE_LINETABLE))
+            head = memory.read(code, _CODE_LINETABLE + 8)
+            if memory.named(_int(head, 8)) != b"code":
+                raise _Unreadable("not a code object at %#x" % code)
+            first = _int(head, _CODE_FIRSTLINENO, 4, True)
+            name = memory.text(_int(head, _CODE_QUALNAME))
+            filename = memory.text(_int(head, _CODE_FILENAME))
+            table = memory.bytes_of(_int(head, _CODE_LINETABLE))
             offset = prev_instr - (code + _CODE_CODE)
             line = _line(table, first, (offset // 2) * 2)
             if line < 0:
@@ -391,6 +421,15 @@ def _interpreter_file(pid: int) -> Optional[Tuple[str, int, Tuple[int, int], int
 def _symbols(path: str) -> Optional[Tuple[int, int, int]]:
     """(virtual address of the segment at file offset 0, ``_PyRuntime``'s, ``Py_Version``'s) by the file's
     dynamic symbols (an interpreter exports both)."""
+    import struct  # only where the offsets are not kept yet: its C module is a shared object to load
+
+    try:
+        return _elf_symbols(path, struct)
+    except struct.error:
+        return None  # cut short
+
+
+def _elf_symbols(path: str, struct: Any) -> Optional[Tuple[int, int, int]]:
     with open(path, "rb") as handle:
         head = handle.read(64)
         if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
