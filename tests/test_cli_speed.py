@@ -270,7 +270,7 @@ def test_a_process_without_agent_is_read_from_its_memory_before_the_rest_is_impo
     memory (probe.reader.memory) and says why no agent answers in the client's words: the same bytes as the
     usual path, without the client, the injector, py-spy or typing."""
     proc = target_factory("idle.py", probe=False, wait_socket=False)
-    for _ in range(5):  # a thread of the target may run through a read's every try: the usual path reads then
+    for _ in range(10):  # a thread of the target may run through a read's every try: the usual path reads then
         modules, _, done = _quick_modules(tmp_path, str(proc.pid), "backtrace")
         if "probe.client" not in modules:
             break
@@ -279,7 +279,7 @@ def test_a_process_without_agent_is_read_from_its_memory_before_the_rest_is_impo
     assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
     assert "by probe, none of its threads running during the read" in done.stderr, done.stderr
     assert "probe.reader.memory" in modules
-    for _ in range(5):
+    for _ in range(10):
         _, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
         if "by probe" in done.stderr:
             break

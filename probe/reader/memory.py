@@ -14,10 +14,12 @@ What is read, and how it is trusted:
 * The interpreter (only one; subinterpreters are left to py-spy), its thread states, their frames, code
   objects, strings and ``threading._active`` for the thread names, at the offsets of CPython 3.11 on x86-64
   (``Py_Version`` must say 3.11). Every object's type is checked by its type's name, every size bounded.
-* A stack is one the thread was in only if it did not change during the read: the GIL must be free, and
-  every thread of the process asleep (state S or D) with the same context switch counts before and after
-  the read (a thread that ran meanwhile went through the scheduler). Otherwise the read is tried again a few
-  times within some 30 ms, then given up.
+* A stack is one the thread was in only if it did not change during the read. Python's state changes only
+  under the GIL, which must be free before and after the read, taken by no thread new to it meanwhile
+  (its ``switch_number`` the same), and every thread that has a Python thread state asleep (state S or D)
+  with the same context switch counts before and after the read (a thread that ran meanwhile went through
+  the scheduler). Otherwise the read is tried again a few times within some
+  30 ms, then given up. Threads of C alone (a library's pool) may run meanwhile: they touch no Python frame.
 
 Anything unexpected (another version, a permission refused, a thread not named by ``threading``, a
 thread that keeps running) gives None, and the caller reads with py-spy as before. Linux only.
@@ -50,7 +52,7 @@ MAX_ENTRIES = 1 << 20
 # CPython 3.11, x86-64 (Include/internal/pycore_runtime.h, pycore_interp.h, cpython/pystate.h,
 # pycore_frame.h, cpython/code.h, cpython/unicodeobject.h, pycore_dict.h, cpython/object.h).
 _RT_INTERP_HEAD = 40
-_RT_GIL_LOCKED = 376
+_RT_GIL_LOCKED = 376  # then the GIL's switch_number at 384: it counts takes by a thread other than the last
 _IS_NEXT = 0
 _IS_THREADS_HEAD = 16
 _IS_MODULES = 888
@@ -88,6 +90,10 @@ class _Unreadable(Exception):
     """Something read is not what CPython 3.11 would have there: the read is given up."""
 
 
+class _Moved(Exception):
+    """The process's Python state may have changed during the read: it is read again."""
+
+
 def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[Thread]]:
     """Every thread of ``pid`` as (native id, Python ident, name, is main, frames innermost first as
     (function, file, line)), in the interpreter's order (py-spy's); None where this reader cannot tell them
@@ -108,11 +114,18 @@ def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[T
         for attempt in range(TRIES):
             if attempt:
                 time.sleep(0.001 * 2 ** attempt)  # a thread woken meanwhile goes back to sleep
-            before = _switches(pid)
-            if before is None:
+            before = _states(pid)
+            try:
+                threads = _threads(memory, found[0], pid)
+            except _Moved:
+                continue
+            if threads is None:
                 return None
-            threads = _threads(memory, found[0], pid)
-            if threads is not None and _switches(pid) == before:
+            after = _states(pid)
+            natives = [b"%d" % thread[0] for thread in threads]
+            if any(before.get(native, b"?")[:1] not in b"SDR" for native in natives):
+                return None  # stopped, traced, dying: py-spy says what it is
+            if all(before.get(native, b"R")[:1] in b"SD" and after.get(native) == before[native] for native in natives):
                 return threads
         return None
     except (OSError, ValueError, IndexError, _Unreadable, RecursionError):
@@ -121,17 +134,19 @@ def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[T
         os.close(fd)
 
 
-def _switches(pid: int) -> Optional[Dict[str, bytes]]:
-    """Each thread's context switch counts, where every thread sleeps; None where one runs (or is stopped:
-    py-spy says what a stopped process is)."""
+def _states(pid: int) -> Dict[bytes, bytes]:
+    """Each thread's state letter and context switch counts (thread id -> both, as one string): a thread of
+    the same string before and after the read, in state S or D, did not run in between (to run, the
+    scheduler switches to it; to stop running, away from it, and counts that)."""
     out = {}
     for task in os.listdir("/proc/%d/task" % pid):
-        with open("/proc/%d/task/%s/status" % (pid, task), "rb") as handle:
-            status = handle.read()
+        try:
+            with open("/proc/%d/task/%s/status" % (pid, task), "rb") as handle:
+                status = handle.read()
+        except FileNotFoundError:
+            continue  # a thread that ended (one of Python's is told by its absence after the read)
         state = status[status.index(b"\nState:") + 7:].lstrip()[:1]
-        if state not in (b"S", b"D"):
-            return None
-        out[task] = status[status.index(b"\nvoluntary_ctxt_switches:"):]
+        out[task.encode()] = state + status[status.index(b"\nvoluntary_ctxt_switches:"):]
     return out
 
 
@@ -267,8 +282,16 @@ class _Memory:
 
 
 def _threads(memory: _Memory, runtime: int, pid: int) -> Optional[List[Thread]]:
-    if memory.u32(runtime + _RT_GIL_LOCKED) != 0:
+    gil = memory.read(runtime + _RT_GIL_LOCKED, 16)
+    if _int(gil, 0, 4) != 0:
         return None  # a thread holds the GIL: py-spy says which (and whether it stays in C)
+    threads = _thread_list(memory, runtime, pid)
+    if threads is not None and memory.read(runtime + _RT_GIL_LOCKED, 16) != gil:
+        raise _Moved("the GIL was taken during the read")  # by a thread new to it (its switch_number)
+    return threads
+
+
+def _thread_list(memory: _Memory, runtime: int, pid: int) -> Optional[List[Thread]]:
     interp = memory.u64(runtime + _RT_INTERP_HEAD)
     if memory.u64(interp + _IS_NEXT):
         return None  # subinterpreters
