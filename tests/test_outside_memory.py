@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from procs import REPO, run_cli, scaled, target_env
+from procs import REPO, pyenv_python, run_cli, scaled, target_env
 
 from probe.reader import memory, pyspy_source
 
@@ -124,3 +124,15 @@ def test_not_python_and_no_process_say_what_they_said(target_factory):
     assert (result.code, result.out, result.err) == (usual.code, usual.out, usual.err)
     result = run_cli(str(sleeper.pid), "backtrace")
     assert result.code != 0 and "no process with pid %d" % sleeper.pid in result.err, result.err
+
+
+@pytest.mark.parametrize("version", ["3.10", "3.12"])
+def test_another_interpreter_is_left_to_py_spy(version, target_factory, tmp_path):
+    """The reader knows CPython 3.11's layout alone: another version says so by its Py_Version (or has none)."""
+    python = pyenv_python(version)
+    if not python:
+        pytest.skip("no CPython %s here" % version)
+    proc = target_factory("idle.py", probe=False, wait_socket=False, python=python)
+    assert memory.read_threads(proc.pid, str(tmp_path)) is None
+    result = run_cli(str(proc.pid), "backtrace")
+    assert result.code == 0 and "by py-spy" in result.err and "main_sleep" in result.out, result.err

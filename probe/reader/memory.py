@@ -48,6 +48,9 @@ MAX_THREADS = 4096
 MAX_DEPTH = 4096
 MAX_TEXT = 1 << 16
 MAX_ENTRIES = 1 << 20
+MAX_ELF = 1 << 30
+"""The largest file taken for an interpreter (a libpython is some 20 MiB; a static python with debug
+information a few hundred)."""
 
 # CPython 3.11, x86-64 (Include/internal/pycore_runtime.h, pycore_interp.h, cpython/pystate.h,
 # pycore_frame.h, cpython/code.h, cpython/unicodeobject.h, pycore_dict.h, cpython/object.h).
@@ -408,6 +411,8 @@ def _runtime(pid: int, runtime_dir: Optional[str]) -> Optional[Tuple[int, int]]:
         return None
     path, start, device, inode = mapped
     info = os.stat(path)
+    if info.st_mode & 0o170000 != 0o100000 or info.st_size > MAX_ELF:
+        return None  # no regular file (a FIFO would block the read), or no interpreter's size
     if (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) != device + (inode,):
         return None  # not the file mapped (replaced, or another mount namespace)
     key = "%s\0%d\0%d\0%d\0%d" % (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
@@ -459,6 +464,8 @@ def _elf_symbols(path: str, struct: Any) -> Optional[Tuple[int, int, int]]:
             return None  # 64-bit little-endian only
         phoff, shoff = struct.unpack_from("<QQ", head, 32)
         phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
+        if phentsize != 56 or shentsize != 64:
+            return None
         handle.seek(phoff)
         base = None
         for fields in struct.iter_unpack("<IIQQQQQQ", handle.read(phentsize * phnum)):
@@ -471,6 +478,8 @@ def _elf_symbols(path: str, struct: Any) -> Optional[Tuple[int, int, int]]:
         if base is None or dynsym is None or not 0 <= dynsym[6] < len(sections):
             return None
         strings = sections[dynsym[6]]
+        if max(strings[5], dynsym[5]) > 64 << 20:
+            return None  # more than any interpreter's dynamic symbols
         handle.seek(strings[4])
         names = handle.read(strings[5])
         handle.seek(dynsym[4])
