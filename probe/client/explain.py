@@ -13,7 +13,6 @@ from typing import Any, Optional
 from probe import _paths
 from probe.client.targets import Target
 from probe.errors import ProbeError, ProcessDead
-from probe.reader import agentless
 
 __all__ = ["explain", "dead_with_record", "process_state"]
 
@@ -73,6 +72,8 @@ def explain(target: Target, exc: ProbeError) -> ProbeError:
     if not_python:
         return ConnectError("process %d (%s) is not a Python interpreter, so no agent can run in it" % (pid, not_python),
                             hint="give the pid of the Python process itself (`probe list` shows them)")
+    from probe.reader import agentless  # not on the path of an agent's answer
+
     return _agentless_advice(pid, path, agentless.MESSAGE % pid)
 
 
@@ -141,7 +142,9 @@ def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
                                "agent failed: its stderr says why in a line that starts with 'probe:')"
                                % (message, requested), hint="%s starts one now" % inject)
     else:
-        exc = ConnectError(message, hint=agentless.HINT % pid)  # probe.cli.quick says the same (reader.agentless)
+        from probe.reader import agentless  # probe.cli.quick says the same of the plain case
+
+        exc = ConnectError(message, hint=agentless.HINT % pid)
     exc = _agentless(exc, pid)
     exc.outside = stacks  # type: ignore[attr-defined]  # read once: backtrace and SQL use them
     return exc

@@ -56,7 +56,9 @@ def plain(pid: int, socket: str) -> bool:
     for i, word in enumerate(argv):
         if word == b"-m" and i + 1 < len(argv) and argv[i + 1].decode("utf-8", "replace") in _LAUNCHERS:
             return False
-        if word.rsplit(b"/", 1)[-1] == b"torchrun" or word.endswith(b"torch/distributed/run.py") or word == b"probe.host":
+        if word == b"probe.host" or word.rsplit(b"/", 1)[-1] == b"torchrun":
+            return False
+        if word.endswith(b"torch/distributed/run.py"):
             return False
     env = dict(item.partition(b"=")[::2] for item in environ if b"=" in item)
     if env.get(b"PROBE", b"0") not in (b"", b"0") or env.get(b"PROBE_LISTEN") or env.get(b"PROBE_PORT"):

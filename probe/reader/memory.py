@@ -2,7 +2,8 @@
 ``probe PID backtrace`` makes of a process with no agent, in about a millisecond where running py-spy costs
 about ten (its own start and its reading of the interpreter's symbols, on every call).
 
-Imports only ``os`` and ``time`` (``struct`` where the symbol offsets are not kept yet): the command's start-up is most of its time (``probe.cli.quick``).
+Imports only ``os``, ``sys`` and ``time`` (``struct`` where the symbol offsets are not kept yet): the
+command's start-up is most of its time (``probe.cli.quick``).
 
 What is read, and how it is trusted:
 
@@ -18,8 +19,8 @@ What is read, and how it is trusted:
   under the GIL, which must be free before and after the read, taken by no thread new to it meanwhile
   (its ``switch_number`` the same), and every thread that has a Python thread state asleep (state S or D)
   with the same context switch counts before and after the read (a thread that ran meanwhile went through
-  the scheduler). Otherwise the read is tried again a few times within some
-  30 ms, then given up. Threads of C alone (a library's pool) may run meanwhile: they touch no Python frame.
+  the scheduler). Otherwise the read is tried again a few times within some 30 ms, then given up. Threads
+  of C alone (a library's pool) may run meanwhile: they touch no Python frame.
 
 Anything unexpected (another version, a permission refused, a thread not named by ``threading``, a
 thread that keeps running) gives None, and the caller reads with py-spy as before. Linux only.
@@ -62,26 +63,21 @@ _IS_MODULES = 888
 _TS_NEXT = 8
 _TS_INTERP = 16
 _TS_CFRAME = 56
-_TS_THREAD_ID = 152
-_TS_NATIVE_ID = 160
+_TS_THREAD_ID = 152  # then native_thread_id at 160
 _CFRAME_CURRENT = 8
-_FRAME_CODE = 32
-_FRAME_PREVIOUS = 48
-_FRAME_PREV_INSTR = 56
+_FRAME_CODE = 32  # then frame_obj, previous (48), prev_instr (56)
 _CODE_FIRSTLINENO = 72
 _CODE_FILENAME = 112
 _CODE_QUALNAME = 128
 _CODE_LINETABLE = 136
 _CODE_CODE = 184
-_BYTES_SIZE = 16
 _BYTES_DATA = 32
 _TYPE_NAME = 24
 _TYPE_FLAGS = 168
 _HEAPTYPE_CACHED_KEYS = 872
 _MANAGED_DICT = 0x10
 _MODULE_DICT = 16
-_DICT_KEYS = 32
-_DICT_VALUES = 40
+_DICT_KEYS = 32  # then ma_values at 40
 
 
 def _int(data: bytes, at: int = 0, size: int = 8, signed: bool = False) -> int:
