@@ -46,6 +46,10 @@ def test_the_reader_sees_what_py_spy_sees(target_factory, tmp_path):
     """Named threads (threading's), qualified names, lines, the interpreter's thread order: py-spy's."""
     idle = target_factory("idle.py", probe=False, wait_socket=False)
     assert _own(idle.pid, str(tmp_path)) == _pyspy(idle.pid)
+    wide = target_factory("unicode_names.py", probe=False, wait_socket=False)
+    mine = _own(wide.pid, str(tmp_path))
+    assert sorted(name for _, _, name, _, _ in mine) == ["main-renamed", "naïve", "スレッド😀"]
+    assert mine == _pyspy(wide.pid)
     spawned = subprocess.Popen([sys.executable, BENCH_TARGET, "--threads", "3"], stdout=subprocess.PIPE,
                                env=target_env(probe=False))
     try:
