@@ -6,8 +6,8 @@
 Targets: bench/targets/nested.py, shaped like py-spy's own test scripts (each thread loops over three nested
 calls that sleep 10 ms, ``sleep``, or count in Python, ``spin``: two spinning targets take both cores of a
 2-core machine, so ``spin`` is not run by default), in pairs: one with an agent (``PROBE=1``) and one without,
-which probe reads from outside (no agent answers: the client reads its stacks with py-spy, and says so on
-stderr). Each (threads, work) group runs alone, its two targets started for it and killed after; within a
+which probe reads from outside (no agent answers: probe reads its stacks from its memory, ``probe.reader.memory``,
+or where it cannot, with py-spy, and says which on stderr). Each (threads, work) group runs alone, its two targets started for it and killed after; within a
 group every command runs once a round, interleaved (A B C ... C B A), after a warm-up round:
 
 * ``probe PID backtrace`` against each target, run by a console script in a virtual environment without
@@ -76,6 +76,10 @@ the last :func:`timed` commands, by the runner's name: work done, which a loaded
 than the wall time."""
 
 
+READER: Dict[str, List[str]] = {}
+"""Which reader answered each run of a command read from outside (``probe`` or ``py-spy``), by the note on stderr."""
+
+
 def timed(argv: Sequence[str], name: str = "") -> float:
     """Wall time in seconds of one whole command (spawn to exit), as ``_common.time_command`` times it; its CPU
     time goes to ``CPU[name]``. Raises where the command fails."""
@@ -90,6 +94,8 @@ def timed(argv: Sequence[str], name: str = "") -> float:
     if child.returncode != 0:
         raise RuntimeError("%s failed (rc %d): %s" % (" ".join(argv), child.returncode, errors.decode(errors="replace")[-500:]))
     CPU.setdefault(name, []).append(usage.ru_utime + usage.ru_stime)
+    if b"stacks read from outside" in errors:  # which reader answered: probe's own, or py-spy where it could not
+        READER.setdefault(name, []).append("probe" if b"by probe," in errors else "py-spy")
     return elapsed
 
 
@@ -114,9 +120,12 @@ def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) ->
         runners: Dict[str, Callable[[], float]] = {
             name: (lambda argv=argv, name=name: timed(argv, name)) for name, argv in commands.items()}
         CPU.clear()
+        READER.clear()
         results = interleave(runners, runs)
         for name in CPU:  # the warm-up round's are not figures
             CPU[name] = CPU[name][-runs:]
+        for name in READER:
+            READER[name] = READER[name][-runs:]
         return results
 
 
@@ -138,6 +147,9 @@ def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
             print("  %s / py-spy: %.2fx (medians); per round %.2fx, IQR %.2f-%.2fx, min-max %.2f-%.2fx%s"
                   % (name, ratio, paired.median, paired.q1, paired.q3, paired.low, paired.high,
                      "; goal <= %gx: %s" % (GOAL, verdict(ratio <= GOAL)) if goal else ""))
+            if name in READER:
+                print("    read from outside by probe's own reader in %d of %d runs (else py-spy)"
+                      % (READER[name].count("probe"), len(READER[name])))
             cpu = Summary.of(CPU[name]).median / Summary.of(CPU[peer]).median
             figure("%s: CPU time of %s" % (group, name), CPU[name], peer=peer, peer_values=CPU[peer])
             print("    CPU time: %.1f ms vs py-spy's %.1f ms (medians): %.2fx"

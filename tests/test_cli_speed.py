@@ -265,22 +265,55 @@ def test_a_request_the_agent_does_not_answer_at_once_is_handed_to_the_usual_watc
         assert again.code == 0 and "hold_gil" in again.out, again.err
 
 
+def test_a_process_without_agent_is_read_from_its_memory_before_the_rest_is_imported(target_factory, tmp_path):
+    """No agent, the plain case (a process of ours that asks for none): probe.cli.quick reads its stacks from its
+    memory (probe.reader.memory) and says why no agent answers in the client's words: the same bytes as the
+    usual path, without the client, the injector, py-spy or typing."""
+    proc = target_factory("idle.py", probe=False, wait_socket=False)
+    for _ in range(10):  # a thread of the target may run through a read's every try: the usual path reads then
+        modules, _, done = _quick_modules(tmp_path, str(proc.pid), "backtrace")
+        if "probe.client" not in modules:
+            break
+    usual = run_cli(str(proc.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
+    assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
+    assert "by probe, none of its threads running during the read" in done.stderr, done.stderr
+    assert "probe.reader.memory" in modules
+    for _ in range(10):
+        _, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
+        if "by probe" in done.stderr:
+            break
+    assert (calls["start"], calls["hand_over"]) == (0, 0), done.stderr  # (--spy imports the client's connection)
+    never = QUICK_NEVER + ("probe.injector", "probe.reader.live", "probe.reader.stacks", "re", "linecache", "collections")
+    assert sorted(m for m in modules if any(m == n or m.startswith(n + ".") for n in never)) == []
+
+
 def test_a_process_without_agent_is_read_by_the_py_spy_run_started_ahead(target_factory, tmp_path):
-    """No agent: probe.cli.quick starts py-spy's read at once, says why no agent answers as the client does
-    (probe.client.explain) and takes that read instead of starting another: the same words and stacks as the
-    usual path, without the rest of the CLI and the client."""
+    """No agent, and a process its own reader cannot read (its threads run Python all the time): probe.cli.quick
+    starts py-spy's read at once,
+    says why no agent answers as the client does (probe.client.explain) and takes that read instead of
+    starting another: the same words and stacks as the usual path, without the rest of the CLI and the client."""
     from probe.reader import pyspy_source
 
     if pyspy_source.binary() is None:
         pytest.skip("py-spy is not installed")
-    proc = target_factory("idle.py", probe=False, wait_socket=False)
+    proc = target_factory("mutual_recursion.py", probe=False, wait_socket=False)
     modules, calls, done = _quick_modules(tmp_path, str(proc.pid), "backtrace", spy=True)
-    usual = run_cli(str(proc.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
-    assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
     assert done.returncode == 0 and "no agent in process %d" % proc.pid in done.stderr, done.stderr
+    assert "by py-spy, which stopped it for the read" in done.stderr, done.stderr
     assert (calls["start"], calls["taken"], calls["hand_over"]) == (1, 1, 0)
     left_out = ("subprocess", "probe.cli.fast", "probe.cli.output", "probe.client.client")  # (--spy imports connection)
     assert [m for m in left_out if m in modules] == []
+    # a process its own reader reads, not the plain case (its own TMPDIR: the client looks for its agent there):
+    # the usual path explains, and reads it from memory as well; no py-spy started ahead
+    own = target_factory("idle.py", probe=False, wait_socket=False, env=target_env(probe=False, TMPDIR=str(tmp_path)))
+    for _ in range(5):
+        modules, calls, done = _quick_modules(tmp_path, str(own.pid), "backtrace", spy=True)
+        if "by probe" in done.stderr:
+            break
+    usual = run_cli(str(own.pid), "backtrace", env=target_env(probe=False, PROBE_CLI_FAST="0"))
+    assert (done.returncode, done.stdout, done.stderr) == (usual.code, usual.out, usual.err)
+    assert "probe.client.explain" in modules and calls["start"] == 0, done.stderr
     stopped = target_factory("idle.py", probe=False, wait_socket=False)
     os.kill(stopped.pid, signal.SIGSTOP)  # read as it is, by a command of its own: none is started ahead
     try:

@@ -80,7 +80,14 @@ def run(args: List[str]) -> Optional[int]:
     try:
         age = time.time() - os.stat(path).st_mtime
     except FileNotFoundError:
-        _read_ahead(pid)  # no agent: its stacks are read from outside, and a line says why
+        # no agent: its stacks are read from outside, and a line says why
+        from probe.reader import memory
+
+        threads = memory.read_threads(pid, os.path.dirname(path))
+        if threads is None:
+            _read_ahead(pid)  # py-spy's read, which the usual path's will take
+        elif _own_read(pid, path, threads) is not None:
+            return 0
         return _outside(pid, args[0], path)
     except OSError:
         return None
@@ -115,6 +122,37 @@ def run(args: List[str]) -> Optional[int]:
         return None  # not an agent's answer: the usual path asks again, and says so
     _say(text)
     return 0
+
+
+def _own_read(pid: int, path: str, threads: List[Any]) -> Optional[int]:
+    """``probe PID backtrace`` of a process with no agent socket in the plain case (``probe.reader.agentless``:
+    the client would only say that no agent runs there), with the stacks read from its memory
+    (``probe.reader.memory``, which the usual path's ``probe.reader.live`` reads first too): the usual path's
+    note and stacks, byte for byte. None where the case is not plain (the usual path explains)."""
+    from probe.reader import agentless, memory
+
+    if not agentless.plain(pid, path):
+        return None
+    from probe.cli.render_stack import render_backtrace
+    from probe.reader.lines import getline
+
+    frames = [_Frame(ident, name, native, is_main, depth, func, file, line, _code(getline, file, line))
+              for native, ident, name, is_main, stack in threads if not name.startswith("probe-")
+              for depth, (func, file, line) in enumerate(stack)]
+    text = "\n".join(render_backtrace(frames))
+    _say("probe: %s\n  %s\n  stacks %s" % (agentless.MESSAGE % pid, agentless.HINT % pid, memory.SOURCE), err=True)
+    _say(text)
+    return 0
+
+
+def _code(getline: Any, file: str, line: int) -> Optional[str]:
+    """A frame's source line as ``probe.reader.stacks`` shows it (stripped; None where there is none)."""
+    if line <= 0:
+        return None
+    try:
+        return getline(file, line).strip() or None
+    except (OSError, ValueError):
+        return None
 
 
 def _read_ahead(pid: int) -> None:

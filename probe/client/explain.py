@@ -72,7 +72,9 @@ def explain(target: Target, exc: ProbeError) -> ProbeError:
     if not_python:
         return ConnectError("process %d (%s) is not a Python interpreter, so no agent can run in it" % (pid, not_python),
                             hint="give the pid of the Python process itself (`probe list` shows them)")
-    return _agentless_advice(pid, path, "no agent in process %d" % pid)
+    from probe.reader import agentless  # not on the path of an agent's answer
+
+    return _agentless_advice(pid, path, agentless.MESSAGE % pid)
 
 
 def _agentless(exc: ProbeError, pid: int) -> ProbeError:
@@ -140,8 +142,9 @@ def _agentless_advice(pid: int, path: str, message: str) -> ProbeError:
                                "agent failed: its stderr says why in a line that starts with 'probe:')"
                                % (message, requested), hint="%s starts one now" % inject)
     else:
-        exc = ConnectError(message, hint="%s starts one now (or start the program with PROBE=1 in its environment)"
-                                         % inject)
+        from probe.reader import agentless  # probe.cli.quick says the same of the plain case
+
+        exc = ConnectError(message, hint=agentless.HINT % pid)
     exc = _agentless(exc, pid)
     exc.outside = stacks  # type: ignore[attr-defined]  # read once: backtrace and SQL use them
     return exc

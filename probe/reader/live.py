@@ -1,5 +1,6 @@
-"""A live process's stacks from outside: py-spy where it is installed (thread names, short pauses),
-else pystack (see the two source modules for why each).
+"""A live process's stacks from outside: first from its memory by probe itself (``probe.reader.memory``:
+CPython 3.11, none of its threads running during the read, every thread named by ``threading``), else
+py-spy where it is installed (thread names, short pauses), else pystack (see the source modules for why each).
 
 With native frames, a stopped process (SIGSTOP, Ctrl-Z) is read by pystack: py-spy's ``--native``
 waits for each thread to stop for it, which a stopped process never reports, and fails ("Failed to get
@@ -7,11 +8,28 @@ stack traces"). pystack reads it as it is, and leaves it stopped. A py-spy read 
 fails for another reason is tried once more with pystack too.
 """
 
+from typing import Optional
+
 from probe.errors import ReaderError
 from probe.reader import proc, pyspy_source, pystack_source
-from probe.reader.stacks import Stacks
+from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
 
-__all__ = ["read_live", "available"]
+__all__ = ["read_live", "read_own", "available"]
+
+
+def read_own(pid: int) -> Optional[Stacks]:
+    """The stacks ``probe.reader.memory`` reads of ``pid``, or None where it cannot tell them for certain."""
+    from probe import _paths
+    from probe.reader import memory
+
+    directory = _paths.runtime_dir()
+    threads = memory.read_threads(pid, None if _paths.runtime_dir_problem(directory) else directory)
+    if threads is None:
+        return None
+    return Stacks(pid, memory.SOURCE, tuple(
+        ThreadStack(native, ident, name, is_main, tuple(OutsideFrame(*frame) for frame in frames), False, False,
+                    name.startswith("probe-"))
+        for native, ident, name, is_main, frames in threads), None, {"native": False, "consistent": True, "live": True})
 
 
 def available() -> bool:
@@ -24,7 +42,12 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     a return made while it is read: a busy recursion read running showed impossible stacks (a caller at
     a line that calls nothing) in 2 reads of 100, with a second busy thread 14. ``stop=False`` leaves it running, for the callers that
     count its threads' context switches around the read (a stop counts as one) and can tell by other
-    means that no Python code ran meanwhile; ``Stacks.may_be_torn`` then says so."""
+    means that no Python code ran meanwhile; ``Stacks.may_be_torn`` then says so. Without ``native``, a
+    read from memory in which no thread ran needs no stop (and makes no context switch in the target)."""
+    if not native:
+        own = read_own(pid)
+        if own is not None:
+            return own
     if pyspy_source.binary() is None:
         return pystack_source.read_live(pid, native, stop)
     if native and proc.state(pid) == "T" and pystack_source.available():
