@@ -71,6 +71,7 @@ class Job:
     ranks: Dict[int, int]
     launchers: List[subprocess.Popen] = field(default_factory=list)
     go_file: str = ""
+    slurm_job: str = ""  # the job's Slurm id, under srun
 
     def go_ahead(self) -> None:
         """Let the rank named by GIL_RANK take its GIL (it waits for ``go_file``)."""
@@ -245,7 +246,8 @@ def srun_job(slurm: "SlurmCluster", count: int = 2, timeout: float = 60, **env: 
         ranks = _ready(output, count, time.monotonic() + scaled(timeout), errors)
         for pid in ranks.values():
             wait_for_socket(pid, 30)
-        yield Job(port, ranks, launch.launchers, launch.go_file)
+        ids = slurm.run("squeue", "-h", "--name=" + name, "-o", "%i").stdout.split()
+        yield Job(port, ranks, launch.launchers, launch.go_file, ids[0] if ids else "")
 
 
 @contextmanager

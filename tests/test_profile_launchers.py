@@ -6,18 +6,19 @@ PROBE_PORT=P``, and asks it through nothing but its address, as a user would: ``
 writes one trace holding both ranks' steps, and ``torch.profile`` answers across ranks with those steps,
 each row under its own rank. Under mpirun the ranks set up no process group (``TRAIN=alone``: each steps on
 its own, as a program whose ranks talk through MPI itself): their rank is still mpirun's.
-Under mp.spawn a rank stopped (SIGSTOP) is refused in words at once, before any capture starts.
+Under srun also as ``slurm:JOBID``. Under mp.spawn a rank stopped (SIGSTOP) is refused in words at once,
+before any capture starts.
 A launcher missing here is skipped with why."""
 
 import json
 import os
 import signal
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional
 
 import pytest
 
 import launch
-from procs import run_cli, scaled
+from procs import run_cli, scaled, target_env
 
 STEPS = 2
 
@@ -59,11 +60,11 @@ def slurm(tmp_path_factory) -> Iterator[object]:
         pytest.skip("no one-node Slurm here: %s" % exc)
 
 
-def _profiled(address: str, out: str, collective: bool = True) -> None:
+def _profiled(address: str, out: str, collective: bool = True, env: Optional[Dict[str, str]] = None) -> None:
     """``profile --steps 2 -o FILE`` of the job: both ranks in one trace, each with its 2 steps of ops (and
     the all_reduce of ``collective``), and ``torch.profile`` of both ranks with those 2 steps."""
     done = run_cli(address, "profile", "--steps", str(STEPS), "-o", out, "--json", "--timeout", str(scaled(90)),
-                   timeout=scaled(150))
+                   timeout=scaled(150), env=env)
     assert done.code == 0, (done.code, done.out, done.err)
     summary = json.loads(done.out)
     assert summary["ranks"] == [0, 1] and summary["events"] > 0, summary
@@ -79,7 +80,8 @@ def _profiled(address: str, out: str, collective: bool = True) -> None:
     # The first query of a rank starts its SQL worker: seconds on a loaded box, past the default 10 s deadline.
     table = run_cli(address, "--all-ranks", "--deadline", "%.0f" % scaled(60), "query",
                     "SELECT rank, COUNT(DISTINCT step) AS steps, MIN(step) AS first, MAX(step) AS last, "
-                    "SUM(calls) AS calls FROM torch.profile GROUP BY rank ORDER BY rank", "--json", timeout=scaled(90))
+                    "SUM(calls) AS calls FROM torch.profile GROUP BY rank ORDER BY rank", "--json", timeout=scaled(90),
+                    env=env)
     assert table.code == 0, (table.out, table.err)
     rows = json.loads(table.out)
     assert [r["rank"] for r in rows] == [0, 1] and not any("table_rank" in r for r in rows), rows  # the same rank
@@ -113,6 +115,10 @@ def test_profile_two_ranks_under_the_launcher(name: str, tmp_path) -> None:
             _refused_while_stopped(job.address, job.ranks[1], str(tmp_path / "no.json"))
 
 
-def test_profile_two_ranks_under_srun(slurm, tmp_path) -> None:
+def test_profile_two_ranks_under_srun_by_its_address_and_by_slurm_jobid(slurm, tmp_path) -> None:
+    """At the master's address, and as ``slurm:JOBID:PORT`` (every rank of the job, as Slurm names its nodes)."""
     with launch.srun_job(slurm, 2, 60, TRAIN="1") as job:
         _profiled(job.address, str(tmp_path / "trace.json"))
+        assert job.slurm_job, "squeue named no job"
+        _profiled("slurm:%s:%d" % (job.slurm_job, job.port), str(tmp_path / "by_slurm.json"),
+                  env=slurm.env(target_env(probe=False)))

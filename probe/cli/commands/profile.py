@@ -3,6 +3,7 @@ merged into one Chrome/Perfetto trace, one process per rank, the ranks' clocks l
 queryable as ``torch.profile``."""
 
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -45,6 +46,7 @@ def _command() -> Any:
 
         \b
           probe MASTER:PORT profile --steps 3 -o trace.json      every rank, one process each
+          probe slurm:JOBID profile --steps 3 -o trace.json      every rank of a Slurm job
           probe PID profile --steps 5 --shapes -o trace.json     one process
           probe MASTER:PORT --all-ranks query "SELECT op, kind, SUM(self_cpu_s) AS s FROM torch.profile
               GROUP BY ALL ORDER BY s DESC LIMIT 5"               top ops of each rank
@@ -70,7 +72,11 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
     if ranks is not None:
         cli.ranks = ranks
     if not cli.is_cluster and not cli.hosts:
-        cli.try_job_at_master()
+        targets = cli.targets or ([os.environ["PROBE_TARGET"]] if os.environ.get("PROBE_TARGET") else [])
+        if len(targets) == 1 and targets[0].strip().startswith("slurm:"):
+            cli.all_ranks = True  # slurm:JOBID names every rank of the job: all of them, as at the master's address
+        else:
+            cli.try_job_at_master()
     if not _every_one_can_run(cli):
         return
     started: List[Tuple[Any, Any]] = []  # (client, key: its rank, or its label where it has none)
