@@ -11,7 +11,8 @@ With ``TRAIN=1`` every rank trains instead, once it printed READY: a small model
 an all_reduce (gloo; under mpirun and srun the process group is set up from the launcher's rank, the world
 size and ``JOB_MASTER_PORT``), an optimizer step and a sleep of ``STEP_SLEEP`` s a step; under Lightning
 its Trainer trains, one such step a batch. ``TRAIN=alone`` under mpirun and srun: no process group, each
-rank steps on its own (as a program whose ranks talk through MPI itself, Horovod's way).
+rank steps on its own (as a program whose ranks talk through MPI itself, Horovod's way). The rank named by
+``SLOW_IMPORT_RANK`` imports a module that keeps the GIL 1.5 s in each step while torch.profiler runs.
 
 Once a rank knows its rank it prints ``READY <pid> <rank> <local_rank>`` in one write (a launcher that
 forwards its ranks' output would interleave a line printed piece by piece). Then the rank named by
@@ -62,14 +63,31 @@ def train() -> None:
     model = torch.nn.Linear(8, 8)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     data = torch.randn(4, 8)
+    slow = os.environ.get("SLOW_IMPORT_RANK") == str(dist.get_rank() if dist.is_initialized() else RANK)
     ends = time.monotonic() + 600
     while time.monotonic() < ends:
+        if slow and torch._C._autograd._profiler_enabled():
+            import_slowly()
         model(data).pow(2).mean().backward()
         for param in model.parameters() if dist.is_initialized() else ():
             dist.all_reduce(param.grad)
         optimizer.step()
         optimizer.zero_grad()
         time.sleep(STEP_SLEEP)
+
+
+def import_slowly() -> None:
+    """Import a module afresh whose body keeps the GIL 1.5 s in a C call (as a lazy import of a big
+    extension does on a loaded machine): the agent cannot answer meanwhile."""
+    import importlib
+
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # the job's work directory (the test's, temporary)
+    with open("probe_slow_module.py", "w") as handle:
+        handle.write("import ctypes\nctypes.PyDLL(None).usleep(1500000)\n")
+    sys.modules.pop("probe_slow_module", None)
+    importlib.invalidate_caches()
+    importlib.import_module("probe_slow_module")
 
 
 def gloo_from(rank: int, world: int) -> None:
@@ -80,7 +98,12 @@ def gloo_from(rank: int, world: int) -> None:
                             world_size=world)
 
 
+RANK = -1  # this rank, once known
+
+
 def ready(rank: int, local_rank: int) -> None:
+    global RANK
+    RANK = rank
     if TRAIN:
         import torch  # noqa: F401  (before READY: the test profiles it at once)
     sys.stdout.write("READY %d %d %d\n" % (os.getpid(), rank, local_rank))
