@@ -1,5 +1,6 @@
-"""Real jobs under every launcher but torchrun and Slurm, on the CPU with gloo (issue 18): accelerate, DeepSpeed,
-Lightning (``ddp`` and ``ddp_spawn``), ``torch.multiprocessing.spawn`` and Open MPI's ``mpirun``.
+"""Real jobs under every launcher but torchrun, on the CPU with gloo (issue 18): accelerate, DeepSpeed,
+Lightning (``ddp`` and ``ddp_spawn``), ``torch.multiprocessing.spawn``, Open MPI's ``mpirun`` and Slurm's
+``srun`` (on a one-node Slurm of the test's own).
 
 Each context manager starts a job of ``tests/targets/launchers/ranks.py`` under ``PROBE=1 PROBE_PORT=<free
 port>`` and the test's extra environment (``GIL_RANK``, ``HANG_RANK``, ...), and yields a :class:`Job` once
@@ -21,9 +22,12 @@ import time
 import uuid
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from procs import TARGETS, Proc, scaled, target_env, wait_for_socket
+
+if TYPE_CHECKING:
+    from slurm_cluster import SlurmCluster
 
 RANKS = os.path.join(TARGETS, "launchers", "ranks.py")
 BIN = os.path.dirname(sys.executable)
@@ -67,6 +71,7 @@ class Job:
     ranks: Dict[int, int]
     launchers: List[subprocess.Popen] = field(default_factory=list)
     go_file: str = ""
+    slurm_job: str = ""  # the job's Slurm id, under srun
 
     def go_ahead(self) -> None:
         """Let the rank named by GIL_RANK take its GIL (it waits for ``go_file``)."""
@@ -220,10 +225,29 @@ def mp_spawn_job(count: int = 2, timeout: float = 60, **env: str) -> ContextMana
 
 def mpirun_job(count: int = 4, timeout: float = 60, **env: str) -> ContextManager[Job]:
     """``mpirun -np COUNT python ranks.py mpi`` with Open MPI as root (its flags for that), more ranks than
-    cores, no binding."""
+    cores, no binding (JOB_MASTER_PORT: where the ranks set up gloo when they train)."""
     argv = [tool("mpirun"), "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", str(count),
             sys.executable, RANKS, "mpi"]
-    return _job("mpirun", argv, count, timeout, env)
+    return _job("mpirun", argv, count, timeout, dict(env, JOB_MASTER_PORT=str(free_ports(1))))
+
+
+@contextmanager
+def srun_job(slurm: "SlurmCluster", count: int = 2, timeout: float = 60, **env: str) -> Iterator[Job]:
+    """``srun -N1 -n COUNT python ranks.py slurm`` on the one-node Slurm ``slurm`` (tests/slurm_cluster.py);
+    at the end its job is cancelled by name before its processes are killed."""
+    port, name = free_ports(count), "probe-launch-%s" % uuid.uuid4().hex[:8]
+    argv = [tool("srun"), "-N1", "-n", str(count), "--export=ALL", "--job-name=" + name, sys.executable, RANKS,
+            "slurm"]
+    with ExitStack() as stack:
+        launch = _Launch(stack)
+        stack.callback(slurm.run, "scancel", "--name=" + name)
+        output, errors = launch.start("srun", argv, slurm.env(job_env(port, JOB_MASTER_PORT=str(free_ports(1)),
+                                                                       **env)))
+        ranks = _ready(output, count, time.monotonic() + scaled(timeout), errors)
+        for pid in ranks.values():
+            wait_for_socket(pid, 30)
+        ids = slurm.run("squeue", "-h", "--name=" + name, "-o", "%i").stdout.split()
+        yield Job(port, ranks, launch.launchers, launch.go_file, ids[0] if ids else "")
 
 
 @contextmanager

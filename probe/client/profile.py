@@ -5,13 +5,17 @@ wall clock (the epoch its events count from), so ranks on hosts whose clocks dis
 """
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 from probe.errors import Timeout
 
-__all__ = ["wait_for_steps", "poll_interval", "merge_traces", "POLL_S", "MIN_POLL_S"]
+__all__ = ["wait_for_steps", "poll_interval", "merge_traces", "importing", "riding_imports", "POLL_S", "MIN_POLL_S",
+           "IMPORT_PATIENCE_S"]
 
+T = TypeVar("T")
 POLL_S = 0.25
+IMPORT_PATIENCE_S = 20.0
+"""How long a rank busy importing a module (its agent kept from running) is asked again before it is named."""
 MIN_POLL_S = 0.02
 _ENDED = ("done", "failed", "cancelled", "off")
 
@@ -47,6 +51,39 @@ def wait_for_steps(poll: Callable[[], Dict[Any, Dict[str, Any]]], timeout: float
                           hint="a capture waits for the job's optimizer steps: give --timeout more time, or "
                                "fewer --steps; the captures still running were cancelled")
         time.sleep(min(poll_interval(step_s, len(statuses)), max(0.0, deadline - time.monotonic())))
+
+
+def importing(error: Optional[Exception]) -> bool:
+    """Whether ``error`` says the rank's agent could not answer only because a program thread holds the GIL
+    while importing a module (a lazy import in the training step, seconds on a loaded machine): a step
+    that returns, so the rank is asked again rather than dropped from the profile."""
+    diagnosis = getattr(error, "diagnosis", None)
+    if diagnosis is None or getattr(diagnosis, "state", None) != "gil_held":
+        return False
+    holder = getattr(diagnosis, "holder", None)
+    stacks = getattr(diagnosis, "stacks", None)
+    if holder is None and stacks is not None:
+        holder = stacks.gil_holder()
+    if holder is None:
+        return "while importing a module" in str(getattr(diagnosis, "message", ""))
+    from probe.client.outside import _importing
+
+    return _importing(holder)
+
+
+def riding_imports(ask: Callable[[], T], patience_s: float = IMPORT_PATIENCE_S) -> T:
+    """``ask()``, asked again every half second for up to ``patience_s`` while it fails only because a
+    program thread of the rank is importing a module (:func:`importing`); any other error at once."""
+    from probe.errors import ProbeError
+
+    ends = time.monotonic() + patience_s
+    while True:
+        try:
+            return ask()
+        except ProbeError as exc:
+            if not importing(exc) or time.monotonic() >= ends:
+                raise
+        time.sleep(0.5)
 
 
 def poll_interval(step_s: Optional[float], targets: int) -> float:

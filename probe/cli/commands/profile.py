@@ -3,6 +3,7 @@ merged into one Chrome/Perfetto trace, one process per rank, the ranks' clocks l
 queryable as ``torch.profile``."""
 
 import json
+import os
 import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -45,6 +46,7 @@ def _command() -> Any:
 
         \b
           probe MASTER:PORT profile --steps 3 -o trace.json      every rank, one process each
+          probe slurm:JOBID profile --steps 3 -o trace.json      every rank of a Slurm job
           probe PID profile --steps 5 --shapes -o trace.json     one process
           probe MASTER:PORT --all-ranks query "SELECT op, kind, SUM(self_cpu_s) AS s FROM torch.profile
               GROUP BY ALL ORDER BY s DESC LIMIT 5"               top ops of each rank
@@ -65,17 +67,21 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
         wait_s: float, max_events: int, fmt: Optional[str] = None) -> None:
     """Start on every target, wait for the steps (progress on stderr), fetch, merge and write."""
     from probe.client.fanout import fan_out
-    from probe.client.profile import merge_traces, wait_for_steps
+    from probe.client.profile import IMPORT_PATIENCE_S, merge_traces, riding_imports, wait_for_steps
 
     if ranks is not None:
         cli.ranks = ranks
     if not cli.is_cluster and not cli.hosts:
-        cli.try_job_at_master()
+        targets = cli.targets or ([os.environ["PROBE_TARGET"]] if os.environ.get("PROBE_TARGET") else [])
+        if len(targets) == 1 and targets[0].strip().startswith("slurm:"):
+            cli.all_ranks = True  # slurm:JOBID names every rank of the job: all of them, as at the master's address
+        else:
+            cli.try_job_at_master()
     if not _every_one_can_run(cli):
         return
     started: List[Tuple[Any, Any]] = []  # (client, key: its rank, or its label where it has none)
-    for client, answer in each_target(cli, lambda c: c.profile("start", steps=steps, shapes=shapes or None,
-                                                                stacks=stacks or None)):
+    for client, answer in each_target(cli, lambda c: riding_imports(lambda: c.profile(
+            "start", steps=steps, shapes=shapes or None, stacks=stacks or None), _patience(cli))):
         started.append((client, _member_key(cli, client, answer)))
     if not started:
         return
@@ -85,7 +91,8 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
     lost: Dict[Any, str] = {}
 
     def poll() -> Dict[Any, Dict[str, Any]]:
-        outcomes = fan_out(clients, lambda c: c.profile("status"), cli.max_in_flight, cli.timeout)
+        outcomes = fan_out(clients, lambda c: riding_imports(lambda: c.profile("status")), cli.max_in_flight,
+                           cli.timeout + IMPORT_PATIENCE_S)
         statuses = {}
         for (client, key), outcome in zip(started, outcomes):
             if key in lost:
@@ -116,8 +123,9 @@ def run(cli: CliContext, steps: int, output: Optional[str], ranks: Optional[str]
         cli.exit_code = cli.exit_code or 1
         return
     begun = time.monotonic()
-    outcomes = fan_out([c for c, _ in done], lambda c: c.profile("fetch", max_events=max_events),
-                       cli.max_in_flight, max(cli.timeout, 60.0))
+    outcomes = fan_out([c for c, _ in done],
+                       lambda c: riding_imports(lambda: c.profile("fetch", max_events=max_events)),
+                       cli.max_in_flight, max(cli.timeout, 60.0) + IMPORT_PATIENCE_S)
     answers = []
     for (client, key), outcome in zip(done, outcomes):
         if outcome.error is not None:
@@ -164,7 +172,11 @@ def _every_one_can_run(cli: CliContext) -> bool:
     """Ask every target for its capture's status before starting any: where one cannot run Python now
     (stopped, GIL held, gone) the errors name it and why, and no capture starts, since the others' steps
     would wait for it wherever they meet in a collective; ``--ranks`` without it profiles the others."""
-    answered = [(client, answer) for client, answer in each_target(cli, lambda c: c.profile("status"))]
+    from probe.client.profile import riding_imports
+
+    # A rank busy importing a module (seconds on a loaded machine) can run: it is asked again meanwhile.
+    answered = [(client, answer) for client, answer in each_target(cli, lambda c: riding_imports(
+        lambda: c.profile("status"), _patience(cli)))]
     if not cli.failures:
         return True
     if answered:
@@ -184,6 +196,15 @@ def _every_one_can_run(cli: CliContext) -> bool:
         cli.exit_code = failures[0].exit_code if failures else cli.exit_code
     cli.exit_code = cli.exit_code or 1
     return False
+
+
+def _patience(cli: CliContext) -> float:
+    """How long a rank busy importing is asked again within one call across ranks: what its deadline leaves
+    (the first try and the last take up to seconds each to tell why the agent is silent)."""
+    from probe.client.profile import IMPORT_PATIENCE_S
+
+    limit = cli.cluster().deadline if cli.is_cluster else cli.timeout
+    return max(0.0, min(IMPORT_PATIENCE_S, limit - 4.0))
 
 
 def _member_key(cli: CliContext, client: Any, answer: Dict[str, Any]) -> Any:

@@ -122,8 +122,10 @@ def rows() -> Dict[str, List[Any]]:
 
 
 def rank_and_world(torch: Any) -> Tuple[int, int]:
-    """This rank and the world size: torch.distributed when initialised (no collective), else the environment."""
-    import os
+    """This rank and the world size: torch.distributed when initialised (no collective), else what the launcher
+    put in the environment (torchrun's RANK, Open MPI's, Slurm's: a rank of mpirun or srun that never set up
+    torch.distributed is still its launcher's rank), else 0 of 1."""
+    from probe import _rank
 
     try:
         dist = getattr(torch, "distributed", None)
@@ -131,10 +133,8 @@ def rank_and_world(torch: Any) -> Tuple[int, int]:
             return int(dist.get_rank()), int(dist.get_world_size())
     except Exception:
         pass
-    try:
-        return int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        return 0, 1
+    known = _rank.at_start()
+    return (known.rank if known.rank is not None else 0), (known.world_size if known.world_size is not None else 1)
 
 
 def _utc(seconds: float) -> datetime.datetime:
