@@ -19,7 +19,7 @@ QUERIES = ("SELECT count(*) AS n FROM torch.tensors", "SELECT count(*) AS n FROM
 def test_scans_of_every_tracked_object_never_expose_an_unfinished_tuple():
     with running("tuple_builder.py") as proc:
         before = int(run_cli(str(proc.pid), "eval", "built").out.strip() or 0)
-        for round_ in range(8):
+        for round_ in range(4):
             for sql in QUERIES:
                 done = run_cli(str(proc.pid), "query", sql, "-f", "csv", timeout=scaled(60))
                 assert proc.alive(), "the target died at round %d of %r: %s" % (
