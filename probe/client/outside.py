@@ -40,6 +40,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Tuple
 
+from probe._private_file import replace_private
 from probe.reader import proc
 
 if TYPE_CHECKING:  # not imported at run time: this module is on the path of every local request
@@ -385,17 +386,7 @@ def _remember_held(pid: int, socket_path: str, tid: int, switches: int, beat: Op
     ticks = _start_ticks(pid)
     if path is None or ticks is None or beat is None:
         return
-    temporary = "%s.%d" % (path, os.getpid())
-    try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            handle.write("%d %d %d %d %r\n" % (pid, ticks, tid, switches, beat))
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+    if not replace_private(path, ("%d %d %d %d %r\n" % (pid, ticks, tid, switches, beat)).encode()):
         return
     _forget_gone(os.path.dirname(path))
 

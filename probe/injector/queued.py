@@ -14,6 +14,7 @@ import time
 from typing import NamedTuple, Optional
 
 from probe import _paths
+from probe._private_file import replace_private
 
 __all__ = ["Queued", "note", "read", "clear"]
 
@@ -41,17 +42,7 @@ def note(pid: int, socket: str, why: str) -> None:
     if path is None:
         return
     body = json.dumps({"since": time.time(), "why": why[:1000]}).encode()
-    temporary = "%s.%d.tmp" % (path, os.getpid())
-    try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(body)
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+    replace_private(path, body)
 
 
 def read(pid: int, socket: str) -> Optional[Queued]:

@@ -32,6 +32,8 @@ import os
 import sys
 import time
 
+from probe._private_file import replace_private
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any, Dict, List, Optional, Tuple
@@ -532,14 +534,4 @@ def _remember(runtime_dir: Optional[str], key: str, offsets: Tuple[int, int, int
                     if old and not old.startswith(key.split("\0", 1)[0] + "\0")]
     except OSError:
         kept = []
-    temporary = "%s.%d.tmp" % (path, os.getpid())
-    try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write("\n".join(kept[-63:] + [line]).encode("utf-8", "surrogateescape") + b"\n")
-        os.replace(temporary, path)
-    except OSError:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
+    replace_private(path, "\n".join(kept[-63:] + [line]).encode("utf-8", "surrogateescape") + b"\n")
