@@ -16,6 +16,7 @@ import pytest
 
 import launch
 from procs import TARGETS, run_cli, scaled
+from profile_trace import profiled_events
 
 pytest.importorskip("torch")
 
@@ -49,15 +50,7 @@ def _after_the_step(events: list, rank: int, op: str) -> list:
 def _profiled(address: str, out: str, optimizer: str, after: str = "") -> None:
     """``profile --steps 2`` of both ranks, then the checks every framework shares; ``after``: an op each
     captured step runs after its optimizer step."""
-    done = run_cli(address, "profile", "--steps", str(STEPS), "-o", out, "--json", "--timeout", str(scaled(90)),
-                   timeout=scaled(180))
-    assert done.code == 0, (done.code, done.out, done.err)
-    summary = json.loads(done.out)
-    assert summary["ranks"] == [0, 1] and summary["events"] > 0, summary
-    with open(out) as handle:
-        events = json.load(handle)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    assert names == {0: "rank 0", 1: "rank 1"}, names
+    events = profiled_events(address, out, STEPS, timeout=180)
     for rank in (0, 1):
         assert any(e.get("pid") == rank and e["name"].startswith("aten::") for e in events if e.get("ph") == "X"), rank
         # Started right after one optimizer step and stopped right after another: one in each window.

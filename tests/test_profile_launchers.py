@@ -23,6 +23,7 @@ import pytest
 
 import launch
 from procs import run_cli, scaled, target_env
+from profile_trace import profiled_events
 
 STEPS = 2
 
@@ -59,15 +60,7 @@ def slurm(tmp_path_factory) -> Iterator[object]:
 def _profiled(address: str, out: str, collective: bool = True, env: Optional[Dict[str, str]] = None) -> None:
     """``profile --steps 2 -o FILE`` of the job: both ranks in one trace, each with its 2 steps of ops (and
     the all_reduce of ``collective``), and ``torch.profile`` of both ranks with those 2 steps."""
-    done = run_cli(address, "profile", "--steps", str(STEPS), "-o", out, "--json", "--timeout", str(scaled(90)),
-                   timeout=scaled(150), env=env)
-    assert done.code == 0, (done.code, done.out, done.err)
-    summary = json.loads(done.out)
-    assert summary["ranks"] == [0, 1] and summary["events"] > 0, summary
-    with open(out) as handle:
-        events = json.load(handle)["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "process_name"}
-    assert names == {0: "rank 0", 1: "rank 1"}, names
+    events = profiled_events(address, out, STEPS, env=env)
     for rank in (0, 1):
         ops = [e for e in events if e.get("pid") == rank and e.get("ph") == "X"]
         assert sum(1 for e in ops if e["name"].startswith("ProfilerStep#")) == STEPS, rank
