@@ -70,7 +70,22 @@ class Cluster:
         """Across ranks: ``direct`` (a request a rank), ``helpers`` (one a node, through its node helper) or
         ``auto`` (through the helpers past ``probe.client.via_helpers.AUTO_ABOVE`` ranks)."""
         self._token = token
-        self._clients = [self._client(m) for m in self.members]
+        self._made: Optional[List[Client]] = None
+        if any(m.port is None for m in self.members):  # a list of targets: one that cannot be parsed is said now
+            self._made = [self._client(m) for m in self.members]
+
+    @property
+    def _clients(self) -> List[Client]:
+        """A client per rank, made at the first call that asks the ranks themselves: through the node
+        helpers (diagnose's looks at 16k ranks, each with its own selection of the job) no rank's client is
+        ever used, and making them cost a fifth of a second a selection."""
+        if self._made is None:
+            self._made = [self._client(m) for m in self.members]
+        return self._made
+
+    @_clients.setter
+    def _clients(self, clients: List[Client]) -> None:
+        self._made = list(clients)
 
     def __repr__(self) -> str:
         return "<probe.Cluster %d ranks>" % len(self.members)

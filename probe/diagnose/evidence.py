@@ -144,6 +144,9 @@ class RankEvidence:
     def library(self) -> Any:
         """Which of its frames are a library's (:class:`probe.diagnose.library.Library`), by the layout it
         reported or that was read from outside; this host's own where neither is known."""
+        memo = self.__dict__.get("_library_memo")  # asked rank by rank by several rules: kept while paths is the same
+        if memo is not None and memo[0] is self.paths:
+            return memo[1]
         from probe.diagnose.library import from_rows, local_layout
 
         rows = tuple((str(r[0]), str(r[1])) for r in (self.paths if isinstance(self.paths, list) else ())
@@ -155,6 +158,7 @@ class RankEvidence:
             if len(_LIBRARIES) >= 64:
                 _LIBRARIES.clear()
             found = _LIBRARIES[rows] = from_rows(rows) if rows else local_layout()
+        self.__dict__["_library_memo"] = (self.paths, found)
         return found
 
     def main_cpu(self) -> Optional[float]:

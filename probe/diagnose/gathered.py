@@ -152,12 +152,13 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
         if not isinstance(age, (int, float)) or isinstance(age, bool) or not 0 <= age < 1e6:
             raise Bad("rank %d's evidence has no age" % rank)
         values: Dict[str, Any] = {}
-        for name in _FIELDS:
-            if name in item:
-                value = item[name]
-                if not isinstance(value, _TYPES[name]) or isinstance(value, bool) and name in ("pid", "holder_id"):
-                    raise Bad("rank %d's %s is not of its type" % (rank, name))
-                values[name] = value
+        for name, value in item.items():  # the fields it sent (a rank's are a few of _FIELDS), not all of _FIELDS
+            types = _TYPES.get(name)
+            if types is None:
+                continue  # rank, age, frames: read below; any other is not ours to read
+            if not isinstance(value, types) or isinstance(value, bool) and name in ("pid", "holder_id"):
+                raise Bad("rank %d's %s is not of its type" % (rank, name))
+            values[name] = value
         if values.get("state", "answering") not in STATES:
             raise Bad("rank %d's state is not one of %s" % (rank, ", ".join(STATES)))
         member = asked[rank]

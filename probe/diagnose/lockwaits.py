@@ -69,11 +69,17 @@ def lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[
     if a.state != "answering" or b.state != "answering":
         return []
     library = b.library()
-    sa, sb = a.stacks(), b.stacks()
+    sb = b.stacks()
+    # Most ranks have no thread at a lock's line: said from the innermost frames alone (kept per frame),
+    # before the other look's stacks and both looks' CPU are read (at 16k ranks, twice a diagnosis).
+    waiting = [(name, key) for name, key in sb.items() if lock_wait_of(key, library)]
+    if not waiting:
+        return []
+    sa = a.stacks()
     ca, cb = a.cpu_by_name(), b.cpu_by_name()
     out = []
-    for name, key in sb.items():
-        if lock_wait_of(key, library) and sa.get(name) == key and not _not_a_lock(b, name, key):
+    for name, key in waiting:
+        if sa.get(name) == key and not _not_a_lock(b, name, key):
             gained = (cb[name] - ca[name]) if name in ca and name in cb else None
             if gained is None or gained < CPU_RAN_S:
                 out.append((name, key))

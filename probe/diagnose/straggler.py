@@ -175,18 +175,24 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
     keys: Dict[int, List[Tuple[Frame, ...]]] = {}
     seen: Dict[int, Any] = {}  # the ranks of a job share their samples' stacks: each read and phased once
     phased: Dict[Tuple[Any, int], str] = {}
+    by_samples: Dict[Tuple[Any, int], Counter] = {}
     for r in answering:
         samples = _samples(first, last, r, seen)
         if len(samples) < MIN_SAMPLES or not (last.ranks[r].training or {}).get("main_samples"):
             return []  # not sampled (not stepping, or too few): no judgement
         keys[r] = samples
         library = last.ranks[r].library()
-        counted: Counter = Counter()
-        for k in samples:  # by identity: the ranks' samples are shared objects, hashing each stack cost more
-            phase = phased.get((id(k), id(library)))
-            if phase is None:
-                phase = phased[(id(k), id(library))] = _phase(k, library)
-            counted[phase] += 1
+        # Ranks whose samples are the same objects (the helpers' evidence shares each distinct stack) share
+        # their count too, read only: counted once per distinct set of samples, not once a rank.
+        signature = (tuple(map(id, samples)), id(library))
+        counted = by_samples.get(signature)
+        if counted is None:
+            counted = by_samples[signature] = Counter()
+            for k in samples:  # by identity: the ranks' samples are shared objects, hashing each stack cost more
+                phase = phased.get((id(k), id(library)))
+                if phase is None:
+                    phase = phased[(id(k), id(library))] = _phase(k, library)
+                counted[phase] += 1
         phases[r] = counted
     found = _culprit(phases, keys)
     if found is None:
