@@ -164,14 +164,19 @@ def render(records: List[Tuple[str, Record]]) -> str:
             title if len(title) <= 110 else title[:107] + "...", _link(name))))
     lines += [
         "",
-        "## The records, newest first",
+        "## The records, a day a row, newest first",
         "",
-        "| date | bench | figures | record |",
-        "| --- | --- | --- | --- |",
+        "| day | records | each: time, bench, figures |",
+        "| --- | --- | --- |",
     ]
-    for name, record in reversed(records):
-        lines.append("| %s |" % " | ".join(_cell(c) for c in (
-            _date(record), record.get("bench") or "?", len(record.get("figures") or []), _link(name))))
+    days: Dict[str, List[Tuple[str, Record]]] = {}
+    for name, record in reversed(records):  # a row a day: the table stays short however many runs a day has
+        days.setdefault(_date(record)[:10], []).append((name, record))
+    for day, kept in days.items():
+        each = ", ".join("[%s %s (%d)](results/%s)" % (_date(record)[11:] or "?", record.get("bench") or "?",
+                                                       len(record.get("figures") or []), name)
+                         for name, record in kept)
+        lines.append("| %s |" % " | ".join(_cell(c) for c in (day, len(kept), each)))
     return "\n".join(lines) + "\n"
 
 
