@@ -17,13 +17,14 @@ import importlib.util
 import json
 import os
 import signal
-from typing import Dict, Iterator, Optional
+from typing import Dict, Optional
 
 import pytest
 
 import launch
 from procs import run_cli, scaled, target_env
 from profile_trace import profiled_events
+from test_slurm import slurm  # noqa: F401  (the one-node Slurm fixture, shared)
 
 STEPS = 2
 
@@ -44,17 +45,6 @@ LAUNCHERS: Dict[str, tuple] = {
     "mpirun": (lambda **env: launch.mpirun_job(2, 60, SLOW_IMPORT_RANK="1", **env),
                lambda: launch.installed("mpirun") or _why_not_torch(), "alone"),
 }
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory) -> Iterator[object]:
-    from slurm_cluster import SlurmUnavailable, slurm_cluster
-
-    try:
-        with slurm_cluster(str(tmp_path_factory.mktemp("slurm"))) as cluster:
-            yield cluster
-    except SlurmUnavailable as exc:
-        pytest.skip("no one-node Slurm here: %s" % exc)
 
 
 def _profiled(address: str, out: str, collective: bool = True, env: Optional[Dict[str, str]] = None) -> None:
