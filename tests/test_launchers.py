@@ -169,11 +169,12 @@ def test_a_launcher_under_srun_is_no_rank_and_takes_no_ranks_port(tmp_path):
         proc.kill()
 
 
-@pytest.mark.parametrize("world", ["2", "1"])
+@pytest.mark.parametrize("world", ["2", "1", "2-stopped"])
 def test_a_helper_that_fails_to_answer_is_an_error_for_a_rank_of_many_not_that_ranks_verdict(target_factory, world):
     """The one HOST:PORT is rank 0 of a job of two whose node helper (one port below) accepts and hangs up
     without an answer, as an overloaded helper may: diagnose must not judge rank 0 alone as if it were the
-    job (it once said "healthy" so). A process that is a job of one is still asked alone."""
+    job (it once said "healthy" so), nor where rank 0 cannot say whether it is alone (stopped). A process
+    that is a job of one is still asked alone."""
     import threading
 
     helper_port = _free_port_pair()
@@ -201,16 +202,42 @@ def test_a_helper_that_fails_to_answer_is_an_error_for_a_rank_of_many_not_that_r
         thread.start()
         try:
             rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % (helper_port + 1),
-                                                            RANK="0", LOCAL_RANK="0", WORLD_SIZE=world))
+                                                            RANK="0", LOCAL_RANK="0", WORLD_SIZE=world[0]))
             assert _health(rank.pid)["tcp"] == "127.0.0.1:%d" % (helper_port + 1)
-            result = run_cli("127.0.0.1:%d" % (helper_port + 1), "diagnose", "--json", timeout=scaled(60))
+            if world.endswith("stopped"):
+                os.kill(rank.pid, signal.SIGSTOP)
+            try:
+                result = run_cli("127.0.0.1:%d" % (helper_port + 1), "diagnose", "--json", timeout=scaled(60))
+            finally:
+                os.kill(rank.pid, signal.SIGCONT)
         finally:
             done.set()
             thread.join(scaled(5))
-    if world == "2":
+    if world.startswith("2"):
         assert result.code == 3, (result.out, result.err)
         assert "closed the connection without an answer" in result.err, result.err
-        assert "one rank of a job of several" in result.err and "retry" in result.err, result.err
+        said = "did not say whether it is one rank of several" if world.endswith("stopped") else "one rank of a job of 2"
+        assert said in result.err and "retry" in result.err, result.err
         assert result.out == "", result.out
     else:  # judged alone (on a loaded machine the verdict itself may be that it did not answer in time)
         assert json.loads(result.out)["single"] is True, (result.out, result.err)
+        assert json.loads(result.out)["judged_alone"] is None, result.out
+
+
+def test_a_rank_of_many_with_no_helper_is_judged_alone_and_says_so(target_factory):
+    """Rank 1 of a job of three, asked at its own HOST:PORT (not the job's: nothing answers for the job one
+    port below): diagnose answers for that rank, says among what is not known that the job's other ranks
+    were not asked and why, and never exits 0."""
+    port = _free_port_pair() + 1  # rank 1 serves at PROBE_PORT + 1; nothing listens at PROBE_PORT
+    rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % (port - 1), RANK="1",
+                                                    LOCAL_RANK="1", WORLD_SIZE="3"))
+    address = _health(rank.pid)["tcp"]
+    result = run_cli(address, "diagnose", "--json", timeout=scaled(60))
+    said = json.loads(result.out)
+    assert said["single"] is True and said["judged_alone"]["rank"] == 1, said
+    assert said["judged_alone"]["world_size"] == 3 and "rank 1's port of the job" in said["judged_alone"]["why"], said
+    assert said["exit_code"] == result.code, said
+    assert any("rank 1 of a job of 3, judged alone" in line for line in said["unavailable"]), said["unavailable"]
+    assert result.code >= 10, (result.code, result.out)
+    text = run_cli(address, "diagnose", timeout=scaled(60))
+    assert "judged alone" in text.out and text.code >= 10, (text.out, text.err)

@@ -1,6 +1,7 @@
 """What every command shares: the targets, how to reach them, and how errors end the command."""
 
 import os
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, TypeVar
 
 from probe.cli.output import say
@@ -48,6 +49,7 @@ class CliContext:
         self._cluster: Optional[Any] = None
         self._labels: Dict[int, str] = {}  # id(client) -> "rank N (HOST:PORT)", across ranks
         self._members: Dict[int, Any] = {}  # id(client) -> its rank's Member, across ranks
+        self.judged_alone: Optional[Dict[str, Any]] = None  # one rank of several, asked alone (try_job_at_master)
 
     def label(self, client: Client) -> str:
         """How output names a target: ``rank N (HOST:PORT)`` across ranks, else the target as written."""
@@ -114,33 +116,55 @@ class CliContext:
 
     def try_job_at_master(self) -> bool:
         """Whether the one HOST:PORT target is a job's master with a node helper answering beside it (then
-        ``cluster()`` is its ranks); where only one agent answers there, the command goes on for that one."""
+        ``cluster()`` is its ranks). The command goes on for the one agent there only where no helper is
+        there (nothing listens at PORT-1, or a rank's agent does), or where a helper failed and the agent
+        says it is alone (no world of several): a rank's answer must not pass for the whole job's. A helper
+        that hangs up or times out is asked again for ``HELPER_RETRY_S``. Where the agent is one rank of
+        several and goes on alone, ``judged_alone`` says so (the command says it beside its answer)."""
         if self.master_port() is None:
             return False
         self.all_ranks = True
-        try:
-            self.cluster()
-            return True
-        except (ConnectError, UsageError) as exc:
-            self.all_ranks = False
-            self._cluster = None
-            if isinstance(exc, ConnectError) and not getattr(exc, "nothing_listens", False) and self._a_rank_of_many():
-                # a helper is there but failed: one rank's answer would pass for the whole job's
-                raise ConnectError("%s; the agent at %s is one rank of a job of several, and its answer alone would "
-                                   "not speak for the job" % (exc.message, self.targets[0] if self.targets else
-                                                              os.environ.get("PROBE_TARGET", "")),
-                                   hint="retry in a moment (a loaded node's helper may be slow to answer); "
-                                        "`probe list` shows the job's ranks on this host") from None
-            return False
-
-    def _a_rank_of_many(self) -> bool:
-        """Whether the agent at the one HOST:PORT target says it is one rank of a job of several."""
+        until = time.monotonic() + HELPER_RETRY_S
+        failed: Optional[ConnectError] = None
+        why = ""
+        while True:
+            try:
+                self.cluster()
+                return True
+            except UsageError as exc:  # a rank's agent at PORT-1, not a helper: PORT is no job's address
+                why = exc.message
+                break
+            except ConnectError as exc:
+                if getattr(exc, "nothing_listens", False):
+                    why = exc.message
+                    break
+                failed = exc
+                if time.monotonic() >= until:
+                    break
+                time.sleep(0.3)
+        self.all_ranks = False
+        self._cluster = None
+        target = self.targets[0] if self.targets else os.environ.get("PROBE_TARGET", "")
         try:
             said = self.clients()[0].health(fallback=False)
-        except ProbeError:
-            return False
+        except ProbeError as exc:
+            if failed is None:
+                return False  # no helper: the command meets the agent's own error, as for any one target
+            raise ConnectError("%s; and the agent at %s did not say whether it is one rank of several (%s), so "
+                               "its answer alone could pass for the job's" % (failed.message, target, exc.message),
+                               hint="retry in a moment (a loaded node's helper may be slow to answer); "
+                                    "`probe list` shows the job's ranks on this host") from None
         size = said.get("world_size") if isinstance(said, dict) else None
-        return isinstance(size, int) and size > 1
+        rank = said.get("rank") if isinstance(said, dict) else None
+        if not (isinstance(size, int) and size > 1):
+            return False
+        if failed is not None:
+            raise ConnectError("%s; the agent at %s is one rank of a job of %d, and its answer alone would not "
+                               "speak for the job" % (failed.message, target, size),
+                               hint="retry in a moment (a loaded node's helper may be slow to answer); "
+                                    "`probe list` shows the job's ranks on this host")
+        self.judged_alone = {"rank": rank if isinstance(rank, int) else None, "world_size": size, "why": why}
+        return False
 
     def clients(self) -> List[Client]:
         import os
@@ -316,6 +340,7 @@ def stop_where_unanswered(cluster: Any, kind: str, run_id: str) -> None:
 
 
 PARTIAL = 7
+HELPER_RETRY_S = 4.0  # how long a job's helper that hung up or timed out is asked again
 """Exit code of a command across ranks or several targets that some answered and others did not."""
 
 

@@ -3,7 +3,7 @@
 import json
 import shlex
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import click
 
@@ -65,10 +65,13 @@ def diagnose(cli: CliContext, watch: Optional[float], snapshot_dir: Optional[str
         while True:
             report = recorded.judge(command) if recorded is not None else run(sampler_for(target, single), deadline,
                                                                               command)
-            code = report.exit_code
+            if single and cli.judged_alone:
+                _alone(report, cli.judged_alone)
+            code = report.exit_code if not (single and cli.judged_alone) else max(report.exit_code, 10)
             if as_json:
                 emit(json.dumps(dict(report.as_json(), target=_shown_target(cli), single=single,
                                      changes=_changes(previous, report) if previous is not None else None,
+                                     judged_alone=cli.judged_alone if single else None, exit_code=code,
                                      **({"record": recorded.about()} if recorded is not None else {}))))
             else:
                 if recorded is not None:
@@ -101,6 +104,19 @@ def _dead_job(cli: CliContext, exc: Any, watch: Optional[float], fmt: Optional[s
     from probe.cli.dead_job import diagnose_dead_job
 
     return watch is None and diagnose_dead_job(cli, exc, fmt == "json", snapshot_dir, render)
+
+
+def _alone(report: Any, alone: Dict[str, Any]) -> None:
+    """Say, among what could not be known, that the process is one rank of several judged alone: a hang or
+    a straggler on another rank does not show in its answer (so no verdict of it is "healthy": exit 10)."""
+    rank = alone.get("rank")
+    line = ("the job's other ranks: this process is %s of a job of %d, judged alone (%s); a hang or a straggler "
+            "on another rank does not show here. Start the job with its host helper (PROBE=1 under the launcher) "
+            "or name every rank (-t HOST:PORT several times, or --hosts FILE)"
+            % ("rank %d" % rank if isinstance(rank, int) else "a rank", alone["world_size"], alone.get("why") or
+               "no host helper answered"))
+    if line not in report.unavailable:
+        report.unavailable.append(line)
 
 
 def _shown_target(cli: CliContext) -> str:
