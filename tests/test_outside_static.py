@@ -160,3 +160,48 @@ def test_no_reader_says_that_the_stacks_could_not_be_read_and_why(tmp_path, targ
         usual = _cli(python, dict(env, PROBE_CLI_FAST="0"), str(proc.pid), "backtrace")
         assert usual[0] == code and usual[2].split(": ", 1)[0] == err.split(": ", 1)[0], usual
         assert "could not be read from outside" in usual[2] and "py-spy: not installed" in usual[2], usual
+
+
+IMPOSTOR = r"""
+#include <stdio.h>
+#include <unistd.h>
+/* Looks like a statically linked CPython to the memory reader: the two symbols it looks for, in the full
+   symbol table alone (not exported), in a position-independent executable; nothing of CPython behind them. */
+__attribute__((used)) const unsigned int Py_Version = VERSION;
+__attribute__((used)) unsigned char _PyRuntime[4096];
+int main(void) {
+    printf("READY %d\n", (int)getpid());
+    fflush(stdout);
+    for (;;) pause();
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler to build the impostor")
+@pytest.mark.parametrize("version, reason", [
+    ("0x030C01F0", "it runs Python 3.12, and this reader reads CPython 3.11 alone"),
+    ("0x030B02F0", "what it read is not CPython 3.11's layout")])
+def test_symbols_of_a_pie_executable_found_in_its_full_symbol_table(version, reason, tmp_path):
+    """The symbols of a PIE executable linked without exporting them (``.symtab`` only), placed where it is
+    mapped: the version read there is the one compiled in; behind a 3.11 version, memory that is no CPython's
+    is refused in words, at once."""
+    source, binary = tmp_path / "impostor.c", tmp_path / "impostor"
+    source.write_text(IMPOSTOR)
+    subprocess.run(["cc", "-fPIE", "-pie", "-o", str(binary), str(source), "-DVERSION=%s" % version], check=True,
+                   timeout=scaled(60))
+    with open(binary, "rb") as handle:
+        assert int.from_bytes(handle.read(18)[16:18], "little") == 3  # ET_DYN: position-independent
+    dynamic = subprocess.run(["nm", "-D", str(binary)], capture_output=True, text=True, timeout=scaled(30)).stdout
+    assert "_PyRuntime" not in dynamic and "Py_Version" not in dynamic
+    popen = subprocess.Popen([str(binary)], stdout=subprocess.PIPE)
+    try:
+        assert popen.stdout.readline().startswith(b"READY")
+        started = time.monotonic()
+        threads, why = memory.read(popen.pid, str(tmp_path))
+        assert threads is None and why.startswith(reason), why
+        assert time.monotonic() - started < scaled(10)
+        kept = (tmp_path / memory.CACHE_NAME).read_text()
+        assert kept.startswith(str(binary) + "\0") and memory.read(popen.pid, str(tmp_path)) == (None, why)
+    finally:
+        popen.kill()
+        popen.wait()
