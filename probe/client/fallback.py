@@ -29,7 +29,7 @@ def outside_stacks(exc: ProbeError, agentless: bool = False) -> Any:
         except ReaderError as unread:  # the error says so, and why, and what would let a reader read it
             if getattr(exc, "unread", None) is None:
                 exc.unread = unread  # type: ignore[attr-defined]
-                words, exc.hint = live.unread_words(pid, unread)
+                words, exc.hint = live.unread_words(pid, unread, exc.hint)
                 exc.message = "%s, and %s" % (exc.message, words)
             return None
     diagnosis = getattr(exc, "diagnosis", None)

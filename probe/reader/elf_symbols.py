@@ -141,10 +141,11 @@ def _elf_symbols(handle: Any, struct: Any) -> Any:
             found.setdefault(wanted, value)
         if len(found) == len(WANTED):
             return base, found[WANTED[0]], found[WANTED[1]]
-    missing = " and ".join(name.decode() for name in WANTED if name not in found)
     if not any(s[1] in (11, 2) for s in sections):
-        return "has no symbol table (stripped of even its dynamic symbols), so %s cannot be found" % missing
-    return "defines no symbol %s (not CPython, or linked without exporting it and stripped)" % missing
+        return "has no symbol table (stripped even of its dynamic symbols): CPython's _PyRuntime cannot be found"
+    if WANTED[0] in found:  # Py_Version came with 3.11
+        return "defines _PyRuntime but no Py_Version: a CPython older than 3.11, which this reader does not read"
+    return "defines no symbol _PyRuntime (not CPython, or linked without exporting its symbols and stripped)"
 
 
 def _find(names: bytes, symbols: bytes, struct: Any) -> Dict[bytes, int]:

@@ -74,10 +74,11 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
         raise
 
 
-def unread_words(pid: int, failed: ReaderError) -> Tuple[str, str]:
+def unread_words(pid: int, failed: ReaderError, then: Optional[str] = None) -> Tuple[str, str]:
     """What to say where no reader could read live process ``pid`` (``failed``: ``read_live``'s error): that its
     stacks could not be read from outside and each reader's reason; and the hint: what would let one read
-    it (py-spy installed, ptrace allowed), or an agent started in it."""
+    it (py-spy installed, ptrace allowed), then ``then`` (the error's own hint: how to start an agent there)
+    unless it offers the read from outside that just failed."""
     tried = getattr(failed, "tried", None) or [("the reader", failed.message)]
     words = "its stacks could not be read from outside: %s" % "; ".join("%s: %s" % pair for pair in tried)
     hints = []
@@ -85,7 +86,10 @@ def unread_words(pid: int, failed: ReaderError) -> Tuple[str, str]:
         hints.append("`pip install py-spy` lets probe read them from outside")
     if any("not allowed" in why or "ptrace" in why for _, why in tried) and proc.state(pid) is not None:
         hints.append(proc.ptrace_denied_reason(pid)[1])
-    hints.append("`probe %d inject` starts an agent in it (or start the program with PROBE=1 in its environment)" % pid)
+    if then and "read from outside" not in then:
+        hints.append(then)
+    elif not hints:
+        hints.append("`probe %d inject` starts an agent in it (or start the program with PROBE=1 in its environment)" % pid)
     return words, "; or ".join(hints)
 
 

@@ -37,7 +37,7 @@ from probe.reader.elf_symbols import CACHE_NAME
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Tuple
+    from typing import Dict, List, Optional, Tuple
 
     Thread = Tuple[int, int, str, bool, List[Tuple[str, str, int]]]
 
