@@ -54,9 +54,10 @@ class Target:
     child runs with ``PROBE=1`` and :meth:`wait_socket` waits for its agent's unix socket.
     """
 
-    def __init__(self, script: str, *args: str, probe: bool = True, ready_timeout: float = 60.0) -> None:
+    def __init__(self, script: str, *args: str, probe: bool = True, ready_timeout: float = 60.0,
+                 python: str = sys.executable) -> None:
         self.script = script
-        self.popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, script), *args],
+        self.popen = subprocess.Popen([python, os.path.join(TARGETS, script), *args],
                                       env=clean_env(probe), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                       stderr=subprocess.DEVNULL, text=True, bufsize=1)
         self.pid = self.popen.pid

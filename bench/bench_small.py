@@ -19,6 +19,10 @@ group every command runs once a round, interleaved (A B C ... C B A), after a wa
 * ``py-spy dump --pid PID`` against the same two targets;
 * ``python -c pass`` of the clean site: the interpreter's own start, which no Python tool avoids.
 
+With ``--debian`` (the default where ``/usr/bin/python3`` is CPython 3.11), a third target without agent run by
+that interpreter (Debian's, libpython linked into the executable: probe's reader finds its symbols there),
+read by ``probe PID backtrace`` and by py-spy in the same rounds.
+
 py-spy is linked into the clean site's bin, where ``pip install`` puts it (else the client would find this
 machine's pyenv shim on PATH, a shell script that costs tens of ms). Medians, IQR and min-max of the wall
 time from spawn to exit; ratios of the medians to py-spy's on the same target, and the spread of the
@@ -99,12 +103,32 @@ def timed(argv: Sequence[str], name: str = "") -> float:
     return elapsed
 
 
-def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) -> Dict[str, List[float]]:
+DEBIAN = "/usr/bin/python3"
+DEBIAN_OUTSIDE = "probe PID backtrace, outside, Debian python"
+DEBIAN_PEER = "py-spy dump, Debian python's target"
+PAIRS = (("probe PID backtrace, agent", "py-spy dump, agent's target"),
+         ("probe PID backtrace, outside", "py-spy dump, target without agent"),
+         (DEBIAN_OUTSIDE, DEBIAN_PEER))
+"""Each probe command (its clean-site name) and the py-spy read of the same target."""
+
+
+def debian_python() -> bool:
+    """Whether ``DEBIAN`` is CPython 3.11 (the version probe's reader reads)."""
+    try:
+        done = subprocess.run([DEBIAN, "-c", "import sys; print(sys.implementation.name, *sys.version_info[:2])"],
+                              capture_output=True, text=True, timeout=30)
+    except OSError:
+        return False
+    return done.stdout.split() == ["cpython", "3", "11"]
+
+
+def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool, debian: bool) -> Dict[str, List[float]]:
     pyspy, current = tool("py-spy"), current_script(clean)
     args = ("--threads", str(threads), "--work", work)
     with contextlib.ExitStack() as stack:
         agent = str(stack.enter_context(Target("nested.py", *args)).pid)
         plain = str(stack.enter_context(Target("nested.py", *args, probe=False)).pid)
+        system = str(stack.enter_context(Target("nested.py", *args, probe=False, python=DEBIAN)).pid) if debian else ""
         commands = {
             "probe PID backtrace, agent": [current, agent, "backtrace"],
             "py-spy dump, agent's target": [pyspy, "dump", "--pid", agent],
@@ -114,6 +138,9 @@ def measure(threads: int, work: str, runs: int, clean: CleanSite, site: bool) ->
             OLD + "probe PID backtrace, agent": [clean.probe, agent, "backtrace"],
             OLD + "probe PID backtrace, outside": [clean.probe, plain, "backtrace"],
         }
+        if debian:
+            commands[DEBIAN_OUTSIDE] = [current, system, "backtrace"]
+            commands[DEBIAN_PEER] = [pyspy, "dump", "--pid", system]
         if site:
             commands["this site: probe PID backtrace, agent"] = [tool("probe"), agent, "backtrace"]
             commands["this site: probe PID backtrace, outside"] = [tool("probe"), plain, "backtrace"]
@@ -134,14 +161,14 @@ def report(threads: int, work: str, results: Dict[str, List[float]]) -> None:
     print("CPU time (user + system, with children), the same runs:")
     print(summary_table({"CPU: " + name: values for name, values in CPU.items()}))
     group = "%d thread%s, %s" % (threads, "" if threads == 1 else "s", work)
-    for mode, peer in (("agent", "py-spy dump, agent's target"), ("outside", "py-spy dump, target without agent")):
+    for base, peer in PAIRS:
         for prefix in ("", OLD, "this site: "):
-            name = "%sprobe PID backtrace, %s" % (prefix, mode)
+            name = prefix + base
             if name not in results:
                 continue
             ratio = Summary.of(results[name]).median / Summary.of(results[peer]).median
             paired = Summary.of(a / b for a, b in zip(results[name], results[peer]))
-            goal = not prefix  # the clean site's, by the script current installers write, is held to the goal
+            goal = not prefix and base != DEBIAN_OUTSIDE  # the clean site's, by the script current installers write
             figure("%s: %s" % (group, name), results[name], peer=peer, peer_values=results[peer],
                    goal="<= %gx" % GOAL if goal else None, met=(ratio <= GOAL) if goal else None)
             print("  %s / py-spy: %.2fx (medians); per round %.2fx, IQR %.2f-%.2fx, min-max %.2f-%.2fx%s"
@@ -181,7 +208,10 @@ def main() -> None:
     parser.add_argument("--work", default="sleep")
     parser.add_argument("--no-site", action="store_true", help="leave out the probe installed on this machine")
     parser.add_argument("--importtime", type=int, default=5)
+    parser.add_argument("--debian", action=argparse.BooleanOptionalAction, default=None,
+                        help="a target run by %s too (default: where it is CPython 3.11)" % DEBIAN)
     args = parser.parse_args()
+    debian = debian_python() if args.debian is None else args.debian
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
     header("The small case: probe PID backtrace vs py-spy dump, with the agent and from outside",
            ["%d rounds a group, interleaved, after a warm-up round; whole commands, spawn to exit" % args.runs,
@@ -192,7 +222,7 @@ def main() -> None:
         for threads in [int(t) for t in args.threads.split(",")]:
             for work in args.work.split(","):
                 print("--- %d thread%s, %s (load average %s) ---" % (threads, "" if threads == 1 else "s", work, _load()))
-                results = measure(threads, work, args.runs, clean, not args.no_site)
+                results = measure(threads, work, args.runs, clean, not args.no_site, debian)
                 report(threads, work, results)
                 if args.importtime:
                     where(threads, work, clean, args.importtime)

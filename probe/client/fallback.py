@@ -26,7 +26,11 @@ def outside_stacks(exc: ProbeError, agentless: bool = False) -> Any:
 
         try:
             return live.read_live(pid)
-        except ReaderError:
+        except ReaderError as unread:  # the error says so, and why, and what would let a reader read it
+            if getattr(exc, "unread", None) is None:
+                exc.unread = unread  # type: ignore[attr-defined]
+                words, exc.hint = live.unread_words(pid, unread, exc.hint)
+                exc.message = "%s, and %s" % (exc.message, words)
             return None
     diagnosis = getattr(exc, "diagnosis", None)
     if diagnosis is not None and diagnosis.stacks is not None:

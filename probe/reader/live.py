@@ -8,28 +8,37 @@ stack traces"). pystack reads it as it is, and leaves it stopped. A py-spy read 
 fails for another reason is tried once more with pystack too.
 """
 
-from typing import Optional
+from typing import List, Optional, Tuple
 
 from probe.errors import ReaderError
 from probe.reader import proc, pyspy_source, pystack_source
 from probe.reader.stacks import OutsideFrame, Stacks, ThreadStack
 
-__all__ = ["read_live", "read_own", "available"]
+__all__ = ["read_live", "read_own", "available", "unread_words"]
+
+OWN = "probe's memory reader"
 
 
 def read_own(pid: int) -> Optional[Stacks]:
     """The stacks ``probe.reader.memory`` reads of ``pid``, or None where it cannot tell them for certain."""
+    return _read_own(pid)[0]
+
+
+def _read_own(pid: int) -> Tuple[Optional[Stacks], str]:
+    """``read_own``'s answer, and why it is None (``probe.reader.memory.read``'s words)."""
     from probe import _paths
     from probe.reader import memory
 
     directory = _paths.runtime_dir()
-    threads = memory.read_threads(pid, None if _paths.runtime_dir_problem(directory) else directory)
+    threads, why = memory.read(pid, None if _paths.runtime_dir_problem(directory) else directory)
     if threads is None:
-        return None
+        if why.startswith("not allowed"):
+            why = "not allowed to read its memory: %s" % proc.ptrace_denied_reason(pid)[0]
+        return None, why
     return Stacks(pid, memory.SOURCE, tuple(
         ThreadStack(native, ident, name, is_main, tuple(OutsideFrame(*frame) for frame in frames), False, False,
                     name.startswith("probe-"))
-        for native, ident, name, is_main, frames in threads), None, {"native": False, "consistent": True, "live": True})
+        for native, ident, name, is_main, frames in threads), None, {"native": False, "consistent": True, "live": True}), ""
 
 
 def available() -> bool:
@@ -43,11 +52,49 @@ def read_live(pid: int, native: bool = False, stop: bool = True) -> Stacks:
     a line that calls nothing) in 2 reads of 100, with a second busy thread 14. ``stop=False`` leaves it running, for the callers that
     count its threads' context switches around the read (a stop counts as one) and can tell by other
     means that no Python code ran meanwhile; ``Stacks.may_be_torn`` then says so. Without ``native``, a
-    read from memory in which no thread ran needs no stop (and makes no context switch in the target)."""
+    read from memory in which no thread ran needs no stop (and makes no context switch in the target).
+
+    The ReaderError raised where no reader could read carries ``tried``: (reader, why) for each reader,
+    which ``unread_words`` puts in words."""
+    tried: List[Tuple[str, str]] = []
     if not native:
-        own = read_own(pid)
+        own, why = _read_own(pid)
         if own is not None:
             return own
+        tried.append((OWN, why))
+    try:
+        return _read_by_tools(pid, native, stop)
+    except ReaderError as failed:
+        if pyspy_source.binary() is None:
+            tried.append(("py-spy", "not installed"))
+            tried.append(("pystack", failed.message if pystack_source.available() else "not installed"))
+        else:
+            tried.append(("py-spy", failed.message))
+        failed.tried = tried  # type: ignore[attr-defined]
+        raise
+
+
+def unread_words(pid: int, failed: ReaderError, then: Optional[str] = None) -> Tuple[str, str]:
+    """What to say where no reader could read live process ``pid`` (``failed``: ``read_live``'s error): that its
+    stacks could not be read from outside and each reader's reason; and the hint: what would let one read
+    it (py-spy installed, ptrace allowed), then ``then`` (the error's own hint: how to start an agent there)
+    unless it offers the read from outside that just failed."""
+    tried = getattr(failed, "tried", None) or [("the reader", failed.message)]
+    words = "its stacks could not be read from outside: %s" % "; ".join("%s: %s" % pair for pair in tried)
+    hints = []
+    if ("py-spy", "not installed") in tried:
+        hints.append("`pip install py-spy` lets probe read them from outside")
+    if any("not allowed" in why or "ptrace" in why for _, why in tried) and proc.state(pid) is not None:
+        hints.append(proc.ptrace_denied_reason(pid)[1])
+    if then and "read from outside" not in then:
+        hints.append(then)
+    elif not hints:
+        hints.append("`probe %d inject` starts an agent in it (or start the program with PROBE=1 in its environment)" % pid)
+    return words, "; or ".join(hints)
+
+
+def _read_by_tools(pid: int, native: bool, stop: bool) -> Stacks:
+    """``read_live`` by py-spy or pystack."""
     if pyspy_source.binary() is None:
         return pystack_source.read_live(pid, native, stop)
     if native and proc.state(pid) == "T" and pystack_source.available():

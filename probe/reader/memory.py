@@ -7,11 +7,10 @@ command's start-up is most of its time (``probe.cli.quick``).
 
 What is read, and how it is trusted:
 
-* ``_PyRuntime`` and ``Py_Version``, by the dynamic symbol table of the mapped ``libpython3.*.so`` (or of the
-  executable, for an interpreter linked statically), the file checked to be the one mapped (device and
-  inode). Both offsets are kept per file (path, device, inode, size, mtime) in ``elf-symbols`` in probe's
-  runtime directory (``probe._paths.runtime_dir``: the user's own, owner-only); what is read back from it is
-  checked as anything read from the target is, and a line that does not parse is ignored.
+* ``_PyRuntime`` and ``Py_Version``, by the symbols of the mapped ``libpython3.*.so``, or of the executable
+  for an interpreter that links libpython statically (Debian's ``/usr/bin/python3.11``, PIE or not): see
+  ``probe.reader.elf_symbols``, which keeps their offsets per file in the user's own runtime directory and
+  checks what it reads back as anything read from the target.
 * The interpreter (only one; subinterpreters are left to py-spy), its thread states, their frames, code
   objects, strings and ``threading._active`` for the thread names, at the offsets of CPython 3.11 on x86-64
   (``Py_Version`` must say 3.11). Every object's type is checked by its type's name, every size bounded.
@@ -23,7 +22,8 @@ What is read, and how it is trusted:
   of C alone (a library's pool) may run meanwhile: they touch no Python frame.
 
 Anything unexpected (another version, a permission refused, a thread not named by ``threading``, a
-thread that keeps running) gives None, and the caller reads with py-spy as before. Linux only.
+thread that keeps running) gives None, and the caller reads with py-spy as before; ``read`` says why, in
+words for the user where no other reader can read the process either. Linux only.
 """
 
 from __future__ import annotations
@@ -32,28 +32,25 @@ import os
 import sys
 import time
 
-from probe._private_file import replace_private
+from probe.reader import elf_symbols
+from probe.reader.elf_symbols import CACHE_NAME
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Dict, List, Optional, Tuple
+    from typing import Dict, List, Optional, Tuple
 
     Thread = Tuple[int, int, str, bool, List[Tuple[str, str, int]]]
 
-__all__ = ["read_threads", "SOURCE", "CACHE_NAME"]
+__all__ = ["read_threads", "read", "SOURCE", "CACHE_NAME"]
 
 SOURCE = ("read from outside the live process by probe, none of its threads running during the read "
           "(every stack is one it was in)")
 """How the stacks were read, for ``Stacks.source`` (the note ``probe PID backtrace`` prints on stderr)."""
-CACHE_NAME = "elf-symbols"
 TRIES = 5
 MAX_THREADS = 4096
 MAX_DEPTH = 4096
 MAX_TEXT = 1 << 16
 MAX_ENTRIES = 1 << 20
-MAX_ELF = 1 << 30
-"""The largest file taken for an interpreter (a libpython is some 20 MiB; a static python with debug
-information a few hundred)."""
 
 # CPython 3.11, x86-64 (Include/internal/pycore_runtime.h, pycore_interp.h, cpython/pystate.h,
 # pycore_frame.h, cpython/code.h, cpython/unicodeobject.h, pycore_dict.h, cpython/object.h).
@@ -87,8 +84,15 @@ def _int(data: bytes, at: int = 0, size: int = 8, signed: bool = False) -> int:
     return int.from_bytes(data[at:at + size], "little", signed=signed)
 
 
-class _Unreadable(Exception):
+class _Refused(Exception):
+    """The reader cannot tell this process's stacks for certain: why, in words for the user."""
+
+
+class _Unreadable(_Refused):
     """Something read is not what CPython 3.11 would have there: the read is given up."""
+
+    def __str__(self) -> str:
+        return "what it read is not CPython 3.11's layout (%s)" % self.args
 
 
 class _Moved(Exception):
@@ -99,38 +103,51 @@ def read_threads(pid: int, runtime_dir: Optional[str] = None) -> Optional[List[T
     """Every thread of ``pid`` as (native id, Python ident, name, is main, frames innermost first as
     (function, file, line)), in the interpreter's order (py-spy's); None where this reader cannot tell them
     for certain (the caller reads with py-spy). ``runtime_dir``: where the symbol offsets are kept."""
-    if sys.byteorder != "little" or os.uname().machine != "x86_64":
-        return None  # the offsets are x86-64's (another ABI lays the GIL's mutexes out otherwise)
+    return read(pid, runtime_dir)[0]
+
+
+def read(pid: int, runtime_dir: Optional[str] = None) -> Tuple[Optional[List[Thread]], str]:
+    """``read_threads``'s answer, and where it is None, why (words that follow "probe's memory reader: ")."""
+    if sys.byteorder != "little" or os.uname().machine != "x86_64":  # another ABI lays the GIL's mutexes out otherwise
+        return None, "it reads CPython 3.11 on x86-64 alone, and this machine is %s" % os.uname().machine
     try:
-        found = _runtime(pid, runtime_dir)
-        if found is None:
-            return None
+        runtime, version = elf_symbols.locate(pid, runtime_dir)
         fd = os.open("/proc/%d/mem" % pid, os.O_RDONLY | os.O_CLOEXEC)
-    except (OSError, ValueError, _Unreadable):
-        return None
+    except (elf_symbols.Refused, _Refused) as refused:
+        return None, str(refused)
+    except PermissionError as denied:
+        return None, "not allowed to read its memory (ptrace access refused: %s)" % (denied.strerror or denied)
+    except FileNotFoundError:
+        return None, "the process, or its interpreter file, is gone"
+    except (OSError, ValueError) as failed:
+        return None, "its memory map could not be read (%s)" % (getattr(failed, "strerror", None) or failed)
     try:
         memory = _Memory(fd)
-        if memory.u32(found[1]) >> 16 != 0x030B:  # Py_Version: 3.11.x
-            return None
+        number = memory.u32(version)
+        if number >> 16 != 0x030B:  # Py_Version: 3.11.x
+            return None, ("it runs Python %d.%d, and this reader reads CPython 3.11 alone" % (number >> 24, number >> 16 & 255)
+                          if number >> 24 == 3 else "no Python version where its interpreter's Py_Version should be")
         for attempt in range(TRIES):
             if attempt:
                 time.sleep(0.001 * 2 ** attempt)  # a thread woken meanwhile goes back to sleep
             before = _states(pid)
             try:
-                threads = _threads(memory, found[0], pid)
+                threads = _threads(memory, runtime, pid)
             except _Moved:
                 continue
-            if threads is None:
-                return None
             after = _states(pid)
             natives = [b"%d" % thread[0] for thread in threads]
             if any(before.get(native, b"?")[:1] not in b"SDR" for native in natives):
-                return None  # stopped, traced, dying: py-spy says what it is
+                return None, "a thread of it is stopped, traced or exiting"  # py-spy says what it is
             if all(before.get(native, b"R")[:1] in b"SD" and after.get(native) == before[native] for native in natives):
-                return threads
-        return None
-    except (OSError, ValueError, IndexError, _Unreadable, RecursionError):
-        return None
+                return threads, ""
+        return None, "a thread of it ran Python during each of its %d tries (it reads only a process at rest)" % TRIES
+    except _Refused as refused:
+        return None, str(refused)
+    except PermissionError as denied:
+        return None, "not allowed to read its memory (ptrace access refused: %s)" % (denied.strerror or denied)
+    except (OSError, ValueError, IndexError, RecursionError) as failed:
+        return None, "its memory could not be read as CPython 3.11's (%s)" % (getattr(failed, "strerror", None) or failed)
     finally:
         os.close(fd)
 
@@ -282,20 +299,20 @@ class _Memory:
         return None
 
 
-def _threads(memory: _Memory, runtime: int, pid: int) -> Optional[List[Thread]]:
+def _threads(memory: _Memory, runtime: int, pid: int) -> List[Thread]:
     gil = memory.read(runtime + _RT_GIL_LOCKED, 16)
-    if _int(gil, 0, 4) != 0:
-        return None  # a thread holds the GIL: py-spy says which (and whether it stays in C)
+    if _int(gil, 0, 4) != 0:  # py-spy says which (and whether it stays in C)
+        raise _Refused("a thread of it holds the GIL (it runs Python, or C that keeps the GIL)")
     threads = _thread_list(memory, runtime, pid)
-    if threads is not None and memory.read(runtime + _RT_GIL_LOCKED, 16) != gil:
+    if memory.read(runtime + _RT_GIL_LOCKED, 16) != gil:
         raise _Moved("the GIL was taken during the read")  # by a thread new to it (its switch_number)
     return threads
 
 
-def _thread_list(memory: _Memory, runtime: int, pid: int) -> Optional[List[Thread]]:
+def _thread_list(memory: _Memory, runtime: int, pid: int) -> List[Thread]:
     interp = memory.u64(runtime + _RT_INTERP_HEAD)
     if memory.u64(interp + _IS_NEXT):
-        return None  # subinterpreters
+        raise _Refused("it runs subinterpreters")
     names = _names(memory, interp)
     threads = []
     state = memory.u64(interp + _IS_THREADS_HEAD)
@@ -304,8 +321,8 @@ def _thread_list(memory: _Memory, runtime: int, pid: int) -> Optional[List[Threa
             raise _Unreadable("thread list")
         ident, native = memoryview(memory.read(state + _TS_THREAD_ID, 16)).cast("Q")
         name = names.get(ident)
-        if name is None:
-            return None  # not a thread of threading's: py-spy names it as it does
+        if name is None:  # py-spy names it as it does
+            raise _Refused("a thread of it runs Python without a name in threading (started by C)")
         threads.append((native, ident, name, native == pid, _frames(memory, state)))
         state = memory.u64(state + _TS_NEXT)
     return threads
@@ -398,140 +415,3 @@ def _varint(table: bytes, at: int) -> Tuple[int, int]:
 def _svarint(table: bytes, at: int) -> Tuple[int, int]:
     value, at = _varint(table, at)
     return (-(value >> 1) if value & 1 else value >> 1), at
-
-
-# -- where _PyRuntime is ----------------------------------------------------------------------------
-
-def _runtime(pid: int, runtime_dir: Optional[str]) -> Optional[Tuple[int, int]]:
-    """(address of ``_PyRuntime``, address of ``Py_Version``) in ``pid``, or None."""
-    mapped = _interpreter_file(pid)
-    if mapped is None:
-        return None
-    path, start, device, inode = mapped
-    info = os.stat(path)
-    if info.st_mode & 0o170000 != 0o100000 or info.st_size > MAX_ELF:
-        return None  # no regular file (a FIFO would block the read), or no interpreter's size
-    if (os.major(info.st_dev), os.minor(info.st_dev), info.st_ino) != device + (inode,):
-        return None  # not the file mapped (replaced, or another mount namespace)
-    key = "%s\0%d\0%d\0%d\0%d" % (path, info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns)
-    offsets = _cached(runtime_dir, key)
-    if offsets is None:
-        offsets = _symbols(path)
-        if offsets is None:
-            return None
-        _remember(runtime_dir, key, offsets)
-    base, runtime, version = offsets
-    return start - base + runtime, start - base + version
-
-
-def _interpreter_file(pid: int) -> Optional[Tuple[str, int, Tuple[int, int], int]]:
-    """(path, start of its mapping at offset 0, device, inode) of the mapped libpython, else the
-    executable's."""
-    exe = os.readlink("/proc/%d/exe" % pid)
-    chosen = None
-    with open("/proc/%d/maps" % pid, "rb") as handle:
-        for raw in handle:
-            fields = raw.split(None, 5)
-            if len(fields) < 6 or int(fields[2], 16) != 0:
-                continue
-            path = fields[5].rstrip(b"\n").decode("utf-8", "surrogateescape")
-            name = path.rsplit("/", 1)[-1]
-            if name.startswith("libpython3.") and ".so" in name or (path == exe and chosen is None):
-                major, minor = fields[3].split(b":")
-                chosen = (path, int(fields[0].split(b"-")[0], 16), (int(major, 16), int(minor, 16)), int(fields[4]))
-                if name.startswith("libpython3."):
-                    return chosen
-    return chosen
-
-
-def _symbols(path: str) -> Optional[Tuple[int, int, int]]:
-    """(virtual address of the segment at file offset 0, ``_PyRuntime``'s, ``Py_Version``'s) by the file's
-    dynamic symbols (an interpreter exports both)."""
-    import struct  # only where the offsets are not kept yet: its C module is a shared object to load
-
-    try:
-        return _elf_symbols(path, struct)
-    except struct.error:
-        return None  # cut short
-
-
-def _elf_symbols(path: str, struct: Any) -> Optional[Tuple[int, int, int]]:
-    with open(path, "rb") as handle:
-        head = handle.read(64)
-        if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
-            return None  # 64-bit little-endian only
-        phoff, shoff = struct.unpack_from("<QQ", head, 32)
-        phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", head, 54)
-        if phentsize != 56 or shentsize != 64:
-            return None
-        handle.seek(phoff)
-        base = None
-        for fields in struct.iter_unpack("<IIQQQQQQ", handle.read(phentsize * phnum)):
-            if fields[0] == 1 and fields[2] == 0:  # PT_LOAD at file offset 0
-                base = fields[3]
-                break
-        handle.seek(shoff)
-        sections = list(struct.iter_unpack("<IIQQQQIIQQ", handle.read(shentsize * shnum)))
-        dynsym = next((s for s in sections if s[1] == 11), None)  # SHT_DYNSYM
-        if base is None or dynsym is None or not 0 <= dynsym[6] < len(sections):
-            return None
-        strings = sections[dynsym[6]]
-        if max(strings[5], dynsym[5]) > 64 << 20:
-            return None  # more than any interpreter's dynamic symbols
-        handle.seek(strings[4])
-        names = handle.read(strings[5])
-        handle.seek(dynsym[4])
-        symbols = handle.read(dynsym[5])
-    found = []
-    for wanted in (b"_PyRuntime", b"Py_Version"):
-        at = names.find(b"\0" + wanted + b"\0")
-        if at < 0:
-            return None
-        needle = struct.pack("<I", at + 1)
-        spot = symbols.find(needle)
-        while spot >= 0 and spot % 24:
-            spot = symbols.find(needle, spot + 1)
-        if spot < 0:
-            return None
-        found.append(struct.unpack_from("<Q", symbols, spot + 8)[0])
-    return base, found[0], found[1]
-
-
-def _cached(runtime_dir: Optional[str], key: str) -> Optional[Tuple[int, int, int]]:
-    """The offsets kept for ``key``; None where there are none, or the file is not the user's own."""
-    if runtime_dir is None:
-        return None
-    try:
-        fd = os.open(os.path.join(runtime_dir, CACHE_NAME), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.geteuid() or info.st_mode & 0o077 or info.st_size > MAX_TEXT:
-            return None
-        text = os.read(fd, MAX_TEXT).decode("utf-8", "surrogateescape")
-    finally:
-        os.close(fd)
-    for line in text.split("\n"):
-        stored, _, values = line.rpartition("\0=")
-        if stored == key:
-            numbers = values.split(",")
-            if len(numbers) == 3 and all(n.isascii() and n.isdigit() and len(n) <= 20 for n in numbers):
-                base, runtime, version = (int(n) for n in numbers)
-                return base, runtime, version
-    return None
-
-
-def _remember(runtime_dir: Optional[str], key: str, offsets: Tuple[int, int, int]) -> None:
-    """Keep ``offsets`` for ``key`` (owner-only, replaced whole); a failure to is nobody's problem."""
-    if runtime_dir is None or "\n" in key:
-        return
-    path = os.path.join(runtime_dir, CACHE_NAME)
-    line = "%s\0=%d,%d,%d" % ((key,) + offsets)
-    try:
-        with open(path, "rb") as handle:
-            kept = [old for old in handle.read(MAX_TEXT).decode("utf-8", "surrogateescape").split("\n")
-                    if old and not old.startswith(key.split("\0", 1)[0] + "\0")]
-    except OSError:
-        kept = []
-    replace_private(path, "\n".join(kept[-63:] + [line]).encode("utf-8", "surrogateescape") + b"\n")
