@@ -257,3 +257,58 @@ def test_the_node_helper_takes_the_same_scopes(tmp_path):
         assert status == 400, answer  # past the scope: the report itself is checked
         full = run_cli(master, "--token-file", files["full"], "--all-ranks", "eval", "6 * 7", env=job["env"])
         assert full.code == 0 and "42" in full.out, full.err
+
+
+def test_read_token_gathers_cannot_take_every_slot_of_a_node_helper(tmp_path):
+    """Read-token holders may keep at most two gathers running on a node helper at once: a read token
+    handed around cannot fill the helper's slots with long gathers and keep the owner from diagnosing."""
+    import threading
+
+    files = _tokens(str(tmp_path))
+    with ranks_of(tmp_path, 2, GIL_RANK="none", PROBE_TOKEN_FILE=files["full"],
+                  PROBE_READ_TOKEN_FILE=files["read"]) as job:
+        master = "127.0.0.1:%d" % job["port"]
+        _until(lambda: run_cli(master, "--token-file", files["read"], "ranks", "-f", "json", env=job["env"]).code == 0,
+               30, "the ranks listed")
+        helper_port = job["port"] - 1
+        # rank 1 busy with a long query (its engine works one thread): each gather of it lasts until rank 1 ends
+        slow = {"op": "query", "sql": "SELECT max(hash(range)) FROM range(100000000000)", "timeout": 55,
+                "deadline": 58, "ranks": [1]}
+        answers: list = []
+        done = threading.Event()
+
+        def slow_gather() -> None:  # in again while the other slow one (or the probe below) holds a slot
+            while not done.is_set():
+                try:
+                    status, answer = _http(helper_port, "POST", "/v1/gather", READ_TOKEN, slow)
+                except OSError as exc:  # rank 1 killed at the end, or the socket's own timeout
+                    answers.append(exc)
+                    return
+                if status != 503:
+                    answers.append((status, answer))
+                    return
+
+        threads = [threading.Thread(target=slow_gather, daemon=True) for _ in range(2)]
+        try:
+            for thread in threads:
+                thread.start()
+            quick = {"op": "backtrace", "deadline": 20, "ranks": [0]}
+
+            def read_refused() -> bool:  # the handshake: both slow gathers hold the read token's slots
+                status, answer = _http(helper_port, "POST", "/v1/gather", READ_TOKEN, quick)
+                read_refused.answer = (status, answer)  # type: ignore[attr-defined]
+                return status == 503
+
+            _until(read_refused, 60, "a third read-token gather answered busy")
+            status, answer = read_refused.answer  # type: ignore[attr-defined]
+            assert answer["error"]["code"] == "busy" and "with the read token" in answer["error"]["message"], answer
+            assert not answers, answers  # the two slow ones still run
+            status, answer = _http(helper_port, "POST", "/v1/gather", FULL_TOKEN, quick)
+            assert status == 200 and "MainThread" in json.dumps(answer), answer
+            diagnosed = run_cli(master, "--token-file", files["full"], "--ranks", "0", "backtrace", env=job["env"])
+            assert diagnosed.code == 0 and "rank 0" in diagnosed.out, (diagnosed.out, diagnosed.err)
+        finally:
+            done.set()
+            job["ranks"][1].kill()  # the slow gathers end with it
+            for thread in threads:
+                thread.join(150)

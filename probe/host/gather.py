@@ -45,6 +45,7 @@ from probe.errors import BadRequest, Busy, ProbeError, TooLarge
 __all__ = ["gather", "MAX_GATHERS", "MAX_ANSWER_BYTES", "GATHER_SHAPE"]
 
 MAX_GATHERS = 4
+READ_GATHERS = 2  # of those, at most this many for read-token holders (see gather)
 MAX_ANSWER_BYTES = 192 << 20  # below the client's 256 MiB a target (probe.client.transport)
 MAX_IN_FLIGHT = 64
 DEFAULT_IN_FLIGHT = 8  # unix sockets on one node: a few at once keeps the ranks' caches warm
@@ -105,18 +106,38 @@ class _Asked:
 
 
 def gather(helper: Any, request: Request) -> Response:
-    """Answer ``POST /v1/gather`` for ``helper``'s local ranks (see the module's docstring)."""
+    """Answer ``POST /v1/gather`` for ``helper``'s local ranks (see the module's docstring). Whoever holds
+    only the read token has ``READ_GATHERS`` of the ``MAX_GATHERS`` slots: a read token passed around a
+    team cannot fill them with long gathers and keep the job's owner from diagnosing it."""
     asked = _Asked(request.json())
     asked.scope = _asker_scope(helper, request)
     with _slots_lock:  # a helper's own bound (a process may hold several helpers: the bench's do)
         slots = helper.__dict__.setdefault("_gather_slots", threading.BoundedSemaphore(MAX_GATHERS))
-    if not slots.acquire(blocking=False):
-        raise Busy("this node helper is already gathering for %d clients" % MAX_GATHERS,
+        read_slots = helper.__dict__.setdefault("_read_gather_slots", threading.BoundedSemaphore(READ_GATHERS))
+    reader = _read_token_only(request)
+    if reader and not read_slots.acquire(blocking=False):
+        raise Busy("this node helper is already gathering for %d clients with the read token" % READ_GATHERS,
                    hint="retry in a moment, or ask the ranks directly (--via direct)")
     try:
-        return _gather(helper, asked)
+        if not slots.acquire(blocking=False):
+            raise Busy("this node helper is already gathering for %d clients" % MAX_GATHERS,
+                       hint="retry in a moment, or ask the ranks directly (--via direct)")
+        try:
+            return _gather(helper, asked)
+        finally:
+            slots.release()
     finally:
-        slots.release()
+        if reader:
+            read_slots.release()
+
+
+def _read_token_only(request: Request) -> bool:
+    """Whether the asker's credential gives read alone (a read token), whatever scope it asked for."""
+    from probe.agent.scopes import READ
+
+    if request.transport == "unix":
+        return False
+    return request.grant is None or request.grant.scope <= READ
 
 
 class _Pool:
