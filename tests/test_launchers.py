@@ -235,7 +235,8 @@ def test_a_rank_of_many_with_no_helper_is_judged_alone_and_says_so(target_factor
     result = run_cli(address, "diagnose", "--json", timeout=scaled(60))
     said = json.loads(result.out)
     assert said["single"] is True and said["judged_alone"]["rank"] == 1, said
-    assert said["judged_alone"]["world_size"] == 3 and "rank 1's port of the job" in said["judged_alone"]["why"], said
+    why = said["judged_alone"]["why"]  # nothing at PROBE_PORT; or, once rank 1 started a helper below, that one's word
+    assert said["judged_alone"]["world_size"] == 3 and ("no host helper at" in why or "rank 1's port of the job" in why), said
     assert said["exit_code"] == result.code, said
     assert any("rank 1 of a job of 3, judged alone" in line for line in said["unavailable"]), said["unavailable"]
     assert result.code >= 10, (result.code, result.out)

@@ -94,7 +94,8 @@ def test_a_sigkilled_rank_is_dead_at_the_jobs_address_from_its_record_with_its_s
         followed = run_cli(*hint.split()[1:], env=_cli_env(run))
         assert followed.code == 12 and "rank 1 is dead" in followed.out, followed
     # another port, where no job died: still no agent there (exit 3), no record said
-    other = run_cli("127.0.0.1:%d" % (port + 7), "diagnose", env=_cli_env(run, PROBE_SNAPSHOT_DIR=snaps))
+    elsewhere = _free_port_pair() + 1  # free with the port below it a moment ago (another test's job may be near)
+    other = run_cli("127.0.0.1:%d" % elsewhere, "diagnose", env=_cli_env(run, PROBE_SNAPSHOT_DIR=snaps))
     assert other.code == 3 and "DEAD JOB" not in other.out, other
     # the listing says what the record holds: both ranks, rank 1 without stacks
     listed = run_cli("snapshots", snaps, env=_cli_env(run))
