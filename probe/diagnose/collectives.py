@@ -27,9 +27,10 @@ are as many (two ranks), both are named, since nothing recorded says which side'
 """
 
 import json
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 from probe.diagnose.evidence import RankEvidence, Sample, fr_by_pg, main_stack
+from probe.diagnose.group_order import behind_text, deadlock
 from probe.diagnose.verdict import CPU_RAN_S, HANG_FLOOR_S, Commands, Evidence, Verdict, ranks_word, where_of, \
     where_text
 
@@ -295,15 +296,29 @@ def hang(first: Sample, last: Sample, answering: List[int], in_collective: Dict[
         _stack_hang(last, answering, in_collective, window, who, command)
 
 
-def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
-             command: Commands) -> Optional[Verdict]:
-    """From the Flight Recorder: per group, the ranks at its last collective #M that wait in it, and the
-    ranks whose last collective is before M (they did not issue #M)."""
+class Hung(NamedTuple):
+    """One process group's hang by the Flight Recorder: ``waiting`` issued #``top`` and still wait in it,
+    ``behind`` did not issue it (their last numbers are below)."""
+
+    pg: str
+    top: int
+    waiting: List[int]
+    behind: List[int]
+    rows: Dict[int, Dict[str, Any]]
+
+
+def _hung_groups(first: Sample, last: Sample, answering: List[int]) -> List[Hung]:
+    """Every group where ranks wait in their last collective #M, still since the first look and for long
+    against the group's pace, while others' last collective is before M."""
     groups: Dict[str, Dict[int, Dict[str, Any]]] = {}
     for r in answering:
         for pg, row in fr_by_pg(last.ranks[r]).items():
             groups.setdefault(pg, {})[r] = row
+    hung: List[Hung] = []
     for pg, rows in sorted(groups.items()):
+        for r in _members(rows):  # members that issued none of its collectives the recorder keeps
+            if r not in rows and r in last.ranks and r in answering:
+                rows[r] = {"pg": pg, "last_seq": 0, "last_op": None, "last_done": True, "none_recorded": True}
         if len(rows) < 2:
             continue
         top = max(int(row["last_seq"]) for row in rows.values())
@@ -320,32 +335,83 @@ def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[S
             if before is not None and int(before["last_seq"]) == top and not before.get("last_done") \
                     and age >= max(HANG_FLOOR_S, HANG_PERIODS * period):
                 still.append(r)
-        if still != waiting:
-            continue  # a rank arrived, or the wait is short for this group's pace: not a hang (yet)
-        row = rows[waiting[0]]
-        op = str(row.get("last_op") or "a collective")
-        desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
-        thread, key = main_stack(last.ranks[behind[0]])
-        where = where_of(key, thread, last.ranks[behind[0]].library())
-        behind_at = sorted({int(rows[r]["last_seq"]) for r in behind})
-        summary = ("collective hang in process group %s%s: %s did not issue %s #%d; %s wait%s in it" % (
-            pg, desc, who(behind), op, top, who(waiting), "s" if len(waiting) == 1 else ""))
-        ages = [float(rows[r].get("last_age") or 0) for r in waiting]
-        fr_cmd = command(None, "query \"SELECT pg, collective_seq_id, op, state, retired, time_created FROM "
-                               "torch.flight_recorder ORDER BY collective_seq_id DESC LIMIT 3\"")
-        evidence = [
-            Evidence("Flight Recorder, group %s: %s issued #%d (%s) %.1f s ago and it is not done; %s's last is #%s"
-                     % (pg, who(waiting), top, op, min(ages), who(behind), ",".join(map(str, behind_at))),
-                     fr_cmd, waiting + behind,
-                     [dict(rank=r, pg=pg, last_seq=rows[r]["last_seq"], last_op=rows[r].get("last_op"),
-                           last_done=rows[r].get("last_done"), last_age=rows[r].get("last_age")) for r in sorted(rows)]),
-            Evidence("%s: %s" % (who(behind), where_text(where)), command(behind, "backtrace"), behind)]
-        vthread, vkey = main_stack(last.ranks[waiting[0]])
-        evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread,
-                                                                                last.ranks[waiting[0]].library()))),
-                                 command(waiting, "backtrace"), waiting))
-        return Verdict("collective_hang", "stuck", summary, behind, waiting, where, evidence, _hang_next(behind, command))
+        if still == waiting:  # else a rank arrived, or the wait is short for this group's pace: not a hang (yet)
+            hung.append(Hung(pg, top, waiting, behind, rows))
+    return hung
+
+
+def _members(rows: Dict[int, Dict[str, Any]]) -> List[int]:
+    """The group's global ranks as its rows say (``group_ranks``, ``[0, 1]``), where one says; else none."""
+    for row in rows.values():
+        text = row.get("group_ranks")
+        if isinstance(text, str) and len(text) < 1 << 20:
+            try:
+                ranks = json.loads(text)
+            except ValueError:
+                continue
+            if isinstance(ranks, list) and all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                return ranks
+    return []
+
+
+def _fr_hang(first: Sample, last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
+             command: Commands) -> Optional[Verdict]:
+    """From the Flight Recorder: per group, the ranks at its last collective #M that wait in it, and the
+    ranks whose last collective is before M (they did not issue #M). A rank behind in one group that itself
+    waits in another hung group is no cause: the culprits are the ranks behind that wait in no hung group.
+    Where every rank behind waits in another (rank 0 in group 0's barrier, which rank 1 has not issued,
+    rank 1 in group 1's all_reduce, which rank 0 has not issued), the groups' collectives are issued in
+    different orders: a deadlock across groups (:mod:`probe.diagnose.group_order`)."""
+    hung = _hung_groups(first, last, answering)
+    waits_anywhere = {r for h in hung for r in h.waiting}
+    for h in hung:
+        roots = [r for r in h.behind if r not in waits_anywhere]
+        if roots:
+            return _fr_verdict(last, h, roots, hung, who, command)
+    if hung:
+        return deadlock(last, hung, who, command)
     return None
+
+
+def _fr_verdict(last: Sample, h: Hung, behind: List[int], hung: List[Hung], who: Callable[[Sequence[int]], str],
+                command: Commands) -> Verdict:
+    """The hang of group ``h``, blaming ``behind`` (its ranks behind that wait in no hung group); every
+    rank that waits in a hung group is a victim, and where one waits in another group it is said."""
+    pg, top, waiting, rows = h.pg, h.top, h.waiting, h.rows
+    row = rows[waiting[0]]
+    op = str(row.get("last_op") or "a collective")
+    desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
+    thread, key = main_stack(last.ranks[behind[0]])
+    where = where_of(key, thread, last.ranks[behind[0]].library())
+    summary = ("collective hang in process group %s%s: %s did not issue %s #%d; %s wait%s in it" % (
+        pg, desc, who(behind), op, top, who(waiting), "s" if len(waiting) == 1 else ""))
+    ages = [float(rows[r].get("last_age") or 0) for r in waiting]
+    fr_cmd = command(None, "query \"SELECT pg, collective_seq_id, op, state, retired, time_created FROM "
+                           "torch.flight_recorder ORDER BY collective_seq_id DESC LIMIT 3\"")
+    evidence = [
+        Evidence("Flight Recorder, group %s: %s issued #%d (%s) %.1f s ago and it is not done; %s"
+                 % (pg, who(waiting), top, op, min(ages), behind_text(who, behind, rows)),
+                 fr_cmd, waiting + behind,
+                 [dict(rank=r, pg=pg, last_seq=rows[r]["last_seq"], last_op=rows[r].get("last_op"),
+                       last_done=rows[r].get("last_done"), last_age=rows[r].get("last_age")) for r in sorted(rows)]),
+        Evidence("%s: %s" % (who(behind), where_text(where)), command(behind, "backtrace"), behind)]
+    vthread, vkey = main_stack(last.ranks[waiting[0]])
+    evidence.append(Evidence("%s: %s" % (who(waiting), where_text(where_of(vkey, vthread,
+                                                                            last.ranks[waiting[0]].library()))),
+                             command(waiting, "backtrace"), waiting))
+    victims = sorted({r for g in hung for r in g.waiting} - set(behind))
+    for g in hung:
+        if g is h:
+            continue
+        elsewhere = [r for r in g.waiting if r in h.behind or r not in waiting]
+        if elsewhere:
+            op_g = str(g.rows[g.waiting[0]].get("last_op") or "a collective")
+            evidence.append(Evidence("%s wait%s in group %s's %s #%d, which %s did not issue" % (
+                who(elsewhere), "s" if len(elsewhere) == 1 else "", g.pg, op_g, g.top, who(g.behind)),
+                command(None, "query \"SELECT pg, collective_seq_id, op, state, retired, time_created FROM "
+                              "torch.flight_recorder WHERE pg = '%s' ORDER BY collective_seq_id DESC LIMIT 3\""
+                        % g.pg.replace("'", "''").replace('"', "")), elsewhere + g.behind))
+    return Verdict("collective_hang", "stuck", summary, behind, victims, where, evidence, _hang_next(behind, command))
 
 
 def waits_alone(ev: RankEvidence, found: Tuple[str, str, Any], window: float, command: Commands) -> Verdict:

@@ -25,8 +25,10 @@ THREADS_SQL = ("SELECT thread_id, thread_name, is_main, is_agent, CASE WHEN cpu_
 
 FR_SQL = """\
 WITH e AS (SELECT *, max(collective_seq_id) OVER (PARTITION BY pg) AS top_seq FROM torch.flight_recorder
-  WHERE NOT coalesce(is_p2p, false) AND collective_seq_id IS NOT NULL)
-SELECT pg, any_value(pg_desc) AS pg_desc, max(collective_seq_id) AS last_seq,
+  WHERE NOT coalesce(is_p2p, false) AND collective_seq_id IS NOT NULL),
+  g AS (SELECT group_name, any_value(group_ranks) AS group_ranks FROM torch.distributed WHERE initialized
+    GROUP BY group_name)
+SELECT f.*, g.group_ranks FROM (SELECT pg, any_value(pg_desc) AS pg_desc, max(collective_seq_id) AS last_seq,
   arg_max(op, collective_seq_id) AS last_op,
   arg_max(coalesce(retired, false) OR state = 'completed', collective_seq_id) AS last_done,
   epoch(now()) - epoch(arg_max(time_created, collective_seq_id)) AS last_age,
@@ -35,11 +37,13 @@ SELECT pg, any_value(pg_desc) AS pg_desc, max(collective_seq_id) AS last_seq,
   arg_max(input_sizes, collective_seq_id) AS last_sizes, arg_max(input_dtypes, collective_seq_id) AS last_dtypes,
   string_agg(CASE WHEN collective_seq_id > top_seq - 8 THEN concat_ws(chr(9), collective_seq_id, coalesce(op, ''),
     coalesce(input_sizes, ''), coalesce(input_dtypes, '')) END, chr(10) ORDER BY collective_seq_id) AS recent
-FROM e GROUP BY pg"""
+FROM e GROUP BY pg) f
+LEFT JOIN g ON f.pg = g.group_name"""
 """One row per process group of the Flight Recorder: its last collective (number, op, whether done, how
 long ago it was issued, its input sizes and dtypes), the mean interval between its recorded collectives,
 and its last 8 collectives as ``seq<TAB>op<TAB>sizes<TAB>dtypes`` lines (``probe.diagnose.collectives``
-compares them across ranks)."""
+compares them across ranks); and the group's global ranks (``[0, 1]``, from ``torch.distributed``): a member
+with no entry of a group waited in has issued none of its collectives."""
 
 TRACE_SQL = """\
 SELECT max(step) AS step, epoch(now()) - epoch(max(time)) AS last_age, count(*) AS entries,
