@@ -380,7 +380,7 @@ def _fr_verdict(last: Sample, h: Hung, behind: List[int], hung: List[Hung], who:
     pg, top, waiting, rows = h.pg, h.top, h.waiting, h.rows
     row = rows[waiting[0]]
     op = str(row.get("last_op") or "a collective")
-    desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") else ""
+    desc = " (%s)" % row["pg_desc"] if row.get("pg_desc") not in (None, "", "undefined") else ""
     thread, key = main_stack(last.ranks[behind[0]])
     where = where_of(key, thread, last.ranks[behind[0]].library())
     summary = ("collective hang in process group %s%s: %s did not issue %s #%d; %s wait%s in it" % (

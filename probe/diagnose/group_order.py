@@ -44,7 +44,8 @@ def deadlock(last: Sample, hung: List[Any], who: Who, command: Commands) -> Verd
                                "torch.flight_recorder WHERE pg = '%s' ORDER BY collective_seq_id DESC LIMIT 3\""
                          % h.pg.replace("'", "''").replace('"', ""))
         op = str(h.rows[h.waiting[0]].get("last_op") or "a collective")
-        desc = " (%s)" % h.rows[h.waiting[0]]["pg_desc"] if h.rows[h.waiting[0]].get("pg_desc") else ""
+        said = h.rows[h.waiting[0]].get("pg_desc")
+        desc = " (%s)" % said if said not in (None, "", "undefined") else ""  # torch's word for a group not named
         parts.append("%s wait%s in group %s%s's %s #%d, which %s did not issue" % (
             who(h.waiting), "s" if len(h.waiting) == 1 else "", h.pg, desc, op, h.top, who(h.behind)))
         age = min(float(h.rows[r].get("last_age") or 0) for r in h.waiting)
