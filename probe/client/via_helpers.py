@@ -102,8 +102,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
         address = transport.TcpAddress(_host_of(helper), int(helper.rpartition(":")[2]))
         body = json.dumps(dict(op, **(own(members) if own else {}), ranks=[m.rank for m in members],
                                deadline=round(inner, 3), max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
-        answer = transport.request(address, "POST", "/v1/gather", body, None, min(cluster.timeout, deadline + 1.0),
-                                   token=cluster._token)
+        answer = _ask_gather(address, body, min(cluster.timeout, deadline + 1.0), cluster._token)
         try:
             if answer.status != 200:
                 raise _error_of(answer, helper)
@@ -132,6 +131,24 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
                                           % (helper, outcome.error.message[:300], len(members),
                                              " was" if len(members) == 1 else "s were"))
     return answered, direct, failures
+
+
+def _ask_gather(address: Any, body: bytes, timeout: float, token: Optional[str]) -> transport.HttpResponse:
+    """One ``POST /v1/gather``; over TCP with a token, asking for the next nonce (``probe.client.proof``:
+    the next gather to this helper needs no hello), and once more with a hello where a nonce kept from
+    the last answer is refused (the helper restarted since, or dropped it)."""
+    from probe.client import proof
+
+    for _ in range(2):
+        asked = proof.ask_next() if token and isinstance(address, transport.TcpAddress) else {}
+        answer = transport.request(address, "POST", "/v1/gather", body, asked or None, timeout, token=token)
+        if answer.status == 401 and asked and proof.reused():
+            transport.release(answer)
+            continue
+        if asked and answer.status == 200:
+            proof.keep_next(address, str(token), asked, answer)
+        return answer
+    return answer
 
 
 def _error_of(answer: transport.HttpResponse, helper: str) -> ProbeError:
