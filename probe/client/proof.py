@@ -14,6 +14,7 @@ taken for the address it names. Without it such a proof is refused: it is what a
 import hmac
 import json
 import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -89,6 +90,7 @@ _kept: "OrderedDict[Any, Tuple[str, str, str, str, Any, float]]" = OrderedDict()
 _proven: "OrderedDict[Any, Tuple[str, Any]]" = OrderedDict()  # (address, token) -> (its proven address, peer)
 _kept_lock = threading.Lock()
 _local = threading.local()
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def ask_next() -> Dict[str, str]:
@@ -151,7 +153,7 @@ def _fields(raw: Any) -> Tuple[str, str, Dict[str, str]]:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["proofs"].items())):
         raise ValueError("not a probe hello")
     nonce = raw["nonce"]
-    if not (len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
+    if not (len(nonce) == 32 and _HEX.fullmatch(nonce)):
         raise ValueError("the nonce is not 32 hex digits")
     return nonce, raw["address"][:300], raw["proofs"]
 
@@ -179,7 +181,7 @@ def _parse(answer: Any, address: Any) -> Tuple[str, str, Dict[str, str]]:
         raise _unproven(address, "its answer to GET %s is not a probe hello" % HELLO_PATH,
                         "is it a probe agent or host helper? `probe list` on its host says who holds the port")
     nonce = raw["nonce"]
-    if not (len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
+    if not (len(nonce) == 32 and _HEX.fullmatch(nonce)):
         raise _unproven(address, "the nonce of its hello is not 32 hex digits", "is it a probe agent of this version?")
     return nonce, raw["address"][:300], raw["proofs"]
 

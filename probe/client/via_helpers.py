@@ -86,11 +86,14 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
 
 
 def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None,
-            own: Optional[Callable[[List["Member"]], Dict[str, Any]]] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+            own: Optional[Callable[[List["Member"]], Dict[str, Any]]] = None,
+            then: Optional[Callable[[List["Member"], Any], Any]] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
     and the failures of the ranks of helpers that did not answer in time. ``in_flight``: helpers asked at
     once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more). ``own``:
-    fields of one helper's request, from its members (what concerns its ranks only)."""
+    fields of one helper's request, from its members (what concerns its ranks only). ``then``: what to make
+    of a helper's parsed answer as soon as it came (its result stands for the answer; it must not raise),
+    while the other helpers are still waited for."""
     from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
@@ -114,7 +117,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
             transport.release(answer)
         if not isinstance(raw, dict) or raw.get("op") != op["op"]:
             raise ProbeError("the node helper at %s answered a gather with no %s" % (helper, op["op"]))
-        return raw
+        return raw if then is None else then(members, raw)
 
     items = list(helpers.items())
     outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
