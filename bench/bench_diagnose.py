@@ -33,7 +33,8 @@ other nodes answer with that node's evidence renumbered (``bench_fanout_helpers.
 the answer's bytes too are built once a look a process, by the real helper code for one node (its gather,
 ``gathered.encode``, the JSON), every other node of the process served those bytes with its own ranks, pids
 and ages put in (``bench_fanout_helpers._one_node_answers``). WHAT RUNS FOR REAL, ON THIS MACHINE: the whole
-client (discovery, every node's two connections and token handshake a look, the request, reading and checking
+client (discovery, every node's token handshake and request a look: a hello and the request at a diagnosis's
+first look, then the request alone with the nonce the answer before handed out; reading and checking
 every node's answer, every rank's evidence, the rules over all of them), and each node's serving side (the
 helper's listener, its handshake, the request's checks: so this machine also carries 2,048 nodes' HTTP
 serving, which a real job spreads over its nodes). WHAT IS SIMULATED: the ranks (canned answers, from
