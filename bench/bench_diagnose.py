@@ -33,7 +33,8 @@ other nodes answer with that node's evidence renumbered (``bench_fanout_helpers.
 the answer's bytes too are built once a look a process, by the real helper code for one node (its gather,
 ``gathered.encode``, the JSON), every other node of the process served those bytes with its own ranks, pids
 and ages put in (``bench_fanout_helpers._one_node_answers``). WHAT RUNS FOR REAL, ON THIS MACHINE: the whole
-client (discovery, every node's two connections and token handshake a look, the request, reading and checking
+client (discovery, every node's token handshake and request a look: a hello and the request at a diagnosis's
+first look, then the request alone with the nonce the answer before handed out; reading and checking
 every node's answer, every rank's evidence, the rules over all of them), and each node's serving side (the
 helper's listener, its handshake, the request's checks: so this machine also carries 2,048 nodes' HTTP
 serving, which a real job spreads over its nodes). WHAT IS SIMULATED: the ranks (canned answers, from
@@ -74,6 +75,7 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
     out: Dict[str, List[float]] = {"look": [], "whole": [], "cpu": [], "samples": []}
     for i in range(runs + 1):
         job.report()
+        _fresh_process()
         cluster = connect_all(job.master, token=fleet.TOKEN, deadline=deadline, timeout=deadline + 20.0)
         cluster.via = via
         start = time.perf_counter()
@@ -84,6 +86,7 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
         if bad:
             print("  look %d: %d of %d ranks gave no evidence in %.0f s: %s" % (i, len(bad), n, deadline, bad[0]))
         time.sleep(1.0)  # the helpers' one-node evidence of this look is not the next one's
+        _fresh_process()
         start, cpu = time.perf_counter(), time.process_time()
         cluster = connect_all(job.master, token=fleet.TOKEN, deadline=deadline, timeout=deadline + 20.0)
         cluster.via = via
@@ -100,6 +103,17 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
             print("%d ranks (%s): %s" % (n, via, report.verdicts[0].summary), flush=True)
         time.sleep(1.0)
     return out
+
+
+def _fresh_process() -> None:
+    """What a new ``probe diagnose`` process starts without: the next nonces the helpers' answers handed out
+    (``probe.client.proof.keep_next``), so that each diagnosis begins with a hello to every helper, as the
+    CLI's does."""
+    from probe.client import proof
+
+    kept = getattr(proof, "_kept", None)
+    if kept is not None:
+        kept.clear()
 
 
 # -- the stall record --------------------------------------------------------------------------------
@@ -410,6 +424,7 @@ def profile(job: "fleet.Job", n: int) -> None:
 
     time.sleep(1.0)
     job.report()
+    _fresh_process()
     main = cProfile.Profile(time.thread_time)
     threading.setprofile(start_in_thread)
     start = time.perf_counter()

@@ -149,3 +149,53 @@ def test_through_the_helpers_a_killed_rank_is_named_and_the_answer_is_partial(jo
     assert rows.code == 7, rows.err
     assert [r["pid"] for r in json.loads(rows.out)] == [pids[0], pids[2]]  # rank 1's agent cannot run SQL on it
     assert "rank 3" in rows.err and "killed by signal 9" in rows.err
+
+
+def test_a_gathers_answer_hands_out_the_next_nonce_single_use_and_a_refused_one_is_retried_with_a_hello(job):
+    """The next gather to a helper needs no hello (the answer's ``X-Probe-Next-Nonce``: a server nonce and
+    the helper's proof for our own fresh client nonce); a nonce is taken back once, and a kept one the
+    helper refuses is retried with a hello; a malformed ask gets no next nonce and the answer stands; a
+    next nonce whose proof does not match the token, or that is oversized, is not kept."""
+    from probe.client import proof, via_helpers
+
+    port, _pids = job
+    address, token = transport.TcpAddress("127.0.0.1", port - 1), _token(port)
+    body = json.dumps({"op": "backtrace", "ranks": [0, 2], "deadline": 5}).encode()
+    place = proof._place(address, token.encode())
+    proof._kept.pop(place, None)
+    first = via_helpers._ask_gather(address, body, scaled(20), token)
+    assert first.status == 200 and not proof.reused()  # a hello first
+    kept = proof._kept.get(place)
+    assert kept is not None, first.headers
+    second = via_helpers._ask_gather(address, body, scaled(20), token)
+    assert second.status == 200 and proof.reused()  # no hello: the kept nonce
+    assert proof._kept.get(place) not in (None, kept)  # and the next one kept
+
+    # single-use: the same nonce again is refused by the helper, and the gather is asked again with a hello
+    used = proof._kept.get(place)
+    again = via_helpers._ask_gather(address, body, scaled(20), token)
+    assert again.status == 200 and proof.reused()
+    proof._kept[place] = used
+    refused_then_retried = via_helpers._ask_gather(address, body, scaled(20), token)
+    assert refused_then_retried.status == 200 and not proof.reused()  # its retry went with a hello
+
+    # a malformed client nonce: the gather is answered, with no next nonce
+    auth = hmac_auth.authorization(port - 1, token, "POST", "/v1/gather", body)
+    odd = transport.request(address, "POST", "/v1/gather", body, {"Authorization": auth, proof.NEXT_HEADER: "zz" * 40},
+                            scaled(20))
+    assert odd.status == 200 and proof.NEXT_HEADER.lower() not in odd.headers
+
+    # what the client keeps: only a proof for our token and our nonce, of a bounded size
+    asked = proof.ask_next()
+    auth = hmac_auth.authorization(port - 1, token, "POST", "/v1/gather", body)
+    answer = transport.request(address, "POST", "/v1/gather", body, dict(asked, Authorization=auth), scaled(20))
+    assert answer.status == 200 and proof.NEXT_HEADER.lower() in answer.headers
+    proof._kept.pop(place, None)
+    proof.keep_next(address, "not-the-token", asked, answer)
+    proof.keep_next(address, token, proof.ask_next(), answer)  # a nonce we did not send
+    bloated = transport.HttpResponse(200, {proof.NEXT_HEADER.lower(): " " * 5000 + answer.headers[
+        proof.NEXT_HEADER.lower()]}, b"")
+    proof.keep_next(address, token, asked, bloated)
+    assert place not in proof._kept
+    proof.keep_next(address, token, asked, answer)
+    assert place in proof._kept

@@ -4,7 +4,7 @@
 import math
 import os
 import re
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from probe import _paths
 import probe.client.transport as transport
@@ -169,7 +169,17 @@ def _summary(problems: List[str], shown: int = 5) -> str:
 
 
 def _is_host(value: Any) -> bool:
-    return isinstance(value, str) and _HOST.fullmatch(value) is not None
+    if type(value) is str and value in _HOSTS_SEEN:  # a node's ranks share their host: matched once
+        return True
+    good = isinstance(value, str) and _HOST.fullmatch(value) is not None
+    if good:
+        if len(_HOSTS_SEEN) >= 65536:
+            _HOSTS_SEEN.clear()
+        _HOSTS_SEEN.add(value)
+    return good
+
+
+_HOSTS_SEEN: Set[str] = set()
 
 
 def _is_host_port(value: Any) -> bool:
@@ -187,6 +197,8 @@ def _int(value: Any) -> Optional[int]:
 def _field(raw: Dict[str, Any], key: str, low: int, high: int, needed: bool = False) -> Optional[int]:
     """``raw[key]``, an integer from ``low`` to ``high``; None where absent (or null) and not ``needed``."""
     value = raw.get(key)
+    if type(value) is int and low <= value <= high:  # the common case first: 7 fields a rank, 16k ranks
+        return value
     if value is None and not needed:
         return None
     number = _int(value)

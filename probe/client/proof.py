@@ -14,13 +14,16 @@ taken for the address it names. Without it such a proof is refused: it is what a
 import hmac
 import json
 import os
+import re
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Dict, Optional, Tuple
 
 from probe.agent.handshake import HELLO_PATH, NONCE_HEADER, SCHEME, address_name, client_mac, server_proof
 from probe.errors import ProbeError, Unauthorized
 
-__all__ = ["authorization", "Unproven"]
+__all__ = ["authorization", "Unproven", "NEXT_HEADER", "ask_next", "keep_next", "reused"]
 
 
 class Unproven(Unauthorized):
@@ -37,6 +40,12 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
     transport = wire
 
     key = token.strip().encode("utf-8")
+    kept = _take_kept(address, key) if path in _KEPT_FOR else None
+    _local.reused = kept is not None
+    if kept is not None:  # a nonce its last answer handed out (keep_next): proven then, for this address
+        cn, sn, scope, here, peer = kept
+        return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn,
+                                                           client_mac(key, cn, sn, here, method, path, body or b""))
     cn = os.urandom(16).hex()
     wait = timeout if queue_wait is None else min(queue_wait, timeout)
     deadline = time.monotonic() + wait
@@ -65,8 +74,88 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
                             "connect to the agent's own address (`probe list` on its host); if you forward the port "
                             "yourself, set PROBE_FORWARDED=1")
         here = claimed
+    _remember(_proven, _place(address, key), (here, peer))
     mac = client_mac(key, cn, sn, here, method, path, body or b"")
     return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn, mac)
+
+
+# -- the next nonce: a gather's answer hands out what the next gather's hello would ------------------------
+
+NEXT_HEADER = "X-Probe-Next-Nonce"  # as probe.host.gather.NEXT_HEADER (the client imports nothing of the host)
+KEEP_S = 60.0  # a kept nonce is used within this (the listener keeps its nonces 120 s: NONCE_LIFE_S)
+MAX_KEPT = 8192  # listeners with a kept nonce (2,048 nodes at 16k ranks); past it the oldest goes
+_MAX_NEXT_CHARS = 4096
+_KEPT_FOR = ("/v1/gather",)  # the one request that retries, with a hello, a kept nonce the listener refuses
+_kept: "OrderedDict[Any, Tuple[str, str, str, str, Any, float]]" = OrderedDict()
+_proven: "OrderedDict[Any, Tuple[str, Any]]" = OrderedDict()  # (address, token) -> (its proven address, peer)
+_kept_lock = threading.Lock()
+_local = threading.local()
+_HEX = re.compile(r"[0-9a-f]+")
+
+
+def ask_next() -> Dict[str, str]:
+    """The header that asks a gather's answer for the next nonce: a fresh client nonce of our own."""
+    return {NEXT_HEADER: os.urandom(16).hex()}
+
+
+def keep_next(address: Any, token: str, asked: Dict[str, str], answer: Any) -> None:
+    """Keep the next nonce that ``answer`` (to a request sent with ``asked``, from :func:`ask_next`) hands out,
+    where its proof matches our token for the address this listener proved itself at (its hello's); else
+    keep nothing: the next request begins with a hello, as without it. Never raises."""
+    try:
+        cn = asked[NEXT_HEADER]
+        key = token.strip().encode("utf-8")
+        value = answer.headers.get(NEXT_HEADER.lower())
+        proven = _proven.get(_place(address, key))
+        if not value or proven is None or len(value) > _MAX_NEXT_CHARS:
+            return
+        raw = json.loads(value)
+        sn, _, proofs = _fields(raw)
+        here, peer = proven
+        scope = _match(key, cn, sn, here, proofs)
+        if scope is not None:
+            _remember(_kept, _place(address, key), (cn, sn, scope, here, peer, time.monotonic() + KEEP_S))
+    except Exception:  # noqa: BLE001 -- hostile or odd: no kept nonce, a hello next time
+        return
+
+
+def reused() -> bool:
+    """Whether this thread's last request went with a kept nonce instead of a hello (a refusal of it, the
+    listener restarted meanwhile, is then retried with a hello)."""
+    return bool(getattr(_local, "reused", False))
+
+
+def _place(address: Any, key: bytes) -> Tuple[str, int, bytes]:
+    return (str(getattr(address, "host", "")), int(getattr(address, "port", 0) or 0), key)
+
+
+def _remember(store: "OrderedDict[Any, Any]", place: Any, value: Any) -> None:
+    with _kept_lock:
+        store.pop(place, None)
+        store[place] = value
+        while len(store) > MAX_KEPT:
+            store.popitem(last=False)
+
+
+def _take_kept(address: Any, key: bytes) -> Optional[Tuple[str, str, str, str, Any]]:
+    """A kept nonce for this listener and token, taken (single-use), if fresh."""
+    with _kept_lock:
+        got = _kept.pop(_place(address, key), None)
+    if got is None or got[5] < time.monotonic():
+        return None
+    return got[:5]
+
+
+def _fields(raw: Any) -> Tuple[str, str, Dict[str, str]]:
+    """A hello's nonce, claimed address and proofs, checked; ValueError otherwise."""
+    if not (isinstance(raw, dict) and isinstance(raw.get("nonce"), str) and isinstance(raw.get("address"), str)
+            and isinstance(raw.get("proofs"), dict) and len(raw["proofs"]) <= 8
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in raw["proofs"].items())):
+        raise ValueError("not a probe hello")
+    nonce = raw["nonce"]
+    if not (len(nonce) == 32 and _HEX.fullmatch(nonce)):
+        raise ValueError("the nonce is not 32 hex digits")
+    return nonce, raw["address"][:300], raw["proofs"]
 
 
 def _parse(answer: Any, address: Any) -> Tuple[str, str, Dict[str, str]]:
@@ -92,7 +181,7 @@ def _parse(answer: Any, address: Any) -> Tuple[str, str, Dict[str, str]]:
         raise _unproven(address, "its answer to GET %s is not a probe hello" % HELLO_PATH,
                         "is it a probe agent or host helper? `probe list` on its host says who holds the port")
     nonce = raw["nonce"]
-    if not (len(nonce) == 32 and all(c in "0123456789abcdef" for c in nonce)):
+    if not (len(nonce) == 32 and _HEX.fullmatch(nonce)):
         raise _unproven(address, "the nonce of its hello is not 32 hex digits", "is it a probe agent of this version?")
     return nonce, raw["address"][:300], raw["proofs"]
 

@@ -86,11 +86,14 @@ def _by_helper(members: Sequence["Member"]) -> Dict[str, List["Member"]]:
 
 
 def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = None,
-            own: Optional[Callable[[List["Member"]], Dict[str, Any]]] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
+            own: Optional[Callable[[List["Member"]], Dict[str, Any]]] = None,
+            then: Optional[Callable[[List["Member"], Any], Any]] = None) -> Tuple[List[Tuple[List["Member"], Any]], List["Member"], List[Any]]:
     """Ask every helper; (members, parsed answer) per helper that answered, the members to ask directly,
     and the failures of the ranks of helpers that did not answer in time. ``in_flight``: helpers asked at
     once (default ``cluster.max_in_flight``; a gather whose every answer takes long asks more). ``own``:
-    fields of one helper's request, from its members (what concerns its ranks only)."""
+    fields of one helper's request, from its members (what concerns its ranks only). ``then``: what to make
+    of a helper's parsed answer as soon as it came (its result stands for the answer; it must not raise),
+    while the other helpers are still waited for."""
     from probe.client.members import RankFailure, _host_of
 
     helpers = _by_helper(cluster.members)
@@ -102,8 +105,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
         address = transport.TcpAddress(_host_of(helper), int(helper.rpartition(":")[2]))
         body = json.dumps(dict(op, **(own(members) if own else {}), ranks=[m.rank for m in members],
                                deadline=round(inner, 3), max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
-        answer = transport.request(address, "POST", "/v1/gather", body, None, min(cluster.timeout, deadline + 1.0),
-                                   token=cluster._token)
+        answer = _ask_gather(address, body, min(cluster.timeout, deadline + 1.0), cluster._token)
         try:
             if answer.status != 200:
                 raise _error_of(answer, helper)
@@ -115,7 +117,7 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
             transport.release(answer)
         if not isinstance(raw, dict) or raw.get("op") != op["op"]:
             raise ProbeError("the node helper at %s answered a gather with no %s" % (helper, op["op"]))
-        return raw
+        return raw if then is None else then(members, raw)
 
     items = list(helpers.items())
     outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
@@ -132,6 +134,24 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
                                           % (helper, outcome.error.message[:300], len(members),
                                              " was" if len(members) == 1 else "s were"))
     return answered, direct, failures
+
+
+def _ask_gather(address: Any, body: bytes, timeout: float, token: Optional[str]) -> transport.HttpResponse:
+    """One ``POST /v1/gather``; over TCP with a token, asking for the next nonce (``probe.client.proof``:
+    the next gather to this helper needs no hello), and once more with a hello where a nonce kept from
+    the last answer is refused (the helper restarted since, or dropped it)."""
+    from probe.client import proof
+
+    for _ in range(2):
+        asked = proof.ask_next() if token and isinstance(address, transport.TcpAddress) else {}
+        answer = transport.request(address, "POST", "/v1/gather", body, asked or None, timeout, token=token)
+        if answer.status == 401 and asked and proof.reused():
+            transport.release(answer)
+            continue
+        if asked and answer.status == 200:
+            proof.keep_next(address, str(token), asked, answer)
+        return answer
+    return answer
 
 
 def _error_of(answer: transport.HttpResponse, helper: str) -> ProbeError:

@@ -3,6 +3,7 @@ sign of life between the first two (a stuck rank and a slow one look alike for a
 
 import contextlib
 import gc
+import sys
 import time
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -36,16 +37,28 @@ def diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float = 
         return _diagnose(sampler, deadline, command, gap, longer)
 
 
+SWITCH_S = 0.05
+"""Python's thread switch interval while a diagnosis runs (its default is 5 ms)."""
+
+
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """Python's cycle collector off while a diagnosis runs: the evidence of 16k ranks is millions of objects,
     none of them in a cycle, and each pass of the collector over them as they grew took seconds a look.
-    What a diagnosis leaves in cycles is collected once it is done."""
+    What a diagnosis leaves in cycles is collected once it is done. And the thread switch interval raised
+    to ``SWITCH_S``: a look through the node helpers waits on hundreds of answers at once (a thread each),
+    and every thread waiting for the interpreter wakes once an interval to ask for it; at 16k ranks (512
+    threads) the client spent 1.6-3.8 s of its 5.5-9 s of CPU in the kernel, and most of its spread on a
+    loaded machine came from there (bench/bench_diagnose.py). A thread that waits on the wire lets the others
+    run anyway."""
     was = gc.isenabled()
+    switch = sys.getswitchinterval()
     gc.disable()
+    sys.setswitchinterval(max(switch, SWITCH_S))
     try:
         yield
     finally:
+        sys.setswitchinterval(switch)
         if was:
             gc.enable()
 

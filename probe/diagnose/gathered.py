@@ -141,6 +141,7 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
     keys = [_key_once(stack, known) for stack in stacks]
     out: List[Any] = []
     seen = set()
+    samples: List[Any] = [None] * len(stacks)  # each stack as a straggler's sample, made once an answer
     for item in raw["ranks"]:
         if not isinstance(item, dict):
             raise Bad("a rank's evidence is not an object")
@@ -156,7 +157,7 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
             types = _TYPES.get(name)
             if types is None:
                 continue  # rank, age, frames: read below; any other is not ours to read
-            if not isinstance(value, types) or isinstance(value, bool) and name in ("pid", "holder_id"):
+            if type(value) not in types:  # JSON's own types, exactly: true is not a number here
                 raise Bad("rank %d's %s is not of its type" % (rank, name))
             values[name] = value
         if values.get("state", "answering") not in STATES:
@@ -168,10 +169,8 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
             ev.frames = _frames(item["frames"], stacks, rank)
             evidence.keep_named(ev, _named(item["frames"], keys))
         if isinstance(ev.training, dict) and "main_samples" in ev.training:
-            refs = ev.training["main_samples"]
-            if not isinstance(refs, list) or not all(type(i) is int and 0 <= i < len(stacks) for i in refs):
-                raise Bad("rank %d's main-thread samples are not stacks it sent" % rank)
-            ev.training = dict(ev.training, main_samples=[_sample(stacks[i], known) for i in refs])
+            ev.training = dict(ev.training, main_samples=_samples(ev.training["main_samples"], stacks, samples,
+                                                                  known, rank))
         if isinstance(ev.memory, dict) and "readings" in ev.memory:
             readings = ev.memory["readings"]
             if not isinstance(readings, list) or not all(
@@ -245,6 +244,22 @@ def _named(threads: List[Any], keys: List[Any]) -> List[Any]:
     return out
 
 
+def _samples(refs: Any, stacks: List[Any], made: List[Any], known: Dict[Any, Any], rank: int) -> List[Any]:
+    """A rank's main-thread samples from their indexes into the answer's ``stacks`` (``made``: each index's
+    sample, once made)."""
+    if not isinstance(refs, list):
+        raise Bad("rank %d's main-thread samples are not stacks it sent" % rank)
+    out = []
+    for i in refs:
+        if type(i) is not int or not 0 <= i < len(stacks):
+            raise Bad("rank %d's main-thread samples are not stacks it sent" % rank)
+        got = made[i]
+        if got is None:
+            got = made[i] = _sample(stacks[i], known)
+        out.append(got)
+    return out
+
+
 def _sample(stack: Any, known: Dict[Any, Any]) -> Any:
     """A straggler's sample, ``(func, file, line, code)`` frames, one object for every rank that has it."""
     at = ("sample", id(stack))
@@ -293,16 +308,19 @@ def _frames(raw: Any, stacks: List[Any], rank: int) -> Frames:
         raise Bad("rank %d's frames are not a list" % rank)
     out: List[Tuple[Tuple[Any, ...], Tuple[Any, ...]]] = []
     ids = set()
-    for thread in raw:
-        if not (isinstance(thread, list) and len(thread) == 5 and type(thread[0]) is int
-                and (thread[1] is None or isinstance(thread[1], str) and len(thread[1]) <= _MAX_TEXT)
-                and (thread[2] is None or type(thread[2]) is int) and isinstance(thread[3], bool)
-                and type(thread[4]) is int and 0 <= thread[4] < len(stacks)):
+    n = len(stacks)
+    for thread in raw:  # JSON's own types, checked exactly (type() is): 3 threads a rank, 16k ranks a look
+        if type(thread) is not list or len(thread) != 5:
             raise Bad("rank %d's thread is not [id, name, native id, is main, stack]" % rank)
-        if thread[0] in ids:
-            raise Bad("rank %d has two threads of id %d" % (rank, thread[0]))
-        ids.add(thread[0])
-        out.append(((thread[0], thread[1], thread[2], thread[3]), stacks[thread[4]]))
+        ident, name, native, is_main, at = thread
+        if not (type(ident) is int and (name is None or type(name) is str and len(name) <= _MAX_TEXT)
+                and (native is None or type(native) is int) and type(is_main) is bool
+                and type(at) is int and 0 <= at < n):
+            raise Bad("rank %d's thread is not [id, name, native id, is main, stack]" % rank)
+        if ident in ids:
+            raise Bad("rank %d has two threads of id %d" % (rank, ident))
+        ids.add(ident)
+        out.append(((ident, name, native, is_main), stacks[at]))
     return Frames(out)
 
 
@@ -321,20 +339,30 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()
     def own(members: List[Any]) -> Dict[str, Any]:
         return {"ahead": [m.rank for m in members if m.rank in early]} if early else {}
 
-    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)),
-                                                         own)
-    ranks: Dict[int, Any] = {}
     known: Dict[str, Any] = {}
-    for members, raw in answered:
+
+    def read(members: List[Any], raw: Any) -> Any:
+        """A helper's answer read as it came, while the others are waited for (``known`` is shared: a stack
+        read twice at once is read twice, both alike): (its evidence, its failures), or what was wrong."""
         arrived = time.monotonic()
         asked = {m.rank: m for m in members}
-        helper = str(members[0].helper)
         try:
-            evs = decode(raw.get("evidence"), asked, known, arrived, evidence)
-            failed = via_helpers.helper_failures(raw.get("failed", []), asked)
+            return (decode(raw.get("evidence"), asked, known, arrived, evidence),
+                    via_helpers.helper_failures(raw.get("failed", []), asked))
         except (Bad, via_helpers.BadAnswer) as exc:
-            failures.extend(via_helpers.unusable(members, helper, str(exc)))
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 -- a surprise in the reading: this helper's ranks, with why
+            return "its evidence could not be read (%s: %s)" % (type(exc).__name__, str(exc)[:200])
+
+    answered, direct, failures = via_helpers.ask_helpers(chosen, op, max(chosen.max_in_flight, min(helpers, MAX_OPEN)),
+                                                         own, read)
+    ranks: Dict[int, Any] = {}
+    for members, got in answered:
+        helper = str(members[0].helper)
+        if isinstance(got, str):
+            failures.extend(via_helpers.unusable(members, helper, got))
             continue
+        evs, failed = got
         for ev in evs:
             ranks[ev.rank] = ev
         for member in members:
