@@ -23,8 +23,14 @@ def job(tmp_path_factory: Any) -> Iterator[Dict[str, Any]]:
 
 
 def _straggler(master: str) -> Dict[str, Any]:
-    report = json.loads(run_cli(master, "diagnose", "--json", timeout=90).out)
-    return next((v for v in report["verdicts"] if v["kind"] == "straggler"), {"report": report})
+    """The straggler verdict of --json; looked for up to three times (on a loaded machine one look's samples
+    may fall where they cannot tell, as _expect allows for too)."""
+    for _ in range(3):
+        report = json.loads(run_cli(master, "diagnose", "--json", timeout=90).out)
+        found = next((v for v in report["verdicts"] if v["kind"] == "straggler"), None)
+        if found is not None:
+            return found
+    return {"report": report}
 
 
 @needs_torchrun
