@@ -179,6 +179,26 @@ def test_a_gathers_answer_hands_out_the_next_nonce_single_use_and_a_refused_one_
     refused_then_retried = via_helpers._ask_gather(address, body, scaled(20), token)
     assert refused_then_retried.status == 200 and not proof.reused()  # its retry went with a hello
 
+    # the same through the one-thread fan-out (probe.client.multiplex): a hello, then the kept nonce (a new one
+    # kept), and a used one the helper refuses retried with a hello
+    from probe.client import multiplex
+
+    def steps():
+        return via_helpers._gather_steps(address, body, scaled(20), token)
+
+    proof._kept.pop(place, None)
+    (first_one,) = multiplex.run([steps], 1, scaled(20))
+    assert first_one.error is None and first_one.value.status == 200, first_one
+    kept = proof._kept.get(place)
+    assert kept is not None
+    (second_one,) = multiplex.run([steps], 1, scaled(20))
+    assert second_one.error is None and second_one.value.status == 200, second_one
+    assert proof._kept.get(place) not in (None, kept)
+    proof._kept[place] = kept  # used already: refused by the helper, the gather asked again with a hello
+    (retried,) = multiplex.run([steps], 1, scaled(20))
+    assert retried.error is None and retried.value.status == 200, retried
+    assert proof._kept.get(place) not in (None, kept)
+
     # a malformed client nonce: the gather is answered, with no next nonce
     auth = hmac_auth.authorization(port - 1, token, "POST", "/v1/gather", body)
     odd = transport.request(address, "POST", "/v1/gather", body, {"Authorization": auth, proof.NEXT_HEADER: "zz" * 40},

@@ -19,7 +19,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 from probe.client.wording import option
 from probe.errors import ProbeError, Timeout
 
-__all__ = ["Outcome", "fan_out", "Progress", "SLOW_AFTER_S", "MAX_OPEN"]
+__all__ = ["Outcome", "fan_out", "unanswered", "Progress", "SLOW_AFTER_S", "MAX_OPEN"]
 
 Item = TypeVar("Item")
 Progress = Callable[[int, int, List[int]], None]
@@ -111,12 +111,16 @@ def fan_out(items: Sequence[Item], work: Callable[[Item], Any], max_in_flight: i
             all_in.release()  # every answer is in: the next turn ends the wait
     for i, outcome in enumerate(result):
         if outcome is None:
-            why = ("no answer within the deadline of %.1f s" % deadline if started[i] is not None
-                   else "not asked: the deadline of %.1f s passed first (raise %s)"
-                   % (deadline, option("--max-in-flight", "max_in_flight=")))
-            result[i] = Outcome(None, Timeout(why, hint="raise %s, or look at it alone" % option("--deadline", "deadline=")),
-                                deadline)
+            result[i] = unanswered(started[i] is not None, deadline)
     return [o for o in result if o is not None]
+
+
+def unanswered(started: bool, deadline: float) -> Outcome:
+    """The outcome of an item with no answer at the deadline: asked (``started``) or never asked."""
+    why = ("no answer within the deadline of %.1f s" % deadline if started
+           else "not asked: the deadline of %.1f s passed first (raise %s)"
+           % (deadline, option("--max-in-flight", "max_in_flight=")))
+    return Outcome(None, Timeout(why, hint="raise %s, or look at it alone" % option("--deadline", "deadline=")), deadline)
 
 
 def _without_frames(exc: ProbeError) -> ProbeError:

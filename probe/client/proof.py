@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Tuple
 from probe.agent.handshake import HELLO_PATH, NONCE_HEADER, SCHEME, address_name, client_mac, server_proof
 from probe.errors import ProbeError, Unauthorized
 
-__all__ = ["authorization", "Unproven", "NEXT_HEADER", "ask_next", "keep_next", "reused"]
+__all__ = ["authorization", "proven_by", "hello_steps", "Unproven", "NEXT_HEADER", "ask_next", "keep_next", "reused"]
 
 
 class Unproven(Unauthorized):
@@ -43,9 +43,7 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
     kept = _take_kept(address, key) if path in _KEPT_FOR else None
     _local.reused = kept is not None
     if kept is not None:  # a nonce its last answer handed out (keep_next): proven then, for this address
-        cn, sn, scope, here, peer = kept
-        return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn,
-                                                           client_mac(key, cn, sn, here, method, path, body or b""))
+        return _with_kept(kept, key, method, path, body)
     cn = os.urandom(16).hex()
     wait = timeout if queue_wait is None else min(queue_wait, timeout)
     deadline = time.monotonic() + wait
@@ -56,10 +54,18 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
         sock.close()
         raise
     answer = transport.read_response(sock, address, wait, deadline)
+    return proven_by(address, key, cn, answer, peer, method, path, body)
+
+
+def proven_by(address: Any, key: bytes, cn: str, answer: Any, peer: Any, method: str, path: str,
+              body: Optional[bytes]) -> Tuple[Any, str]:
+    """What :func:`authorization` makes of the hello's ``answer`` (to client nonce ``cn``, from the socket
+    address ``peer``): (``peer``, the ``Authorization`` value); :class:`Unproven` where the proof fails.
+    Releases ``answer``. Also the second half of :func:`hello_steps`, where many hellos share one thread."""
     try:
         sn, claimed, proofs = _parse(answer, address)
     finally:
-        transport.release(answer)
+        _release(answer)
     here = address_name(peer)
     scope = _match(key, cn, sn, here, proofs)
     if scope is None:
@@ -77,6 +83,37 @@ def authorization(address: Any, token: str, method: str, path: str, body: Option
     _remember(_proven, _place(address, key), (here, peer))
     mac = client_mac(key, cn, sn, here, method, path, body or b"")
     return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn, mac)
+
+
+def _with_kept(kept: Tuple[str, str, str, str, Any], key: bytes, method: str, path: str,
+               body: Optional[bytes]) -> Tuple[Any, str]:
+    cn, sn, scope, here, peer = kept
+    return peer, "%s scope=%s, cn=%s, sn=%s, mac=%s" % (SCHEME, scope, cn, sn,
+                                                       client_mac(key, cn, sn, here, method, path, body or b""))
+
+
+def _release(answer: Any) -> None:
+    """``probe.client.transport.release`` (imported here it would make a circle)."""
+    ticket = getattr(answer.body, "ticket", None)
+    if ticket is not None:
+        ticket.give()
+
+
+def hello_steps(address: Any, token: str, method: str, path: str, body: Optional[bytes]) -> Any:
+    """:func:`authorization` as steps, for a caller that drives many at once from one thread
+    (``probe.client.multiplex``): a generator that yields the hello to send, ``(GET path, headers)``, or
+    nothing where a kept nonce stands in for it, is sent ``(answer, peer)``, and returns (the socket address
+    the request must go to, its ``Authorization`` value, whether a kept nonce was used). The same checks,
+    the same words of a refusal."""
+    key = token.strip().encode("utf-8")
+    kept = _take_kept(address, key) if path in _KEPT_FOR else None
+    if kept is not None:
+        peer, value = _with_kept(kept, key, method, path, body)
+        return peer, value, True
+    cn = os.urandom(16).hex()
+    answer, peer = yield (HELLO_PATH, {NONCE_HEADER: cn})
+    peer, value = proven_by(address, key, cn, answer, peer, method, path, body)
+    return peer, value, False
 
 
 # -- the next nonce: a gather's answer hands out what the next gather's hello would ------------------------

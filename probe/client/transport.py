@@ -31,7 +31,7 @@ from probe.client.wording import option
 from probe.errors import ConnectError, ConnectionRefused, Timeout, TooLarge, UsageError
 
 __all__ = ["UnixAddress", "TcpAddress", "Address", "HttpResponse", "QueueFull", "request", "send_request", "read_response",
-           "release", "use_tls", "tls_context", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
+           "release", "request_bytes", "use_tls", "tls_context", "MAX_RESPONSE_BYTES", "MAX_IN_FLIGHT_BYTES"]
 
 MAX_RESPONSE_BYTES = 256 << 20
 """The largest answer taken from one target; a larger one is refused before its body is read. An agent
@@ -239,6 +239,20 @@ grants no more, and shows a read or control request no secret-looking local (``p
 A request's own ``X-Probe-Scope`` header (a host helper asking for a client) takes its place."""
 
 
+def request_bytes(address: Address, method: str, path: str, body: Optional[bytes],
+                  headers: Optional[Dict[str, str]]) -> bytes:
+    """The bytes of one request as sent (its ``Authorization``, if any, already in ``headers``)."""
+    host = address.host if isinstance(address, TcpAddress) else "localhost"
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
+             "Content-Length: %d" % len(body or b"")]
+    if body:
+        lines.append("Content-Type: application/json")
+    lines.extend("%s: %s" % item for item in (headers or {}).items())
+    if scope_cap and not any(k.lower() == "x-probe-scope" for k in (headers or {})):
+        lines.append("X-Probe-Scope: %s" % scope_cap)
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+
+
 def send_request(address: Address, method: str, path: str, body: Optional[bytes] = None,
                  headers: Optional[Dict[str, str]] = None, timeout: float = 30.0,
                  queue_wait: Optional[float] = None, token: Optional[str] = None) -> socket.socket:
@@ -257,15 +271,7 @@ def send_request(address: Address, method: str, path: str, body: Optional[bytes]
 
         to, value = authorization(address, token, method, path, body, timeout, queue_wait, sys.modules[__name__])
         headers = dict(headers or {}, Authorization=value)
-    host = address.host if isinstance(address, TcpAddress) else "localhost"
-    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
-             "Content-Length: %d" % len(body or b"")]
-    if body:
-        lines.append("Content-Type: application/json")
-    lines.extend("%s: %s" % item for item in (headers or {}).items())
-    if scope_cap and not any(k.lower() == "x-probe-scope" for k in (headers or {})):
-        lines.append("X-Probe-Scope: %s" % scope_cap)
-    payload = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (body or b"")
+    payload = request_bytes(address, method, path, body, headers)
     try:
         sock = _connect(address, timeout, queue_wait, to)
     except QueueFull:

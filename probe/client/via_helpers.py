@@ -21,8 +21,10 @@ named with what was wrong, and the others stand.
 
 import json
 import re
+import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
+import probe.client.multiplex as multiplex
 import probe.client.transport as transport
 from probe.client.fanout import fan_out
 from probe.client.results import Rows, by_rank
@@ -42,6 +44,11 @@ AUTO_ABOVE = 1024
 (bench/bench_fanout_helpers.py, bench/RESULTS.md), the direct path answered as fast or faster up to 1024
 ranks (there the helpers share the client's cores), while through the helpers the client spent 2-7x less
 CPU; the client's CPU and connections grow with the ranks directly, with the nodes through the helpers."""
+_YOUNG_AT_ONCE = 64
+"""Young gathers in flight at once on the one-thread path (``probe.client.multiplex``; one unanswered after
+``fanout.SLOW_AFTER_S`` lets another start, up to ``fanout.MAX_OPEN``). Threads paced their requests by
+themselves; one thread sends 512 at once, and at 16k simulated ranks (2,048 helpers in 8 processes on 2
+cores, bench/bench_diagnose.py) that burst made a look 6.6 s where 64 (or 24) at once took 3.6 s."""
 _MARGIN_S = 0.5  # the helpers' deadline is this much (at most a quarter) before the client's
 _MAX_NAME = 1024
 _MAX_TEXT = 4096
@@ -100,12 +107,26 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
     deadline = cluster.deadline
     inner = max(deadline - min(_MARGIN_S, deadline / 4), 0.05)
 
-    def ask(item: Tuple[str, List["Member"]]) -> Any:
+    def request(item: Tuple[str, List["Member"]]) -> Tuple[Any, bytes]:
         helper, members = item
         address = transport.TcpAddress(_host_of(helper), int(helper.rpartition(":")[2]))
         body = json.dumps(dict(op, **(own(members) if own else {}), ranks=[m.rank for m in members],
                                deadline=round(inner, 3), max_in_flight=min(cluster.max_in_flight, 64))).encode("utf-8")
-        answer = _ask_gather(address, body, min(cluster.timeout, deadline + 1.0), cluster._token)
+        return address, body
+
+    timeout = min(cluster.timeout, deadline + 1.0)
+
+    def ask(item: Tuple[str, List["Member"]]) -> Any:
+        address, body = request(item)
+        return read(item, _ask_gather(address, body, timeout, cluster._token))
+
+    def talk(item: Tuple[str, List["Member"]]) -> Any:  # ask's steps, for multiplex.run (one thread for all)
+        address, body = request(item)
+        answer = yield from _gather_steps(address, body, timeout, cluster._token)
+        return read(item, answer)
+
+    def read(item: Tuple[str, List["Member"]], answer: transport.HttpResponse) -> Any:
+        helper, members = item
         try:
             if answer.status != 200:
                 raise _error_of(answer, helper)
@@ -120,7 +141,11 @@ def _gather(cluster: Cluster, op: Dict[str, Any], in_flight: Optional[int] = Non
         return raw if then is None else then(members, raw)
 
     items = list(helpers.items())
-    outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
+    if multiplex.usable():  # plain TCP: every helper waited on from this thread
+        outcomes = multiplex.run([(lambda item=item: talk(item)) for item in items],
+                                 min(in_flight or cluster.max_in_flight, _YOUNG_AT_ONCE), deadline)
+    else:  # TLS: a thread a request
+        outcomes = fan_out(items, ask, in_flight or cluster.max_in_flight, deadline)
     answered, direct, failures = [], [], []
     for (helper, members), outcome in zip(items, outcomes):
         if outcome.error is None:
@@ -146,6 +171,40 @@ def _ask_gather(address: Any, body: bytes, timeout: float, token: Optional[str])
         asked = proof.ask_next() if token and isinstance(address, transport.TcpAddress) else {}
         answer = transport.request(address, "POST", "/v1/gather", body, asked or None, timeout, token=token)
         if answer.status == 401 and asked and proof.reused():
+            transport.release(answer)
+            continue
+        if asked and answer.status == 200:
+            proof.keep_next(address, str(token), asked, answer)
+        return answer
+    return answer
+
+
+def _gather_steps(address: Any, body: bytes, timeout: float, token: Optional[str]) -> Any:
+    """:func:`_ask_gather` as a conversation of ``probe.client.multiplex``: the same hello (or kept nonce),
+    the same request, the same one retry with a hello where a kept nonce is refused."""
+    from probe.client import multiplex, proof
+
+    answer: Any = None
+    for _ in range(2):
+        end = time.monotonic() + timeout
+        asked = proof.ask_next() if token else {}
+        headers: Dict[str, str] = dict(asked)
+        to, reused = None, False
+        if token:
+            steps = proof.hello_steps(address, token, "POST", "/v1/gather", body)
+            try:
+                path, hello = next(steps)
+                got = yield multiplex.Exchange(address, None, transport.request_bytes(address, "GET", path, None, hello),
+                                               end, timeout)
+                steps.send(got)
+                raise ProbeError("the hello's steps went on past their answer")  # never: they end with it
+            except StopIteration as stop:
+                to, value, reused = stop.value
+            headers["Authorization"] = value
+        got = yield multiplex.Exchange(address, to, transport.request_bytes(address, "POST", "/v1/gather", body,
+                                                                            headers or None), end, timeout)
+        answer = got[0]
+        if answer.status == 401 and asked and reused:
             transport.release(answer)
             continue
         if asked and answer.status == 200:
