@@ -58,6 +58,11 @@ def test_rules_equal_step_times_blame_no_rank_and_a_stall_names_the_rank_behind(
     assert report.status == "degraded" and summary.startswith(
         "progress unknown on ranks 0-1: no optimizer step counted (it has no optimizer)"), summary
     assert "without the trace" not in summary
+    # ... and where torch is not loaded, no collective can hold them: no trouble found, progress unknown
+    plain = [RankEvidence(r, "h", 100 + r, frames=[], steps_why="torch is not loaded", fr_why="torch is not loaded")
+             for r in range(2)]
+    report = judge(_sample(plain, 0.0), _sample(plain, 1.0), _cmd)
+    assert report.status == "healthy" and report.verdicts[0].summary.endswith("progress unknown"), report.verdicts
 
 
 def test_a_torch_process_without_an_optimizer_is_healthy_with_no_step_counted_and_progress_unknown(target_factory):

@@ -450,7 +450,8 @@ def healthy_by_trace(last: Sample, answering: List[int], progress: Dict[int, Dic
     if idle:
         evidence.append(Evidence("%s: the main thread neither ran nor moved in %.1f s, and nothing else says it is "
                                  "stuck" % (who(idle), window), command(idle, "backtrace"), idle))
-    if idle and not traced and not fr and len(answering) > 1 and not last.recorded:
+    torch_idle = [r for r in idle if last.ranks[r].fr_why != "torch is not loaded"]  # no collective without torch
+    if torch_idle and not traced and not fr and len(answering) > 1 and not last.recorded:
         return _unsure(idle, answering, uncounted, window, evidence, who, command)
     summary = "no trouble found on %s%s" % (who(answering), "; %s: progress unknown" % uncounted if not traced and
                                             not fr else "; no step completed in the %.1f s watched" % window)
@@ -461,7 +462,8 @@ def healthy_by_trace(last: Sample, answering: List[int], progress: Dict[int, Dic
 def _unsure(idle: List[int], answering: List[int], uncounted: str, window: float, evidence: List[Evidence],
             who: Callable[[Sequence[int]], str], command: Commands) -> Verdict:
     """A job with no sign of progress to read (no step counted, no trace, no Flight Recorder) where some
-    ranks' main threads neither ran nor moved: a rank waiting for work and a hang look alike here (a hang
+    ranks' main threads neither ran nor moved, torch loaded in one of them at least (without it no
+    collective can hold them): a rank waiting for work and a hang look alike here (a hang
     in ``work.wait()`` of an async collective shows no torch.distributed frame), so the verdict is unsure,
     never "healthy" (exit 10), and says what would tell them apart."""
     summary = ("progress unknown on %s: %s, no trace and no Flight Recorder; the main thread of %s neither ran nor "
