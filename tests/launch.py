@@ -180,14 +180,23 @@ def job_env(port: int, **extra: str) -> Dict[str, str]:
 
 @contextmanager
 def _job(name: str, argv: Sequence[str], count: int, timeout: float, env: Dict[str, str]) -> Iterator[Job]:
-    port = free_ports(count)
-    with ExitStack() as stack:
-        launch = _Launch(stack)
-        output, errors = launch.start(name, argv, job_env(port, **env))
-        ranks = _ready(output, count, time.monotonic() + scaled(timeout), errors)
-        for pid in ranks.values():
-            wait_for_socket(pid, 30)
-        yield Job(port, ranks, launch.launchers, launch.go_file)
+    """The job started, its ranks ready; started once more where the first one's rendezvous found its port
+    taken (EADDRINUSE: a port free a moment ago may be any connection's by then, on a busy machine)."""
+    for attempt in (1, 2):
+        port = free_ports(count)
+        with ExitStack() as stack:
+            launch = _Launch(stack)
+            output, errors = launch.start(name, argv, job_env(port, **env))
+            try:
+                ranks = _ready(output, count, time.monotonic() + scaled(timeout), errors)
+            except AssertionError as exc:
+                if attempt == 1 and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
+                    continue  # this launch is stopped and reaped as the stack closes
+                raise
+            for pid in ranks.values():
+                wait_for_socket(pid, 30)
+            yield Job(port, ranks, launch.launchers, launch.go_file)
+            return
 
 
 def accelerate_job(count: int = 2, timeout: float = 60, **env: str) -> ContextManager[Job]:
