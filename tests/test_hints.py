@@ -206,9 +206,24 @@ def test_probe1_under_an_interpreter_without_probe_says_so_and_inject_works(targ
 
 # ---------------------------------------------------------------- a C call that keeps the GIL
 
+def _in_sleep_call(pid: int) -> bool:
+    """Whether the main thread is in its sleep system call (READY is printed a moment before the call)."""
+    try:
+        with open("/proc/%d/task/%d/syscall" % (pid, pid)) as handle:
+            return handle.read().split()[0] in ("35", "230")  # nanosleep, clock_nanosleep (x86-64)
+    except (OSError, IndexError):
+        return False
+
+
 def test_a_gil_held_process_without_agent_is_not_told_to_inject(target_factory):
     proc = target_factory("gil_sleep.py", probe=False)
-    result = run_cli(str(proc.pid), "health")
+    deadline = time.monotonic() + scaled(10)
+    while not _in_sleep_call(proc.pid) and time.monotonic() < deadline:  # the handshake: inside the C call
+        time.sleep(0.02)
+    for _ in range(3):  # on a loaded machine a read from outside may time out once: the words then say less
+        result = run_cli(str(proc.pid), "health")
+        if "holds the GIL" in result.err:
+            break
     assert result.code == 3
     assert "holds the GIL" in result.err and "injecting one cannot work until that call returns" in result.err, result.err
     assert "inject` starts" not in result.err and "PROBE=1" not in result.err
