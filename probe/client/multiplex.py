@@ -283,16 +283,7 @@ def _head(sel: selectors.BaseSelector, talk: _Talk, chunk: bytes) -> Optional["t
         return None
     head, rest = talk.buf[:end], talk.buf[end + 4:]
     talk.buf = b""
-    status, headers = transport._parse_head(head, address)
-    if headers.get("x-probe-tls") == "tls":
-        raise ConnectError("the agent at %s speaks TLS: give %s" % (address, option("--cacert", "cacert=")),
-                           hint="the CA that signed its certificate (PEM; or $PROBE_CACERT)")
-    raw_length = headers.get("content-length", "")
-    if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 12):
-        raise ConnectError("%s sent an answer without a valid Content-Length (%r)" % (address, raw_length[:40]))
-    length = int(raw_length)
-    if length > transport.MAX_RESPONSE_BYTES:
-        raise transport._too_large(address, length)
+    status, headers, length = transport.checked_head(head, address)
     talk.status, talk.headers, talk.length = status, headers, length
     talk.body = transport._Body(rest[:length])
     talk.room = length if length - len(talk.body) > transport._FREE_BYTES else 0

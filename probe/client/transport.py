@@ -411,17 +411,7 @@ def _read_response(sock: socket.socket, address: Address, progress: _Progress) -
         if end < 0 and len(buf) > 65536:
             raise ConnectError("%s sent an oversized response header" % (address,))
     head, rest = buf[:end], buf[end + 4:]
-    status, headers = _parse_head(head, address)
-    if headers.get("x-probe-tls") == "tls":
-        raise ConnectError("the agent at %s speaks TLS: give %s" % (address, option("--cacert", "cacert=")),
-                           hint="the CA that signed its certificate (PEM; or $PROBE_CACERT)")
-    # The agent always sends Content-Length: without it an answer cut short could pass for a whole one.
-    raw_length = headers.get("content-length", "")
-    if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 12):
-        raise ConnectError("%s sent an answer without a valid Content-Length (%r)" % (address, raw_length[:40]))
-    length = int(raw_length)
-    if length > MAX_RESPONSE_BYTES:
-        raise _too_large(address, length)
+    status, headers, length = checked_head(head, address)
     body = _Body(rest[:length])
     room = length if length - len(body) > _FREE_BYTES else 0
     if room and not _room.take(room, progress.deadline):
@@ -464,3 +454,20 @@ def _parse_head(head: bytes, address: Address) -> Tuple[int, Dict[str, str]]:
         name, _, value = line.partition(":")
         headers[name.strip().lower()] = value.strip()
     return int(parts[1]), headers
+
+
+def checked_head(head: bytes, address: Any) -> Tuple[int, Dict[str, str], int]:
+    """An answer's status line and headers, parsed and checked: not TLS, a valid ``Content-Length`` (the agent
+    always sends one: without it an answer cut short could pass for a whole one) within ``MAX_RESPONSE_BYTES``.
+    Shared by the blocking read and ``probe.client.multiplex``."""
+    status, headers = _parse_head(head, address)
+    if headers.get("x-probe-tls") == "tls":
+        raise ConnectError("the agent at %s speaks TLS: give %s" % (address, option("--cacert", "cacert=")),
+                           hint="the CA that signed its certificate (PEM; or $PROBE_CACERT)")
+    raw_length = headers.get("content-length", "")
+    if not (raw_length.isascii() and raw_length.isdigit() and len(raw_length) <= 12):
+        raise ConnectError("%s sent an answer without a valid Content-Length (%r)" % (address, raw_length[:40]))
+    length = int(raw_length)
+    if length > MAX_RESPONSE_BYTES:
+        raise _too_large(address, length)
+    return status, headers, length
