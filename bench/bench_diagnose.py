@@ -108,12 +108,14 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
 def _fresh_process() -> None:
     """What a new ``probe diagnose`` process starts without: the next nonces the helpers' answers handed out
     (``probe.client.proof.keep_next``), so that each diagnosis begins with a hello to every helper, as the
-    CLI's does."""
+    CLI's does; and the stacks held by their digests (``probe.diagnose.gathered.hold``), so that its first
+    look has them sent in full."""
     from probe.client import proof
+    from probe.diagnose import gathered
 
-    kept = getattr(proof, "_kept", None)
-    if kept is not None:
-        kept.clear()
+    for store in (getattr(proof, "_kept", None), getattr(gathered, "_HELD", None)):
+        if store is not None:
+            store.clear()
 
 
 # -- the stall record --------------------------------------------------------------------------------

@@ -22,11 +22,11 @@ def job(tmp_path_factory: Any) -> Iterator[Dict[str, Any]]:
         yield {"master": "127.0.0.1:%d" % port, "control": control}
 
 
-def _straggler(master: str) -> Dict[str, Any]:
+def _straggler(master: str, *args: str) -> Dict[str, Any]:
     """The straggler verdict of --json; looked for up to three times (on a loaded machine one look's samples
     may fall where they cannot tell, as _expect allows for too)."""
     for _ in range(3):
-        report = json.loads(run_cli(master, "diagnose", "--json", timeout=90).out)
+        report = json.loads(run_cli(master, *args, "diagnose", "--json", timeout=90).out)
         found = next((v for v in report["verdicts"] if v["kind"] == "straggler"), None)
         if found is not None:
             return found
@@ -44,6 +44,12 @@ def test_a_rank_slow_in_its_own_data_loading_is_the_straggler_with_and_without_t
     assert "where: " in result.out and "fetch_examples" in result.out.split("evidence:")[0], result.out
     verdict = _straggler(master)
     assert (verdict.get("culprits"), verdict.get("victims")) == ([1], [0]), verdict
+    # Through the node helper: the first look is answered without its samples, the helper takes both looks'
+    # right after it (probe.host.prefetch) and the second look brings them: the same straggler.
+    verdict = _straggler(master, "--via", "helpers")
+    assert (verdict.get("culprits"), verdict.get("victims")) == ([1], [0]), verdict
+    rows = next(e["rows"] for e in verdict["evidence"] if e["text"].startswith("main thread samples"))
+    assert all(row["samples"] >= 10 for row in rows), rows  # 2 looks' stacks, 10 samples taken between them
 
     started = run_cli(master, "--all-ranks", "trace", "start")
     assert started.code == 0, (started.out, started.err)

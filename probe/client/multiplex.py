@@ -30,7 +30,7 @@ from probe.errors import ConnectError, ConnectionRefused, ProbeError, Timeout
 __all__ = ["Exchange", "Conversation", "usable", "run"]
 
 _HEAD_MAX = 65536
-_TICK_S = 0.1
+_SWEEP_S = 0.02  # how often every conversation is looked at (deadlines, room for a large answer, the slow)
 
 
 class Exchange(NamedTuple):
@@ -127,29 +127,36 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
         except ProbeError as exc:
             finish(talk, None, exc)
 
+    swept, slow, soonest = -1.0, 0, end
     try:
         while done < total:
             now = time.monotonic()
             if now >= end:
                 break
-            slow = sum(1 for i in talks if now - (began[i] or now) > slow_after)
+            # What looks at every conversation (the slow ones, deadlines, room) once a sweep, not at each
+            # wake: thousands of answers a second wake this loop as often, a few sockets each time.
+            sweep = now - swept >= _SWEEP_S or now >= soonest
+            if sweep:
+                swept = now
+                slow = sum(1 for i in talks if now - (began[i] or now) > slow_after)
             allowance = min(max(1, in_flight) + slow, max_open)
             while nxt < total and len(talks) < allowance:
                 i, nxt = nxt, nxt + 1
                 began[i] = time.monotonic()
                 talk = talks[i] = _Talk(i, starts[i]())
                 advance(talk, None)
-            for talk in list(talks.values()):  # past its own deadline, or waiting for room
-                if talk.ex is None:
-                    continue
-                if time.monotonic() >= talk.ex.deadline:
-                    finish(talk, None, _late(talk))
-                elif talk.state == "room":
-                    _try_room(sel, talk)
+            if sweep:
+                for talk in list(talks.values()):  # past its own deadline, or waiting for room
+                    if talk.ex is None:
+                        continue
+                    if time.monotonic() >= talk.ex.deadline:
+                        finish(talk, None, _late(talk))
+                    elif talk.state == "room":
+                        _try_room(sel, talk)
+                soonest = min([t.ex.deadline for t in talks.values() if t.ex is not None] + [end])
             if done >= total:
                 break
-            soonest = min([t.ex.deadline for t in talks.values() if t.ex is not None] + [end])
-            wait = max(0.0, min(_TICK_S, soonest - time.monotonic()))
+            wait = max(0.0, min(_SWEEP_S, soonest - time.monotonic()))
             for key, _ in sel.select(wait) if talks else ():
                 talk = key.data
                 if talk.index not in talks:

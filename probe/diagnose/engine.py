@@ -71,7 +71,9 @@ def _diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float, 
     last = first
     # A rank stepping at the first look takes its straggler samples ahead of the next look, in the wait
     # (probe.diagnose.straggler.ahead): the look is asked that much sooner, its stacks read as late as before.
-    lead = straggler.AHEAD_S if any(straggler.ahead(first.ranks.get(r)) for r in answered) else 0.0
+    # Not where its node helper takes them already, right after the first look (probe.host.prefetch).
+    lead = straggler.AHEAD_S if any(straggler.ahead(first.ranks.get(r)) and not first.ranks[r].prefetching
+                                    for r in answered) else 0.0
     for target_gap in (gap, longer):
         left = deadline - (time.monotonic() - start)
         wait = target_gap - lead - (time.monotonic() - first.at)

@@ -88,19 +88,27 @@ class RankEvidence:
     paths: Optional[List[List[str]]] = None  # [kind, directory] of its interpreter's layout (python.paths)
     locks: Optional[List[Dict[str, Any]]] = None  # python.locks rows, where a thread's line may wait for a lock
     seconds: float = 0.0
+    prefetching: bool = False  # its node helper takes the next look's straggler samples now (probe.host.prefetch)
     at: float = field(default_factory=time.monotonic)
     error: Optional[ProbeError] = None  # the error that left it unreachable, for a single process to raise
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
         """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2...
         (One dict while the frames are the same: read it, do not change it.)"""
-        named = self._named()
+        return self._stacks_and_main()[0]
+
+    def _stacks_and_main(self) -> Tuple[Dict[str, Any], Tuple[str, Any]]:
+        """:meth:`stacks` and :func:`main_stack`'s answer, kept while ``frames`` is the same list (the rules
+        ask for them several times a rank: at 16k ranks, 200,000 times a diagnosis)."""
         memo = self.__dict__.get("_stacks_memo")
-        if memo is not None and memo[0] is named:
-            return memo[1]  # type: ignore[no-any-return]
-        out = {name: key for name, _, key in named}
-        self.__dict__["_stacks_memo"] = (named, out)
-        return out
+        frames = self.frames
+        if memo is not None and memo[0] is frames and memo[1] == len(frames or ()):
+            return memo[2]  # type: ignore[no-any-return]
+        out = {name: key for name, _, key in self._named()}
+        main: Tuple[str, Any] = ("MainThread", out["MainThread"]) if "MainThread" in out else \
+            next(iter(out.items()), ("MainThread", ()))
+        self.__dict__["_stacks_memo"] = (frames, len(frames or ()), (out, main))
+        return out, main
 
     def names_by_id(self) -> Dict[int, str]:
         """Thread id -> the name :meth:`stacks` gives that thread."""
@@ -218,12 +226,7 @@ def agent_frames(client: Any) -> List[Frame]:
 
 def main_stack(ev: RankEvidence) -> Tuple[str, Tuple[Tuple[str, str, int, str], ...]]:
     """(thread name, stack) of the rank's main thread; else of its first thread; else no stack."""
-    stacks = ev.stacks()
-    if "MainThread" in stacks:
-        return "MainThread", stacks["MainThread"]
-    for name, key in stacks.items():
-        return name, key
-    return "MainThread", ()
+    return ev._stacks_and_main()[1]
 
 
 def fr_by_pg(ev: RankEvidence) -> Dict[str, Dict[str, Any]]:

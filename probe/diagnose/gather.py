@@ -153,13 +153,15 @@ def _table(client: Any, name: str) -> List[Dict[str, Any]]:
 
 
 def collect(client: Any, rank: int, host: str, pid: Optional[int] = None, listed_state: Optional[str] = None,
-            ahead: bool = False) -> RankEvidence:
+            ahead: bool = False, taken: Optional[List[Any]] = None) -> RankEvidence:
     """One rank's evidence; never raises (what failed is kept, with why). ``ahead``: the straggler's samples
-    first, then the look (``probe.diagnose.straggler.ahead``)."""
+    first, then the look (``probe.diagnose.straggler.ahead``); ``taken``: those samples, taken already
+    (``probe.host.prefetch``)."""
     from probe.diagnose import straggler
 
     start = time.monotonic()
-    taken = straggler.sample_main(client) if ahead and client.target.core is None else None
+    if taken is None and ahead and client.target.core is None:
+        taken = straggler.sample_main(client)
     ev = RankEvidence(rank, host, pid)
     try:
         if client.target.core is not None:

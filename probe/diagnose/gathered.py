@@ -15,8 +15,11 @@ node's watch does): ``since_s`` asks only for those of this diagnosis (the secon
 came; 0 at a first look).
 """
 
+import hashlib
 import json
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from probe.client.fanout import MAX_OPEN
@@ -39,7 +42,7 @@ _TYPES: Dict[str, Tuple[type, ...]] = {
     "fr": (list, type(None)), "fr_why": (str, type(None)), "fr_copy": (dict, type(None)), "trace": (dict, type(None)),
     "trace_why": (str, type(None)), "training": (dict, type(None)), "memory": (dict, type(None)),
     "steps": (list, type(None)), "steps_why": (str, type(None)), "paths": (list, type(None)),
-    "locks": (list, type(None)), "seconds": (int, float)}
+    "locks": (list, type(None)), "seconds": (int, float), "prefetching": (bool,)}
 
 
 class Bad(Exception):
@@ -61,12 +64,13 @@ def through_helpers(cluster: Any) -> bool:
 # -- the helper's side ------------------------------------------------------------------------------
 
 
-def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
+def encode(evs: Sequence[Any], keep_after: Optional[float], known: Any = frozenset()) -> Dict[str, Any]:
     """A node's evidence (``RankEvidence`` of each rank) as JSON: ``{"stacks": [TEXT, ...], "ranks":
     [{...}]}``, a stack's TEXT the JSON of ``[[depth, func, file, line, code, frame_type], ...]`` and each
     rank's ``frames`` ``[[thread_id, thread_name, native_id, is_main, STACK], ...]`` (STACK an index into
     ``stacks``); the straggler's main-thread samples are indexes too. ``keep_after``: RSS readings taken
-    before this (``time.monotonic()``) are left out."""
+    before this (``time.monotonic()``) are left out. ``known``: the digests (:func:`digest`) of the stacks
+    the client holds already: those are sent as ``#DIGEST`` instead of their text."""
     now = time.monotonic()
     texts: Dict[str, int] = {}
 
@@ -90,6 +94,8 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
             value = getattr(ev, name)
             if value is not None and value != "":
                 out[name] = value
+        if ev.prefetching:
+            out["prefetching"] = True
         if ev.frames is not None:
             threads: Dict[int, List[Any]] = {}
             heads: List[Any] = []
@@ -109,11 +115,32 @@ def encode(evs: Sequence[Any], keep_after: Optional[float]) -> Dict[str, Any]:
                         if keep_after is None or t >= keep_after]
             out["memory"] = dict(ev.memory, readings=readings)
         ranks.append(out)
-    return {"stacks": list(texts), "ranks": ranks}
+    return {"stacks": [_named_by_digest(text, known) for text in texts], "ranks": ranks}
 
 
 _TEXTS: Dict[Tuple[Any, ...], str] = {}  # a stack's frames -> its JSON text (encode)
 _MAX_TEXTS = 1024
+_DIGESTS: Dict[str, str] = {}  # a stack's JSON text -> its digest (encode)
+MAX_KNOWN = 64
+"""Digests of stacks a client names as held in one request (the most recent): a job's ranks share a few
+stacks a thread, and each name costs the request 19 bytes."""
+
+
+def digest(text: str) -> str:
+    """A stack text's short name: 16 hex digits of its BLAKE2b hash (a helper naming a stack the client holds
+    by it says no more than by its text, which it could send as well)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
+
+
+def _named_by_digest(text: str, known: Any) -> str:
+    if not known:
+        return text
+    name = _DIGESTS.get(text)
+    if name is None:
+        if len(_DIGESTS) >= _MAX_TEXTS:
+            _DIGESTS.clear()
+        name = _DIGESTS[text] = digest(text)
+    return "#" + name if name in known else text
 
 
 def _as_lists(key: Tuple[Any, ...]) -> List[List[Any]]:
@@ -187,12 +214,15 @@ def decode(raw: Any, asked: Dict[int, Any], known: Dict[str, Any], arrived: floa
 
 def _stack(text: Any, known: Dict[str, Any]) -> Any:
     """A stack's frames (``(depth, func, file, line, code, frame_type)``, innermost first) and its key as
-    ``RankEvidence.stacks`` gives it, read and checked once per distinct text."""
+    ``RankEvidence.stacks`` gives it, read and checked once per distinct text; ``#DIGEST``: one this client
+    holds (:func:`encode`'s ``known``)."""
     if not isinstance(text, str) or len(text) > _MAX_FRAMES * 2 * _MAX_TEXT:
         raise Bad("a stack is not the JSON text of its frames")
     got = known.get(text)
     if got is not None:
         return got
+    if text.startswith("#"):
+        raise Bad("it named a stack by a digest this client does not hold")
     try:
         raw = json.loads(text)
     except (ValueError, RecursionError):
@@ -207,16 +237,54 @@ def _stack(text: Any, known: Dict[str, Any]) -> Any:
             raise Bad("a frame is not [depth, func, file, line, code, frame_type]")
         frames.append(tuple(f))
     got = known[text] = tuple(frames)
+    hold(text, got, known)
     return got
+
+
+_HELD: "OrderedDict[str, Any]" = OrderedDict()  # "#DIGEST" -> a stack's frames, read from a helper's answer
+_MAX_HELD = 1024
+_held_lock = threading.Lock()
+
+
+def hold(text: str, frames: Any, known: Dict[str, Any]) -> None:
+    """Keep a stack read in full under its digest, for this look (``known``) and the next ones (``_HELD``):
+    the next requests name it as held, and the helpers send its digest instead of its text."""
+    name = "#" + digest(text)
+    known[name] = frames
+    with _held_lock:
+        _HELD.pop(name, None)
+        _HELD[name] = frames
+        while len(_HELD) > _MAX_HELD:
+            _HELD.popitem(last=False)
+
+
+def held() -> Dict[str, Any]:
+    """The stacks this process holds by digest (``"#DIGEST"`` -> frames), the most recent last."""
+    with _held_lock:
+        return dict(_HELD)
 
 
 def _key_once(stack: Any, known: Dict[Any, Any]) -> Any:
-    """:func:`_key` of a stack, made once a look however many nodes send it (``known`` keeps the stack)."""
-    at = ("key", id(stack))
-    got = known.get(at)
-    if got is None:
-        got = known[at] = _key(stack)
-    return got
+    """:func:`_key` of a stack, made once however many nodes send it, look after look (a stack held by its
+    digest is the same object at every look: so is its key, and the rules compare two looks' stacks by
+    identity before they compare them frame by frame)."""
+    return _once(_KEYS, stack, _key)
+
+
+_KEYS: Dict[int, Tuple[Any, Any]] = {}  # id(stack) -> (the stack, kept alive while its id is a key; its key)
+_SAMPLES: Dict[int, Tuple[Any, Any]] = {}  # the same, for the straggler's samples
+_MAX_ONCE = 4096
+
+
+def _once(memo: Dict[int, Tuple[Any, Any]], stack: Any, make: Any) -> Any:
+    got = memo.get(id(stack))
+    if got is not None and got[0] is stack:
+        return got[1]
+    value = make(stack)
+    if len(memo) >= _MAX_ONCE:
+        memo.clear()
+    memo[id(stack)] = (stack, value)
+    return value
 
 
 def _key(stack: Any) -> Any:
@@ -262,11 +330,7 @@ def _samples(refs: Any, stacks: List[Any], made: List[Any], known: Dict[Any, Any
 
 def _sample(stack: Any, known: Dict[Any, Any]) -> Any:
     """A straggler's sample, ``(func, file, line, code)`` frames, one object for every rank that has it."""
-    at = ("sample", id(stack))
-    got = known.get(at)
-    if got is None:
-        got = known[at] = tuple((f[1], f[2], f[3], f[4]) for f in stack)
-    return got
+    return _once(_SAMPLES, stack, lambda frames: tuple((f[1], f[2], f[3], f[4]) for f in frames))
 
 
 class Frames(Sequence[Frame]):
@@ -333,13 +397,23 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()
     from probe.client.members import RankFailure
 
     op: Dict[str, Any] = {"op": "evidence", "since_s": round(min(max(since_s or 0.0, 0.0), 600.0), 3)}
+    if since_s is None:  # a first look: the helpers take the next look's straggler samples right after it
+        op["prefetch"] = True
     # Every helper's answer takes a while (the straggler rule's samples, 80 ms apart, on each of its ranks):
     # all of them asked at once, up to the fan-out's bound on open requests.
     helpers = len({m.helper for m in chosen.members})
-    def own(members: List[Any]) -> Dict[str, Any]:
-        return {"ahead": [m.rank for m in members if m.rank in early]} if early else {}
+    known: Dict[str, Any] = held()  # stack text or "#DIGEST" -> its frames: this look's, and those held before
+    names: List[Any] = [-1, []]  # (len(known) when made, the digests a request names)
 
-    known: Dict[str, Any] = {}
+    def own(members: List[Any]) -> Dict[str, Any]:
+        """Its ranks that sample ahead; the stacks held so far (this look's requests are made as earlier
+        answers come: the later ones name what the earlier ones sent)."""
+        out: Dict[str, Any] = {"ahead": [m.rank for m in members if m.rank in early]} if early else {}
+        if len(known) != names[0]:  # it grows only where a new stack was read: a few times a look
+            names[:] = [len(known), [k[1:] for k in list(known) if k[:1] == "#"][-MAX_KNOWN:]]
+        if names[1]:
+            out["known"] = names[1]
+        return out
 
     def read(members: List[Any], raw: Any) -> Any:
         """A helper's answer read as it came, while the others are waited for (``known`` is shared: a stack

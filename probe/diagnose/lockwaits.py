@@ -65,7 +65,18 @@ def _not_a_lock(ev: RankEvidence, thread: str, key: Key) -> bool:
 
 
 def lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
-    """Threads at a lock's acquire in both samples, with the same stack, gaining no CPU."""
+    """Threads at a lock's acquire in both samples, with the same stack, gaining no CPU (kept on ``b`` for
+    the same two looks: the look for a longer look and the judge both ask)."""
+    memo = b.__dict__.get("_lock_waits_memo")
+    if memo is not None and memo[0] is a and memo[1] is a.frames and memo[2] is b.frames \
+            and memo[3] is a.threads and memo[4] is b.threads:
+        return memo[5]  # type: ignore[no-any-return]
+    out = _lock_waits(a, b)
+    b.__dict__["_lock_waits_memo"] = (a, a.frames, b.frames, a.threads, b.threads, out)
+    return out
+
+
+def _lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple[str, str, int, str], ...]]]:
     if a.state != "answering" or b.state != "answering":
         return []
     library = b.library()

@@ -144,7 +144,13 @@ def _step_s(ev: RankEvidence) -> Optional[float]:
 
 
 def _counted(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]]) -> List[int]:
-    return [r for r in answering if "optimizer_steps" in progress[r] and counter(last.ranks[r]) is not None]
+    """The ranks whose step counter was read at both looks (kept for the same lists: four rules ask)."""
+    memo = last.__dict__.get("_counted_memo")
+    if memo is not None and memo[0] is answering and memo[1] is progress and memo[2] == len(answering):
+        return list(memo[3])
+    out = [r for r in answering if "optimizer_steps" in progress[r] and counter(last.ranks[r]) is not None]
+    last.__dict__["_counted_memo"] = (answering, progress, len(answering), out)
+    return list(out)
 
 
 def _ran(progress: Dict[str, Any]) -> bool:

@@ -10,7 +10,9 @@ most of the time, the straggler is mostly elsewhere, and where it is names the c
   optimizer counted, a traced span or a recorded collective in the last 2 s):
   ``SAMPLES`` more stacks of the main thread, ``GAP_S`` apart (one ``/v1/backtrace`` each: the agent reads
   the stacks, a few ms of the GIL), kept as ``training["main_samples"]``; after the first look, of a rank
-  that was stepping at the previous one, taken in the wait before the look (:func:`ahead`), not after it;
+  that was stepping at the previous one, taken in the wait before the look (:func:`ahead`), not after it
+  (through the node helpers, both looks' samples are taken right after the first and come with the
+  second: ``probe.host.prefetch``);
 * :func:`judge`: with the looks' own stacks, each sample's phase: inside a collective, in a backward pass
   (its own code run inside it, a hook or an autograd Function's backward, apart: under DDP every rank's
   step ends in its backward, the ranks that wait with the engine's frame innermost), the optimizer, a
@@ -72,13 +74,13 @@ def ahead(previous: Any) -> bool:
     return previous is not None and previous.state == "answering" and _moving(previous, counter(previous))
 
 
-def sample_main(client: Any) -> List[List[List[Any]]]:
-    """``SAMPLES`` stacks of the main thread, ``GAP_S`` apart (the first ``GAP_S`` from now); fewer where the
+def sample_main(client: Any, n: int = SAMPLES) -> List[List[List[Any]]]:
+    """``n`` stacks of the main thread, ``GAP_S`` apart (the first ``GAP_S`` from now); fewer where the
     agent stopped answering. Never raises."""
     from probe.errors import ProbeError
 
     samples: List[List[List[Any]]] = []
-    for _ in range(SAMPLES):
+    for _ in range(n):
         time.sleep(GAP_S)
         try:
             frames = agent_frames(client)
@@ -94,8 +96,8 @@ def sample_main(client: Any) -> List[List[List[Any]]]:
 def gather(client: Any, ev: Any, query: Callable[[Any, str], List[Dict[str, Any]]], out: Dict[str, Any],
            taken: Optional[List[List[List[Any]]]] = None) -> None:
     """More samples of the main thread's stack into ``out["main_samples"]``, where the rank is stepping
-    (``taken``: those taken ahead of this look, kept only then); the trace's phases where it runs. Never
-    raises."""
+    (``taken``: those taken ahead of this look, kept only then; ``[]`` where they are taken after it and
+    come with the next look: ``probe.host.prefetch``); the trace's phases where it runs. Never raises."""
     from probe.errors import ProbeError
 
     if not _moving(ev, counter(ev)):
@@ -259,30 +261,34 @@ def _median_without(ordered: List[float], value: float) -> float:
     return at(m // 2) if m % 2 else (at(m // 2 - 1) + at(m // 2)) / 2
 
 
+_ALL_PHASES = ("own code", "forward", "optimizer", "backward", "backward code", "collective")
+
+
 def _culprit(phases: Dict[int, Counter], keys: Dict[int, List[Any]]) -> Optional[Tuple[int, str, str]]:
     """(rank, its phase, where the others wait), where exactly one rank fits."""
-    def share(rank: int, phase: str) -> float:
-        return phases[rank][phase] / len(keys[rank])
-
+    # Ranks that share their count (one Counter object) and their number of samples share their shares,
+    # and so whether they fit: each such group is judged once (at 16k ranks, a few groups).
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for r in phases:
+        groups.setdefault((id(phases[r]), len(keys[r])), []).append(r)
+    shares = {g: {p: phases[rs[0]][p] / g[1] for p in _ALL_PHASES} for g, rs in groups.items()}
     # Each phase's shares sorted once: the others' median is the median of that list less the rank's own
     # share (a median over the others for each rank was quadratic: seconds at a thousand ranks).
-    ordered = {phase: sorted(share(o, phase) for o in phases)
-               for phase in ("own code", "forward", "optimizer", "backward", "backward code", "collective")}
-
-    def others_median(rank: int, phase: str) -> float:
-        return _median_without(ordered[phase], share(rank, phase))
+    ordered = {phase: sorted(v for g, rs in groups.items() for v in [shares[g][phase]] * len(rs))
+               for phase in _ALL_PHASES}
 
     found = []
-    for r in phases:
+    for g, rs in groups.items():
         if len(phases) < 2:
             break
-        for phase in ("own code", "forward", "optimizer", "backward", "backward code"):
-            if share(r, phase) < AT_LEAST or share(r, phase) - others_median(r, phase) < APART:
+        own = shares[g]
+        for phase in _ALL_PHASES[:5]:
+            if own[phase] < AT_LEAST or own[phase] - _median_without(ordered[phase], own[phase]) < APART:
                 continue
             for wait in ("collective", "backward"):
-                waited = others_median(r, wait)
-                if wait != phase and waited >= AT_LEAST and waited - share(r, wait) >= APART:
-                    found.append((r, phase, wait))
+                waited = _median_without(ordered[wait], own[wait])
+                if wait != phase and waited >= AT_LEAST and waited - own[wait] >= APART:
+                    found.extend((r, phase, wait) for r in rs)
                     break
     ranks = {f[0] for f in found}
     return found[0] if len(ranks) == 1 else None

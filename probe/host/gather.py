@@ -15,9 +15,11 @@ node; each helper asks its local ranks over their unix sockets (the same HTTP AP
      "query_id": ID}                       "outside": [{"rank", "code", "message", "hint", "note", "stacks"}],
                                            "failed": [...]}
     {"op": "evidence", "since_s": S,       ``probe diagnose``'s evidence of each rank, its distinct stacks
-     "ahead": [RANK, ...]}                 sent once: {"evidence": {"stacks": [...], "ranks": [...]},
-                                           "failed": [...]} (``probe.diagnose.gathered``); the ranks in
-                                           ``ahead`` take their straggler samples before the look
+     "ahead": [RANK, ...],                 sent once: {"evidence": {"stacks": [...], "ranks": [...]},
+     "prefetch": true,                     "failed": [...]} (``probe.diagnose.gathered``); the ranks in
+     "known": [DIGEST, ...]}               ``ahead`` take their straggler samples before the look (those
+                                           ``prefetch`` had taken after the look before: probe.host.prefetch);
+                                           the stacks ``known`` names are sent as ``#DIGEST``
 
 ``ranks`` (a list of rank numbers) asks only those of this node's ranks. A rank that gave no answer is
 in ``failed`` with the error's ``code``, ``message`` and ``hint`` (for a dead rank, how it died, as
@@ -56,7 +58,7 @@ RAMP_S = 0.005  # how long one runner asks the ranks alone before the others joi
 _MARGIN_S = 0.3  # a rank's own socket waits this much past the deadline, so the deadline names it first
 _GATHER_SHAPE = ('{"op": "backtrace" | "query" | "evidence", "deadline": SECONDS, "max_in_flight": N, "ranks": [RANK, ...], '
                  '"sql": "...", "max_rows": N, "timeout": SECONDS, "query_id": "...", "since_s": SECONDS, '
-                 '"ahead": [RANK, ...]}')
+                 '"ahead": [RANK, ...], "prefetch": true, "known": [DIGEST, ...]}')
 GATHER_SHAPE = _GATHER_SHAPE
 
 _slots_lock = threading.Lock()
@@ -91,6 +93,16 @@ class _Asked:
                 isinstance(r, int) and not isinstance(r, bool) for r in ahead)):
             raise BadRequest("a gather's ahead must be a list of rank numbers", hint=_GATHER_SHAPE)
         self.ahead = frozenset(ahead)
+        prefetch = body.get("prefetch", False)
+        if not isinstance(prefetch, bool):
+            raise BadRequest("a gather's prefetch must be true or false", hint=_GATHER_SHAPE)
+        self.prefetch = prefetch
+        known = body.get("known", [])
+        if not (isinstance(known, list) and len(known) <= 256 and all(
+                isinstance(k, str) and len(k) == 16 and all(c in "0123456789abcdef" for c in k) for k in known)):
+            raise BadRequest("a gather's known must be a list of at most 256 stack digests (16 hex digits)",
+                             hint=_GATHER_SHAPE)
+        self.known = frozenset(known)
         if op == "query":
             sql = body.get("sql")
             if not isinstance(sql, str) or not sql.strip() or len(sql) > MAX_SQL_CHARS:
@@ -295,7 +307,7 @@ def _gather(helper: Any, asked: _Asked) -> Response:
             else:
                 failed.append(_failure(member, outcome.error, helper))
         keep_after = started - (asked.since_s or 0.0)
-        out.update(evidence=encode(evs, keep_after), failed=failed, seconds=round(time.monotonic() - started, 4))
+        out.update(evidence=encode(evs, keep_after, asked.known), failed=failed, seconds=round(time.monotonic() - started, 4))
         body = json.dumps(out, default=str).encode("utf-8")
         if len(body) > MAX_ANSWER_BYTES:
             raise TooLarge("this node's evidence would take its answer past %d MB" % (MAX_ANSWER_BYTES >> 20),
@@ -380,10 +392,20 @@ def _backtrace(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tupl
 def _evidence(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Any:
     """The rank's evidence for ``probe diagnose`` (``probe.diagnose.gather.collect``: never raises), asked
     over its unix socket; read from outside here where its agent cannot answer."""
+    from probe.diagnose import straggler
     from probe.diagnose.gather import collect
+    from probe.host import prefetch
 
-    return collect(_client(member, asked), member["rank"], str(member.get("host")), member.get("pid"),
-                   member.get("state"), member["rank"] in asked.ahead)
+    rank, pid = member["rank"], member.get("pid")
+    taken = prefetch.take((pid, rank), 2 * straggler.AHEAD_S + 0.2) if rank in asked.ahead else None
+    # A first look that prefetches answers without its straggler samples: they are taken right after it,
+    # with the next look's, and come with that look (as many in all, and all between the two looks).
+    ev = collect(_client(member, asked), rank, str(member.get("host")), pid, member.get("state"),
+                 rank in asked.ahead and taken is None, [] if asked.prefetch and taken is None else taken)
+    if asked.prefetch and ev.state == "answering" and straggler.ahead(ev):
+        ev.prefetching = prefetch.start((pid, rank), lambda: straggler.sample_main(_client(member, asked),
+                                                                                   2 * straggler.SAMPLES))
+    return ev
 
 
 def _query(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Tuple[str, Any]:
