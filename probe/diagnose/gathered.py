@@ -388,11 +388,13 @@ def _frames(raw: Any, stacks: List[Any], rank: int) -> Frames:
     return Frames(out)
 
 
-def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()) -> Tuple[Dict[int, Any], List[Any]]:
+def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = (),
+           arrived: Any = None) -> Tuple[Dict[int, Any], List[Any]]:
     """One look at ``chosen``'s ranks through their node helpers: (rank -> evidence, the failures of the
     ranks that gave none). A helper that cannot gather (an older one) has its ranks looked at directly.
     ``evidence``: the module ``probe.diagnose.evidence`` (see :func:`decode`). ``early``: the ranks whose
-    straggler samples are taken ahead of the look (``"ahead"``, each helper told of its own)."""
+    straggler samples are taken ahead of the look (``"ahead"``, each helper told of its own). ``arrived``:
+    called with each helper's evidence as it comes, while the others are waited for (it must not raise)."""
     from probe.client import via_helpers
     from probe.client.members import RankFailure
 
@@ -418,11 +420,14 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()
     def read(members: List[Any], raw: Any) -> Any:
         """A helper's answer read as it came, while the others are waited for (``known`` is shared: a stack
         read twice at once is read twice, both alike): (its evidence, its failures), or what was wrong."""
-        arrived = time.monotonic()
+        arrived_at = time.monotonic()
         asked = {m.rank: m for m in members}
         try:
-            return (decode(raw.get("evidence"), asked, known, arrived, evidence),
-                    via_helpers.helper_failures(raw.get("failed", []), asked))
+            got = (decode(raw.get("evidence"), asked, known, arrived_at, evidence),
+                   via_helpers.helper_failures(raw.get("failed", []), asked))
+            if arrived is not None:
+                arrived(got[0])
+            return got
         except (Bad, via_helpers.BadAnswer) as exc:
             return str(exc)
         except Exception as exc:  # noqa: BLE001 -- a surprise in the reading: this helper's ranks, with why

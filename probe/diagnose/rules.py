@@ -54,8 +54,15 @@ def needs_longer_look(first: Sample, last: Sample) -> bool:
 
 
 def _progress(first: Sample, last: Sample) -> Dict[int, Dict[str, Any]]:
-    """What changed in each rank between the two looks (``progress.progress_of``)."""
-    return {r: steps.progress_of(first.ranks.get(r, ev), ev) for r, ev in last.ranks.items()}
+    """What changed in each rank between the two looks (``progress.progress_of``; made already, as the
+    evidence came, where ``last`` was gathered after ``first``: ``probe.diagnose.gather.sample_job``)."""
+    kept = last.__dict__.get("_compared")
+    made: Dict[int, Any] = kept[1] if kept is not None and kept[0] is first else {}
+    out = {}
+    for r, ev in last.ranks.items():
+        got = made.get(r)
+        out[r] = got[1] if got is not None and got[0] is ev else steps.progress_of(first.ranks.get(r, ev), ev)
+    return out
 
 
 def judge(first: Sample, last: Sample, command: Commands) -> Report:
