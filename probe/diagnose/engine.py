@@ -4,8 +4,9 @@ sign of life between the first two (a stuck rank and a slow one look alike for a
 import contextlib
 import gc
 import sys
+import threading
 import time
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 from probe.diagnose import straggler
 from probe.diagnose.evidence import Sample
@@ -33,16 +34,21 @@ def diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float = 
              longer: float = LONGER_S) -> Report:
     """Sample, wait, sample again (only the ranks that answered), judge; within about ``deadline`` seconds
     in all (the samples share it: the first takes at most half)."""
-    with _collector_paused():
-        return _diagnose(sampler, deadline, command, gap, longer)
+    looks: List[Sample] = []
+    with _collector_paused(looks):
+        return _diagnose(sampler, deadline, command, gap, longer, looks)
 
 
 SWITCH_S = 0.05
 """Python's thread switch interval while a diagnosis runs (its default is 5 ms)."""
 
 
+FREE_APART_AT = 1024
+"""Ranks from which a diagnosis's looks are freed by a thread of their own once the verdict is made."""
+
+
 @contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
+def _collector_paused(looks: List[Sample]) -> Iterator[None]:
     """Python's cycle collector off while a diagnosis runs: the evidence of 16k ranks is millions of objects,
     none of them in a cycle, and each pass of the collector over them as they grew took seconds a look.
     What a diagnosis leaves in cycles is collected once it is done. And the thread switch interval raised
@@ -50,7 +56,11 @@ def _collector_paused() -> Iterator[None]:
     and every thread waiting for the interpreter wakes once an interval to ask for it; at 16k ranks (512
     threads) the client spent 1.6-3.8 s of its 5.5-9 s of CPU in the kernel, and most of its spread on a
     loaded machine came from there (bench/bench_diagnose.py). A thread that waits on the wire lets the others
-    run anyway."""
+    run anyway.
+
+    The looks (``looks``, filled by the diagnosis) are freed after it; at ``FREE_APART_AT`` ranks and more by
+    a thread of their own, while the verdict is shown (freeing 16k ranks' evidence took 0.2 s), the
+    collector back on once they are gone (on while they lived, its first pass would walk them all)."""
     was = gc.isenabled()
     switch = sys.getswitchinterval()
     gc.disable()
@@ -59,13 +69,39 @@ def _collector_paused() -> Iterator[None]:
         yield
     finally:
         sys.setswitchinterval(switch)
+        held = list(looks)
+        looks.clear()
+        if not (held and len(held[-1].ranks) >= FREE_APART_AT and _free_apart(held, was)):
+            held.clear()
+            if was:
+                gc.enable()
+
+
+def _free_apart(held: List[Sample], was: bool) -> bool:
+    """Free ``held`` in a daemon thread, then turn the collector back on where it was; False where no
+    thread could be had."""
+    def free() -> None:
+        for sample in held:  # rank by rank: one call freeing it all would hold the interpreter throughout
+            compared = sample.__dict__.get("_compared")  # probe.diagnose.gather: the evidence again, by rank
+            for ranks in (sample.ranks, compared[1] if isinstance(compared, tuple) else {}):
+                while ranks:
+                    ranks.popitem()
+        held.clear()
         if was:
             gc.enable()
 
+    try:
+        threading.Thread(target=free, name="probe-free", daemon=True).start()
+    except RuntimeError:
+        return False
+    return True
 
-def _diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float, longer: float) -> Report:
+
+def _diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float, longer: float,
+              looks: List[Sample]) -> Report:
     start = time.monotonic()
     first = sampler(max(deadline / 2, min(deadline, 1.0)), None, None)
+    looks.append(first)
     answered = [r for r, ev in first.ranks.items() if ev.state == "answering"]
     samples = 1
     last = first
@@ -83,6 +119,7 @@ def _diagnose(sampler: Sampler, deadline: float, command: Commands, gap: float, 
             time.sleep(wait)
         left = deadline - (time.monotonic() - start)
         last = sampler(max(left, 0.5), answered if not first.single else None, first)
+        looks.append(last)
         samples += 1
         if not needs_longer_look(first, last):
             break
