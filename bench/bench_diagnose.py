@@ -23,9 +23,10 @@ the main thread's innermost line moves; the Flight Recorder, the trace and ``tor
 (off), the RSS flat. So the second look settles it (healthy, 2 looks), as on a real job making steps.
 
 Through the node helpers (``probe.diagnose.gathered``): one ``POST /v1/gather`` ``{"op": "evidence"}`` a node
-a look; each helper runs diagnose's evidence code on its ranks (the stacks, 5 more main-thread samples 80 ms
-apart for the straggler rule, the threads' CPU, Flight Recorder, trace, step counter, anomalies, RSS and
-parameter queries) and answers with each distinct stack once. As in bench_fanout_helpers.py's 16,384-rank
+a look; each helper runs diagnose's evidence code on its ranks (the stacks, the threads' CPU, Flight
+Recorder, trace, step counter, anomalies, RSS and parameter queries; after the first look, both looks' 5
+main-thread samples 80 ms apart for the straggler rule, in the background: ``probe.host.prefetch``) and
+answers with each distinct stack once (by its digest where the client holds it). As in bench_fanout_helpers.py's 16,384-rank
 job, the ranks are not served: each helper asks canned agents in memory (``_CannedLive``), so that the
 helper's own work runs and no rank's. And since 128 or 2,048 nodes cannot all work at once on a 2-core
 machine as they would on their own cores, each helper process does ONE node's collecting a look and its
@@ -39,8 +40,8 @@ every node's answer, every rank's evidence, the rules over all of them), and eac
 helper's listener, its handshake, the request's checks: so this machine also carries 2,048 nodes' HTTP
 serving, which a real job spreads over its nodes). WHAT IS SIMULATED: the ranks (canned answers, from
 memory), and the helpers' collecting and encoding, done once a look a process where a real job does it on
-every node at once; a node's time to collect is the one measured, ~0.5 s a look (5 main-thread samples 80 ms
-apart), paid once by the process's first node asked, and by the others as they wait for it, not by each node
+every node at once; a node's time to collect is the one measured (the samples taken apart from the looks),
+paid once by the process's first node asked, and by the others as they wait for it, not by each node
 one after another in its own request. ``--real N``: also N ranks as real simulated agents (sockets, every request)
 directly and through the helpers, every node's work on this machine (the peer). ``--profile N``: a
 cProfile of one diagnose at N ranks (the client's functions, fan-out threads included).

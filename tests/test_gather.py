@@ -45,7 +45,10 @@ def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
                        (b'{"op": "backtrace", "deadline": -1}', "deadline must be seconds"),
                        (b'{"op": "backtrace", "ranks": "0-3"}', "ranks must be a list"),
                        (b'{"op": "query"}', "needs sql"), (b'{"op": "backtrace", "max_in_flight": 10000}',
-                                                          "max_in_flight must be an integer")):
+                                                          "max_in_flight must be an integer"),
+                       (b'{"op": "evidence", "prefetch": "yes"}', "prefetch must be true or false"),
+                       (b'{"op": "evidence", "known": ["ABCDEF0123456789"]}', "known must be a list"),
+                       (json.dumps({"op": "evidence", "known": ["0" * 16] * 257}).encode(), "known must be a list")):
         answer = _gather(port, body)
         assert answer.status == 400, (body, answer.status, bytes(answer.body))
         error = json.loads(bytes(answer.body))["error"]
@@ -62,6 +65,33 @@ def test_a_malformed_gather_gets_a_clear_400_and_the_helper_keeps_serving(job):
     main = raw["threads"]["MainThread"]
     assert len(main) == 1 and main[0][1] == [0, 2]  # one stack, both ranks
     assert "wait_for_work" in [func for func, _file, _line in json.loads(main[0][0])]
+
+
+def test_an_evidence_gather_names_the_stacks_the_client_holds_by_their_digests(job):
+    """The stacks a request names as held come back as ``#DIGEST``; the others in full; and the client reads
+    both (probe.diagnose.gathered)."""
+    from types import SimpleNamespace
+
+    from probe.diagnose import gather, gathered
+
+    port, pids = job
+    body = {"op": "evidence", "ranks": [0, 2], "deadline": 10}
+    first = _gather(port, json.dumps(body).encode())
+    assert first.status == 200, bytes(first.body)
+    texts = json.loads(bytes(first.body))["evidence"]["stacks"]
+    assert texts and not any(t.startswith("#") for t in texts)
+    held = gathered.digest(texts[0])
+    again = _gather(port, json.dumps(dict(body, known=[held, "0" * 16])).encode())
+    assert again.status == 200, bytes(again.body)
+    raw = json.loads(bytes(again.body))["evidence"]
+    assert "#" + held in raw["stacks"] and not any(t.startswith("#") and t != "#" + held for t in raw["stacks"])
+    asked = {r: SimpleNamespace(rank=r, host="127.0.0.1") for r in (0, 2)}
+    known: dict = {}
+    gathered.decode(json.loads(bytes(first.body))["evidence"], asked, known, 100.0, gather)
+    evs = gathered.decode(raw, asked, known, 100.0, gather)
+    assert sorted(ev.rank for ev in evs) == [0, 2] and all(ev.stacks().get("MainThread") for ev in evs)
+    with pytest.raises(gathered.Bad, match="digest this client does not hold"):
+        gathered.decode(raw, asked, {}, 100.0, gather)
 
 
 def test_through_the_helpers_the_grouped_backtrace_equals_the_direct_one_and_a_gil_holder_is_read_from_outside(job):

@@ -63,15 +63,23 @@ def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, A
 
 def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
     """The rank's main optimizer: the one whose last step is the most recent (None: no step counted)."""
-    if ev is None:
-        return None
-    memo = ev.__dict__.get("_counter_memo")  # the rules ask for it many times a rank: kept while steps is the same
+    return None if ev is None else _counted_of(ev)[2]
+
+
+def _counted_of(ev: RankEvidence) -> Any:
+    """(steps, state, :func:`counter`, its step time, its last step's age), kept while ``steps`` and ``state``
+    are the same: the rules ask for them some ten times a rank."""
+    memo = ev.__dict__.get("_counter_memo")
     if memo is not None and memo[0] is ev.steps and memo[1] == ev.state:
-        return memo[2]  # type: ignore[no-any-return]
+        return memo
     rows = [r for r in (ev.steps or ()) if isinstance(r.get("steps"), int)]
     found = None if not rows or ev.state != "answering" else min(rows, key=lambda r: float(r.get("last_age") or 0.0))
-    ev.__dict__["_counter_memo"] = (ev.steps, ev.state, found)
-    return found
+    step_s = found.get("step_s") if found is not None else None
+    age = found.get("last_age") if found is not None else None
+    memo = ev.__dict__["_counter_memo"] = (ev.steps, ev.state, found,
+                                           float(step_s) if isinstance(step_s, (int, float)) else None,
+                                           float(age) if age is not None else None)
+    return memo
 
 
 def _trace_step(ev: RankEvidence) -> Optional[int]:
@@ -133,14 +141,11 @@ def _id(row: Dict[str, Any]) -> Any:
 
 
 def _age(ev: RankEvidence) -> Optional[float]:
-    main = counter(ev)
-    return float(main["last_age"]) if main is not None and main.get("last_age") is not None else None
+    return _counted_of(ev)[4]  # type: ignore[no-any-return]
 
 
 def _step_s(ev: RankEvidence) -> Optional[float]:
-    main = counter(ev)
-    value = main.get("step_s") if main is not None else None
-    return float(value) if isinstance(value, (int, float)) else None
+    return _counted_of(ev)[3]  # type: ignore[no-any-return]
 
 
 def _counted(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]]) -> List[int]:

@@ -36,6 +36,7 @@ Bounded: at most ``MAX_GATHERS`` gathers at once (more: 503 busy), the answer at
 import json
 import math
 import queue
+import re
 import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -62,6 +63,7 @@ _GATHER_SHAPE = ('{"op": "backtrace" | "query" | "evidence", "deadline": SECONDS
 GATHER_SHAPE = _GATHER_SHAPE
 
 _slots_lock = threading.Lock()
+_DIGEST = re.compile(r"[0-9a-f]{16}")  # a stack's digest (probe.diagnose.gathered.digest)
 
 Key = Tuple[Tuple[str, str, int], ...]
 
@@ -99,7 +101,7 @@ class _Asked:
         self.prefetch = prefetch
         known = body.get("known", [])
         if not (isinstance(known, list) and len(known) <= 256 and all(
-                isinstance(k, str) and len(k) == 16 and all(c in "0123456789abcdef" for c in k) for k in known)):
+                isinstance(k, str) and _DIGEST.fullmatch(k) for k in known)):
             raise BadRequest("a gather's known must be a list of at most 256 stack digests (16 hex digits)",
                              hint=_GATHER_SHAPE)
         self.known = frozenset(known)
