@@ -399,7 +399,9 @@ def _evidence(member: Dict[str, Any], asked: _Asked, budget: "_Budget") -> Any:
     from probe.host import prefetch
 
     rank, pid = member["rank"], member.get("pid")
-    taken = prefetch.take((pid, rank), 2 * straggler.AHEAD_S + 0.2) if rank in asked.ahead else None
+    # Samples begun after this diagnosis's first look only (since_s: seconds since it began, and 1 more).
+    not_before = time.monotonic() - asked.since_s if asked.since_s else None
+    taken = prefetch.take((pid, rank), 2 * straggler.AHEAD_S + 0.2, not_before) if rank in asked.ahead else None
     # A first look that prefetches answers without its straggler samples: they are taken right after it,
     # with the next look's, and come with that look (as many in all, and all between the two looks).
     ev = collect(_client(member, asked), rank, str(member.get("host")), pid, member.get("state"),

@@ -30,7 +30,7 @@ Key = Tuple[Any, int]  # (pid, rank)
 
 _lock = threading.Lock()
 _running: set = set()
-_kept: "OrderedDict[Key, Tuple[float, Optional[List[Any]], threading.Event]]" = OrderedDict()
+_kept: "OrderedDict[Key, Tuple[float, Optional[List[Any]], threading.Event, float]]" = OrderedDict()
 
 
 def start(key: Key, sample: Callable[[], List[Any]]) -> bool:
@@ -41,8 +41,9 @@ def start(key: Key, sample: Callable[[], List[Any]]) -> bool:
             return False
         _running.add(key)
         done = threading.Event()
+        began = time.monotonic()
         _kept.pop(key, None)
-        _kept[key] = (time.monotonic(), None, done)
+        _kept[key] = (began, None, done, began)
         while len(_kept) > MAX_KEPT:
             _kept.popitem(last=False)
 
@@ -57,7 +58,7 @@ def start(key: Key, sample: Callable[[], List[Any]]) -> bool:
                 _running.discard(key)
                 held = _kept.get(key)
                 if held is not None and held[2] is done:
-                    _kept[key] = (time.monotonic(), got, done)
+                    _kept[key] = (time.monotonic(), got, done, began)
             done.set()
 
     try:
@@ -70,12 +71,13 @@ def start(key: Key, sample: Callable[[], List[Any]]) -> bool:
     return True
 
 
-def take(key: Key, wait_s: float) -> Optional[List[Any]]:
-    """The samples kept for ``key`` (taken once; None where there are none, they are stale, or they are
-    not done within ``wait_s``)."""
+def take(key: Key, wait_s: float, not_before: Optional[float] = None) -> Optional[List[Any]]:
+    """The samples kept for ``key`` (taken once; None where there are none, they are stale, they began
+    before ``not_before`` (``time.monotonic()``: another diagnosis's, from before this one's first look), or
+    they are not done within ``wait_s``)."""
     with _lock:
         held = _kept.get(key)
-    if held is None:
+    if held is None or (not_before is not None and held[3] < not_before):
         return None
     if not held[2].wait(max(0.0, wait_s)):
         return None
