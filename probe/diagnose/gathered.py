@@ -412,7 +412,10 @@ def sample(chosen: Any, since_s: Optional[float], evidence: Any, early: Any = ()
         answers come: the later ones name what the earlier ones sent)."""
         out: Dict[str, Any] = {"ahead": [m.rank for m in members if m.rank in early]} if early else {}
         if len(known) != names[0]:  # it grows only where a new stack was read: a few times a look
-            names[:] = [len(known), [k[1:] for k in list(known) if k[:1] == "#"][-MAX_KNOWN:]]
+            try:
+                names[:] = [len(known), [k[1:] for k in list(known) if k[:1] == "#"][-MAX_KNOWN:]]
+            except RuntimeError:  # read by another thread's answer meanwhile (the TLS path): the names made before
+                pass
         if names[1]:
             out["known"] = names[1]
         return out
