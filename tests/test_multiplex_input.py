@@ -170,3 +170,42 @@ def test_the_runs_deadline_names_those_unanswered_and_those_never_asked() -> Non
     assert took < scaled(5), took
     assert "no answer within the deadline of 0.5 s" in outcomes[0].error.message, outcomes[0]
     assert "not asked" in outcomes[1].error.message, outcomes[1]
+
+
+def test_host_names_are_looked_up_beside_the_fan_out_each_once_and_one_that_does_not_resolve_fails_alone(
+        monkeypatch: Any) -> None:
+    """A job's helpers are named by their hosts' names: the lookups run in threads of their own, several at
+    once (one slow name does not hold up the others' answers), and a name that does not resolve fails its own
+    exchange. (The lookup is slowed here to see them overlap; what it looks up is real.)"""
+    from probe.client import resolver
+
+    real = resolver._getaddrinfo
+    lock = threading.Lock()
+    now, most, where = [0], [0], set()
+
+    def slow(host: str, port: int) -> Any:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+            where.add(threading.current_thread().name)
+        try:
+            time.sleep(0.3)
+            return real(host, port)
+        finally:
+            with lock:
+                now[0] -= 1
+
+    monkeypatch.setattr(resolver, "_getaddrinfo", slow)
+    with hostile(*["good"] * 6) as listeners:
+        def start(host: str, port: int) -> Any:
+            return lambda: via_helpers._gather_steps(transport.TcpAddress(host, port), BODY, scaled(10), TOKEN)
+
+        starts = [start("localhost", h.port) for h in listeners] + [start("no-such-host.invalid", listeners[0].port)]
+        outcomes = multiplex.run(starts, 8, scaled(30))
+    for outcome in outcomes[:-1]:
+        assert outcome.error is None and outcome.value.status == 200, outcome
+        transport.release(outcome.value)
+    bad = outcomes[-1].error
+    assert isinstance(bad, ConnectError) and "cannot connect to no-such-host.invalid:" in bad.message, outcomes[-1]
+    assert most[0] >= 2, most  # looked up at once, not one after another
+    assert where == {"probe-resolve"}, where  # never in the fan-out's own thread

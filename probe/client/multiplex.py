@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, S
 
 import probe.client.transport as transport
 from probe.client.fanout import MAX_OPEN, SLOW_AFTER_S, Outcome, unanswered
+from probe.client.resolver import Resolver
 from probe.client.wording import option
 from probe.errors import ConnectError, ConnectionRefused, ProbeError, Timeout
 
@@ -31,6 +32,7 @@ __all__ = ["Exchange", "Conversation", "usable", "run"]
 
 _HEAD_MAX = 65536
 _SWEEP_S = 0.02  # how often every conversation is looked at (deadlines, room for a large answer, the slow)
+_RESOLVE_S = 0.005  # how often, while some host name is being looked up, whether it is
 
 
 class Exchange(NamedTuple):
@@ -90,7 +92,8 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
     began: List[Optional[float]] = [None] * total
     talks: Dict[int, _Talk] = {}
     sel = selectors.DefaultSelector()
-    resolved: Dict[Tuple[str, int], List[Any]] = {}
+    resolver = Resolver()
+    resolving: Dict[int, _Talk] = {}  # conversations whose host name is being looked up
     end = time.monotonic() + deadline
     max_open = max(max_open, in_flight)
     nxt = 0
@@ -120,11 +123,28 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
             return
         talk.ex, talk.state, talk.sent, talk.buf, talk.received = ex, "connect", 0, b"", 0
         talk.body, talk.room = None, 0
+        if ex.to is None:
+            talk.state = "resolve"
+            resolving[talk.index] = talk
+            connect(talk)
+            return
+        talk.candidates = [(socket.AF_INET6 if len(ex.to) == 4 else socket.AF_INET, ex.to)]
         try:
-            talk.candidates = ([(socket.AF_INET6 if len(ex.to) == 4 else socket.AF_INET, ex.to)] if ex.to is not None
-                               else list(_resolve(ex.address, resolved)))
             _connect_next(sel, talk)
         except ProbeError as exc:
+            finish(talk, None, exc)
+
+    def connect(talk: _Talk) -> None:
+        """Connect a conversation whose host is looked up, once it is (``probe.client.resolver``)."""
+        try:
+            got = resolver.lookup(talk.ex.address.host, talk.ex.address.port, talk.ex.address)  # type: ignore[union-attr]
+            if got is None:
+                return
+            resolving.pop(talk.index, None)
+            talk.candidates = list(got)
+            _connect_next(sel, talk)
+        except ProbeError as exc:
+            resolving.pop(talk.index, None)
             finish(talk, None, exc)
 
     swept, slow, soonest = -1.0, 0, end
@@ -154,9 +174,14 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
                     elif talk.state == "room":
                         _try_room(sel, talk)
                 soonest = min([t.ex.deadline for t in talks.values() if t.ex is not None] + [end])
+            for talk in list(resolving.values()):
+                if talk.index in talks:
+                    connect(talk)
+                else:
+                    resolving.pop(talk.index, None)
             if done >= total:
                 break
-            wait = max(0.0, min(_SWEEP_S, soonest - time.monotonic()))
+            wait = max(0.0, min(_RESOLVE_S if resolving else _SWEEP_S, soonest - time.monotonic()))
             for key, _ in sel.select(wait) if talks else ():
                 talk = key.data
                 if talk.index not in talks:
@@ -172,23 +197,12 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
             if not talks and nxt >= total:
                 break
     finally:
+        resolver.close()
         for talk in list(talks.values()):
             _drop(sel, talk)
             talk.gen.close()
         sel.close()
     return [o if o is not None else unanswered(began[i] is not None, deadline) for i, o in enumerate(outcomes)]
-
-
-def _resolve(address: "transport.TcpAddress", cache: Dict[Tuple[str, int], List[Any]]) -> List[Any]:
-    key = (address.host, address.port)
-    got = cache.get(key)
-    if got is None:
-        try:
-            infos = socket.getaddrinfo(address.host, address.port, 0, socket.SOCK_STREAM)
-        except OSError as exc:
-            raise ConnectError("cannot connect to %s: %s" % (address, exc.strerror or exc)) from None
-        got = cache[key] = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
-    return got
 
 
 def _connect_next(sel: selectors.BaseSelector, talk: _Talk, error: Optional[int] = None) -> None:
@@ -335,6 +349,9 @@ def _late(talk: _Talk) -> ProbeError:
                        "received filled the client's bound of %d MB" % (ex.address, talk.length / 1e6,
                                                                          transport.MAX_IN_FLIGHT_BYTES // 10**6),
                        hint="ask fewer targets at once (%s), or each for less" % option("--max-in-flight", "max_in_flight="))
+    if state == "resolve":
+        return Timeout("looking up the host of %s took longer than %.1f s" % (ex.address, ex.timeout),
+                       hint="its host name resolves slowly here (DNS): name the host by its address, or ask again")
     if state == "connect":
         return Timeout("connecting to %s timed out after %.1f s" % (ex.address, ex.timeout))
     if state == "send":
