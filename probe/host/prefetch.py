@@ -83,6 +83,6 @@ def take(key: Key, wait_s: float, not_before: Optional[float] = None) -> Optiona
         return None
     with _lock:
         held = _kept.pop(key, None)
-    if held is None or held[1] is None or time.monotonic() - held[0] > KEEP_S:
-        return None
+    if held is None or not held[1] or time.monotonic() - held[0] > KEEP_S:
+        return None  # none taken (the rank stopped answering meanwhile): the look takes its own
     return held[1]
