@@ -112,10 +112,6 @@ def target_env(probe: bool = True, **extra: str) -> Dict[str, str]:
     # (tests/test_sql_placement.py, which passes PROBE_SQL_IN_AGENT="").
     # PROBE_TEST_SQL_IN_AGENT= (empty) runs the suite's targets as users get them, to see what else depends on it.
     env["PROBE_SQL_IN_AGENT"] = os.environ.get("PROBE_TEST_SQL_IN_AGENT", "1")
-    # One torch (OpenMP) thread a process, as torchrun gives each rank of a job of several: a single-process
-    # target's second thread spun a core between the tiny ops of its loop (0.95 of a core against 0.21 here),
-    # and on the suite's two cores that slowed every other test. A test that wants more sets its own.
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.update(extra)
     return env
 
