@@ -15,6 +15,7 @@ import subprocess
 import time
 from typing import Any, Dict, List, Tuple
 
+from probe.client import transport
 from procs import TARGETS, Proc, run_cli, scaled, target_env
 from test_alerts import _log, receiver  # noqa: F401 -- the fixture
 from test_snapshot_watch import _until
@@ -51,12 +52,25 @@ def _job(tmp_path, script: str, **env: str) -> Tuple[subprocess.Popen, Dict[int,
     raise AssertionError("unreachable")
 
 
-def _quiet(receiver, seconds: float) -> None:  # noqa: F811
-    """No straggler alert comes over ``seconds`` (the rule judging a window at each sample meanwhile)."""
-    watched = time.monotonic()
-    while time.monotonic() - watched < scaled(seconds):
-        assert not receiver.of("/hook", "straggler"), receiver.posts
-        time.sleep(0.5)
+def _samples(run: str, port: int) -> int:
+    """How many samples the node helper's stack history has taken (its straggler rule judges after each)."""
+    answer = transport.request(transport.UnixAddress(os.path.join(run, "node-%d.sock" % port)), "GET",
+                               "/v1/stack_history", None, {}, scaled(30))
+    assert answer.status == 200, bytes(answer.body)[:300]
+    return int(json.loads(bytes(answer.body))["samples"])
+
+
+def _quiet(receiver, run: str, port: int, seconds: float, posts: int = 0) -> None:  # noqa: F811
+    """The rule judged ``seconds`` of samples (at PROBE_STACK_EVERY 0.5 s), each over its whole window, and no
+    straggler alert came past the first ``posts``. Counted in the helper's samples, not in time: a loaded
+    machine's slower sampling takes longer, and a quick one no longer than the samples take."""
+    first = _samples(run, port)
+    deadline = time.monotonic() + scaled(seconds * 3)
+    while _samples(run, port) < first + seconds / 0.5 + 1:  # the one under way at the first count, and as many
+        assert len(receiver.of("/hook", "straggler")) == posts, receiver.posts
+        assert time.monotonic() < deadline, "the stack history took no %.0f s of samples" % seconds
+        time.sleep(0.25)
+    assert len(receiver.of("/hook", "straggler")) == posts, receiver.posts
 
 
 def _judging(run: str) -> str:
@@ -74,14 +88,11 @@ def test_a_rank_slow_in_its_loader_then_the_other_in_a_helper_is_one_alert_each_
     try:
         line = _judging(run)
         assert "last 6 s" in line and "PROBE_STACK_EVERY 0.5 s" in line, line
-        _quiet(receiver, 13)  # two windows and more, every rank quick: nothing
+        _quiet(receiver, run, port, 13)  # two windows and more, every rank quick: nothing
         with open(control, "w") as handle:
             handle.write("slow 1 loader\n")
         first = _until(lambda: receiver.of("/hook", "straggler"), 90, "the straggler alert naming rank 1")
-        _quiet_after = time.monotonic()
-        while time.monotonic() - _quiet_after < scaled(13):  # rank 1 still slow: the same episode, no second
-            assert len(receiver.of("/hook", "straggler")) == 1, receiver.posts
-            time.sleep(0.5)
+        _quiet(receiver, run, port, 13, posts=1)  # rank 1 still slow: the same episode, no second
         with open(control, "w") as handle:
             handle.write("slow 0 helper\n")
         second = _until(lambda: receiver.of("/hook", "straggler")[1:], 90, "the straggler alert naming rank 0")

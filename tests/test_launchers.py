@@ -204,10 +204,13 @@ def test_a_helper_that_fails_to_answer_is_an_error_for_a_rank_of_many_not_that_r
             rank = target_factory("idle.py", env=target_env(PROBE_PORT="127.0.0.1:%d" % (helper_port + 1),
                                                             RANK="0", LOCAL_RANK="0", WORLD_SIZE=world[0]))
             assert _health(rank.pid)["tcp"] == "127.0.0.1:%d" % (helper_port + 1)
+            # stopped: the rank's silence is waited out for --timeout (30 s by default); no wait makes a stopped
+            # process answer, loaded machine or not, so 5 s say the same
+            wait = ["--timeout", "5"] if world.endswith("stopped") else []
             if world.endswith("stopped"):
                 os.kill(rank.pid, signal.SIGSTOP)
             try:
-                result = run_cli("127.0.0.1:%d" % (helper_port + 1), "diagnose", "--json", timeout=scaled(60))
+                result = run_cli("127.0.0.1:%d" % (helper_port + 1), *wait, "diagnose", "--json", timeout=scaled(60))
             finally:
                 os.kill(rank.pid, signal.SIGCONT)
         finally:

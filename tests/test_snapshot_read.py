@@ -29,7 +29,7 @@ def _record(port: int, root: str) -> Tuple[str, Any]:
     """Record the job by hand until its record shows the hang (rank 0 must have waited 2 s and more in its
     all_reduce when recorded); the snapshot: target and the record's diagnosis while the job still ran."""
     deadline = time.monotonic() + scaled(60)
-    time.sleep(scaled(3))
+    time.sleep(3)  # the hang's first 2 s and more; a record made too early is made again below
     while True:
         made = run_cli("127.0.0.1:%d" % port, "snapshot", "--dir", root, "--json", timeout=120)
         assert made.code == 0, (made.code, made.out, made.err)

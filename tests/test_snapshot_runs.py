@@ -16,7 +16,7 @@ from typing import Dict, Tuple
 from probe.snapshot import store
 from probe.tables.torch.steps import read_progress
 from procs import TARGETS, Proc, run_cli, scaled, spawn, target_env
-from test_snapshot_watch import _stepping_and_watched, _until
+from test_snapshot_watch import WATCH_LOOKS_S, _stepping_and_watched, _until
 from test_torchrun import _free_port_pair
 from torch_job import TORCHRUN, _free_port, stop_launcher
 
@@ -154,7 +154,7 @@ def test_a_program_run_alone_under_probe_port_is_watched_and_recorded_at_its_sta
     try:
         progress = os.path.join(run, "progress-%d.bin" % proc.pid)
         _until(lambda: (read_progress(progress) or Empty).steps > 3, 30, "steps counted")
-        time.sleep(scaled(2.0))  # two looks of the watch, once a second: it has seen it step (nothing to wait on)
+        time.sleep(WATCH_LOOKS_S)  # two looks of the watch, once a second: it has seen it step (nothing to wait on)
         with open(control, "w") as handle:
             handle.write("skip 0\n")
         found = _until(lambda: [s for s in store.list_snapshots(snaps) if s.complete], 60, "the stall recorded")

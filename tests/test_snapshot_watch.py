@@ -12,11 +12,17 @@ from typing import Dict, List, Tuple
 from probe import _paths
 from probe.snapshot import record, store
 from probe.tables.torch.steps import read_progress
-from procs import TARGETS, Proc, run_cli, scaled, spawn, target_env
+from procs import BASE_SCALE, TARGETS, Proc, run_cli, scaled, spawn, target_env
 from test_torchrun import _free_port_pair
 from torch_job import TORCHRUN, _free_port, ready_lines, stop_launcher
 
 PG_TIMEOUT_S = 20  # the record ends 5-7 s after the stall (hang_after 3 s, then 4-5 s of capture)
+
+
+# Two looks of a node helper's watch (once a second, on its own thread: a few reads of /proc and the progress
+# files), which leave nothing outside to wait on. Scaled to the machine, not to its load: a thread asleep
+# for a second is woken about on time on a loaded box, where scaled() made this 12 s.
+WATCH_LOOKS_S = 2.0 * BASE_SCALE
 
 
 def _until(check, timeout: float, what: str):
@@ -76,7 +82,7 @@ def _stepping_and_watched(run: str, output: Proc) -> Dict[int, int]:
     ranks = _ranks(output)
     files = [os.path.join(run, "progress-%d.bin" % pid) for pid in ranks.values()]
     _until(lambda: all(read_progress(f) for f in files), 30, "the ranks' progress files")
-    time.sleep(scaled(2.0))
+    time.sleep(WATCH_LOOKS_S)
     return ranks
 
 
