@@ -351,7 +351,7 @@ def _late(talk: _Talk) -> ProbeError:
                        hint="ask fewer targets at once (%s), or each for less" % option("--max-in-flight", "max_in_flight="))
     if state == "resolve":
         return Timeout("looking up the host of %s took longer than %.1f s" % (ex.address, ex.timeout),
-                       hint="its host name resolves slowly here (DNS): name the host by its address, or ask again")
+                       hint="its node's name resolves slowly here (DNS): retry, or start the job with PROBE_HOST=<the node's address> on each node (docs/launchers.md), so that its helper is named by its address")
     if state == "connect":
         return Timeout("connecting to %s timed out after %.1f s" % (ex.address, ex.timeout))
     if state == "send":
