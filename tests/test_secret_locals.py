@@ -112,7 +112,7 @@ def test_the_page_s_sql_and_a_snapshot_mask_as_the_read_scope_does(target, tmp_p
 def test_every_rank_through_its_node_helper_answers_a_read_token_masked(tmp_path) -> None:
     """--all-ranks goes through the node helper, which asks its ranks over their unix sockets (where it has
     every scope): it asks with the scope of whoever asked it, so a read token still sees masks."""
-    from test_node_helper import ranks_of
+    from test_node_helper import _ranks, _until, ranks_of
 
     read = tmp_path / "read"
     read.write_text("locals-test-job-read-token\n")
@@ -120,6 +120,8 @@ def test_every_rank_through_its_node_helper_answers_a_read_token_masked(tmp_path
     with ranks_of(tmp_path, 2, "hostile_locals.py", PROBE_READ_TOKEN_FILE=str(read)) as job:
         master = "127.0.0.1:%d" % job["port"]
         env = job["env"]
+        # the helper is the ranks' to start: READY from each rank does not mean it listens yet
+        _until(lambda: len(_ranks(job)) == 2, 30, "both ranks listed by the node's helper")
         masked = run_cli("--token-file", str(read), master, "--via", "helpers", "--all-ranks", "query", SQL, "-f",
                          "json", env=env, timeout=scaled(90))
         full = run_cli(master, "--via", "helpers", "--all-ranks", "query", SQL, "-f", "json", env=env,

@@ -72,7 +72,8 @@ def discover(target: str, token: Optional[str], timeout: float = 5.0) -> Discove
     except ConnectError as exc:
         wrong_port()
         missing = ConnectError("no host helper at %s to list the job's ranks (%s)" % (helper, exc.message),
-                               hint="start the job with PROBE=1 PROBE_PORT=%d (under any launcher); or list the targets "
+                               hint="a job just started: its ranks start the helper within seconds, retry; otherwise "
+                                    "start the job with PROBE=1 PROBE_PORT=%d (under any launcher); or list the targets "
                                     "(%s)" % (port, option("-t several times, or --hosts",
                                                            "connect_all([\"HOST:PORT\", ...])")))
         missing.job_address = (host, port)  # type: ignore[attr-defined]  # the CLI looks for a record of a death there
