@@ -280,11 +280,13 @@ def waiting_in(first: Sample, last: Sample, answering: List[int],
     missing): rank -> (op, thread, stack)."""
     in_collective: Dict[int, Tuple[str, str, Any]] = {}
     for r in answering:
+        moved = progress[r]
+        if moved.get("stepped") or (moved.get("cpu") or 0) >= CPU_RAN_S:
+            continue  # first: the cheapest, and what most ranks of a working job say
         name, key = main_stack(last.ranks[r])
         op = collective_of(key)
         a = first.ranks.get(r)
-        if op is not None and a is not None and main_stack(a) == (name, key) and not progress[r].get("stepped") \
-                and not (progress[r].get("cpu") or 0) >= CPU_RAN_S:
+        if op is not None and a is not None and main_stack(a) == (name, key):
             in_collective[r] = (op, name, key)
     return in_collective
 

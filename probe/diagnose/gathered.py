@@ -273,6 +273,7 @@ def _key_once(stack: Any, known: Dict[Any, Any]) -> Any:
 
 _KEYS: Dict[int, Tuple[Any, Any]] = {}  # id(stack) -> (the stack, kept alive while its id is a key; its key)
 _SAMPLES: Dict[int, Tuple[Any, Any]] = {}  # the same, for the straggler's samples
+_SAMPLE_LISTS: Dict[Tuple[int, ...], List[Any]] = {}  # the ids of a rank's samples -> one list of them
 _MAX_ONCE = 4096
 
 
@@ -325,6 +326,16 @@ def _samples(refs: Any, stacks: List[Any], made: List[Any], known: Dict[Any, Any
         if got is None:
             got = made[i] = _sample(stacks[i], known)
         out.append(got)
+    # Ranks whose samples are the same stacks share one list (read only), as they share the stacks: the
+    # straggler rule then reads each distinct set once, not once a rank (16k ranks, a few distinct sets).
+    # The list holds its samples, so the ids of its key stay theirs while it is kept.
+    key = tuple(map(id, out))
+    shared = _SAMPLE_LISTS.get(key)
+    if shared is not None:
+        return shared
+    if len(_SAMPLE_LISTS) >= _MAX_ONCE:
+        _SAMPLE_LISTS.clear()
+    _SAMPLE_LISTS[key] = out
     return out
 
 

@@ -63,7 +63,12 @@ def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, A
 
 def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
     """The rank's main optimizer: the one whose last step is the most recent (None: no step counted)."""
-    return None if ev is None else _counted_of(ev)[2]
+    if ev is None:
+        return None
+    memo = ev.__dict__.get("_counter_memo")  # _counted_of's memo read here: asked 16k times a rule
+    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
+        memo = _counted_of(ev)
+    return memo[2]  # type: ignore[no-any-return]
 
 
 def _counted_of(ev: RankEvidence) -> Any:
@@ -141,11 +146,17 @@ def _id(row: Dict[str, Any]) -> Any:
 
 
 def _age(ev: RankEvidence) -> Optional[float]:
-    return _counted_of(ev)[4]  # type: ignore[no-any-return]
+    memo = ev.__dict__.get("_counter_memo")
+    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
+        memo = _counted_of(ev)
+    return memo[4]  # type: ignore[no-any-return]
 
 
 def _step_s(ev: RankEvidence) -> Optional[float]:
-    return _counted_of(ev)[3]  # type: ignore[no-any-return]
+    memo = ev.__dict__.get("_counter_memo")
+    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
+        memo = _counted_of(ev)
+    return memo[3]  # type: ignore[no-any-return]
 
 
 def _counted(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]]) -> List[int]:

@@ -121,6 +121,14 @@ def _moving(ev: Any, main: Optional[Dict[str, Any]]) -> bool:
     return any(isinstance(a, (int, float)) and a <= STEPPING_S for a in ages)
 
 
+def _parts(ev: Any) -> Optional[Tuple[int, int]]:
+    """What :func:`_samples` reads of one look of a rank, by identity (None: it reads nothing there). The
+    objects are the rank's own, alive while the looks are: their ids name them for the judgement's time."""
+    if ev is None or ev.state != "answering":
+        return None
+    return id(main_stack(ev)[1]), id((getattr(ev, "training", None) or {}).get("main_samples"))
+
+
 def _samples(first: Any, last: Any, rank: int, seen: Optional[Dict[int, Any]] = None) -> List[Tuple[Frame, ...]]:
     """``seen``: id of a sample -> the stack read from it, where the same sample object is shared by ranks
     (evidence gathered through the node helpers shares them): read once. The samples outlive the call."""
@@ -178,24 +186,33 @@ def judge(first: Any, last: Any, answering: List[int], who: Callable[[Sequence[i
     seen: Dict[int, Any] = {}  # the ranks of a job share their samples' stacks: each read and phased once
     phased: Dict[Tuple[Any, int], str] = {}
     by_samples: Dict[Tuple[Any, int], Counter] = {}
+    # Ranks whose looks hold the same objects (a main stack, a list of samples: the helpers' evidence shares
+    # them) have the same samples and counts: read once a group (at 16k ranks, a few groups).
+    by_parts: Dict[Tuple[Any, ...], Tuple[List[Tuple[Frame, ...]], Counter]] = {}
     for r in answering:
-        samples = _samples(first, last, r, seen)
-        if len(samples) < MIN_SAMPLES or not (last.ranks[r].training or {}).get("main_samples"):
-            return []  # not sampled (not stepping, or too few): no judgement
-        keys[r] = samples
-        library = last.ranks[r].library()
-        # Ranks whose samples are the same objects (the helpers' evidence shares each distinct stack) share
-        # their count too, read only: counted once per distinct set of samples, not once a rank.
-        signature = (tuple(map(id, samples)), id(library))
-        counted = by_samples.get(signature)
-        if counted is None:
-            counted = by_samples[signature] = Counter()
-            for k in samples:  # by identity: the ranks' samples are shared objects, hashing each stack cost more
-                phase = phased.get((id(k), id(library)))
-                if phase is None:
-                    phase = phased[(id(k), id(library))] = _phase(k, library)
-                counted[phase] += 1
-        phases[r] = counted
+        b = last.ranks[r]
+        if not (b.training or {}).get("main_samples"):
+            return []  # not sampled (not stepping): no judgement
+        library = b.library()
+        parts = (_parts(first.ranks.get(r)), _parts(b), id(library))
+        got = by_parts.get(parts)
+        if got is None:
+            samples = _samples(first, last, r, seen)
+            if len(samples) < MIN_SAMPLES:
+                return []  # too few samples: no judgement
+            # Ranks whose samples are the same objects share their count too, read only: counted once per
+            # distinct set of samples, not once a rank.
+            signature = (tuple(map(id, samples)), id(library))
+            counted = by_samples.get(signature)
+            if counted is None:
+                counted = by_samples[signature] = Counter()
+                for k in samples:  # by identity: the samples are shared objects, hashing each stack cost more
+                    phase = phased.get((id(k), id(library)))
+                    if phase is None:
+                        phase = phased[(id(k), id(library))] = _phase(k, library)
+                    counted[phase] += 1
+            got = by_parts[parts] = (samples, counted)
+        keys[r], phases[r] = got
     found = _culprit(phases, keys)
     if found is None:
         return []

@@ -17,12 +17,17 @@ _HOW = {"trace": ("records each step and each module's time", "trace start"),
 def unavailable(last: Sample, answering: List[int], who: Callable[[Sequence[int]], str],
                  command: Optional[Commands] = None) -> List[str]:
     out = []
+    ranks = last.ranks
     for what, attr in (("Flight Recorder", "fr_why"), ("trace", "trace_why"), ("threads' CPU", "threads_why")):
         reasons: Dict[str, List[int]] = {}
         for r in answering:
-            why = getattr(last.ranks[r], attr)
+            why = getattr(ranks[r], attr)
             if why:
-                reasons.setdefault(said(why), []).append(r)
+                reasons.setdefault(why, []).append(r)  # by the text as sent: each distinct one read once below
+        lines: Dict[str, List[int]] = {}
+        for why, rs in reasons.items():
+            lines.setdefault(said(why), []).extend(rs)
+        reasons = {why: sorted(rs) for why, rs in lines.items()}
         for why, rs in sorted(reasons.items()):
             out.append("%s: %s on %s" % (what, why, who(rs)))
     return with_how(out, command, last.recorded)
