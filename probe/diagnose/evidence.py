@@ -110,6 +110,22 @@ class RankEvidence:
         self.__dict__["_stacks_memo"] = (frames, len(frames or ()), (out, main))
         return out, main
 
+    def _main(self) -> Tuple[str, Any]:
+        """:func:`main_stack`'s answer, read from the named stacks alone (kept like them): the rules compare
+        two looks' main stacks for every rank, and most never ask for the rest of :meth:`stacks`."""
+        memo = self.__dict__.get("_main_memo")
+        frames = self.frames
+        if memo is not None and memo[0] is frames and memo[1] == len(frames or ()):
+            return memo[2]  # type: ignore[no-any-return]
+        named = self._named()
+        first = named[0] if named else None  # the main thread first, where it has Python frames
+        main = (first[0], first[2]) if first is not None and first[0] == "MainThread" else \
+            next(((name, key) for name, _, key in named if name == "MainThread"), None)
+        if main is None:
+            main = (named[0][0], named[0][2]) if named else ("MainThread", ())
+        self.__dict__["_main_memo"] = (frames, len(frames or ()), main)
+        return main
+
     def names_by_id(self) -> Dict[int, str]:
         """Thread id -> the name :meth:`stacks` gives that thread."""
         return {ident: name for name, ident, _ in self._named()}
@@ -226,7 +242,7 @@ def agent_frames(client: Any) -> List[Frame]:
 
 def main_stack(ev: RankEvidence) -> Tuple[str, Tuple[Tuple[str, str, int, str], ...]]:
     """(thread name, stack) of the rank's main thread; else of its first thread; else no stack."""
-    return ev._stacks_and_main()[1]
+    return ev._main()
 
 
 def fr_by_pg(ev: RankEvidence) -> Dict[str, Dict[str, Any]]:

@@ -80,10 +80,9 @@ def _lock_waits(a: RankEvidence, b: RankEvidence) -> List[Tuple[str, Tuple[Tuple
     if a.state != "answering" or b.state != "answering":
         return []
     library = b.library()
-    sb = b.stacks()
     # Most ranks have no thread at a lock's line: said from the innermost frames alone (kept per frame),
     # before the other look's stacks and both looks' CPU are read (at 16k ranks, twice a diagnosis).
-    waiting = [(name, key) for name, key in sb.items() if lock_wait_of(key, library)]
+    waiting = [(name, key) for name, _, key in b._named() if lock_wait_of(key, library)]
     if not waiting:
         return []
     sa = a.stacks()

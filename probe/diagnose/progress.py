@@ -126,10 +126,14 @@ def merge(a: RankEvidence, b: RankEvidence, out: Dict[str, Any]) -> None:
     ``optimizer_step``: the main optimizer's count; ``stepped`` set where some step was made)."""
     if a.steps is None or b.steps is None or a.state != "answering" or b.state != "answering":
         return
-    before = {_id(r): r.get("steps") for r in a.steps}
     made = 0
-    for row in b.steps:
-        now, then = row.get("steps"), before.get(_id(row))
+    if len(a.steps) == 1 and len(b.steps) == 1 and _id(a.steps[0]) == _id(b.steps[0]):
+        rows: Any = ((b.steps[0], a.steps[0].get("steps")),)  # one optimizer, as most jobs have: no table
+    else:
+        before = {_id(r): r.get("steps") for r in a.steps}
+        rows = ((row, before.get(_id(row))) for row in b.steps)
+    for row, then in rows:
+        now = row.get("steps")
         if isinstance(now, int):
             made += max(0, now - then) if isinstance(then, int) else now  # counted since the first look
     main = counter(b)
