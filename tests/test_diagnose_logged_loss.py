@@ -29,10 +29,11 @@ def test_a_nan_loss_logged_by_lightning_is_named_where_the_parameters_are_not_re
 
 
 def test_a_nan_loss_in_a_hugging_face_trainers_log_history_is_named(tmp_path):
-    """The same from HF Trainer's state.log_history (tests/targets/hf_trainer.py, a weight made NaN after step 3,
-    the loss logged every step with its NaN filter off, 3 s steps)."""
+    """The same from HF Trainer's state.log_history (tests/targets/hf_trainer.py, a weight made NaN after step 1,
+    the loss logged every step with its NaN filter off, 3 s steps: step 1's loss logged finite, every later one
+    NaN; READY after step 2, the first NaN step, not two 3 s steps later)."""
     log = str(tmp_path / "log")
-    with running("hf_trainer.py", log, "--max-steps", "100000", "--sleep", "3", "--nan-at", "3", "--ready-at", "4",
+    with running("hf_trainer.py", log, "--max-steps", "100000", "--sleep", "3", "--nan-at", "1", "--ready-at", "2",
                  timeout=scaled(120)) as proc:
         target = str(proc.pid)
         _expect(target, DEGRADED, "numerical: the last logged loss is NaN on process %s" % target,

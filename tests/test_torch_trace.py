@@ -1,14 +1,15 @@
 """python.torch_trace, torch.anomalies and `probe T trace ...`, on real CPU training processes, through the CLI."""
 
 import json
+import os
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import pytest
 
-from procs import REPO, run_cli, scaled, target_env
+from procs import REPO, TARGETS, Proc, run_cli, target_env
 
 from probe.tables.torch.trace_events import limit_for
 
@@ -53,6 +54,42 @@ def steps_seen(pid: int, at_least: int) -> Dict[str, Any]:
 
 def traced(**extra: str) -> Dict[str, str]:
     return target_env(PROBE_TORCH_TRACE="1", **extra)
+
+
+class _Run:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture(scope="module")
+def torch_python(tmp_path_factory) -> Iterator[Callable[..., _Run]]:
+    """``run(code, *argv)``: ``python -c code argv...`` in a child of its own, forked from one process of the
+    module that imported torch once (tests/targets/torch_forker.py), not a fresh interpreter that imports it
+    again for each script: each script still starts in a process of its own, with no agent (target_env's
+    environment without PROBE, as before)."""
+    popen = subprocess.Popen([sys.executable, os.path.join(TARGETS, "torch_forker.py")], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=target_env(probe=False), cwd=REPO)
+    forker = Proc(popen, "torch_forker.py")
+    folder = tmp_path_factory.mktemp("torch-scripts")
+    runs = [0]
+
+    def run(code: str, *argv: str) -> _Run:
+        runs[0] += 1
+        out, err = str(folder / ("%d.out" % runs[0])), str(folder / ("%d.err" % runs[0]))
+        assert popen.stdin is not None
+        popen.stdin.write((json.dumps({"code": code, "argv": list(argv), "out": out, "err": err}) + "\n").encode())
+        popen.stdin.flush()
+        line = forker.read_line(120)  # scaled as subprocess.run's timeout was
+        assert line.startswith("DONE "), line
+        with open(out, encoding="utf-8", errors="replace") as o, open(err, encoding="utf-8", errors="replace") as e:
+            return _Run(int(line.split()[1]), o.read(), e.read())
+
+    try:
+        line = forker.read_line(60)
+        assert line.startswith("READY"), line
+        yield run
+    finally:
+        forker.kill()
 
 
 def test_from_first_step_slow_module_ranked_first(target_factory):
@@ -220,11 +257,10 @@ print(json.dumps({"step": last, "modules": [m for m, s in zip(columns["module"],
 """
 
 
-def test_a_step_that_hangs_shows_the_spans_it_completed() -> None:
+def test_a_step_that_hangs_shows_the_spans_it_completed(torch_python) -> None:
     """Once training steps, the hooks leave records that a reader builds into spans: a read while a step
     hangs in a module shows the modules that step has finished, under its own step number."""
-    done = subprocess.run([sys.executable, "-c", _HUNG_STEP], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    done = torch_python(_HUNG_STEP)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"step": 3, "modules": ["0", "1"]}, seen
@@ -272,27 +308,26 @@ _WHOLE = [[0, "Sequential", "forward", 0]] + [[k, str(k - 1), "forward", 1] for 
 _WHOLE_STEP = json.dumps(sorted(_WHOLE + [[21, "SGD", "optimizer", 0]]))
 
 
-def _long_run(size: int, steps: int) -> Dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", _LONG_RUN, str(size), str(steps)], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+def _long_run(torch_python: Callable[..., Any], size: int, steps: int) -> Dict[str, Any]:
+    done = torch_python(_LONG_RUN, str(size), str(steps))
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def test_a_long_run_leaves_its_spans_to_the_read_each_step_whole() -> None:
+def test_a_long_run_leaves_its_spans_to_the_read_each_step_whole(torch_python) -> None:
     """The training thread builds nothing once an optimizer has stepped (the first step's hooks build their
     own spans): 300 steps of 21 module calls and an optimizer step, read once, give every step the same 22
     spans, in call order."""
-    seen = _long_run(10_000, 300)
+    seen = _long_run(torch_python, 10_000, 300)
     assert seen["built"] == 22 and seen["dropped"] == 0, seen
     assert seen["steps"] == list(range(300)) and seen["rows"] == 300 * 22, seen["rows"]
     assert seen["shapes"] == [_WHOLE_STEP], seen["shapes"]
 
 
-def test_records_nobody_reads_stay_bounded_and_a_read_builds_the_newest_steps_whole() -> None:
+def test_records_nobody_reads_stay_bounded_and_a_read_builds_the_newest_steps_whole(torch_python) -> None:
     """With a buffer of 1000 spans, 1500 steps (33,000 spans) unread: the records never pass the limit,
     nothing is built until the read, and the read fills the buffer with the newest steps, each whole."""
-    seen = _long_run(1000, 1500)  # (the oldest step held has lost its first spans to the ring)
+    seen = _long_run(torch_python, 1000, 1500)  # (the oldest step held has lost its first spans to the ring)
     assert seen["built"] == 22 and seen["most"] <= limit_for(1000), seen  # the first step's, as above
     assert seen["rows"] == 1000 and seen["steps"][-1] == 1499, seen
     assert seen["steps"] == list(range(seen["steps"][0], 1500)), seen["steps"]  # the newest, no gap
@@ -316,11 +351,10 @@ print(json.dumps({"cut": log.steps_cut, "lists": len(log._threads), "built": tra
 """
 
 
-def test_a_thread_that_ended_has_its_spans_built_and_its_list_dropped_at_a_cut() -> None:
+def test_a_thread_that_ended_has_its_spans_built_and_its_list_dropped_at_a_cut(torch_python) -> None:
     """A thread that ran a forward and ended: when the training thread's hook cuts its own records, it
     builds what the ended thread left and forgets its list (the step marks would grow it for ever)."""
-    done = subprocess.run([sys.executable, "-c", _ENDED_THREAD], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    done = torch_python(_ENDED_THREAD)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["cut"] > 0 and seen["lists"] == 1, seen
@@ -350,12 +384,11 @@ print(json.dumps({"pending": pending, "freed": freed, "step": trace.current().st
 """
 
 
-def test_a_model_the_program_drops_is_freed_while_its_records_wait() -> None:
+def test_a_model_the_program_drops_is_freed_while_its_records_wait(torch_python) -> None:
     """Records not yet built keep no module or optimizer alive: a job that drops its model (and its GPU
     memory) gets it back at once, a model first called once the hooks only keep records too; the next
     optimizer then counts the steps."""
-    done = subprocess.run([sys.executable, "-c", _DROPPED_MODEL], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    done = torch_python(_DROPPED_MODEL)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["pending"] > 0 and seen["freed"] == [True, True, True], seen
@@ -381,11 +414,10 @@ os.waitpid(child, 0)
 """
 
 
-def test_a_forked_child_bounds_its_own_records() -> None:
+def test_a_forked_child_bounds_its_own_records(torch_python) -> None:
     """A child forked while the parent's agent was building spans (its lock held) gets a lock of its own:
     its hooks cut their records at the limit, not keep them for ever."""
-    done = subprocess.run([sys.executable, "-c", _FORKED], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    done = torch_python(_FORKED)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["cut"] > 0 and seen["pending"] < limit_for(100), seen
@@ -410,11 +442,10 @@ os.waitpid(child, 0)
 """
 
 
-def test_a_forked_child_s_steps_carry_its_own_memory_reading() -> None:
+def test_a_forked_child_s_steps_carry_its_own_memory_reading(torch_python) -> None:
     """The step marks keep an RSS reading for up to 250 ms; a child forked from a traced process reads
     its own at its first step, not the parent's last (a child that allocates 300 MB shows it)."""
-    done = subprocess.run([sys.executable, "-c", _FORKED_MEMORY], capture_output=True, text=True,
-                          timeout=scaled(120), env=target_env(probe=False), cwd=REPO)
+    done = torch_python(_FORKED_MEMORY)
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["child"] > seen["parent"] + 150, seen
