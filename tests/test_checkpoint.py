@@ -45,12 +45,21 @@ def _in_fresh_python(code: str) -> str:
     return done.stdout.strip()
 
 
-def test_the_file_restores_the_same_weights_optimizer_and_rng(tmp_path):
-    path, ref = str(tmp_path / "ck.pt"), str(tmp_path / "ref.pt")
+@pytest.fixture(scope="module")
+def idle_trainer():
+    """One ``train.py --idle`` (a torch import: seconds under load) for the tests that only save it and read
+    it: none arms its gate, changes its limits or kills it (those start their own)."""
     with running("train.py", "--idle") as proc:
-        saved = _checkpoint(proc.pid, path)
-        _eval(proc.pid, "torch.save({'model': model.state_dict(), 'opt': optimizer.state_dict()}, %r)" % ref)
-        draws = _eval(proc.pid, "g = torch.get_rng_state(); x = torch.rand(3).tolist(); torch.set_rng_state(g); x")
+        yield proc
+
+
+def test_the_file_restores_the_same_weights_optimizer_and_rng(tmp_path, idle_trainer):
+    path, ref = str(tmp_path / "ck.pt"), str(tmp_path / "ref.pt")
+    proc = idle_trainer
+    saved = _checkpoint(proc.pid, path)
+    _eval(proc.pid, "torch.save({'model': model.state_dict(), 'opt': optimizer.state_dict()}, %r)" % ref)
+    # the RNG's state is put back after the draws: the target is as it was for the next test
+    draws = _eval(proc.pid, "g = torch.get_rng_state(); x = torch.rand(3).tolist(); torch.set_rng_state(g); x")
     assert saved["path"] == path and saved["bytes"] == os.path.getsize(path) and saved["sha256"] == _sha256(path)
     assert os.stat(path).st_mode & 0o777 == 0o600  # the weights are the owner's alone, whatever the umask
     assert saved["models"] == [{"name": "model", "tensors": 10, "parameters": 684}]
@@ -97,7 +106,7 @@ def test_refused_when_eval_is_off(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def test_sigkill_mid_write_leaves_the_old_file(tmp_path):
+def test_sigkill_mid_write_leaves_the_old_file(tmp_path, idle_trainer):
     path, entered = str(tmp_path / "ck.pt"), str(tmp_path / "entered")
     proc = spawn("train.py", ["--idle"])
     try:
@@ -123,8 +132,8 @@ def test_sigkill_mid_write_leaves_the_old_file(tmp_path):
         proc.kill()
     assert _sha256(path) == old
     assert torch.load(path)["format"] == "probe.checkpoint/1"
-    with running("train.py", "--idle") as again:  # the next checkpoint there removes the dead one's leftover
-        _checkpoint(again.pid, path, "--overwrite")
+    _checkpoint(idle_trainer.pid, path, "--overwrite")  # the next checkpoint there (another process's) removes
+    # the dead one's leftover
     assert sorted(os.listdir(tmp_path)) == ["ck.pt", "entered"]
 
 
@@ -181,18 +190,18 @@ def test_a_save_past_its_time_limit_is_stopped_and_the_old_file_stays(tmp_path):
         assert again.code == 0 and again.out.split() == ["n", "6"]  # the agent serves on
 
 
-def test_taken_between_steps_when_the_job_steps_and_concurrently_when_it_does_not(tmp_path):
+def test_taken_between_steps_when_the_job_steps_and_concurrently_when_it_does_not(tmp_path, idle_trainer):
     with running("train.py") as proc:  # keeps training: the save waits for the next optimizer step
         saved = _checkpoint(proc.pid, str(tmp_path / "steps.pt"))
         assert saved["taken"].startswith("between optimizer steps"), saved["taken"]
         assert _eval(proc.pid, "1 + 1") == "2"  # and the loop went on
         saved = _checkpoint(proc.pid, str(tmp_path / "asked.pt"), "--concurrent")
         assert saved["taken"] == "concurrently with the training loop (as asked)", saved["taken"]
-    with running("train.py", "--idle") as proc:  # makes no step, as a hung job: saved concurrently, said so
-        started = time.monotonic()
-        saved = _checkpoint(proc.pid, str(tmp_path / "idle.pt"))
-        assert "no optimizer step came within 2 s" in saved["taken"], saved["taken"]
-        assert time.monotonic() - started < 30
+    # the idle one makes no step, as a hung job: saved concurrently, said so
+    started = time.monotonic()
+    saved = _checkpoint(idle_trainer.pid, str(tmp_path / "idle.pt"))
+    assert "no optimizer step came within 2 s" in saved["taken"], saved["taken"]
+    assert time.monotonic() - started < 30
     restored = _in_fresh_python("""
         import torch
         print(sorted(torch.load(%r, weights_only=True)["models"]))

@@ -95,39 +95,42 @@ def test_hf_trainer_in_main_is_found_and_its_checkpoints_resume(tmp_path):
         framed = run_cli(str(pid), "eval", "--frame", "MainThread:main", "import __main__; __main__.seen = trainer")
         assert framed.code == 0 and framed.err == "", framed.err  # no false "changed only in the snippet's copy"
         assert run_cli(str(pid), "eval", "type(seen).__name__").out.strip() == "'Trainer'"
-        assert proc.popen.wait(scaled(120)) == 0
+        # One model, one optimizer (not AcceleratedOptimizer and AdamW), no activation instances, stable names.
+        assert models == [{"model": "model"}], models
+        assert optimizers == [{"optimizer": "trainer.optimizer", "class": "torch.optim.adamw.AdamW"}], optimizers
+        assert trainers == [{"trainer": "trainer", "kind": "transformers", "max_steps": 14, "grad_accumulation": 1,
+                             "precision": "no", "callbacks": "DefaultFlowCallback, Log, PrinterCallback",
+                             "model": "model", "optimizers": "trainer.optimizer",
+                             "schedulers": "trainer.lr_scheduler"}]
+        assert [m["name"] for m in saved["models"]] == ["model"] and by_name["models"][0]["name"] == "trainer.model"
+        assert [o["name"] for o in saved["optimizers"]] == ["trainer.optimizer"]
+        assert saved["schedulers"] == [{"name": "trainer.lr_scheduler", "class": "LambdaLR"}]
+        assert saved["taken"].startswith("between optimizer steps") and hf["taken"].startswith("between optimizer steps")
+        assert saved["step_source"] == "trainer global_step" and saved["trainer"]["global_step"] == saved["step"]
+        # (beside them the marker by which the ranks of one save know the directory as theirs:
+        # probe.tables.torch.checkpoint_files)
+        assert sorted(f for f in os.listdir(hf_dir) if not f.startswith(".probe-save-")) == [
+            "config.json", "optimizer.pt", "pytorch_model.bin", "rng_state.pth",
+                                              "scheduler.pt", "trainer_state.json"]
+        # --format hf: transformers' own resume continues exactly as the run that was not stopped (run meanwhile,
+        # as that run sleeps through its last steps).
+        with _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir]):
+            # The default file: a strict load into the model class, and the scheduler and progress of that step.
+            out = _in_fresh_python("""
+                import sys, torch
+                sys.path.insert(0, %r)
+                from hf_trainer import tiny_config
+                from transformers import GPT2LMHeadModel
+                ck = torch.load(%r)
+                model = GPT2LMHeadModel(tiny_config())
+                model.load_state_dict(ck["models"]["model"], strict=True)
+                scheduler = ck["schedulers"]["trainer.lr_scheduler"]
+                print(sorted(ck["models"]), scheduler["last_epoch"] == ck["step"], ck["trainer"]["state"]["global_step"])
+            """ % (TARGETS, plain))
+            assert out == "['model'] True %d" % saved["step"], out
+            assert proc.popen.wait(scaled(120)) == 0  # the run that was not stopped ends on its own
     finally:
         proc.kill()
-    # One model, one optimizer (not AcceleratedOptimizer and AdamW), no activation instances, stable names.
-    assert models == [{"model": "model"}], models
-    assert optimizers == [{"optimizer": "trainer.optimizer", "class": "torch.optim.adamw.AdamW"}], optimizers
-    assert trainers == [{"trainer": "trainer", "kind": "transformers", "max_steps": 14, "grad_accumulation": 1,
-                         "precision": "no", "callbacks": "DefaultFlowCallback, Log, PrinterCallback",
-                         "model": "model", "optimizers": "trainer.optimizer", "schedulers": "trainer.lr_scheduler"}]
-    assert [m["name"] for m in saved["models"]] == ["model"] and by_name["models"][0]["name"] == "trainer.model"
-    assert [o["name"] for o in saved["optimizers"]] == ["trainer.optimizer"]
-    assert saved["schedulers"] == [{"name": "trainer.lr_scheduler", "class": "LambdaLR"}]
-    assert saved["taken"].startswith("between optimizer steps") and hf["taken"].startswith("between optimizer steps")
-    assert saved["step_source"] == "trainer global_step" and saved["trainer"]["global_step"] == saved["step"]
-    # (beside them the marker by which the ranks of one save know the directory as theirs: probe.tables.torch.checkpoint_files)
-    assert sorted(f for f in os.listdir(hf_dir) if not f.startswith(".probe-save-")) == [
-        "config.json", "optimizer.pt", "pytorch_model.bin", "rng_state.pth",
-                                          "scheduler.pt", "trainer_state.json"]
-    # --format hf: transformers' own resume continues exactly as the run that was not stopped (run meanwhile).
-    with _run_to_the_end("hf_trainer.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", hf_dir]):
-        # The default file: a strict load into the model class, and the scheduler and progress of that step.
-        out = _in_fresh_python("""
-            import sys, torch
-            sys.path.insert(0, %r)
-            from hf_trainer import tiny_config
-            from transformers import GPT2LMHeadModel
-            ck = torch.load(%r)
-            model = GPT2LMHeadModel(tiny_config())
-            model.load_state_dict(ck["models"]["model"], strict=True)
-            scheduler = ck["schedulers"]["trainer.lr_scheduler"]
-            print(sorted(ck["models"]), scheduler["last_epoch"] == ck["step"], ck["trainer"]["state"]["global_step"])
-        """ % (TARGETS, plain))
-        assert out == "['model'] True %d" % saved["step"], out
     _same_run_after(hf["step"], _log(log), _log(resumed_log), 14)
 
 
@@ -154,8 +157,9 @@ def test_hf_trainer_on_two_ranks_checkpoints_each_rank_unwrapped(tmp_path):
         trainers = _across_ranks(job.address, "query", "SELECT trainer, model, world_size FROM torch.trainer")
         # Each rank is written right before its next optimizer step; a request that reaches one rank just
         # before a step and the other just after it saves them a step apart (the files are each rank's own).
-        for _ in range(3):
-            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"))
+        for attempt in range(3):  # a try after the first replaces the files of the one before, as asked
+            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"),
+                                  *(("--overwrite",) if attempt else ()))
             if len({row["step"] for row in saved}) == 1:
                 break
     # One model a rank, the user's (not DistributedDataParallel), under main()'s name, its keys unprefixed.
@@ -204,28 +208,29 @@ def test_lightning_module_is_found_and_its_checkpoints_resume(tmp_path):
         trainers = _rows(pid, "SELECT trainer, kind, max_steps, precision, model, schedulers FROM torch.trainer")
         saved = _checkpoint(pid, plain)
         lightning = _checkpoint(pid, own, "-F", "lightning")
-        assert proc.popen.wait(scaled(120)) == 0
+        # No _ResultMetric, no LightningAdamW beside its AdamW; the names of main()'s locals.
+        assert models == [{"model": "model"}], models
+        assert optimizers == [{"optimizer": "trainer.optimizers[0]"}], optimizers
+        assert trainers == [{"trainer": "trainer", "kind": "lightning", "max_steps": 14, "precision": "32-true",
+                             "model": "model", "schedulers": "trainer.lr_scheduler_configs[0].scheduler"}], trainers
+        assert saved["trainer"]["kind"] == "lightning" and saved["step"] == saved["trainer"]["global_step"]
+        # Lightning's own resume (run meanwhile, as the first run sleeps through its last steps) continues
+        # exactly as the run that was not stopped.
+        with _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own]):
+            out = _in_fresh_python("""
+                import sys, torch
+                sys.path.insert(0, %r)
+                sys.argv = ["x", "unused"]
+                from lightning_train import Regression
+                ck = torch.load(%r)
+                Regression().load_state_dict(ck["models"]["model"], strict=True)
+                print(list(ck["optimizers"]), ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"]
+                      == ck["step"])
+            """ % (TARGETS, plain))
+            assert out == "['trainer.optimizers[0]'] True", out
+            assert proc.popen.wait(scaled(120)) == 0  # the run that was not stopped ends on its own
     finally:
         proc.kill()
-    # No _ResultMetric, no LightningAdamW beside its AdamW; the names of main()'s locals.
-    assert models == [{"model": "model"}], models
-    assert optimizers == [{"optimizer": "trainer.optimizers[0]"}], optimizers
-    assert trainers == [{"trainer": "trainer", "kind": "lightning", "max_steps": 14, "precision": "32-true",
-                         "model": "model", "schedulers": "trainer.lr_scheduler_configs[0].scheduler"}], trainers
-    assert saved["trainer"]["kind"] == "lightning" and saved["step"] == saved["trainer"]["global_step"]
-    # Lightning's own resume (run meanwhile) continues exactly as the run that was not stopped.
-    with _run_to_the_end("lightning_train.py", [resumed_log, "--max-steps", "14", "--sleep", "0", "--resume", own]):
-        out = _in_fresh_python("""
-            import sys, torch
-            sys.path.insert(0, %r)
-            sys.argv = ["x", "unused"]
-            from lightning_train import Regression
-            ck = torch.load(%r)
-            Regression().load_state_dict(ck["models"]["model"], strict=True)
-            print(list(ck["optimizers"]), ck["schedulers"]["trainer.lr_scheduler_configs[0].scheduler"]["last_epoch"]
-                  == ck["step"])
-        """ % (TARGETS, plain))
-        assert out == "['trainer.optimizers[0]'] True", out
     _same_run_after(lightning["step"], _log(log), _log(resumed_log), 14)
 
 
@@ -248,8 +253,9 @@ def test_lightning_module_on_two_ranks_checkpoints_each_rank_unwrapped(tmp_path)
         trainers = _across_ranks(job.address, "query", "SELECT trainer, kind, model, world_size, schedulers "
                                  "FROM torch.trainer")
         # As for the HF job: a request that straddles a step boundary saves the ranks a step apart; again.
-        for _ in range(3):
-            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"))
+        for attempt in range(3):  # a try after the first replaces the files of the one before, as asked
+            saved = _across_ranks(job.address, "checkpoint", str(tmp_path / "ck-{rank}.pt"),
+                                  *(("--overwrite",) if attempt else ()))
             if len({row["step"] for row in saved}) == 1:
                 break
         own = _across_ranks(job.address, "checkpoint", str(tmp_path / "l-{rank}.ckpt"), "-F", "lightning")

@@ -93,6 +93,12 @@ def save(path: str, models: Optional[Sequence[str]] = None, optimizers: Optional
     if not _busy.acquire(blocking=False):
         raise Busy("a checkpoint is being written in this process already", hint="wait for it to finish")
     try:
+        from probe.tables.torch.checkpoint_files import check_target
+
+        # A path refused is refused now, not after the wait for the next step (2 s in an idle job); _save
+        # checks again, as the path may change meanwhile.
+        check_target(expand_path(path), overwrite, directory=fmt == "hf")
+
         def work(cancel: threading.Event, rng: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
             return _save(path, models, optimizers, scope, fmt, cancel, rng, overwrite, save_id)
 
