@@ -157,9 +157,21 @@ def judge(last: Any, answering: List[int], who: Callable[[Sequence[int]], str], 
     framework's last logged loss, where it is NaN or Inf."""
     from probe.diagnose.verdict import Evidence, Verdict
 
-    checks = {r: c for r in answering for c in [_check(last.ranks[r])] if c is not None}
-    bad = {r: _bad(c) for r, c in checks.items() if _bad(c)}
-    losses = {r: rows for r in answering for rows in [_bad_losses(last.ranks[r])] if rows}
+    checks: Dict[int, Dict[str, Any]] = {}
+    bad: Dict[int, List[Dict[str, Any]]] = {}
+    losses: Dict[int, List[Dict[str, Any]]] = {}
+    evs = last.ranks
+    for r in answering:  # one pass over the ranks (16k of them at scale), each rank's rows read once
+        ev = evs[r]
+        check = _check(ev)
+        if check is not None:
+            checks[r] = check
+            found = _bad(check)
+            if found:
+                bad[r] = found
+        rows = _bad_losses(ev)
+        if rows:
+            losses[r] = rows
     loss_evidence = [Evidence("the last logged loss on %s: %s" % (who([r]), ", ".join(_loss_text(x) for x in rows)),
                               command([r], "query \"%s\"" % LOSS_SQL), [r], [dict(x, rank=r) for x in rows])
                      for r, rows in sorted(losses.items())[:4]]
@@ -227,12 +239,15 @@ def _loss_verdict(losses: Dict[int, List[Dict[str, Any]]], checks: Dict[int, Any
 def unavailable(last: Any, answering: List[int], who: Callable[[Sequence[int]], str]) -> List[str]:
     """What the check could not read: why a rank was not read, and CUDA or budget-skipped tensors."""
     reasons: Dict[str, List[int]] = {}
+    ranks = last.ranks
     for r in answering:
-        training = getattr(last.ranks[r], "training", None) or {}
+        training = getattr(ranks[r], "training", None) or {}
         why = training.get("finite_check_why")
         check = training.get("finite_check")
         if check is not None:
             rows = check.get("rows") or []
+            if rows and not rows[0].get("params"):
+                rows = []  # nothing counted as left unread: the common case, read no further
             params = int(rows[0].get("params") or 0) if rows else 0
             read = int(rows[0].get("checked") or 0) if rows else 0
             if params > read:

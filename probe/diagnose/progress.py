@@ -20,7 +20,7 @@ longest is for the trace to say, and the verdicts say so rather than guess.
 """
 
 import statistics
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from probe._words import span
 from probe.diagnose.evidence import RankEvidence, Sample, fr_by_pg, main_stack
@@ -179,16 +179,29 @@ def _ran(progress: Dict[str, Any]) -> bool:
 
 def steps_text(last: Sample, ranks: Sequence[int], who: Who) -> str:
     """``rank 1 at step 52, its last 8.1 s ago; ranks 0,2 at step 53, ...``: ranks grouped by their count."""
-    groups: Dict[int, List[int]] = {}
+    groups: Dict[int, Tuple[List[int], List[float]]] = {}
+    evs = last.ranks
     for r in ranks:
-        main = counter(last.ranks[r])
+        memo = _memo(evs[r])  # once a rank: its counter and its last step's age
+        main = memo[2]
         if main is not None:
-            groups.setdefault(int(main["steps"]), []).append(r)
+            group = groups.get(int(main["steps"]))
+            if group is None:
+                group = groups[int(main["steps"])] = ([], [])
+            group[0].append(r)
+            group[1].append(memo[4] or 0.0)
     parts = []
-    for steps, rs in sorted(groups.items()):
-        ages = [_age(last.ranks[r]) or 0.0 for r in rs]
+    for steps, (rs, ages) in sorted(groups.items()):
         parts.append("%s at step %d, the last %s ago" % (who(rs), steps, _span(min(ages), max(ages))))
     return "; ".join(parts)
+
+
+def _memo(ev: RankEvidence) -> Any:
+    """:func:`_counted_of`'s memo of a rank, read in place where it is still good."""
+    memo = ev.__dict__.get("_counter_memo")
+    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
+        memo = _counted_of(ev)
+    return memo
 
 
 def _span(low: float, high: float) -> str:
@@ -197,11 +210,12 @@ def _span(low: float, high: float) -> str:
 
 def _rows(last: Sample, ranks: Sequence[int]) -> List[Dict[str, Any]]:
     out = []
+    evs = last.ranks
     for r in ranks:
-        main = counter(last.ranks[r])
+        main = _memo(evs[r])[2]
         if main is not None:
-            out.append(dict(rank=r, optimizer=main.get("optimizer"), steps=main.get("steps"),
-                            last_age=main.get("last_age"), step_s=main.get("step_s")))
+            out.append({"rank": r, "optimizer": main.get("optimizer"), "steps": main.get("steps"),
+                        "last_age": main.get("last_age"), "step_s": main.get("step_s")})
     return out
 
 
@@ -316,7 +330,8 @@ def slow_steps(last: Sample, answering: List[int], who: Who, command: Commands) 
 
 def spread_evidence(last: Sample, ranks: Sequence[int], who: Who, command: Commands) -> Optional[Any]:
     """The step time across ranks, where it is about equal: what it does and does not say."""
-    times = [t for r in ranks for t in [_step_s(last.ranks[r])] if t is not None]
+    evs = last.ranks
+    times = [t for r in ranks for t in [_memo(evs[r])[3]] if t is not None]
     if not times:
         return None
     text = "step time %s on %s (median of the last 64 steps)" % (_span3(min(times), max(times)), who(ranks))

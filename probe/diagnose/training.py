@@ -145,9 +145,12 @@ def judge(first: Any, last: Any, answering: List[int], progress: Dict[int, Dict[
 
     out = []
     for r in answering:
+        moved = progress.get(r, {})
+        if moved.get("stepped") or window < HANG_FLOOR_S:
+            continue  # what most ranks of a working job say: no loader stall there (asked first: 16k ranks)
         a, b = first.ranks.get(r), last.ranks[r]
-        if a is not None and window >= HANG_FLOOR_S:
-            stall = _loader_stall(a, b, progress.get(r, {}), window, who, command)
+        if a is not None:
+            stall = _loader_stall(a, b, moved, window, who, command)
             if stall is not None:
                 out.append(stall)
     numerical = _numerical(last, answering, who, command)
