@@ -42,11 +42,11 @@ def pytest_unconfigure(config) -> None:
 SLOW_MODULES = ("test_snapshot_watch.py", "test_sql_blowups.py", "test_every_launcher.py", "test_frameworks.py",
                 "test_checkpoint.py", "test_diagnose.py", "test_snapshot_runs.py", "test_torch_tables.py",
                 "test_fr_copy.py", "test_framework_values.py", "test_alerts_straggler.py", "test_diagnose_steps.py",
-                "test_cluster_helper_answer.py", "test_page.py", "test_torch_trace.py", "test_alerts.py",
+                "test_page.py", "test_torch_trace.py", "test_alerts.py",
                 "test_target_first.py", "test_cluster.py", "test_torch_reads.py", "test_diagnose_logged_loss.py",
                 "test_profile_launchers.py", "test_memory_verdict.py", "test_examples.py", "test_other_user.py",
                 "test_checkpoint_paths.py", "test_profile_frameworks.py", "test_diagnose_dist_training.py",
-                "test_launchers.py", "test_inject.py", "test_gpu_check.py", "test_diagnose_training.py",
+                "test_launchers.py", "test_cluster_helper_answer.py", "test_inject.py", "test_gpu_check.py", "test_diagnose_training.py",
                 "test_skill_file.py", "test_snapshot_read.py", "test_diagnose_shapes.py", "test_watch_check.py",
                 "test_step_extras.py", "test_hints.py", "test_tracked_scan.py", "test_diagnose_groups.py",
                 "test_outside_placed.py")
