@@ -94,21 +94,15 @@ class RankEvidence:
 
     def stacks(self) -> Dict[str, Tuple[Tuple[str, str, int, str], ...]]:
         """Thread name -> (func, file, lineno, code) innermost first; threads that share a name get #2...
-        (One dict while the frames are the same: read it, do not change it.)"""
-        return self._stacks_and_main()[0]
-
-    def _stacks_and_main(self) -> Tuple[Dict[str, Any], Tuple[str, Any]]:
-        """:meth:`stacks` and :func:`main_stack`'s answer, kept while ``frames`` is the same list (the rules
-        ask for them several times a rank: at 16k ranks, 200,000 times a diagnosis)."""
+        (One dict while the frames are the same: read it, do not change it. Kept while ``frames`` is the
+        same list: the rules ask for it several times a rank.)"""
         memo = self.__dict__.get("_stacks_memo")
         frames = self.frames
         if memo is not None and memo[0] is frames and memo[1] == len(frames or ()):
             return memo[2]  # type: ignore[no-any-return]
         out = {name: key for name, _, key in self._named()}
-        main: Tuple[str, Any] = ("MainThread", out["MainThread"]) if "MainThread" in out else \
-            next(iter(out.items()), ("MainThread", ()))
-        self.__dict__["_stacks_memo"] = (frames, len(frames or ()), (out, main))
-        return out, main
+        self.__dict__["_stacks_memo"] = (frames, len(frames or ()), out)
+        return out
 
     def _main(self) -> Tuple[str, Any]:
         """:func:`main_stack`'s answer, read from the named stacks alone (kept like them): the rules compare

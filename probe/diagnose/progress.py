@@ -63,12 +63,7 @@ def collect_steps(ev: RankEvidence, query: Callable[[Any, str], List[Dict[str, A
 
 def counter(ev: Optional[RankEvidence]) -> Optional[Dict[str, Any]]:
     """The rank's main optimizer: the one whose last step is the most recent (None: no step counted)."""
-    if ev is None:
-        return None
-    memo = ev.__dict__.get("_counter_memo")  # _counted_of's memo read here: asked 16k times a rule
-    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
-        memo = _counted_of(ev)
-    return memo[2]  # type: ignore[no-any-return]
+    return None if ev is None else _memo(ev)[2]  # type: ignore[no-any-return]
 
 
 def _counted_of(ev: RankEvidence) -> Any:
@@ -150,17 +145,11 @@ def _id(row: Dict[str, Any]) -> Any:
 
 
 def _age(ev: RankEvidence) -> Optional[float]:
-    memo = ev.__dict__.get("_counter_memo")
-    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
-        memo = _counted_of(ev)
-    return memo[4]  # type: ignore[no-any-return]
+    return _memo(ev)[4]  # type: ignore[no-any-return]
 
 
 def _step_s(ev: RankEvidence) -> Optional[float]:
-    memo = ev.__dict__.get("_counter_memo")
-    if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
-        memo = _counted_of(ev)
-    return memo[3]  # type: ignore[no-any-return]
+    return _memo(ev)[3]  # type: ignore[no-any-return]
 
 
 def _counted(last: Sample, answering: List[int], progress: Dict[int, Dict[str, Any]]) -> List[int]:
@@ -197,7 +186,8 @@ def steps_text(last: Sample, ranks: Sequence[int], who: Who) -> str:
 
 
 def _memo(ev: RankEvidence) -> Any:
-    """:func:`_counted_of`'s memo of a rank, read in place where it is still good."""
+    """:func:`_counted_of`'s memo of a rank, read in place where it is still good (asked some ten times a
+    rank by the rules: at 16k ranks, a call less each time counts)."""
     memo = ev.__dict__.get("_counter_memo")
     if memo is None or memo[0] is not ev.steps or memo[1] != ev.state:
         memo = _counted_of(ev)

@@ -172,9 +172,7 @@ def _loader_stall(a: Any, b: Any, progress: Dict[str, Any], window: float, who: 
                   command: Any) -> Optional[Any]:
     from probe.diagnose.verdict import CPU_RAN_S, Evidence, Verdict, where_of, where_text
 
-    if progress.get("stepped"):  # first: the cheapest, and what most ranks of a working job say
-        return None
-    key = _main_key(b)
+    key = _main_key(b)  # (a rank that stepped is not asked: see judge)
     if loader_wait_of(key) is None or loader_wait_of(_main_key(a)) is None:
         return None
     if (progress.get("cpu") or 0.0) >= CPU_RAN_S:

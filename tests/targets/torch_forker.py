@@ -18,10 +18,22 @@ import torch  # noqa: F401 -- the reason for this process: every child has it im
 os.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the repo, as cwd=REPO
 
 
-def _child(request: dict) -> None:
+def _die_with(parent: int) -> None:
+    """The kernel kills this child once the forker is gone (the test kills the forker, not its children:
+    a script still running then must not outlive it)."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the forker died before the line above: go now
+        os._exit(1)
+
+
+def _child(request: dict, parent: int) -> None:
     """Runs in the forked child: never returns."""
     code = 1
     try:
+        _die_with(parent)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         for fd, path in ((1, request["out"]), (2, request["err"])):
@@ -53,9 +65,10 @@ def main() -> None:
     print("READY", os.getpid(), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
+        parent = os.getpid()
         child = os.fork()
         if child == 0:
-            _child(request)
+            _child(request, parent)
         _, status = os.waitpid(child, 0)
         code = os.waitstatus_to_exitcode(status)
         print("DONE", code, flush=True)
