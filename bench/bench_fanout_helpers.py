@@ -470,7 +470,7 @@ def role_helpers(spec_path: str) -> None:
     out = []
     for node in spec["nodes"]:
         sim = SimHelper(node["node"], node["ranks"], spec["world"])
-        listener = Listener.tcp("127.0.0.1", 0, sim)
+        listener = Listener.tcp("127.0.0.1", 0, sim, keep_alive=True)  # as Helper.listen_tcp
         listener.start()
         host = helper_mod.node_host() if node.get("master") else "127.0.0.1"
         sim.sim_members = [{"rank": rank, "local_rank": i, "world_size": spec["world"], "node": node["node"],

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import time
 
 import pytest
 
@@ -249,3 +250,123 @@ def test_a_gathers_answer_hands_out_the_next_nonce_single_use_and_a_refused_one_
     assert place not in proof._kept
     proof.keep_next(address, token, asked, answer)
     assert place in proof._kept
+
+
+def _hello_bytes(connection: str, nonce: str = "ab" * 16) -> bytes:
+    return ("GET /v1/hello HTTP/1.1\r\nHost: x\r\nX-Probe-Nonce: %s\r\nConnection: %s\r\nContent-Length: 0\r\n\r\n"
+            % (nonce, connection)).encode()
+
+
+def _answer_on(sock: socket.socket) -> tuple:
+    """(status, headers) of one whole answer read from ``sock`` (its body by its Content-Length)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        assert chunk, "the connection closed without an answer (%r)" % buf[:200]
+        buf += chunk
+    head, _, body = buf.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    while len(body) < int(headers["content-length"]):
+        chunk = sock.recv(65536)
+        assert chunk, "the answer was cut short"
+        body += chunk
+    assert len(body) == int(headers["content-length"]), "bytes past the answer"
+    return int(lines[0].split(" ")[1]), headers
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(1) == b""
+    except socket.timeout:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_helper_keeps_a_connection_only_where_asked_and_never_an_agent(job):
+    """A node helper keeps a plain connection for the next request where the request asks
+    (``Connection: keep-alive``): the next request on it is answered as on a fresh one; one that asks for
+    close, or that sent more than one request at once, is answered and closed; a kept connection left
+    idle is closed after the listener's wait; a rank's agent keeps none."""
+    from probe.agent.listener import KEEP_IDLE_S
+
+    port, _pids = job
+    with socket.create_connection(("127.0.0.1", port - 1), timeout=scaled(20)) as sock:
+        for _ in range(3):  # asked for, and kept: three answers on one connection
+            sock.sendall(_hello_bytes("keep-alive"))
+            status, headers = _answer_on(sock)
+            assert status == 200 and headers["connection"] == "keep-alive", headers
+        sock.sendall(_hello_bytes("close"))
+        status, headers = _answer_on(sock)
+        assert status == 200 and headers["connection"] == "close", headers
+        assert _closed_within(sock, scaled(5))
+
+    with socket.create_connection(("127.0.0.1", port - 1), timeout=scaled(20)) as sock:
+        sock.sendall(_hello_bytes("keep-alive") * 2)  # the second before the first's answer: not kept
+        status, headers = _answer_on(sock)
+        assert status == 200 and headers["connection"] == "close", headers
+        assert _closed_within(sock, scaled(5))
+
+    with socket.create_connection(("127.0.0.1", port - 1), timeout=scaled(20)) as sock:
+        sock.sendall(_hello_bytes("keep-alive"))
+        assert _answer_on(sock)[1]["connection"] == "keep-alive"
+        begun = time.monotonic()
+        assert _closed_within(sock, KEEP_IDLE_S + scaled(10))  # idle: the helper lets it go
+        assert time.monotonic() - begun >= KEEP_IDLE_S - 0.5
+
+    ranks = json.loads(run_cli("127.0.0.1:%d" % port, "ranks", "-f", "json").out)
+    agent_port = int(next(r for r in ranks if r["rank"] == 0)["port"])
+    with socket.create_connection(("127.0.0.1", agent_port), timeout=scaled(20)) as sock:
+        sock.sendall(_hello_bytes("keep-alive"))
+        status, headers = _answer_on(sock)
+        assert status == 200 and headers["connection"] == "close", headers
+        assert _closed_within(sock, scaled(5))
+
+
+def test_idle_kept_connections_do_not_lock_out_a_new_client(job):
+    """Every connection slot of the helper held by kept, idle connections: a new client's request is still
+    answered (an idle kept connection gives its slot up, as one that sends nothing does), not 503."""
+    from probe.agent.listener import MAX_CONNECTIONS
+
+    port, _pids = job
+    held = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = socket.create_connection(("127.0.0.1", port - 1), timeout=scaled(20))
+            held.append(sock)
+            sock.sendall(_hello_bytes("keep-alive"))
+            assert _answer_on(sock)[1]["connection"] == "keep-alive"
+        with socket.create_connection(("127.0.0.1", port - 1), timeout=scaled(20)) as late:
+            late.sendall(_hello_bytes("close"))
+            status, headers = _answer_on(late)
+        assert status == 200, headers
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_look_through_the_helpers_goes_on_the_connection_of_the_look_before(job):
+    """The one-thread fan-out asks a kept connection: a gather goes on its hello's connection, and the next
+    gather to the same helper (a diagnosis's next look) on that same connection again."""
+    from probe.client import multiplex, proof, via_helpers
+
+    port, _pids = job
+    address, token = transport.TcpAddress("127.0.0.1", port - 1), _token(port)
+    body = json.dumps({"op": "backtrace", "ranks": [0, 2], "deadline": 5}).encode()
+    proof._kept.pop(proof._place(address, token.encode()), None)
+    multiplex._prune(time.monotonic() + multiplex.KEEP_REUSE_S)  # nothing kept from the tests before
+
+    def steps():
+        return via_helpers._gather_steps(address, body, scaled(20), token)
+
+    (first,) = multiplex.run([steps], 1, scaled(20))
+    assert first.error is None and first.value.status == 200, first
+    assert first.value.headers.get("connection") == "keep-alive"
+    (kept,) = [sock for sock, _ in multiplex._kept.values() if sock.getpeername()[1] == port - 1]
+    local = kept.getsockname()
+    (second,) = multiplex.run([steps], 1, scaled(20))
+    assert second.error is None and second.value.status == 200, second
+    (again,) = [sock for sock, _ in multiplex._kept.values() if sock.getpeername()[1] == port - 1]
+    assert again is kept and again.getsockname() == local  # the same connection, asked twice

@@ -209,3 +209,92 @@ def test_host_names_are_looked_up_beside_the_fan_out_each_once_and_one_that_does
     assert isinstance(bad, ConnectError) and "cannot connect to no-such-host.invalid:" in bad.message, outcomes[-1]
     assert most[0] >= 2, most  # looked up at once, not one after another
     assert where == {"probe-resolve"}, where  # never in the fan-out's own thread
+
+
+class Keeping:
+    """A loopback listener that says it keeps each connection (``keep-alive``) and then, as ``mode`` says:
+    ``drop``: closes the first connection without answering its second request (a listener that let an
+    idle kept connection go just as the client used it); ``extra``: sends a byte past its answer to the
+    hello. ``accepted``: connections taken; ``posts``: requests other than hellos that reached it."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.accepted, self.posts = mode, 0, 0
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.stop = threading.Event()
+        self.threads: List[threading.Thread] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self.accepted += 1
+            thread = threading.Thread(target=self._one, args=(conn, self.accepted), daemon=True)
+            self.threads.append(thread)
+            thread.start()
+
+    def _request(self, conn: socket.socket) -> bytes:
+        request = b""
+        while b"\r\n\r\n" not in request:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return b""
+            request += chunk
+        head, _, body = request.partition(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(body) < length:
+            body += conn.recv(65536)
+        return head
+
+    def _one(self, conn: socket.socket, nth: int) -> None:
+        conn.settimeout(scaled(10))
+        try:
+            while not self.stop.is_set():
+                head = self._request(conn)
+                if not head:
+                    return
+                if head.startswith(b"GET /v1/hello "):
+                    cn = next(line.split(b":")[1].strip().decode() for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"x-probe-nonce"))
+                    body = hmac_auth.hello_body(cn, TOKEN, conn.getsockname())
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nConnection: keep-alive\r\n\r\n" % len(body)
+                                 + body + (b"x" if self.mode == "extra" else b""))
+                    continue
+                self.posts += 1
+                if self.mode == "drop" and nth == 1:
+                    return  # closed below, the request unanswered
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: keep-alive\r\n\r\n{}")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
+
+
+@pytest.mark.parametrize("mode, accepted, posts", [("drop", 2, 2), ("extra", 2, 1)])
+def test_a_kept_connection_closed_unanswered_is_asked_afresh_and_one_with_bytes_past_its_answer_is_not_reused(
+        mode: str, accepted: int, posts: int) -> None:
+    """``drop``: the request sent on the hello's kept connection gets nothing back (the listener closed it):
+    it is sent once more on a fresh connection, and answered. ``extra``: a byte came past the hello's answer:
+    the gather goes on a fresh connection, never on one whose next bytes are not its answer's."""
+    listener = Keeping(mode)
+    try:
+        (outcome,) = _run([listener.port], scaled(5), scaled(20))
+    finally:
+        listener.close()
+    assert outcome.error is None and outcome.value.status == 200, outcome
+    transport.release(outcome.value)
+    assert (listener.accepted, listener.posts) == (accepted, posts)

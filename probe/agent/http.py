@@ -3,7 +3,8 @@
 Why not ``http.server``: importing it (with ``email`` and friends) costs the target about 6 MB and
 30 ms before the first request, and its parser is lenient with input we treat as hostile. This reads
 one request per connection with hard limits (header size, body size; the listener sets the read
-timeout), answers ``Connection: close``, and turns anything malformed into a JSON error. It is enough
+timeout), answers ``Connection: close`` (or ``keep-alive`` where the listener keeps the connection for
+the next request: ``probe.agent.listener``), and turns anything malformed into a JSON error. It is enough
 for ``curl --unix-socket``, for proxies and for port forwarding. Stdlib only; Python 3.9+.
 """
 
@@ -43,6 +44,7 @@ class Request:
     peer: str = ""  # who sent it: "uid U pid P" (unix, SO_PEERCRED) or "HOST:PORT" (TCP); for the audit trail
     local: str = ""  # TCP: the address this end has on the connection, which the handshake binds to
     grant: Any = None  # the scope its credentials proved (probe.agent.scopes.Grant), once checked: a proof is single-use
+    trailing: bool = False  # bytes came after its body (a next request sent before this one's answer)
 
     def json(self) -> Dict[str, object]:
         """The body as a JSON object; a clear ``bad_request`` for anything else.
@@ -120,7 +122,7 @@ def read_request(conn: socket.socket, transport: str) -> Request:
     method, path, headers = _parse_head(head)
     body = _read_body(conn, headers, rest)
     local = address_name(conn.getsockname()) if transport == "tcp" else ""
-    return Request(method, path, headers, body, transport, local=local)
+    return Request(method, path, headers, body, transport, local=local, trailing=len(rest) > len(body))
 
 
 def _bare_lf(buf: bytes, start: int, stop: int) -> bool:
@@ -177,8 +179,9 @@ def _read_body(conn: socket.socket, headers: Dict[str, str], already: bytes) -> 
     return b"".join(chunks)[:length]
 
 
-def send(conn: socket.socket, response: Response) -> bool:
-    """Write the whole response; False when the client went away or stopped reading.
+def send(conn: socket.socket, response: Response, keep_alive: bool = False) -> bool:
+    """Write the whole response; False when the client went away or stopped reading. ``keep_alive``: the
+    connection stays open for the client's next request (``Connection: keep-alive``; the listener decides).
 
     The deadline follows progress rather than being one total: a slow reader that keeps taking bytes
     gets its whole answer (up to a cap that grows with the size), one that takes nothing for
@@ -189,7 +192,7 @@ def send(conn: socket.socket, response: Response) -> bool:
     lines = ["HTTP/1.1 %d %s" % (response.status, reason),
              "Content-Type: %s" % response.content_type,
              "Content-Length: %d" % len(response.body),
-             "Connection: close"]
+             "Connection: keep-alive" if keep_alive else "Connection: close"]
     lines.extend("%s: %s" % item for item in response.headers.items())
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
     body = response.body

@@ -7,6 +7,13 @@ connection that has not sent its whole request within ``GRACE_S`` of being accep
 so that idle or slow clients (perhaps without a token) cannot lock out those with a request; one that
 sent its request in time is never evicted. Unix peers must run as our uid. Stdlib only; Python 3.9+.
 
+Kept connections: a listener made with ``keep_alive`` (a node helper's plain TCP one) keeps a connection
+open after its answer where the request asked for it (``Connection: keep-alive``), for the client's next
+request (a node's gather right after its hello, then the next look's): at 16k ranks that spares 2,048
+nodes two of their three connections a diagnosis. The kept connection holds its slot while it waits (at
+most ``KEEP_IDLE_S``), and is evictable meanwhile as a connection that has not sent its request; each
+request on it is read, authorized and answered as on a fresh one.
+
 A descriptor number is ours only as long as the program leaves it: a program that closes every
 descriptor it does not know (``os.closerange(3, ...)``, as daemons do) and then opens its own gets our
 old numbers. So each socket is known by its inode (``fstat``), not its number: the accept thread looks
@@ -39,7 +46,7 @@ from probe._fds import fd_identity, keep_stdio_open
 from probe._stderr import say as _say
 from probe._threads import daemon_thread
 from probe.agent.conns import _close, _has_input, _linger, _peer_creds, _peer_gone, _peer_name
-from probe.agent.http import Handler, Response, read_request, send
+from probe.agent.http import Handler, Request, Response, read_request, send
 from probe.agent.sockets import _listen_tcp, _listen_unix, server_tls_from_env
 from probe.errors import BadRequest, Busy, Forbidden, ProbeError
 
@@ -55,6 +62,8 @@ LINGER_S = 2.0  # after answering a request not read whole, how long (and how mu
 LINGER_BYTES = 4 * 1024 * 1024  # of its input to read and discard, so that the client reads our answer
 _POLL_S = 0.1  # while every slot is taken: how often to look for a connection to evict
 _TCP_WAKE_S = 1.0  # how often a TCP accept thread (which has no heartbeat) looks that its socket is still ours
+KEEP_IDLE_S = 5.0  # a connection kept open after its answer waits this long for its next request
+KEEP_MAX_REQUESTS = 100  # requests on one kept connection; then it is closed after its answer
 
 class Listener:
     """One listening socket, its accept thread, and worker threads (one per open connection, reused)."""
@@ -80,6 +89,7 @@ class Listener:
         self._heartbeat_path: Optional[str] = None  # set for a unix socket: touched every HEARTBEAT_S
         self._last_beat = 0.0
         self._thread = daemon_thread(self._accept_loop, name)
+        self.keep_alive = False  # keep a plain TCP connection open for the next request where it asks
 
     @classmethod
     def unix(cls, path: str, handler: Handler) -> "Listener":
@@ -88,11 +98,14 @@ class Listener:
         return listener
 
     @classmethod
-    def tcp(cls, host: str, port: int, handler: Handler) -> "Listener":
+    def tcp(cls, host: str, port: int, handler: Handler, keep_alive: bool = False) -> "Listener":
+        """``keep_alive``: keep a plain connection open for the client's next request where it asks."""
         tls = server_tls_from_env()  # first: a certificate that cannot be read binds no port
         sock = _listen_tcp(host, port)
         bound = int(sock.getsockname()[1])  # asked for port 0: listen again on the port we were given
-        return cls(sock, "tcp", handler, "probe-accept-tcp", lambda: _listen_tcp(host, bound), tls)
+        listener = cls(sock, "tcp", handler, "probe-accept-tcp", lambda: _listen_tcp(host, bound), tls)
+        listener.keep_alive = keep_alive
+        return listener
 
     @property
     def tls(self) -> bool:
@@ -326,6 +339,7 @@ class Listener:
 
     def _serve(self, conn: socket.socket) -> None:
         ident = fd_identity(conn.fileno())
+        switching = True  # switch.begin() was called at admission, for this request
         try:
             conn.settimeout(READ_TIMEOUT_S)
             if self.transport == "tcp":
@@ -338,35 +352,75 @@ class Listener:
             if self.transport != "tcp" and (creds is None or creds[1] != os.getuid()):
                 send(conn, Response.error(Forbidden("only the owner of this process may connect")))
                 return
-            try:
-                request = read_request(conn, self.transport)
-                request.peer = _peer_name(conn, creds)
-            except ProbeError as exc:
-                send(conn, Response.error(exc))
-                _linger(conn, LINGER_S, LINGER_BYTES)  # still evictable meanwhile: it holds a slot
-                return
-            except (OSError, ValueError):
-                if not self._untrack(conn):  # evicted: say so, in case it was slow rather than idle
-                    send(conn, Response.error(Busy(
-                        "the request was not complete %.0f s after the agent accepted the connection, and "
-                        "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
-                return  # otherwise the client went away or timed out; nothing to answer
-            self._untrack(conn)  # evicted or not: a whole request is answered
-            if _peer_gone(conn):
-                return  # asked long ago, and nobody waits for the answer: run nothing (an eval above all)
-            response = self._handler(request)
-            on_sent, response.on_sent = response.on_sent, None
-            try:
-                if fd_identity(conn.fileno()) == ident:  # a snippet that closed descriptors may have taken it
-                    send(conn, response)
-            finally:
-                del response  # the body goes before the budget hears it is free
-                if on_sent is not None:
-                    on_sent()
+            served = 0
+            while self._answer(conn, ident, creds, served):
+                served += 1
+                switch.end()  # waiting for the next request: the target's own switch interval meanwhile
+                switching = False
+                if not self._next_request(conn):
+                    return
+                switch.begin()
+                switching = True
         finally:
             self._untrack(conn)
             _close(conn, ident)
-            self._release()
+            self._release(switching)
+
+    def _answer(self, conn: socket.socket, ident: object, creds: object, served: int) -> bool:
+        """Read one request on ``conn`` and answer it; True where the connection is kept for the next."""
+        try:
+            request = read_request(conn, self.transport)
+            request.peer = _peer_name(conn, creds)
+        except ProbeError as exc:
+            send(conn, Response.error(exc))
+            _linger(conn, LINGER_S, LINGER_BYTES)  # still evictable meanwhile: it holds a slot
+            return False
+        except (OSError, ValueError):
+            if not self._untrack(conn):  # evicted: say so, in case it was slow rather than idle
+                send(conn, Response.error(Busy(
+                    "the request was not complete %.0f s after the agent accepted the connection, and "
+                    "the agent needed its slot for other clients" % GRACE_S, hint="retry")))
+            return False  # otherwise the client went away or timed out; nothing to answer
+        self._untrack(conn)  # evicted or not: a whole request is answered
+        if _peer_gone(conn):
+            return False  # asked long ago, and nobody waits for the answer: run nothing (an eval above all)
+        response = self._handler(request)
+        keep = self._keeps(request, served)
+        on_sent, response.on_sent = response.on_sent, None
+        try:
+            if fd_identity(conn.fileno()) != ident:  # a snippet that closed descriptors may have taken it
+                return False
+            return send(conn, response, keep) and keep
+        finally:
+            del response  # the body goes before the budget hears it is free
+            if on_sent is not None:
+                on_sent()
+
+    def _keeps(self, request: "Request", served: int) -> bool:
+        """Whether the connection stays open after this request's answer: where this listener keeps them,
+        over plain TCP, the request asked, and sent nothing past its body."""
+        return (self.keep_alive and request.transport == "tcp" and self._tls is None and not self._closed
+                and served + 1 < KEEP_MAX_REQUESTS and not request.trailing
+                and request.headers.get("connection", "").lower() == "keep-alive")
+
+    def _next_request(self, conn: socket.socket) -> bool:
+        """Wait up to ``KEEP_IDLE_S`` for the first byte of a kept connection's next request; False where
+        none came (the client closed it, went quiet, or the slot was taken back for another client)."""
+        with self._reading_lock:
+            self._reading[conn] = time.monotonic()  # evictable while it waits, as one not yet sending
+        try:
+            conn.settimeout(KEEP_IDLE_S)
+            first = _socket.socket.recv(conn, 1, socket.MSG_PEEK)
+            conn.settimeout(READ_TIMEOUT_S)
+        except OSError:
+            return False
+        if not first or self._closed:
+            return False
+        with self._reading_lock:
+            if conn not in self._reading:
+                return False  # evicted just as the request came: its slot is another's
+            self._reading[conn] = time.monotonic()  # a request's grace, from its first byte
+        return True
 
     def _tls_or_refuse(self, conn: socket.socket) -> Optional[socket.socket]:
         """The connection to serve (wrapped in TLS, its handshake done, where this listener speaks TLS), or
@@ -414,9 +468,10 @@ class Listener:
         with self._reading_lock:
             return self._reading.pop(conn, None) is not None
 
-    def _release(self) -> None:
+    def _release(self, switching: bool = True) -> None:
         self._slots.release()
-        switch.end()
+        if switching:
+            switch.end()
 
 
 def name_os_thread(name: str) -> None:

@@ -10,6 +10,13 @@ at a time (:class:`Exchange`), is sent each whole answer with the socket address
 its result. So the steps of one listener (a hello, its proof checked, then the request) read as they
 would with blocking calls, and the token handshake stays ``probe.client.proof``'s.
 
+Kept connections: a request may ask the listener to keep its connection (``Connection: keep-alive``, a
+node helper's listener does: ``probe.agent.listener``). Where the answer says it did, the socket waits for
+the conversation's next request to the same proven socket address (a gather after its hello), and after
+the conversation for the next one's (the next look's gather), for at most ``KEEP_REUSE_S``: fewer
+connections for both ends. A request on a kept socket that gets no byte back (the listener closed it
+meanwhile) is sent once more on a fresh connection.
+
 What comes back is bounded as ``transport.read_response`` bounds it: the answer whole by its deadline,
 its header at most 64 KiB, a valid ``Content-Length`` of at most ``MAX_RESPONSE_BYTES``, a large body only
 with room in ``MAX_IN_FLIGHT_BYTES``; and the errors say the same words. Plain TCP only: with TLS the
@@ -17,9 +24,12 @@ caller keeps the threads (``usable``).
 """
 
 import errno
+import resource
 import selectors
 import socket
+import threading
 import time
+from collections import OrderedDict
 from typing import Any, Callable, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import probe.client.transport as transport
@@ -33,6 +43,8 @@ __all__ = ["Exchange", "Conversation", "usable", "run"]
 _HEAD_MAX = 65536
 _SWEEP_S = 0.02  # how often every conversation is looked at (deadlines, room for a large answer, the slow)
 _RESOLVE_S = 0.005  # how often, while some host name is being looked up, whether it is
+KEEP_REUSE_S = 3.0  # a kept socket is used again within this (a listener keeps it 5 s: listener.KEEP_IDLE_S)
+_MAX_KEPT = 4096  # kept sockets, at most (and at most a quarter of this process's descriptors)
 
 
 class Exchange(NamedTuple):
@@ -63,7 +75,7 @@ class _Talk:
     """One conversation's state: its generator and the exchange under way."""
 
     __slots__ = ("index", "gen", "ex", "sock", "state", "candidates", "sent", "buf", "status", "headers", "body",
-                 "length", "received", "peer", "room")
+                 "length", "received", "peer", "room", "reused", "whole")
 
     def __init__(self, index: int, gen: Conversation) -> None:
         self.index, self.gen = index, gen
@@ -80,6 +92,8 @@ class _Talk:
         self.received = 0
         self.peer: Any = None
         self.room = 0
+        self.reused = False  # the exchange under way went on a kept socket
+        self.whole = False  # the answer ended exactly at its Content-Length (nothing after it: reusable)
 
 
 def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: float,
@@ -101,7 +115,7 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
 
     def finish(talk: _Talk, value: Any, error: Optional[ProbeError]) -> None:
         nonlocal done
-        _drop(sel, talk)
+        _drop(sel, talk, keep=error is None)
         talks.pop(talk.index, None)
         if error is not None:
             talk.gen.close()
@@ -121,8 +135,21 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
         except Exception as exc:  # a bug, or something not translated: this conversation's failure only
             finish(talk, None, ProbeError("%s: %s" % (type(exc).__name__, exc)))
             return
+        parked = talk.sock if talk.state == "parked" else None
         talk.ex, talk.state, talk.sent, talk.buf, talk.received = ex, "connect", 0, b"", 0
-        talk.body, talk.room = None, 0
+        talk.body, talk.room, talk.reused, talk.whole = None, 0, False, False
+        if parked is not None and ex.to is not None and ex.to == talk.peer:
+            _resume(sel, talk, parked)  # the same listener: on the socket its last answer came on
+            return
+        if parked is not None:
+            talk.state = "parked"
+            _drop(sel, talk, keep=True)
+            talk.state = "connect"
+        kept = _take_kept(ex.to) if ex.to is not None else None
+        if kept is not None:
+            talk.peer = ex.to
+            _resume(sel, talk, kept)
+            return
         if ex.to is None:
             talk.state = "resolve"
             resolving[talk.index] = talk
@@ -189,10 +216,13 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
                 try:
                     answer = _step(sel, talk)
                 except ProbeError as exc:
-                    finish(talk, None, exc)
+                    if talk.reused and not talk.received:  # a kept socket the listener had closed: afresh
+                        _again(sel, talk, finish)
+                    else:
+                        finish(talk, None, exc)
                     continue
                 if answer is not None:
-                    _drop(sel, talk)
+                    _park(sel, talk)
                     advance(talk, (answer, talk.peer))
             if not talks and nxt >= total:
                 break
@@ -202,6 +232,7 @@ def run(starts: Sequence[Callable[[], Conversation]], in_flight: int, deadline: 
             _drop(sel, talk)
             talk.gen.close()
         sel.close()
+        _prune(time.monotonic())
     return [o if o is not None else unanswered(began[i] is not None, deadline) for i, o in enumerate(outcomes)]
 
 
@@ -306,6 +337,7 @@ def _head(sel: selectors.BaseSelector, talk: _Talk, chunk: bytes) -> Optional["t
     talk.buf = b""
     status, headers, length = transport.checked_head(head, address)
     talk.status, talk.headers, talk.length = status, headers, length
+    talk.whole = len(rest) <= length  # bytes past the answer: the socket is not reused
     talk.body = transport._Body(rest[:length])
     talk.room = length if length - len(talk.body) > transport._FREE_BYTES else 0
     if talk.room:
@@ -364,8 +396,9 @@ def _late(talk: _Talk) -> ProbeError:
                    hint="the agent may be busy; retry with a larger %s" % wait)
 
 
-def _drop(sel: selectors.BaseSelector, talk: _Talk) -> None:
-    """The exchange's socket closed and forgotten by the selector."""
+def _drop(sel: selectors.BaseSelector, talk: _Talk, keep: bool = False) -> None:
+    """The exchange's socket forgotten by the selector and closed; ``keep``: one parked after a whole answer
+    the listener keeps the connection for is kept for another conversation to the same address instead."""
     sock, talk.sock = talk.sock, None
     if sock is None:
         return
@@ -373,4 +406,94 @@ def _drop(sel: selectors.BaseSelector, talk: _Talk) -> None:
         sel.unregister(sock)
     except (KeyError, ValueError):
         pass
-    sock.close()
+    if keep and talk.state == "parked" and talk.peer is not None:
+        _keep(talk.peer, sock)
+    else:
+        sock.close()
+
+
+def _park(sel: selectors.BaseSelector, talk: _Talk) -> None:
+    """An exchange's answer is in: its socket waits, unwatched, for the conversation's next request where the
+    listener keeps the connection (it said ``keep-alive``, and sent nothing past the answer); else closed."""
+    sock = talk.sock
+    if sock is None:
+        return
+    if not (talk.whole and talk.headers.get("connection", "").lower() == "keep-alive"):
+        _drop(sel, talk)
+        return
+    try:
+        sel.unregister(sock)
+    except (KeyError, ValueError):
+        pass
+    talk.state = "parked"
+
+
+def _resume(sel: selectors.BaseSelector, talk: _Talk, sock: socket.socket) -> None:
+    """Send the exchange on a kept socket (connected, its peer the exchange's ``to``)."""
+    talk.sock, talk.state, talk.reused = sock, "send", True
+    sel.register(sock, selectors.EVENT_WRITE, talk)
+
+
+def _again(sel: selectors.BaseSelector, talk: _Talk, finish: Callable[[_Talk, Any, Optional[ProbeError]], None]) -> None:
+    """The exchange once more on a fresh connection to its ``to``: its kept socket was closed by the listener."""
+    ex = talk.ex
+    assert ex is not None and ex.to is not None
+    _drop(sel, talk)
+    talk.state, talk.sent, talk.buf, talk.reused = "connect", 0, b"", False
+    talk.candidates = [(socket.AF_INET6 if len(ex.to) == 4 else socket.AF_INET, ex.to)]
+    try:
+        _connect_next(sel, talk)
+    except ProbeError as exc:
+        finish(talk, None, exc)
+
+
+# -- sockets kept between conversations (the next look's gather to the same node helper) ------------------
+
+_kept: "OrderedDict[Any, Tuple[socket.socket, float]]" = OrderedDict()  # socket address -> (socket, kept at)
+_kept_lock = threading.Lock()
+
+
+def _keep(peer: Any, sock: socket.socket) -> None:
+    with _kept_lock:
+        old = _kept.pop(peer, None)
+        _kept[peer] = (sock, time.monotonic())
+        while len(_kept) > _kept_bound():
+            old_peer, (old_sock, _) = _kept.popitem(last=False)
+            old_sock.close()
+    if old is not None:
+        old[0].close()
+
+
+def _take_kept(peer: Any) -> Optional[socket.socket]:
+    """A kept socket to ``peer``, taken, if fresh and still open at the listener's end."""
+    with _kept_lock:
+        got = _kept.pop(peer, None)
+    if got is None:
+        return None
+    sock, at = got
+    if time.monotonic() - at < KEEP_REUSE_S:
+        try:
+            sock.recv(1, socket.MSG_PEEK)  # non-blocking: nothing to read is what an open, idle one says
+        except BlockingIOError:
+            return sock
+        except OSError:
+            pass
+    sock.close()  # closed by the listener (or it sent something unasked), or too old to trust
+    return None
+
+
+def _prune(now: float) -> None:
+    """Close the kept sockets too old to be used again."""
+    with _kept_lock:
+        old = [peer for peer, (_, at) in _kept.items() if now - at >= KEEP_REUSE_S]
+        socks = [_kept.pop(peer)[0] for peer in old]
+    for sock in socks:
+        sock.close()
+
+
+def _kept_bound() -> int:
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        return 256
+    return _MAX_KEPT if soft == resource.RLIM_INFINITY else max(0, min(_MAX_KEPT, soft // 4))

@@ -240,10 +240,12 @@ A request's own ``X-Probe-Scope`` header (a host helper asking for a client) tak
 
 
 def request_bytes(address: Address, method: str, path: str, body: Optional[bytes],
-                  headers: Optional[Dict[str, str]]) -> bytes:
-    """The bytes of one request as sent (its ``Authorization``, if any, already in ``headers``)."""
+                  headers: Optional[Dict[str, str]], keep_alive: bool = False) -> bytes:
+    """The bytes of one request as sent (its ``Authorization``, if any, already in ``headers``).
+    ``keep_alive``: ask the listener to keep the connection for the next request (``probe.client.multiplex``)."""
     host = address.host if isinstance(address, TcpAddress) else "localhost"
-    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host, "Connection: close",
+    lines = ["%s %s HTTP/1.1" % (method, path), "Host: %s" % host,
+             "Connection: keep-alive" if keep_alive else "Connection: close",
              "Content-Length: %d" % len(body or b"")]
     if body:
         lines.append("Content-Type: application/json")

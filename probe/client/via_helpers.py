@@ -194,15 +194,15 @@ def _gather_steps(address: Any, body: bytes, timeout: float, token: Optional[str
             steps = proof.hello_steps(address, token, "POST", "/v1/gather", body)
             try:
                 path, hello = next(steps)
-                got = yield multiplex.Exchange(address, None, transport.request_bytes(address, "GET", path, None, hello),
-                                               end, timeout)
+                got = yield multiplex.Exchange(address, None, transport.request_bytes(address, "GET", path, None, hello,
+                                                                                      keep_alive=True), end, timeout)
                 steps.send(got)
                 raise ProbeError("the hello's steps went on past their answer")  # never: they end with it
             except StopIteration as stop:
                 to, value, reused = stop.value
             headers["Authorization"] = value
         got = yield multiplex.Exchange(address, to, transport.request_bytes(address, "POST", "/v1/gather", body,
-                                                                            headers or None), end, timeout)
+                                                                            headers or None, keep_alive=True), end, timeout)
         answer = got[0]
         if answer.status == 401 and asked and reused:
             transport.release(answer)

@@ -147,7 +147,9 @@ class Helper:
         from probe.agent.listener import Listener
 
         try:
-            tcp = Listener.tcp(host, self.port, self)  # TLS where PROBE_TLS_CERT says so, as the ranks' agents
+            # TLS where PROBE_TLS_CERT says so, as the ranks' agents; a plain one keeps a connection for the
+            # client's next request (a node's gather after its hello, the next look's): probe.agent.listener
+            tcp = Listener.tcp(host, self.port, self, keep_alive=True)
         except OSError as exc:
             self.tcp_error = exc.strerror or str(exc)
             return False
