@@ -35,7 +35,8 @@ the answer's bytes too are built once a look a process, by the real helper code 
 ``gathered.encode``, the JSON), every other node of the process served those bytes with its own ranks, pids
 and ages put in (``bench_fanout_helpers._one_node_answers``). WHAT RUNS FOR REAL, ON THIS MACHINE: the whole
 client (discovery, every node's token handshake and request a look: a hello and the request at a diagnosis's
-first look, then the request alone with the nonce the answer before handed out; reading and checking
+first look, then the request alone with the nonce the answer before handed out, all on one connection a node
+that its helper keeps (``probe.agent.listener``'s kept connections); reading and checking
 every node's answer, every rank's evidence, the rules over all of them), and each node's serving side (the
 helper's listener, its handshake, the request's checks: so this machine also carries 2,048 nodes' HTTP
 serving, which a real job spreads over its nodes). WHAT IS SIMULATED: the ranks (canned answers, from
@@ -86,8 +87,8 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
         assert len(sample.ranks) == n, len(sample.ranks)
         if bad:
             print("  look %d: %d of %d ranks gave no evidence in %.0f s: %s" % (i, len(bad), n, deadline, bad[0]))
-        time.sleep(1.0)  # the helpers' one-node evidence of this look is not the next one's
         _fresh_process()
+        time.sleep(1.0)  # the helpers' one-node evidence of this look is not the next one's
         start, cpu = time.perf_counter(), time.process_time()
         cluster = connect_all(job.master, token=fleet.TOKEN, deadline=deadline, timeout=deadline + 20.0)
         cluster.via = via
@@ -102,6 +103,7 @@ def measure(job: "fleet.Job", n: int, via: str, runs: int, deadline: float) -> D
             out["samples"].append(report.samples)
         else:
             print("%d ranks (%s): %s" % (n, via, report.verdicts[0].summary), flush=True)
+        _fresh_process()
         time.sleep(1.0)
     return out
 
@@ -110,10 +112,12 @@ def _fresh_process() -> None:
     """What a new ``probe diagnose`` process starts without: the next nonces the helpers' answers handed out
     (``probe.client.proof.keep_next``), so that each diagnosis begins with a hello to every helper, as the
     CLI's does; and the stacks held by their digests (``probe.diagnose.gathered.hold``), so that its first
-    look has them sent in full."""
-    from probe.client import proof
+    look has them sent in full; and the connections the helpers keep (``probe.client.multiplex``), which a
+    process's exit closes."""
+    from probe.client import multiplex, proof
     from probe.diagnose import gathered
 
+    getattr(multiplex, "close_kept", lambda: None)()
     for store in (getattr(proof, "_kept", None), getattr(gathered, "_HELD", None)):
         if store is not None:
             store.clear()

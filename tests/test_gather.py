@@ -356,7 +356,7 @@ def test_a_look_through_the_helpers_goes_on_the_connection_of_the_look_before(jo
     address, token = transport.TcpAddress("127.0.0.1", port - 1), _token(port)
     body = json.dumps({"op": "backtrace", "ranks": [0, 2], "deadline": 5}).encode()
     proof._kept.pop(proof._place(address, token.encode()), None)
-    multiplex._prune(time.monotonic() + multiplex.KEEP_REUSE_S)  # nothing kept from the tests before
+    multiplex.close_kept()  # nothing kept from the tests before
 
     def steps():
         return via_helpers._gather_steps(address, body, scaled(20), token)

@@ -38,7 +38,7 @@ from probe.client.resolver import Resolver
 from probe.client.wording import option
 from probe.errors import ConnectError, ConnectionRefused, ProbeError, Timeout
 
-__all__ = ["Exchange", "Conversation", "usable", "run"]
+__all__ = ["Exchange", "Conversation", "usable", "run", "close_kept", "KEEP_REUSE_S"]
 
 _HEAD_MAX = 65536
 _SWEEP_S = 0.02  # how often every conversation is looked at (deadlines, room for a large answer, the slow)
@@ -480,6 +480,11 @@ def _take_kept(peer: Any) -> Optional[socket.socket]:
             pass
     sock.close()  # closed by the listener (or it sent something unasked), or too old to trust
     return None
+
+
+def close_kept() -> None:
+    """Close every kept socket (as this process's exit would): the next run connects afresh."""
+    _prune(float("inf"))
 
 
 def _prune(now: float) -> None:
