@@ -298,6 +298,12 @@ def test_a_helper_keeps_a_connection_only_where_asked_and_never_an_agent(job):
             sock.sendall(_hello_bytes("keep-alive"))
             status, headers = _answer_on(sock)
             assert status == 200 and headers["connection"] == "keep-alive", headers
+        # each request on a kept connection is authorized on its own: a gather without a proof is refused
+        body = json.dumps({"op": "backtrace", "ranks": [0], "deadline": 5}).encode()
+        sock.sendall(b"POST /v1/gather HTTP/1.1\r\nHost: x\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n"
+                     % len(body) + body)
+        status, headers = _answer_on(sock)
+        assert status == 401, (status, headers)
         sock.sendall(_hello_bytes("close"))
         status, headers = _answer_on(sock)
         assert status == 200 and headers["connection"] == "close", headers

@@ -229,10 +229,11 @@ def stopped(first: Sample, last: Sample, answering: List[int], progress: Dict[in
     pace = statistics.median([_step_s(last.ranks[r]) or 0.0 for r in advancing])
     still = []
     for r in counted:
+        if progress[r]["optimizer_steps"]:
+            continue  # it stepped: its counter's age is not asked (16k ranks, most of them stepping)
         age = _age(last.ranks[r])
         own = _step_s(last.ranks[r]) or 0.0
-        if progress[r]["optimizer_steps"] == 0 and age is not None and age >= max(
-                STOP_FLOOR_S, STOP_STEPS * max(pace, own)):
+        if age is not None and age >= max(STOP_FLOOR_S, STOP_STEPS * max(pace, own)):
             still.append(r)
     if not still:
         return []
