@@ -23,12 +23,12 @@ TOKEN = "multiplex-input-token"
 BODY = b'{"op": "backtrace", "ranks": [0], "deadline": 1}'
 
 
-class Hostile:
-    """A loopback listener that answers a hello for ``token`` and then the request as ``mode`` says;
-    ``posts`` counts the requests other than hellos that reached it."""
+class Listening:
+    """A loopback listener serving each connection on a thread of its own (``_one``, given the connection and
+    how many came before it and it); ``accepted``: connections taken."""
 
-    def __init__(self, mode: str, token: str = TOKEN) -> None:
-        self.mode, self.token, self.posts = mode, token, 0
+    def __init__(self, mode: str) -> None:
+        self.mode, self.accepted, self.posts = mode, 0, 0
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
@@ -45,11 +45,31 @@ class Hostile:
                 conn, _ = self.sock.accept()
             except OSError:
                 continue
-            thread = threading.Thread(target=self._one, args=(conn,), daemon=True)
+            self.accepted += 1
+            thread = threading.Thread(target=self._one, args=(conn, self.accepted), daemon=True)
             self.threads.append(thread)
             thread.start()
 
-    def _one(self, conn: socket.socket) -> None:
+    def _one(self, conn: socket.socket, nth: int) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+        self.thread.join(5)
+        for thread in self.threads:
+            thread.join(5)
+
+
+class Hostile(Listening):
+    """A loopback listener that answers a hello for ``token`` and then the request as ``mode`` says;
+    ``posts`` counts the requests other than hellos that reached it."""
+
+    def __init__(self, mode: str, token: str = TOKEN) -> None:
+        self.token = token
+        super().__init__(mode)
+
+    def _one(self, conn: socket.socket, nth: int) -> None:
         conn.settimeout(scaled(10))
         try:
             request = b""
@@ -88,13 +108,6 @@ class Hostile:
             self.stop.wait(scaled(10))
         elif mode == "not_http":
             conn.sendall(b"SSH-2.0-OpenSSH\r\n\r\n")
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-        self.thread.join(5)
-        for thread in self.threads:
-            thread.join(5)
 
 
 @contextmanager
@@ -211,34 +224,11 @@ def test_host_names_are_looked_up_beside_the_fan_out_each_once_and_one_that_does
     assert where == {"probe-resolve"}, where  # never in the fan-out's own thread
 
 
-class Keeping:
+class Keeping(Listening):
     """A loopback listener that says it keeps each connection (``keep-alive``) and then, as ``mode`` says:
     ``drop``: closes the first connection without answering its second request (a listener that let an
     idle kept connection go just as the client used it); ``extra``: sends a byte past its answer to the
     hello. ``accepted``: connections taken; ``posts``: requests other than hellos that reached it."""
-
-    def __init__(self, mode: str) -> None:
-        self.mode, self.accepted, self.posts = mode, 0, 0
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.stop = threading.Event()
-        self.threads: List[threading.Thread] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                continue
-            self.accepted += 1
-            thread = threading.Thread(target=self._one, args=(conn, self.accepted), daemon=True)
-            self.threads.append(thread)
-            thread.start()
 
     def _request(self, conn: socket.socket) -> bytes:
         request = b""
@@ -275,13 +265,6 @@ class Keeping:
             pass
         finally:
             conn.close()
-
-    def close(self) -> None:
-        self.stop.set()
-        self.sock.close()
-        self.thread.join(5)
-        for thread in self.threads:
-            thread.join(5)
 
 
 @pytest.mark.parametrize("mode, accepted, posts", [("drop", 2, 2), ("extra", 2, 1)])
